@@ -1,0 +1,382 @@
+"""The recipe: one YAML file that says what to train and how.
+
+`load_recipe` reads the YAML, applies `--set a.b=value` overrides and
+validates everything at once against the pydantic schema below. Every problem
+comes back in one `RecipeError` that names its YAML path, the bad value and a
+hint, so a user fixes a recipe in one round trip instead of one per typo.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import typing
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from longtrain.data.config import DataConfig, TokenizerConfig
+
+# Built-in recipes live in the top-level `recipes/` folder of the checkout.
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+DEFAULT_RECIPE = "quickstart"
+
+
+class RecipeError(Exception):
+    """A recipe that cannot be used; the message is meant for the user."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    style: Literal["gpt2", "llama"] = Field(
+        "gpt2", description="block style: gpt2 (LayerNorm, GELU MLP) or llama (RMSNorm, SwiGLU MLP)"
+    )
+    layers: int = Field(ge=1, le=1024, description="number of transformer blocks")
+    d_model: int = Field(ge=8, description="hidden size; a multiple of `heads`")
+    heads: int = Field(ge=1, description="query heads; d_model / heads is the head size")
+    kv_heads: int | None = Field(
+        None, ge=1, description="key/value heads (grouped-query attention); null means `heads`"
+    )
+    mlp_ratio: float = Field(4.0, gt=0, le=64, description="MLP hidden size as a multiple of d_model")
+    vocab_size: int | None = Field(
+        None, ge=2, description="embedding rows; null takes the tokenizer's vocabulary size"
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability, in [0, 1)")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency")
+    init_std: float = Field(0.02, gt=0, le=1, description="standard deviation of the weight init")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.kv_heads is None:
+            self.kv_heads = self.heads
+        if self.d_model % self.heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be a multiple of heads ({self.heads}); "
+                f"hint: try d_model {self.heads * max(1, round(self.d_model / self.heads))}"
+            )
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads}); "
+                "hint: drop kv_heads, or pick a divisor of heads"
+            )
+        return self
+
+
+class AttentionConfig(_Section):
+    type: Literal["sparsek+sw", "sparsek", "sw", "full"] = Field(
+        "sparsek+sw",
+        description="sparsek+sw (SparseK pool plus sliding window), sparsek only, sw "
+        "(sliding window only) or full causal attention",
+    )
+    topk: int | None = Field(
+        None, ge=0, description="k, the SparseK pool size per layer (sparsek types only)"
+    )
+    window: int | None = Field(
+        None, ge=0, description="w, the sliding-window width (sparsek+sw and sw only)"
+    )
+    variant: Literal["hard_k_soft_v", "soft_kv", "straight_through"] = Field(
+        "hard_k_soft_v", description="how the SparseK mask enters attention"
+    )
+    score_groups: Literal["shared", "per_kv_head"] = Field(
+        "shared", description="one scoring vector for all heads, or one per KV head"
+    )
+    timestep_norm: bool = Field(True, description="normalise scores with causal running mean/variance")
+    eps_slope: float = Field(
+        1e-3, ge=0, description="position slope ε added to scores (u_j += ε·j), favours recent tokens"
+    )
+    score_init: Literal["random", "mimic"] = Field(
+        "random", description="init of the scoring vector: random, or mimic attention (W_Q W_Kᵀ 1)"
+    )
+    threshold_cap: int | None = Field(
+        None, ge=1, description="cap on the SparseK threshold state per row; null picks the default"
+    )
+    backend: Literal["auto", "naive", "triton"] = Field(
+        "auto", description="kernels: auto (Triton on CUDA, naive on the CPU), naive or triton"
+    )
+
+    @model_validator(mode="after")
+    def _type_matches_sizes(self) -> AttentionConfig:
+        # Each type uses some of (topk, window); the used ones are required and
+        # positive, the unused ones must be absent or 0 and become 0, so the
+        # model always reads two ints.
+        uses = {
+            "sparsek+sw": ("topk", "window"),
+            "sparsek": ("topk",),
+            "sw": ("window",),
+            "full": (),
+        }[self.type]
+        problems = []
+        for name in ("topk", "window"):
+            value = getattr(self, name)
+            if name in uses and not value:
+                problems.append(f"attention type {self.type} needs `{name}` > 0 (got {value})")
+            elif name not in uses and value:
+                other = "sparsek+sw" if self.type in ("sw", "sparsek") else "sparsek+sw or sw"
+                problems.append(
+                    f"attention type {self.type} has no `{name}` (got {value}); "
+                    f"hint: remove `{name}` or use type {other}"
+                )
+            elif name not in uses:
+                setattr(self, name, 0)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class TrainConfig(_Section):
+    steps: int = Field(ge=1, description="optimizer steps to train")
+    chunk_size: int = Field(512, ge=1, description="tokens per chunk (one forward/backward)")
+    batch_docs: int = Field(4, ge=1, description="documents streamed side by side (batch rows)")
+    grad_accum: int = Field(1, ge=1, description="chunks whose gradients make one optimizer step")
+    lr: float = Field(6e-4, gt=0, le=1, description="peak learning rate")
+    min_lr_ratio: float = Field(
+        0.1, ge=0, le=1, description="final learning rate of the cosine as a fraction of lr"
+    )
+    warmup_steps: int = Field(100, ge=0, description="steps of linear warmup from 0 to lr")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (≥2-D weights)")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.95), description="AdamW betas, two numbers in [0, 1)"
+    )
+    grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 turns clipping off")
+    seed: int = Field(0, ge=0, description="seed of every random generator")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto uses CUDA when present")
+    compile: bool = Field(False, description="torch.compile the model")
+    valid_every: int = Field(0, ge=0, description="steps between validation passes; 0 turns it off")
+    valid_docs: int = Field(4, ge=1, description="held-out documents per validation pass (at most)")
+    valid_tokens: int = Field(16384, ge=1, description="tokens read per validation document (at most)")
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> TrainConfig:
+        if self.warmup_steps > self.steps:
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps}); "
+                "hint: lower warmup_steps to at most steps"
+            )
+        return self
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(500, ge=1, description="steps between checkpoints (a final one is always saved)")
+    keep: int = Field(3, ge=1, description="complete checkpoints kept; older ones are deleted")
+    dir: str | None = Field(None, description="checkpoint folder; null means RUN_DIR/checkpoints")
+
+
+class LoggingConfig(_Section):
+    every: int = Field(10, ge=1, description="steps between printed log lines")
+    progress: bool = Field(True, description="rich live display when the output is a terminal")
+    run_dir: str | None = Field(None, description="run directory; null means runs/<recipe name>")
+
+
+class Recipe(_Section):
+    name: str | None = Field(
+        None, min_length=1, description="run name; null takes the recipe file's name"
+    )
+    model: ModelConfig
+    attention: AttentionConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    train: TrainConfig
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    def run_dir(self) -> Path:
+        return Path(self.logging.run_dir or Path("runs") / (self.name or DEFAULT_RECIPE))
+
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir() / "checkpoints"
+
+
+# --------------------------------------------------------------------- loading
+
+
+def builtin_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_recipe_path(name_or_path: str | Path | None) -> Path:
+    """An existing file, else a built-in recipe name (`quickstart`); None is the default."""
+    if name_or_path is None:
+        name_or_path = DEFAULT_RECIPE
+    path = Path(name_or_path)
+    if path.exists() or path.suffix or len(path.parts) > 1:
+        return path
+    return RECIPES_DIR / f"{path.name}.yaml"
+
+
+def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
+    """Read, override and validate a recipe; every problem in one RecipeError."""
+    path = resolve_recipe_path(path)
+    raw = _read_yaml(path)
+    override_paths = _apply_overrides(raw, overrides)
+    raw.setdefault("name", path.stem)
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:
+        problems = [_describe(err, override_paths) for err in e.errors()]
+        noun = "problem" if len(problems) == 1 else "problems"
+        raise RecipeError(f"recipe {path} has {len(problems)} {noun}:\n" + "\n".join(problems)) from None
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The resolved recipe (defaults filled in), as saved to the run directory."""
+    body = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+    return "# resolved recipe: every default filled in; `longtrain fit` can read it back\n" + body
+
+
+def recipe_hash(recipe: Recipe, sections: Iterable[str] = ("model", "attention", "tokenizer")) -> str:
+    """Stable hash of the sections that decide what a checkpoint can be loaded into.
+
+    `attention.backend` is left out: it picks kernels, not results, so a run
+    started on the CPU may resume on a GPU.
+    """
+    dump = recipe.model_dump(mode="json", include=set(sections))
+    dump.get("attention", {}).pop("backend", None)
+    canonical = json.dumps(dump, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        builtins = ", ".join(builtin_recipes()) or "none"
+        raise RecipeError(f"recipe file not found: {path} (built-in recipes: {builtins})")
+    try:
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise RecipeError(f"{where}: YAML syntax error: {e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: YAML syntax error: {e}") from None
+    if raw is None:
+        raise RecipeError(f"recipe {path} is empty; see recipes/{DEFAULT_RECIPE}.yaml for an example")
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe {path} must be a mapping of sections, got a {type(raw).__name__}")
+    return raw
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys instead of keeping the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key `{key}`", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[tuple[str, ...], str]:
+    """Apply `a.b=value` overrides in place; returns {path: override text} for messages."""
+    applied: dict[tuple[str, ...], str] = {}
+    bad: list[str] = []
+    for text in overrides:
+        key, sep, value_text = text.partition("=")
+        keys = tuple(key.strip().split("."))
+        if not sep or not all(keys):
+            bad.append(f"  - --set {text}: expected KEY=VALUE, e.g. --set train.lr=3e-4")
+            continue
+        try:
+            value = yaml.safe_load(value_text)
+        except yaml.YAMLError:
+            value = value_text  # not a YAML scalar: take it as a plain string
+        node = raw
+        for i, part in enumerate(keys[:-1]):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                bad.append(f"  - --set {text}: `{'.'.join(keys[: i + 1])}` is a value, not a section")
+                break
+        else:
+            node[keys[-1]] = value
+            applied[keys] = text
+    if bad:
+        raise RecipeError("bad --set override:\n" + "\n".join(bad))
+    return applied
+
+
+def _describe(err: dict[str, Any], override_paths: dict[tuple[str, ...], str]) -> str:
+    loc = err["loc"]
+    where = _yaml_path(loc) or "(top level)"
+    origin = override_paths.get(tuple(str(p) for p in loc))
+    source = f" (from --set {origin})" if origin else ""
+    if err["type"] == "extra_forbidden":
+        known = _known_keys(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+        hint = f"did you mean `{close[0]}`?" if close else "known keys: " + ", ".join(known)
+        return f"  - {where}: unknown key{source}\n      hint: {hint}"
+    if err["type"] == "missing":
+        return f"  - {where}: required key is missing\n      hint: {_field_hint(loc)}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] in ("value_error", "assertion_error"):  # our cross-field checks carry their hint
+        return f"  - {where}: {msg}{source}"
+    hint = _field_hint(loc)
+    if err["type"] == "literal_error":
+        close = difflib.get_close_matches(str(err["input"]), _literal_choices(loc), n=1, cutoff=0.5)
+        if close:
+            hint = f"did you mean `{close[0]}`? ({hint})"
+    got = f" (got {err['input']!r})"
+    return f"  - {where}: {msg}{got}{source}\n      hint: {hint}"
+
+
+def _yaml_path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _models_at(loc: Sequence[Any]) -> list[tuple[type[BaseModel], str | None]]:
+    """Walk the schema along a pydantic error location: [(model, field name)] per step."""
+    model: type[BaseModel] | None = Recipe
+    steps = []
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return steps
+        steps.append((model, part))
+        model = _nested_model(model.model_fields[part].annotation)
+    if model is not None:
+        steps.append((model, None))
+    return steps
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _nested_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _known_keys(loc: Sequence[Any]) -> list[str]:
+    steps = _models_at(loc)
+    if len(steps) == len(loc) + 1:
+        return list(steps[-1][0].model_fields)
+    return []
+
+
+def _field_hint(loc: Sequence[Any]) -> str:
+    steps = _models_at(loc)
+    for model, field in reversed(steps):
+        if field is not None and model.model_fields[field].description:
+            return model.model_fields[field].description
+    return f"see {RECIPES_DIR / DEFAULT_RECIPE}.yaml for an example"
+
+
+def _literal_choices(loc: Sequence[Any]) -> list[str]:
+    steps = _models_at(loc)
+    if not steps or steps[-1][1] is None:
+        return []
+    model, field = steps[-1]
+    return [str(a) for a in typing.get_args(model.model_fields[field].annotation)]
