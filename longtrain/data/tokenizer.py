@@ -1,0 +1,81 @@
+"""Tokenizers through the `tokenizers` library: load a tokenizer.json, or
+train a byte-level BPE on the training documents.
+
+Every document ends with an end-of-document token (EOD), so the model learns
+where documents stop. Training reads a bounded, deterministic sample (an equal
+share of the first characters of every document) so it takes seconds even on
+a large corpus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .errors import DataError
+
+EOD = "<|endoftext|>"
+# End-of-document tokens of common pretrained tokenizers, tried in this order.
+EOD_CANDIDATES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
+TRAIN_SAMPLE_CHARS = 16_000_000  # enough for a few-thousand-token vocabulary; ~10 s on 2 cores
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"tokenizer.path {str(path)!r} does not exist. Give a tokenizer.json, or null to train one.")
+    try:
+        tok = Tokenizer.from_file(str(p))
+    except Exception as e:  # the Rust side raises a bare Exception with a serde message
+        raise DataError(
+            f"The tokenizer file {str(path)!r} does not load ({e}). "
+            "It must be a tokenizer.json saved by the `tokenizers` library; or set tokenizer.path: null to train one."
+        ) from e
+    if eod_id(tok) is None:
+        # A tokenizer without one gets ours, as a special token at the end of its vocabulary.
+        tok.add_special_tokens([EOD])
+    return tok
+
+
+def eod_id(tok: Tokenizer) -> int | None:
+    for name in EOD_CANDIDATES:
+        i = tok.token_to_id(name)
+        if i is not None:
+            return i
+    return None
+
+
+def sample_for_training(
+    docs: Iterable[str], n_docs: int | None, budget: int = TRAIN_SAMPLE_CHARS
+) -> Iterator[str]:
+    """The first budget/n_docs characters of each document, in 64k-char pieces.
+
+    With an unknown number of documents, the first 256k characters of each
+    until the budget is spent.
+    """
+    share = max(budget // n_docs, 1) if n_docs else 262_144
+    used = 0
+    for text in docs:
+        head = text[: min(share, budget - used)]
+        used += len(head)
+        for i in range(0, len(head), 65536):
+            yield head[i : i + 65536]
+        if used >= budget:
+            return
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE (GPT-2 style) with the EOD special token."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodes: no unknown token
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
