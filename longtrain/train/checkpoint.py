@@ -1,0 +1,252 @@
+"""Atomic, self-checking checkpoints and what goes into them.
+
+Layout: `<dir>/step-XXXXXXXX/` holds one `<group>.safetensors` per tensor
+group (model, optimizer, cache, ...) and `meta.json` (step, data stream
+state, RNG states, hashes, ... plus the size and sha256 of every file).
+
+A checkpoint is written into `.tmp-step-XXXXXXXX-<pid>/` in the same folder,
+fsynced, then renamed: a directory carries its final name only when it is
+complete, so a SIGKILL or a full disk mid-save leaves the previous
+checkpoints untouched. On load, the recorded sizes and hashes catch files
+that were truncated or corrupted afterwards.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+META = "meta.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be written or used; the message is meant for the user."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (corrupt or incomplete); an older one is used."""
+
+
+class CheckpointManager:
+    """Saves, finds, validates, loads and prunes the checkpoints of one run."""
+
+    def __init__(self, run_dir: str | Path, keep: int, *, directory: str | Path | None = None):
+        self.dir = Path(directory) if directory is not None else Path(run_dir) / "checkpoints"
+        self.keep = keep
+
+    def path_for(self, step: int) -> Path:
+        return self.dir / f"step-{step:08d}"
+
+    def save(self, step: int, *, tensors: Mapping[str, Mapping[str, torch.Tensor]], meta: Mapping[str, Any]) -> Path:
+        """Write checkpoint `step` atomically, then prune to the newest `keep`."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.clean_stale()
+        final = self.path_for(step)
+        tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
+        try:
+            tmp.mkdir()
+            files = {}
+            for group, state in tensors.items():
+                files[f"{group}.safetensors"] = _write_file(tmp / f"{group}.safetensors", st_save(_storable(state)))
+            record = {**meta, "step": step, "format": FORMAT, "files": files}
+            _write_file(tmp / META, json.dumps(record, indent=1).encode())
+            _fsync_dir(tmp)
+            if final.exists():  # saving the same step twice (e.g. final == periodic)
+                old = self.dir / f".tmp-old-{final.name}-{os.getpid()}"
+                os.rename(final, old)
+                os.rename(tmp, final)
+                shutil.rmtree(old)
+            else:
+                os.rename(tmp, final)
+            _fsync_dir(self.dir)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            why = "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+            raise CheckpointError(
+                f"could not save checkpoint {final}: {why}; the previous checkpoints are intact"
+            ) from e
+        self.prune()
+        return final
+
+    def steps(self) -> list[Path]:
+        """Checkpoint directories carrying a final name, oldest first (not yet validated)."""
+        if not self.dir.is_dir():
+            return []
+        found = [p for p in self.dir.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+        return sorted(found, key=lambda p: p.name)
+
+    def latest_complete(self) -> Path | None:
+        """The newest checkpoint that validates; corrupt ones are skipped with a warning."""
+        for path in reversed(self.steps()):
+            problem = validate(path)
+            if problem is None:
+                return path
+            warnings.warn(f"skipping checkpoint {path}: {problem}", CheckpointWarning, stacklevel=2)
+        return None
+
+    def load(self, path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        return load(path)
+
+    def prune(self) -> None:
+        """Delete the oldest checkpoints beyond `keep`."""
+        for path in self.steps()[: -self.keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def clean_stale(self) -> None:
+        """Remove temporary directories left by a save that was killed."""
+        if self.dir.is_dir():
+            for path in self.dir.glob(".tmp-*"):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def validate(path: str | Path) -> str | None:
+    """None if the checkpoint at `path` is complete and intact, else what is wrong."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / META).read_text())
+    except FileNotFoundError:
+        return f"{META} is missing"
+    except (OSError, ValueError) as e:
+        return f"{META} is unreadable ({e})"
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict):
+        return f"{META} lists no files"
+    for name, want in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != want["bytes"]:
+            return f"{name} is truncated or altered ({file.stat().st_size} bytes, expected {want['bytes']})"
+        if _sha256(file.read_bytes()) != want["sha256"]:
+            return f"{name} is corrupt (sha256 mismatch)"
+    return None
+
+
+def load(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """The tensor groups and meta of a checkpoint, after validating it."""
+    path = Path(path)
+    problem = validate(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} cannot be used: {problem}")
+    meta = json.loads((path / META).read_text())
+    tensors = {
+        name.removesuffix(".safetensors"): st_load((path / name).read_bytes())
+        for name in meta["files"]
+        if name.endswith(".safetensors")
+    }
+    return tensors, meta
+
+
+# ------------------------------------------------------------ compatibility
+
+_WHAT = {"model": "model shape", "attention": "attention settings", "tokenizer": "tokenizer"}
+
+
+def check_compatible(meta: Mapping[str, Any], hashes: Mapping[str, str], *, path: str | Path = "") -> None:
+    """Refuse to resume from a checkpoint whose recorded hashes differ from ours.
+
+    `hashes` maps a part (model, attention, tokenizer, ...) to the hash of the
+    current run's version of it; meta["hashes"] holds the checkpoint's.
+    """
+    saved = meta.get("hashes", {})
+    differ = [key for key, value in hashes.items() if saved.get(key) != value]
+    if differ:
+        what = ", ".join(_WHAT.get(key, key) for key in differ)
+        raise CheckpointError(
+            f"checkpoint {path} was written with a different {what} than this recipe; "
+            "refusing to resume. Start a fresh run with `--resume never` (it overwrites this "
+            "run's checkpoints) or choose another `--run-dir`."
+        )
+
+
+def check_shapes(saved: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], *, what: str = "model") -> None:
+    """Refuse tensors whose names or shapes differ from the live state dict."""
+    problems = [f"{k} is missing" for k in expected if k not in saved]
+    problems += [f"{k} is unexpected" for k in saved if k not in expected]
+    problems += [
+        f"{k}: checkpoint {tuple(saved[k].shape)} vs {what} {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in saved and saved[k].shape != v.shape
+    ]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CheckpointError(f"checkpoint {what} state does not fit this {what}: {shown}")
+
+
+# ------------------------------------------------------------ optimizer state
+
+
+def optimizer_to_checkpoint(state_dict: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer state_dict into tensors (`state.<param>.<name>`) and JSON."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, state in state_dict["state"].items():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{pid}.{name}"] = value
+            else:
+                scalars.setdefault(str(pid), {})[name] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_checkpoint(tensors: Mapping[str, torch.Tensor], info: Mapping[str, Any]) -> dict[str, Any]:
+    """Inverse of optimizer_to_checkpoint: a state_dict for Optimizer.load_state_dict."""
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        _, pid, name = key.split(".", 2)
+        state.setdefault(int(pid), {})[name] = value
+    for pid, values in info["scalars"].items():
+        state.setdefault(int(pid), {}).update(values)
+    return {"state": state, "param_groups": [dict(g) for g in info["param_groups"]]}
+
+
+# ------------------------------------------------------------ writing
+
+
+def _write_file(path: Path, data: bytes) -> dict[str, Any]:
+    """Write and fsync one file; returns the record that validate() checks."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": len(data), "sha256": _sha256(data)}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _storable(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors; safetensors refuses shared storage (tied weights), so copy those."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in state.items():
+        t = t.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen and t.numel():
+            t = t.clone()
+        seen.add(ptr)
+        out[name] = t
+    return out

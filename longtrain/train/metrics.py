@@ -1,0 +1,238 @@
+"""What a run reports: `metrics.jsonl` on disk and the console display.
+
+`MetricsLogger` appends one JSON object per step to RUN_DIR/metrics.jsonl.
+`ProgressDisplay` shows the run live (rich) on a terminal, or prints plain
+lines every `logging.every` steps when the output is a file or a pipe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLogger:
+    """Appends step records to metrics.jsonl, consistent with the checkpoint resumed from.
+
+    Opening it with `start_step=N` keeps only the records of steps ≤ N (and
+    drops a line torn by a kill), so after a resume the file holds each step
+    once, exactly as a run straight through would have written it.
+    """
+
+    def __init__(self, run_dir: str | Path, *, start_step: int = 0):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(start_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def log(self, record: dict[str, Any]) -> None:
+        if "step" not in record:
+            raise ValueError("a metrics record needs a `step`")
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()  # a killed run keeps every step it finished
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _truncate_after(self, step: int) -> None:
+        kept = [r for r in read_metrics(self.path) if r["step"] <= step] if self.path.exists() else []
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl; lines that do not parse (a torn last line) are skipped."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
+def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
+    """Peak CUDA memory allocated by tensors on a GPU; resident memory of the process on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return psutil.Process().memory_info().rss
+
+
+# ------------------------------------------------------------------ display
+
+
+@dataclass
+class RowProgress:
+    """Where one batch row is: which document (counted from 0) and how far into it."""
+
+    doc: int
+    position: int  # tokens of the document already processed
+    length: int | None = None  # tokens in the document, when known
+
+    def describe(self) -> str:
+        if self.length:
+            return f"doc {self.doc} · {100 * self.position / self.length:.0f}%"
+        return f"doc {self.doc} · {self.position:,} tok"
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int  # tokens trained on since step 0, cumulative
+    rows: Sequence[RowProgress] = field(default_factory=list)
+    cache_fill: float | None = None  # used fraction of the per-layer KV cache, 0..1
+    memory_bytes: int | None = None
+
+
+class ProgressDisplay:
+    """Live rich display on a terminal; plain lines every `every` steps otherwise.
+
+    Use as a context manager around the loop and call `update` after each
+    optimizer step. Rates and ETA are measured from this process's start
+    (`start_step`, `start_tokens` are where a resumed run begins), so a
+    resumed run reports its own speed.
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        start_step: int = 0,
+        start_tokens: int = 0,
+        every: int = 10,
+        live: bool = True,
+        console: Console | None = None,
+    ):
+        self.console = console or Console(file=sys.stdout, highlight=False)
+        self.total = total_steps
+        self.every = every
+        self.live_enabled = live and self.console.is_terminal
+        self._start_step = start_step
+        self._start_tokens = start_tokens
+        self._t0 = time.monotonic()
+        self._live: Live | None = None
+
+    def __enter__(self) -> ProgressDisplay:
+        if self.live_enabled:
+            self._live = Live(Text("starting…"), console=self.console, refresh_per_second=4, transient=False)
+            self._live.start()
+        self._t0 = time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def message(self, text: str) -> None:
+        """A line that stays (validation results, checkpoints saved, warnings)."""
+        self.console.print(text)
+
+    def update(self, s: StepStats) -> None:
+        if self._live is not None:
+            self._live.update(self._render(s), refresh=True)
+        if s.step % self.every == 0 or s.step == self.total:
+            self.console.print(self.line(s))
+
+    def line(self, s: StepStats) -> str:
+        """The plain one-line summary of a step."""
+        parts = [
+            f"step {s.step}/{self.total}",
+            f"loss {s.loss:.4f}",
+            f"ppl {_ppl(s.loss):.2f}",
+            f"lr {s.lr:.2e}",
+            f"gnorm {s.grad_norm:.3f}",
+            f"{_si(self._tokens_per_s(s))} tok/s",
+        ]
+        if s.cache_fill is not None:
+            parts.append(f"cache {100 * s.cache_fill:.0f}%")
+        if s.memory_bytes is not None:
+            parts.append(f"mem {_bytes(s.memory_bytes)}")
+        parts.append(f"eta {_duration(self._eta(s))}")
+        return " | ".join(parts)
+
+    def _render(self, s: StepStats) -> Group:
+        bar = Table.grid(padding=(0, 1))
+        bar.add_row(
+            Text(f"step {s.step}/{self.total}", style="bold"),
+            ProgressBar(total=self.total, completed=s.step, width=40),
+            Text(f"eta {_duration(self._eta(s))}"),
+        )
+        stats = Table.grid(padding=(0, 2))
+        stats.add_row(
+            f"loss [bold]{s.loss:.4f}[/]",
+            f"ppl {_ppl(s.loss):.2f}",
+            f"lr {s.lr:.2e}",
+            f"gnorm {s.grad_norm:.3f}",
+            f"{_si(self._tokens_per_s(s))} tok/s",
+            f"cache {100 * s.cache_fill:.0f}%" if s.cache_fill is not None else "",
+            f"mem {_bytes(s.memory_bytes)}" if s.memory_bytes is not None else "",
+        )
+        rows = Text("  ".join(f"row {i}: {r.describe()}" for i, r in enumerate(s.rows)), style="dim")
+        return Group(bar, stats, rows)
+
+    def _tokens_per_s(self, s: StepStats) -> float:
+        elapsed = time.monotonic() - self._t0
+        return (s.tokens - self._start_tokens) / elapsed if elapsed > 0 else 0.0
+
+    def _eta(self, s: StepStats) -> float:
+        done = s.step - self._start_step
+        elapsed = time.monotonic() - self._t0
+        return (self.total - s.step) * elapsed / done if done > 0 else float("inf")
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else float("inf")
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.0f} KiB"
+
+
+def _duration(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
