@@ -1,0 +1,47 @@
+"""Optimizer parameter groups, the learning-rate schedule and clipping."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from longtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from longtrain.train.recipe import TrainConfig
+
+
+def test_schedule_warmup_peak_cosine_floor():
+    cfg = TrainConfig(steps=110, lr=1e-3, min_lr_ratio=0.1, warmup_steps=10)
+    assert lr_at(1, cfg) == pytest.approx(1e-4)
+    assert lr_at(5, cfg) == pytest.approx(5e-4)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)
+    assert lr_at(60, cfg) == pytest.approx(1e-4 + 0.5 * 9e-4)  # halfway down the cosine
+    assert lr_at(110, cfg) == pytest.approx(1e-4)
+    lrs = [lr_at(s, cfg) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_schedule_without_warmup_starts_at_peak():
+    cfg = TrainConfig(steps=100, lr=2e-3, warmup_steps=0)
+    assert lr_at(1, cfg) == pytest.approx(2e-4 + 0.5 * 1.8e-3 * (1 + math.cos(math.pi / 100)))
+
+
+def test_weight_decay_only_on_matrices():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = build_optimizer(model, TrainConfig(steps=10, weight_decay=0.1, warmup_steps=0))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert {p.dim() for p in decay["params"]} == {2} and len(decay["params"]) == 2
+    assert {p.dim() for p in no_decay["params"]} == {1} and len(no_decay["params"]) == 3
+    set_lr(opt, 0.5)
+    assert all(g["lr"] == 0.5 for g in opt.param_groups)
+
+
+def test_clip_grad_norm_reports_the_norm_before_clipping():
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 2.0)  # norm 4
+    assert clip_grad_norm([p], 0.0) == pytest.approx(4.0)
+    assert torch.equal(p.grad, torch.full((4,), 2.0))  # 0 = off
+    assert clip_grad_norm([p], 1.0) == pytest.approx(4.0)
+    assert p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)

@@ -1,0 +1,148 @@
+"""Recipe loading: every bad input gets a precise message; overrides and round trips work."""
+
+from __future__ import annotations
+
+import pytest
+
+from longtrain.train.recipe import (
+    RECIPES_DIR,
+    RecipeError,
+    builtin_recipes,
+    load_recipe,
+    recipe_hash,
+    recipe_to_yaml,
+    resolve_recipe_path,
+)
+
+MINIMAL = """\
+model: {layers: 2, d_model: 64, heads: 4}
+attention: {type: sparsek+sw, topk: 8, window: 8}
+train: {steps: 10, warmup_steps: 2}
+"""
+
+
+def write(tmp_path, text, name="r.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def error_of(*args) -> str:
+    with pytest.raises(RecipeError) as e:
+        load_recipe(*args)
+    return str(e.value)
+
+
+def test_all_shipped_recipes_load():
+    assert {"quickstart", "gutenberg-sparsek", "gutenberg-sw", "pg19"} <= set(builtin_recipes())
+    for name in builtin_recipes():
+        assert load_recipe(name).name == name
+
+
+def test_default_is_quickstart_and_names_resolve():
+    assert resolve_recipe_path(None) == RECIPES_DIR / "quickstart.yaml"
+    assert resolve_recipe_path("pg19") == RECIPES_DIR / "pg19.yaml"
+    assert load_recipe(None).data.source == "stdlib"
+
+
+def test_gutenberg_pair_has_equal_kv_budget():
+    sk, sw = load_recipe("gutenberg-sparsek"), load_recipe("gutenberg-sw")
+    assert sk.attention.type == "sparsek+sw" and sw.attention.type == "sw"
+    assert sw.attention.window == sk.attention.topk + sk.attention.window
+    assert sw.attention.topk == 0
+    assert sk.model == sw.model and sk.train == sw.train and sk.data == sw.data
+
+
+def test_missing_file_names_the_path(tmp_path):
+    msg = error_of(tmp_path / "nope.yaml")
+    assert "not found" in msg and "nope.yaml" in msg and "quickstart" in msg
+
+
+def test_yaml_syntax_error_gives_line_and_column(tmp_path):
+    path = write(tmp_path, "model:\n  layers: 2\n   d_model: 64\n")
+    assert f"{path}:3:" in error_of(path) and "YAML syntax error" in error_of(path)
+
+
+def test_duplicate_key_is_an_error_with_its_line(tmp_path):
+    msg = error_of(write(tmp_path, MINIMAL + "train: {steps: 5}\n"))
+    assert ":4:" in msg and "duplicate key `train`" in msg
+
+
+def test_unknown_key_suggests_the_known_one(tmp_path):
+    msg = error_of(write(tmp_path, MINIMAL.replace("layers", "layer")))
+    assert "model.layer: unknown key" in msg and "did you mean `layers`?" in msg
+
+
+def test_wrong_type_and_out_of_range(tmp_path):
+    msg = error_of(write(tmp_path, MINIMAL.replace("steps: 10", "steps: ten").replace("d_model: 64", "d_model: 4")))
+    assert "train.steps: Input should be a valid integer" in msg and "'ten'" in msg
+    assert "model.d_model: Input should be greater than or equal to 8" in msg
+    assert "hint: hidden size" in msg
+
+
+def test_every_problem_is_listed_at_once(tmp_path):
+    text = """\
+model: {style: gtp2, layers: 0, d_model: 64, heads: 4, headz: 2}
+attention: {type: sw, topk: 8, window: 8}
+train: {steps: 10, warmup_steps: 2, betas: [0.9, 1.5]}
+data: {sorce: stdlib}
+chekpoint: {}
+"""
+    msg = error_of(write(tmp_path, text))
+    assert "has 7 problems" in msg
+    for expected in (
+        "model.style", "did you mean `gpt2`?", "model.layers", "model.headz", "did you mean `heads`?",
+        "attention type sw has no `topk`", "train.betas[1]", "data.sorce", "did you mean `source`?",
+        "chekpoint: unknown key", "did you mean `checkpoint`?",
+    ):
+        assert expected in msg, expected
+
+
+def test_missing_required_key(tmp_path):
+    msg = error_of(write(tmp_path, MINIMAL.replace("steps: 10, ", "")))
+    assert "train.steps: required key is missing" in msg
+
+
+def test_cross_field_checks(tmp_path):
+    assert "needs `window` > 0" in error_of(write(tmp_path, MINIMAL.replace("window: 8", "window: 0")))
+    assert "multiple of heads" in error_of(write(tmp_path, MINIMAL.replace("d_model: 64", "d_model: 66")))
+    assert "warmup_steps (20) exceeds steps" in error_of(write(tmp_path, MINIMAL.replace("warmup_steps: 2", "warmup_steps: 20")))
+
+
+def test_unused_attention_sizes_become_zero(tmp_path):
+    r = load_recipe(write(tmp_path, MINIMAL.replace("type: sparsek+sw, topk: 8, ", "type: sw, ")))
+    assert (r.attention.topk, r.attention.window) == (0, 8)
+    assert r.model.kv_heads == r.model.heads
+
+
+def test_overrides_parse_yaml_scalars(tmp_path):
+    r = load_recipe(
+        write(tmp_path, MINIMAL),
+        ["train.lr=3e-4", "attention.type=sw", "attention.topk=null", "checkpoint.keep=7", "logging.progress=false"],
+    )
+    assert r.train.lr == 3e-4 and r.attention.type == "sw" and r.attention.topk == 0
+    assert r.checkpoint.keep == 7 and r.logging.progress is False
+
+
+def test_bad_overrides(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    msg = error_of(path, ["train.chunk_sz=3"])
+    assert "train.chunk_sz: unknown key (from --set train.chunk_sz=3)" in msg and "`chunk_size`" in msg
+    msg = error_of(path, ["train.steps.x=1", "nonsense"])
+    assert "`train.steps` is a value, not a section" in msg and "--set nonsense: expected KEY=VALUE" in msg
+    assert "train.steps: Input should be greater than or equal to 1" in error_of(path, ["train.steps=0"])
+
+
+def test_resolved_recipe_round_trips(tmp_path):
+    original = load_recipe("quickstart", ["train.lr=1e-5"])
+    again = load_recipe(write(tmp_path, recipe_to_yaml(original), "resolved.yaml"))
+    assert again == original
+
+
+def test_hash_tracks_model_but_not_training_or_backend(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    base = recipe_hash(load_recipe(path))
+    assert recipe_hash(load_recipe(path, ["train.lr=1e-5", "attention.backend=naive"])) == base
+    assert recipe_hash(load_recipe(path, ["model.layers=3"])) != base
+    assert recipe_hash(load_recipe(path, ["attention.topk=16"])) != base
+    assert recipe_hash(load_recipe(path, ["tokenizer.vocab_size=4096"])) != base
