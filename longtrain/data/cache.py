@@ -100,8 +100,8 @@ def open_entry(entry: Path, *, verify: bool = True) -> tuple[TokenDocs, dict] | 
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    # np.memmap refuses empty files; an empty entry cannot exist (builds need one document).
-    tokens = np.memmap(tokens_path, dtype=np.int32, mode="r")
+    # An entry where every document was dropped is empty; np.memmap refuses empty files.
+    tokens = np.memmap(tokens_path, dtype=np.int32, mode="r") if n_tokens else np.zeros(0, np.int32)
     return TokenDocs(tokens, offsets[:-1], offsets[1:], source_ids), manifest
 
 

@@ -1,0 +1,74 @@
+"""Each bad input gets a DataError whose message names the problem."""
+
+import json
+
+import pytest
+
+from longtrain.data import DataConfig, DataError, TokenizerConfig, prepare_corpus
+from longtrain.data.sources import files_source
+
+from .corpora import make_text
+
+
+def prepare(tmp_path, **data):
+    tok = data.pop("tokenizer", TokenizerConfig(vocab_size=300))
+    cfg = DataConfig(**{"source": "files", "min_doc_tokens": 10, **data})
+    return prepare_corpus(cfg, tok, run_dir=tmp_path / "run", cache_dir=tmp_path / "cache", progress=False)
+
+
+def test_missing_path_is_named(tmp_path):
+    missing = str(tmp_path / "no-such-folder")
+    with pytest.raises(DataError, match="no-such-folder.*does not exist"):
+        prepare(tmp_path, path=missing)
+    with pytest.raises(DataError, match="matches no files"):
+        prepare(tmp_path, path=str(tmp_path / "*.txt"))
+
+
+def test_folder_without_readable_documents(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.md").write_text("not a supported type")
+    with pytest.raises(DataError, match="No readable documents"):
+        prepare(tmp_path, path=str(tmp_path / "empty"))
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("")
+    with pytest.raises(DataError, match="No readable documents"):
+        prepare(tmp_path, path=str(tmp_path / "blank"))
+
+
+def test_every_document_too_short_says_how_many_and_the_longest(tmp_path, books):
+    with pytest.raises(DataError, match=r"All 6 documents .* shorter than data.min_doc_tokens = 100000 .*longest has \d+"):
+        prepare(tmp_path, path=str(books), min_doc_tokens=100_000)
+
+
+def test_jsonl_without_the_text_field_names_field_and_columns(tmp_path):
+    f = tmp_path / "docs.jsonl"
+    f.write_text("\n".join(json.dumps({"body": make_text(i, 50)}) for i in range(3)))
+    with pytest.raises(DataError, match=r"no field 'text' \(its fields: body\).*text_field"):
+        prepare(tmp_path, path=str(f))
+
+
+def test_tokenizer_file_that_does_not_load(tmp_path, books):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"this is": "not a tokenizer"}')
+    with pytest.raises(DataError, match="tokenizer.json.*does not load"):
+        prepare(tmp_path, path=str(books), tokenizer=TokenizerConfig(path=str(bad)))
+    with pytest.raises(DataError, match="does not exist"):
+        prepare(tmp_path, path=str(books), tokenizer=TokenizerConfig(path=str(tmp_path / "nope.json")))
+
+
+def test_invalid_utf8_is_replaced_and_counted(tmp_path, capsys):
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "good.txt").write_text(make_text(1, 300))
+    (folder / "bad.txt").write_bytes(make_text(2, 300).encode() + b"\xff\xfe tail \xc3")
+    assert files_source(str(folder)).invalid_utf8 == 3
+    corpus = prepare(tmp_path, path=str(folder))
+    assert corpus.stats["train"]["invalid_utf8_bytes"] == 3
+    assert len(corpus.train) == 2
+    assert "\ufffd" in corpus.tokenizer.decode(corpus.train.doc(0).tolist())  # bad.txt sorts first
+    assert "3 bytes of invalid UTF-8" in capsys.readouterr().err
+
+
+def test_valid_fraction_that_leaves_no_validation_documents(tmp_path, books):
+    with pytest.raises(DataError, match="0 for validation"):
+        prepare(tmp_path, path=str(books), valid=0.1)

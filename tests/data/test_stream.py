@@ -1,0 +1,123 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from longtrain.data import IGNORE, DataError, DocumentStream, iter_valid_chunks
+
+from .corpora import synthetic_docs
+
+LENGTHS = [37, 5, 64, 17, 100, 9, 33, 48]
+
+
+def row_reads(chunks, b):
+    """The documents row b read, in order: [(doc, inputs, targets)]."""
+    reads: list[tuple[int, list, list]] = []
+    for c in chunks:
+        n = int(c.lengths[b])
+        if n == 0:
+            continue
+        d = int(c.doc_index[b])
+        if c.reset[b]:
+            reads.append((d, [], []))
+        doc, inputs, targets = reads[-1]
+        assert d == doc and int(c.doc_offset[b]) == len(inputs)  # exactly where the last chunk stopped
+        inputs += c.tokens[b, :n].tolist()
+        targets += c.targets[b, :n].tolist()
+        assert (c.targets[b, n:] == IGNORE).all()
+    return reads
+
+
+def test_chunks_never_mix_documents_and_targets_cross_chunk_boundaries():
+    docs = synthetic_docs(LENGTHS)
+    stream = DocumentStream(docs, batch_rows=3, chunk_size=8, seed=1)
+    chunks = [stream.next_chunk() for _ in range(40)]
+    for c in chunks:
+        for b in range(3):
+            n = int(c.lengths[b])
+            # every token of the row's chunk comes from its one document (token // 100000)
+            assert set((c.tokens[b, :n] // 100_000).tolist()) == {int(c.doc_index[b])}
+    for b in range(3):
+        reads = row_reads(chunks, b)
+        assert len(reads) > len(LENGTHS) / 3  # rows went through several documents
+        for d, inputs, targets in reads[:-1]:  # the last may still be being read
+            doc = docs.doc(d).tolist()
+            assert inputs == doc  # each position exactly once as an input
+            assert targets == doc[1:] + [IGNORE]  # next token; none after the last
+
+
+def test_resume_continues_at_exactly_the_next_token():
+    docs = synthetic_docs(LENGTHS)
+    make = lambda: DocumentStream(docs, batch_rows=2, chunk_size=7, seed=3)  # noqa: E731
+    straight = make()
+    expected = [straight.next_chunk() for _ in range(60)]  # several epochs
+    first = make()
+    for _ in range(23):
+        first.next_chunk()
+    state = json.loads(json.dumps(first.state_dict()))  # small and JSON-serialisable
+    resumed = make()
+    resumed.load_state_dict(state)
+    for want in expected[23:]:
+        got = resumed.next_chunk()
+        for name in ("tokens", "targets", "lengths", "reset", "doc_index", "doc_offset", "doc_len"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_epochs_reshuffle_deterministically_and_cover_every_document():
+    docs = synthetic_docs(LENGTHS)
+    a = DocumentStream(docs, batch_rows=1, chunk_size=128, seed=5)
+    b = DocumentStream(docs, batch_rows=1, chunk_size=128, seed=5)
+    orders = [[int(a.next_chunk().doc_index[0]) for _ in LENGTHS] for _ in range(3)]
+    assert [[int(b.next_chunk().doc_index[0]) for _ in LENGTHS] for _ in range(3)] == orders
+    assert all(sorted(o) == list(range(len(LENGTHS))) for o in orders)
+    assert len({tuple(o) for o in orders}) > 1
+    other = DocumentStream(docs, batch_rows=1, chunk_size=128, seed=6)
+    assert [int(other.next_chunk().doc_index[0]) for _ in LENGTHS] != orders[0]
+
+
+def test_ranks_take_disjoint_documents_that_cover_the_corpus():
+    docs = synthetic_docs(LENGTHS)
+    taken = []
+    for rank in range(3):
+        s = DocumentStream(docs, batch_rows=2, chunk_size=200, seed=0, rank=rank, world_size=3)
+        taken.append({int(s.next_chunk().doc_index[b]) for _ in range(8) for b in range(2)})
+    assert all(not (taken[i] & taken[j]) for i in range(3) for j in range(i + 1, 3))
+    assert set.union(*taken) == set(range(len(LENGTHS)))
+
+
+def test_a_rank_without_documents_and_a_mismatched_resume_are_clear_errors():
+    docs = synthetic_docs([10, 10])
+    with pytest.raises(DataError, match="no documents"):
+        DocumentStream(docs, batch_rows=1, chunk_size=4, seed=0, rank=2, world_size=3)
+    state = DocumentStream(docs, batch_rows=2, chunk_size=4, seed=0).state_dict()
+    with pytest.raises(DataError, match="seed"):
+        DocumentStream(docs, batch_rows=2, chunk_size=4, seed=1).load_state_dict(state)
+    with pytest.raises(DataError, match="rows"):
+        DocumentStream(docs, batch_rows=3, chunk_size=4, seed=0).load_state_dict(state)
+
+
+def test_progress_reports_each_row_position():
+    docs = synthetic_docs(LENGTHS)
+    s = DocumentStream(docs, batch_rows=2, chunk_size=4, seed=0)
+    c = s.next_chunk()
+    p = s.progress()
+    assert p["docs"] == len(LENGTHS) and p["docs_started"] == 2 and p["epoch"] == 0
+    assert [r["doc"] for r in p["rows"]] == c.doc_index.tolist()
+    assert [r["len"] for r in p["rows"]] == c.doc_len.tolist()
+    assert [r["offset"] for r in p["rows"]] == c.lengths.tolist()
+
+
+def test_valid_chunks_read_every_document_once_one_per_row():
+    docs = synthetic_docs(LENGTHS)
+    chunks = list(iter_valid_chunks(docs, chunk_size=16, batch_rows=3))
+    n_targets = sum(c.n_targets for c in chunks)
+    assert n_targets == sum(n - 1 for n in LENGTHS)
+    for b in range(3):
+        for d, inputs, targets in row_reads(chunks, b):
+            assert inputs == docs.doc(d).tolist()
+            assert targets == docs.doc(d).tolist()[1:] + [IGNORE]
+    seen = {int(d) for c in chunks for d in c.doc_index if d >= 0}
+    assert seen == set(range(len(LENGTHS)))
+    assert list(iter_valid_chunks(docs, 16, max_docs=2))[-1].doc_index.tolist() == [1]
+    assert np.all([c.tokens.shape == (3, 16) for c in chunks])
