@@ -156,13 +156,13 @@ class ProgressDisplay:
 
     def message(self, text: str) -> None:
         """A line that stays (validation results, checkpoints saved, warnings)."""
-        self.console.print(text)
+        self.console.print(text, soft_wrap=True, markup=False)
 
     def update(self, s: StepStats) -> None:
         if self._live is not None:
             self._live.update(self._render(s), refresh=True)
         if s.step % self.every == 0 or s.step == self.total:
-            self.console.print(self.line(s))
+            self.console.print(self.line(s), soft_wrap=True, markup=False)
 
     def line(self, s: StepStats) -> str:
         """The plain one-line summary of a step."""
