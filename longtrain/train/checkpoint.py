@@ -79,6 +79,9 @@ class CheckpointManager:
             raise CheckpointError(
                 f"could not save checkpoint {final}: {why}; the previous checkpoints are intact"
             ) from e
+        except BaseException:  # e.g. meta that is not JSON, or Ctrl-C during the save
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self.prune()
         return final
 

@@ -195,6 +195,10 @@ class Recipe(_Section):
 
 # --------------------------------------------------------------------- loading
 
+_SECTIONS = {
+    name for name, f in Recipe.model_fields.items() if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
+}
+
 
 def builtin_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
@@ -258,7 +262,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise RecipeError(f"recipe {path} is empty; see recipes/{DEFAULT_RECIPE}.yaml for an example")
     if not isinstance(raw, dict):
         raise RecipeError(f"recipe {path} must be a mapping of sections, got a {type(raw).__name__}")
-    return raw
+    # A section whose keys are all commented out reads as null: treat it as empty.
+    return {k: {} if v is None and k in _SECTIONS else v for k, v in raw.items()}
 
 
 class _StrictLoader(yaml.SafeLoader):

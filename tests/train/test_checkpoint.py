@@ -5,6 +5,9 @@ from __future__ import annotations
 import errno
 import json
 import random
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -67,23 +70,35 @@ def test_tied_weights_are_saved(tmp_path):
     assert torch.equal(tensors["model"]["wte"], shared) and torch.equal(tensors["model"]["lm_head"], shared)
 
 
-def test_killed_mid_write_leaves_previous_intact(tmp_path, monkeypatch):
+KILL_MID_SAVE = """
+import os, signal, sys, torch
+import longtrain.train.checkpoint as ckpt
+real_write = ckpt._write_file
+def write_then_die(path, data):
+    real_write(path, data)
+    os.kill(os.getpid(), signal.SIGKILL)  # dies with one file of the checkpoint written
+ckpt._write_file = write_then_die
+ckpt.CheckpointManager(sys.argv[1], keep=3).save(2, tensors={"model": {"w": torch.ones(3)}}, meta={})
+"""
+
+
+def test_sigkill_mid_save_leaves_previous_intact(tmp_path):
     manager = CheckpointManager(tmp_path, keep=3)
     save_steps(manager, 1)
-    real_write = ckpt._write_file
-
-    def killed_after_first_file(path, data):
-        real_write(path, data)
-        raise KeyboardInterrupt  # stands in for SIGKILL: nothing after this line runs
-
-    monkeypatch.setattr(ckpt, "_write_file", killed_after_first_file)
-    with pytest.raises(KeyboardInterrupt):
-        save_steps(manager, 2)
+    proc = subprocess.run([sys.executable, "-c", KILL_MID_SAVE, str(tmp_path)])
+    assert proc.returncode == -signal.SIGKILL
     assert not manager.path_for(2).exists()
+    assert any(p.name.startswith(".tmp-step-00000002") for p in manager.dir.iterdir())
     assert manager.latest_complete() == manager.path_for(1)
-    monkeypatch.setattr(ckpt, "_write_file", real_write)
     save_steps(manager, 3)  # the next save clears the stale temporary directory
     assert sorted(p.name for p in manager.dir.iterdir()) == ["step-00000001", "step-00000003"]
+
+
+def test_failed_save_removes_its_temporary_directory(tmp_path):
+    manager = CheckpointManager(tmp_path, keep=3)
+    with pytest.raises(TypeError):
+        manager.save(1, tensors=state(1.0), meta={"not json": object()})
+    assert list(manager.dir.iterdir()) == []
 
 
 def test_no_space_left_keeps_previous(tmp_path, monkeypatch):

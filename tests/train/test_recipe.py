@@ -109,6 +109,11 @@ def test_cross_field_checks(tmp_path):
     assert "warmup_steps (20) exceeds steps" in error_of(write(tmp_path, MINIMAL.replace("warmup_steps: 2", "warmup_steps: 20")))
 
 
+def test_empty_section_takes_the_defaults(tmp_path):
+    r = load_recipe(write(tmp_path, MINIMAL + "logging:\n  # every: 5\n"))
+    assert r.logging.every == 10
+
+
 def test_unused_attention_sizes_become_zero(tmp_path):
     r = load_recipe(write(tmp_path, MINIMAL.replace("type: sparsek+sw, topk: 8, ", "type: sw, ")))
     assert (r.attention.topk, r.attention.window) == (0, 8)
