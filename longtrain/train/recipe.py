@@ -186,6 +186,16 @@ class Recipe(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
+    @model_validator(mode="after")
+    def _vocab_fits_tokenizer(self) -> Recipe:
+        vocab = self.model.vocab_size
+        if vocab is not None and self.tokenizer.path is None and vocab < self.tokenizer.vocab_size:
+            raise ValueError(
+                f"model.vocab_size ({vocab}) is smaller than tokenizer.vocab_size "
+                f"({self.tokenizer.vocab_size}); hint: set model.vocab_size to null to take the tokenizer's"
+            )
+        return self
+
     def run_dir(self) -> Path:
         return Path(self.logging.run_dir or Path("runs") / (self.name or DEFAULT_RECIPE))
 
@@ -323,7 +333,7 @@ def _describe(err: dict[str, Any], override_paths: dict[tuple[str, ...], str]) -
         return f"  - {where}: required key is missing\n      hint: {_field_hint(loc)}"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] in ("value_error", "assertion_error"):  # our cross-field checks carry their hint
-        return f"  - {where}: {msg}{source}"
+        return f"  - {where}: {msg}{source}" if loc else f"  - {msg}"
     hint = _field_hint(loc)
     if err["type"] == "literal_error":
         close = difflib.get_close_matches(str(err["input"]), _literal_choices(loc), n=1, cutoff=0.5)

@@ -106,6 +106,8 @@ def test_missing_required_key(tmp_path):
 def test_cross_field_checks(tmp_path):
     assert "needs `window` > 0" in error_of(write(tmp_path, MINIMAL.replace("window: 8", "window: 0")))
     assert "multiple of heads" in error_of(write(tmp_path, MINIMAL.replace("d_model: 64", "d_model: 66")))
+    msg = error_of(write(tmp_path, MINIMAL), ["model.vocab_size=1000", "tokenizer.vocab_size=4096"])
+    assert "  - model.vocab_size (1000) is smaller than tokenizer.vocab_size (4096)" in msg
     assert "warmup_steps (20) exceeds steps" in error_of(write(tmp_path, MINIMAL.replace("warmup_steps: 2", "warmup_steps: 20")))
 
 
