@@ -15,7 +15,9 @@ one corpus compare.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,7 +34,9 @@ from .errors import DataError
 from .sources import Source, files_source, load_source
 from .tokenizer import TRAIN_SAMPLE_CHARS, eod_id, load_tokenizer, sample_for_training, train_bpe
 
-BATCH_CHARS = 4_000_000  # characters per encode_batch call: parallel, yet bounded memory
+BATCH_CHARS = 1_000_000  # characters per encode_batch call: ~100 MB of encodings at most
+PIECE_CHARS = 65_536  # long documents are encoded in pieces of about this size, in parallel
+_CUT = re.compile(r"(?<=\S\n)(?=\S)")
 
 
 @dataclass
@@ -63,7 +67,7 @@ def prepare_corpus(
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     source = load_source(data)
     fraction = data.valid if isinstance(data.valid, float) else None
-    valid_source = files_source(data.valid, data.text_field) if isinstance(data.valid, str) else None
+    valid_source = files_source(data.valid, data.text_field, "data.valid") if isinstance(data.valid, str) else None
 
     tok = _get_tokenizer(tokenizer, source, fraction, cache_dir)
     eod = eod_id(tok)
@@ -72,8 +76,10 @@ def prepare_corpus(
     tok.save(str(run_dir / "tokenizer.json"))
     tok_hash = hashlib.blake2b(tok.to_str().encode(), digest_size=16).hexdigest()
 
-    docs, stats = tokenize_source(source, tok, data.min_doc_tokens, cache_dir, tok_hash, "train", progress)
-    _check_kept(docs, stats, source, data.min_doc_tokens)
+    docs, train_stats = tokenize_source(source, tok, data.min_doc_tokens, cache_dir, tok_hash, "train", progress)
+    _check_kept(docs, train_stats, source, data.min_doc_tokens)
+    stats = {"train": train_stats}
+    train, valid = docs, TokenDocs.empty()
     if fraction is not None:
         held = np.array([is_held_out(int(i), fraction) for i in docs.source_ids], dtype=bool)
         train, valid = docs.subset(np.flatnonzero(~held)), docs.subset(np.flatnonzero(held))
@@ -83,17 +89,13 @@ def prepare_corpus(
                 f"{len(train)} for training and {len(valid)} for validation. "
                 "Use a fraction that leaves both non-empty, or a path to separate validation documents."
             )
-    else:
-        train, valid = docs, TokenDocs.empty()
-        if valid_source is not None:
-            valid, vstats = tokenize_source(
-                valid_source, tok, data.min_doc_tokens, cache_dir, tok_hash, "valid", progress
-            )
-            _check_kept(valid, vstats, valid_source, data.min_doc_tokens)
-            stats = {"train": stats, "valid": vstats}
-    stats = stats if "train" in stats else {"train": stats}
+    elif valid_source is not None:
+        valid, stats["valid"] = tokenize_source(
+            valid_source, tok, data.min_doc_tokens, cache_dir, tok_hash, "valid", progress
+        )
+        _check_kept(valid, stats["valid"], valid_source, data.min_doc_tokens)
 
-    parts = [stats["train"]["key"], str(data.valid), stats.get("valid", {}).get("key", "")]
+    parts = [train_stats["key"], str(data.valid), stats.get("valid", {}).get("key", "")]
     return PreparedCorpus(
         tokenizer=tok,
         eod_id=eod,
@@ -181,29 +183,58 @@ def tokenize_source(
     return docs, stats
 
 
+def splits_exactly(tok: Tokenizer) -> bool:
+    """Whether `split_pieces` keeps this tokenizer's output exact: a byte-level
+    pre-tokenizer with its GPT-2 regex and no normalizer (as `train_bpe` makes)."""
+    spec = json.loads(tok.to_str())
+    pre = spec.get("pre_tokenizer") or {}
+    return spec.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+
+
+def split_pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
+    """`text` in pieces of about `size` characters, cut only where a line
+    starts with a non-space after a line that ends in one ("x\n|y"). The
+    byte-level regex ends a pre-token at such a newline whatever follows, so
+    encoding the pieces gives exactly the tokens of the whole text; the
+    pieces of one long document then encode in parallel, in bounded memory.
+    """
+    pieces, start = [], 0
+    while len(text) - start > size and (cut := _CUT.search(text, start + size)):
+        pieces.append(text[start : cut.start()])
+        start = cut.start()
+    pieces.append(text[start:])
+    return pieces
+
+
 def _encode(texts: Iterator[str], tok: Tokenizer, bar: Progress, task) -> Iterator[tuple[int, np.ndarray]]:
-    """(source index, token ids) for every document, encoded in batches of ~BATCH_CHARS."""
-    t0, n_docs, n_tokens = time.perf_counter(), 0, 0
-    batch: list[str] = []
+    """(source index, token ids) for every document, encoding ~BATCH_CHARS at a time."""
+    split = split_pieces if splits_exactly(tok) else lambda text: [text]
+    t0, n_tokens = time.perf_counter(), 0
+    parts: list[np.ndarray] = []  # ids of the current document's pieces so far
+    batch: list[tuple[int, str, bool]] = []  # (document, piece, last piece of its document)
 
     def flush() -> Iterator[tuple[int, np.ndarray]]:
-        nonlocal n_docs, n_tokens
-        for enc, text in zip(tok.encode_batch_fast(batch, add_special_tokens=False), batch):
-            ids = np.array(enc.ids, dtype=np.int32)
-            yield n_docs, ids
-            n_docs += 1
-            n_tokens += len(ids)
-            rate = n_tokens / max(time.perf_counter() - t0, 1e-9)
-            bar.update(task, advance=len(text), docs=n_docs, tokens=n_tokens, rate=rate)
+        nonlocal n_tokens
+        encodings = tok.encode_batch_fast([piece for _, piece, _ in batch], add_special_tokens=False)
+        for (doc, piece, last), enc in zip(batch, encodings):
+            parts.append(np.array(enc.ids, dtype=np.int32))
+            n_tokens += len(parts[-1])
+            bar.update(task, advance=len(piece), tokens=n_tokens, rate=n_tokens / (time.perf_counter() - t0))
+            if last:
+                bar.update(task, docs=doc + 1)
+                yield doc, np.concatenate(parts)
+                parts.clear()
         batch.clear()
 
     size = 0
-    for text in texts:
-        batch.append(text)
-        size += len(text)
-        if size >= BATCH_CHARS:
-            yield from flush()
-            size = 0
+    for doc, text in enumerate(texts):
+        pieces = split(text)
+        for i, piece in enumerate(pieces):
+            batch.append((doc, piece, i == len(pieces) - 1))
+            size += len(piece)
+            if size >= BATCH_CHARS:
+                yield from flush()
+                size = 0
     yield from flush()
 
 

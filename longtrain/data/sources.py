@@ -46,7 +46,7 @@ def load_source(data: DataConfig) -> Source:
 # ---------------------------------------------------------------- local files
 
 
-def find_files(path: str) -> list[Path]:
+def find_files(path: str, setting: str = "data.path") -> list[Path]:
     """A file, a folder (searched recursively) or a glob; sorted, supported types only."""
     p = Path(path).expanduser()
     if p.is_file():
@@ -56,15 +56,15 @@ def find_files(path: str) -> list[Path]:
     elif glob.has_magic(str(p)):
         files = [Path(f) for f in glob.glob(str(p), recursive=True) if os.path.isfile(f)]
         if not files:
-            raise DataError(f"The glob {path!r} matches no files. Check the pattern in data.path.")
+            raise DataError(f"The glob {path!r} matches no files. Check the pattern in {setting}.")
     else:
-        raise DataError(f"data.path {path!r} does not exist. Give an existing file, folder or glob.")
+        raise DataError(f"{setting} {path!r} does not exist. Give an existing file, folder or glob.")
     found = sorted(f for f in files if f.suffix.lower() in BUILDERS)
     if not found:
         kinds = ", ".join(BUILDERS)
         raise DataError(
             f"No readable documents in {path!r}: no files ending in {kinds}. "
-            "Point data.path at text, jsonl/json or parquet files."
+            f"Point {setting} at text, jsonl/json or parquet files."
         )
     return found
 
@@ -88,8 +88,8 @@ def invalid_utf8_bytes(raw: bytes) -> int:
         return _count_invalid.n  # type: ignore[attr-defined]
 
 
-def files_source(path: str, text_field: str = "text") -> Source:
-    files = find_files(path)
+def files_source(path: str, text_field: str = "text", setting: str = "data.path") -> Source:
+    files = find_files(path, setting)
     h = hashlib.blake2b(digest_size=16)
     h.update(f"files:{text_field}\n".encode())
     total, invalid = 0, 0

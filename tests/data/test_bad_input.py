@@ -22,6 +22,9 @@ def test_missing_path_is_named(tmp_path):
         prepare(tmp_path, path=missing)
     with pytest.raises(DataError, match="matches no files"):
         prepare(tmp_path, path=str(tmp_path / "*.txt"))
+    (tmp_path / "a.txt").write_text(make_text(0, 100))
+    with pytest.raises(DataError, match="data.valid .*held-out.*does not exist"):
+        prepare(tmp_path, path=str(tmp_path / "a.txt"), valid=str(tmp_path / "held-out"))
 
 
 def test_folder_without_readable_documents(tmp_path):

@@ -106,3 +106,14 @@ def test_books_from_gutenberg_with_a_given_tokenizer(tmp_path, tiny_tokenizer):
     assert corpus.train.n_tokens > 1_000_000
     first = corpus.tokenizer.decode(corpus.train.doc(0)[:200].tolist())
     assert first in sorted(GUTENBERG_VALID.glob("*.txt"))[0].read_text()
+
+
+def test_a_loaded_tokenizer_without_an_end_of_document_token_gets_one(tmp_path, books):
+    from tokenizers import models, pre_tokenizers
+
+    plain = Tokenizer(models.WordLevel({"the": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    plain.pre_tokenizer = pre_tokenizers.Whitespace()
+    plain.save(str(tmp_path / "plain.json"))
+    corpus = prepare(tmp_path, DataConfig(source="files", path=str(books), min_doc_tokens=10), path=str(tmp_path / "plain.json"))
+    assert corpus.eod_id == 2 and corpus.vocab_size == 3
+    assert corpus.train.doc(0)[-1] == 2 and set(corpus.train.doc(0)[:-1].tolist()) <= {0, 1}
