@@ -8,7 +8,6 @@ a changed file invalidates the cache); hub data sets are keyed by name.
 
 from __future__ import annotations
 
-import codecs
 import glob
 import hashlib
 import os
@@ -35,7 +34,7 @@ class Source:
 
 def load_source(data: DataConfig) -> Source:
     if data.source == "stdlib":
-        from .stdlib import stdlib_source
+        from .stdlib import stdlib_source  # here: stdlib.py imports this module
 
         return stdlib_source()
     if data.source == "files":
@@ -69,23 +68,14 @@ def find_files(path: str, setting: str = "data.path") -> list[Path]:
     return found
 
 
-def _count_invalid(err: UnicodeDecodeError) -> tuple[str, int]:
-    _count_invalid.n += err.end - err.start  # type: ignore[attr-defined]
-    return "\ufffd", err.end
-
-
-codecs.register_error("longtrain-count", _count_invalid)
-
-
 def invalid_utf8_bytes(raw: bytes) -> int:
-    """Number of bytes that a UTF-8 decode with errors='replace' replaces."""
+    """Number of bytes that are not valid UTF-8 (each becomes U+FFFD when read)."""
     try:
         raw.decode("utf-8")
         return 0
     except UnicodeDecodeError:
-        _count_invalid.n = 0  # type: ignore[attr-defined]
-        raw.decode("utf-8", errors="longtrain-count")
-        return _count_invalid.n  # type: ignore[attr-defined]
+        # 'ignore' drops exactly the invalid bytes; the valid rest re-encodes to the same bytes.
+        return len(raw) - len(raw.decode("utf-8", errors="ignore").encode("utf-8"))
 
 
 def files_source(path: str, text_field: str = "text", setting: str = "data.path") -> Source:
@@ -100,7 +90,7 @@ def files_source(path: str, text_field: str = "text", setting: str = "data.path"
         if f.suffix.lower() == ".txt":
             invalid += invalid_utf8_bytes(raw)
         # Relative names, so a moved corpus keeps its cache.
-        name = f.name if root.is_file() or not root.is_dir() else str(f.relative_to(root))
+        name = str(f.relative_to(root)) if root.is_dir() else f.name
         h.update(f"{name}\0{len(raw)}\0".encode())
         h.update(raw)
     groups: dict[str, list[str]] = {}

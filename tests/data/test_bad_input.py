@@ -75,3 +75,11 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path, capsys):
 def test_valid_fraction_that_leaves_no_validation_documents(tmp_path, books):
     with pytest.raises(DataError, match="0 for validation"):
         prepare(tmp_path, path=str(books), valid=0.1)
+
+
+def test_hub_data_set_that_cannot_be_reached(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # never touch the network in tests
+    with pytest.raises(DataError, match="no-such-user/no-such-set.*Without a network"):
+        prepare(tmp_path, source="hub", name="no-such-user/no-such-set")
