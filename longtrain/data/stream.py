@@ -84,6 +84,7 @@ class DocumentStream:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.docs, self.batch_rows, self.chunk_size, self.pad_id = docs, batch_rows, chunk_size, pad_id
         self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.lengths = docs.lengths
         self.shard = np.arange(rank, len(docs), world_size)
         if len(self.shard) == 0:
             raise DataError(
@@ -108,11 +109,11 @@ class DocumentStream:
         spec = []
         for row in self.rows:
             d, o = row
-            reset = d < 0 or o >= len(self.docs.doc(d))
+            reset = d < 0 or o >= self.lengths[d]
             if reset:
                 d, o = self._next_doc(), 0
             spec.append((d, o, reset))
-            row[0], row[1] = d, o + min(self.chunk_size, len(self.docs.doc(d)) - o)
+            row[0], row[1] = d, o + min(self.chunk_size, int(self.lengths[d]) - o)
         return make_chunk(self.docs, spec, self.chunk_size, self.pad_id)
 
     def __iter__(self) -> Iterator[Chunk]:
@@ -122,7 +123,7 @@ class DocumentStream:
     def progress(self) -> dict:
         """For the trainer's display: epoch, documents started of this rank's shard, per-row position."""
         rows = [
-            {"doc": d, "offset": o, "len": int(self.docs.lengths[d]) if d >= 0 else 0} for d, o in self.rows
+            {"doc": d, "offset": o, "len": int(self.lengths[d]) if d >= 0 else 0} for d, o in self.rows
         ]
         return {"epoch": self.epoch, "docs_started": self.order_pos, "docs": len(self.shard), "rows": rows}
 
