@@ -153,7 +153,7 @@ def tokenize_source(
     def build(writer: EntryWriter) -> dict:
         read, dropped, longest_dropped = 0, 0, 0
         eod = eod_id(tok)
-        with _progress_bar(progress, label, source.total_bytes) as (bar, task):
+        with _TokenizeProgress(progress, label, source.total_bytes) as (bar, task):
             for source_id, ids in _encode(source.documents(), tok, bar, task):
                 read += 1
                 if len(ids) < min_doc_tokens:
@@ -238,7 +238,7 @@ def _encode(texts: Iterator[str], tok: Tokenizer, bar: Progress, task) -> Iterat
     yield from flush()
 
 
-class _progress_bar:
+class _TokenizeProgress:
     """A rich bar over the source's bytes, showing documents, tokens and tokens/s."""
 
     def __init__(self, enabled: bool, label: str, total: int | None):

@@ -1,7 +1,7 @@
 import pytest
 
 from longtrain.data.prepare import split_pieces, splits_exactly
-from longtrain.data.tokenizer import EOD, eod_id, sample_for_training, train_bpe
+from longtrain.data.tokenizer import EOD, eod_id, sample_for_training
 
 from .corpora import GUTENBERG_VALID, make_text
 
