@@ -1,0 +1,113 @@
+"""Plain-PyTorch SparseK attention over one chunk: the reference every kernel is tested against.
+
+Keys live in an extended layout [pool slots K][tail slots W-1][chunk L] with absolute positions.
+Queries are processed in blocks of G: a block needs only the pool selected at its start plus one
+contiguous band of positions (i0 - w, i0 + G - 1] (DESIGN.md section 2, fact 2), so time and memory
+are O(L * (k + w + G)) and no L x L matrix is ever formed.
+
+For query i and key j (positions p_i, p_j):
+  window    p_i - w < p_j <= p_i                      gate g = 1
+  selected  p_j <= p_i - w and (u_j, p_j) >= theta_i    gate g = m = clamp(u_j - tau_i, 0, 1)
+  variants  hard_k_soft_v: softmax(q.k) over S u W, values scaled by g
+            soft_kv:       logits g * q.k (keys scaled by g), values scaled by g
+            straight_through: g = m - sg(m) + 1 on selected keys (forward value 1)
+"""
+
+from __future__ import annotations
+
+import torch
+
+VARIANTS = ("hard_k_soft_v", "soft_kv", "straight_through")
+
+
+def block_key_indices(block_pool: torch.Tensor, n_ext: int, topk: int, window: int, tail_slots: int, block: int, n_blocks: int):
+    """Ext indices [B, nb, K + w + G - 1] of each query block's keys (-1: none)."""
+    B = block_pool.shape[0]
+    band = window + block - 1
+    # Ext index of position p is topk + tail_slots + (p - t0); the band starts at i0 - w + 1.
+    start = topk + tail_slots - window + 1 + torch.arange(n_blocks) * block  # [nb]
+    band_idx = start[:, None] + torch.arange(band)[None, :]  # [nb, band]
+    band_idx = torch.where((band_idx >= topk) & (band_idx < n_ext), band_idx, -1)
+    return torch.cat([block_pool[:, :n_blocks], band_idx.expand(B, -1, -1)], dim=-1)
+
+
+def sparsek_attention_core_naive(
+    q: torch.Tensor,  # [B, L, H, D]
+    k_ext: torch.Tensor,  # [B, N, Hkv, D]
+    v_ext: torch.Tensor,  # [B, N, Hkv, D]
+    u_ext: torch.Tensor,  # [B, N] scores (the chunk part may carry gradient)
+    pos_ext: torch.Tensor,  # [B, N] int64 positions (-1: empty)
+    q_pos: torch.Tensor,  # [B, L] int64 query positions (-1: padding)
+    theta_u: torch.Tensor,  # [B, L] float64
+    theta_pos: torch.Tensor,  # [B, L] int64
+    tau: torch.Tensor,  # [B, L] (differentiable)
+    block_pool: torch.Tensor,  # [B, nb, K] int64 ext indices
+    *,
+    topk: int,
+    window: int,
+    tail_slots: int,
+    variant: str = "hard_k_soft_v",
+    scale: float | None = None,
+    block: int = 64,
+    max_scores: int = 1 << 24,
+) -> torch.Tensor:
+    B, L, H, D = q.shape
+    N, Hkv = k_ext.shape[1], k_ext.shape[2]
+    R = H // Hkv
+    scale = D**-0.5 if scale is None else scale
+    nb = -(-L // block)
+    Lp = nb * block
+    dev = q.device
+
+    keys = block_key_indices(block_pool.to(dev), N, topk, window, tail_slots, block, nb)  # [B, nb, Kb]
+    Kb = keys.shape[-1]
+
+    def pad_q(x, value):  # [B, L] -> [B, Lp]
+        return torch.nn.functional.pad(x, (0, Lp - L), value=value)
+
+    qb = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, Lp - L)).reshape(B, nb, block, Hkv, R, D)
+    qpos_b = pad_q(q_pos, -1).reshape(B, nb, block)
+    th_u = pad_q(theta_u, float("inf")).reshape(B, nb, block)
+    th_pos = pad_q(theta_pos, 0).reshape(B, nb, block)
+    tau_b = pad_q(tau, 0.0).reshape(B, nb, block)
+
+    # Blocks per step, so the [B, nbs, Hkv, R, G, Kb] scores stay under max_scores elements.
+    step = max(1, max_scores // max(1, B * H * block * Kb))
+    rows = torch.arange(B, device=dev)[:, None, None]
+    outs = []
+    for s in range(0, nb, step):
+        e = min(nb, s + step)
+        idx = keys[:, s:e]  # [B, n, Kb]
+        safe = idx.clamp(min=0)
+        kk = k_ext[rows, safe]  # [B, n, Kb, Hkv, D]
+        vv = v_ext[rows, safe]
+        uu = u_ext[rows, safe]  # [B, n, Kb]
+        pp = torch.where(idx >= 0, pos_ext[rows, safe], -1)  # [B, n, Kb]
+
+        qp = qpos_b[:, s:e, :, None]  # [B, n, G, 1]
+        kp = pp[:, :, None, :]  # [B, n, 1, Kb]
+        live = (kp >= 0) & (qp >= 0) & (kp <= qp)
+        in_window = live & (kp > qp - window)
+        cand = live & (kp <= qp - window)
+        tu = th_u[:, s:e, :, None]
+        uu64 = uu.detach().to(torch.float64)[:, :, None, :]
+        selected = cand & ((uu64 > tu) | ((uu64 == tu) & (kp >= th_pos[:, s:e, :, None]))) if topk > 0 else torch.zeros_like(cand)
+        attend = in_window | selected  # [B, n, G, Kb]
+
+        m = (uu[:, :, None, :] - tau_b[:, s:e, :, None]).clamp(0, 1)  # [B, n, G, Kb]
+        if variant == "straight_through":
+            m = m - m.detach() + 1
+        gate = torch.where(selected, m, torch.ones_like(m))
+
+        logits = torch.einsum("bngkrd,bnjkd->bnkrgj", qb[:, s:e], kk) * scale  # [B, n, Hkv, R, G, Kb]
+        gate_h = gate[:, :, None, None].to(logits.dtype)  # [B, n, 1, 1, G, Kb]
+        if variant == "soft_kv":
+            logits = logits * gate_h
+        logits = logits.masked_fill(~attend[:, :, None, None], -float("inf"))
+        # Padded queries attend to nothing: give them a harmless row, then zero it.
+        any_key = attend.any(-1)[:, :, None, None, :, None]  # [B, n, 1, 1, G, 1]
+        p = torch.softmax(torch.where(any_key, logits, torch.zeros_like(logits)), dim=-1) * any_key
+        o = torch.einsum("bnkrgj,bnjkd->bngkrd", p * gate_h, vv)  # [B, n, G, Hkv, R, D]
+        outs.append(o)
+    o = torch.cat(outs, dim=1).reshape(B, Lp, H, D)[:, :L]
+    return o.to(q.dtype)

@@ -1,0 +1,191 @@
+"""The public SparseK attention op: one chunk against a SparseKCache, or a whole sequence.
+
+A chunk call (1) lays out keys as [cache pool][cache tail][chunk], (2) runs the selection scan from
+the cache's threshold state, (3) runs the attention core (naive reference or Triton kernels) and
+(4) builds the next cache: the top-k pool after the chunk and the last w-1 positions as the tail.
+Everything stored in the cache is detached: gradients stop at the chunk boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from longtrain.ops.attention.cache import SparseKCache
+from longtrain.ops.attention.naive import VARIANTS, sparsek_attention_core_naive
+from longtrain.ops.attention.scan import ScanResult, ThresholdFn, scan_chunk
+
+BACKENDS = ("auto", "naive", "triton")
+
+
+@dataclass
+class ChunkSelection:
+    """What was selected in a chunk: enough to compare two runs query by query."""
+
+    fingerprint: torch.Tensor  # [B, L] int64 hash of S_i (0 when nothing is selected)
+    theta_pos: torch.Tensor  # [B, L] int64
+    tau: torch.Tensor  # [B, L] float64
+    n_active: torch.Tensor  # [B, L] int64
+    overflowed: bool  # the threshold state hit its cap: tau is no longer exact
+
+
+def _check(q, k, v, u, topk, window, variant, backend):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
+    if u.shape != q.shape[:2]:
+        raise ValueError(f"u must be [B, T] = {tuple(q.shape[:2])}; got {tuple(u.shape)}")
+    if topk < 0 or window < 0:
+        raise ValueError(f"topk and window must be >= 0; got topk={topk}, window={window}")
+    if topk == 0 and window == 0:
+        raise ValueError("topk = 0 and window = 0 leave every query with no keys; set one of them > 0")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+
+
+def _pick_backend(backend: str, q: torch.Tensor) -> str:
+    if backend == "auto":
+        return "triton" if q.is_cuda and _triton_available() else "naive"
+    return backend
+
+
+def _triton_available() -> bool:
+    try:
+        from longtrain.ops.attention import triton_core  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def sparsek_attention_chunk(
+    q: torch.Tensor,  # [B, L, H, D]
+    k: torch.Tensor,  # [B, L, Hkv, D] (after RoPE)
+    v: torch.Tensor,  # [B, L, Hkv, D]
+    u: torch.Tensor,  # [B, L] importance scores
+    cache: SparseKCache,
+    *,
+    topk: int,
+    window: int,
+    variant: str = "hard_k_soft_v",
+    scale: float | None = None,
+    lengths: torch.Tensor | None = None,  # [B] valid tokens per row (default L)
+    backend: str = "auto",
+    block: int = 64,
+) -> tuple[torch.Tensor, SparseKCache, ChunkSelection]:
+    """SparseK attention of one chunk continuing from `cache`; returns (o, next cache, selection)."""
+    _check(q, k, v, u, topk, window, variant, backend)
+    if cache.topk != topk or cache.tail_slots != max(window - 1, 0):
+        raise ValueError(
+            f"cache was built for topk={cache.topk}, window={cache.tail_slots + 1}; the call uses topk={topk}, window={window}"
+        )
+    B, L, H, D = q.shape
+    dev = q.device
+    K, Wt = topk, cache.tail_slots
+    if lengths is None:
+        lengths = torch.full((B,), L, dtype=torch.int64, device=dev)
+    lengths = lengths.to(device=dev, dtype=torch.int64)
+    seen = cache.seen.to(dev)
+
+    # 1. The extended key layout [pool K][tail W-1][chunk L] with absolute positions.
+    ar = torch.arange(L, device=dev)
+    chunk_pos = torch.where(ar[None] < lengths[:, None], seen[:, None] + ar[None], -1)  # [B, L]
+    tail_pos = seen[:, None] - Wt + torch.arange(Wt, device=dev)[None]  # [B, W-1]
+    tail_pos = torch.where(tail_pos >= 0, tail_pos, -1)
+    pos_ext = torch.cat([cache.pool_pos.to(dev), tail_pos, chunk_pos], dim=1)  # [B, N]
+    k_ext = torch.cat([cache.pool_k.to(k.dtype), cache.tail_k.to(k.dtype), k], dim=1)
+    v_ext = torch.cat([cache.pool_v.to(v.dtype), cache.tail_v.to(v.dtype), v], dim=1)
+    u_ext = torch.cat([cache.pool_u.to(u.dtype), cache.tail_u.to(u.dtype), u], dim=1)
+
+    # 2. The selection scan (exact, CPU heaps), continuing from the cache's state.
+    states = cache.row_states()
+    scan: ScanResult = scan_chunk(
+        u_ext.detach().to("cpu", torch.float64).numpy(),
+        pos_ext.cpu().numpy(),
+        states,
+        seen=seen.cpu().numpy(),
+        lengths=lengths.cpu().numpy(),
+        n_queries=L,
+        topk=topk,
+        window=window,
+        cap=cache.cap,
+        block=block,
+        ext_of_first_chunk_token=K + Wt,
+    )
+    tau64 = torch.from_numpy(scan.tau).to(dev)
+    n_active = torch.from_numpy(scan.n_active).to(dev)
+    tau = ThresholdFn.apply(u, tau64, n_active, lengths, window)
+
+    # 3. The attention core.
+    core_args = (q, k_ext, v_ext, u_ext, pos_ext, chunk_pos, scan.theta_u.to(dev), scan.theta_pos.to(dev), tau, scan.block_pool.to(dev))
+    core_kw = dict(topk=topk, window=window, tail_slots=Wt, variant=variant, scale=scale, block=block)
+    if _pick_backend(backend, q) == "triton":
+        from longtrain.ops.attention.triton_core import sparsek_attention_core_triton
+
+        o = sparsek_attention_core_triton(*core_args, **core_kw)
+    else:
+        o = sparsek_attention_core_naive(*core_args, **core_kw)
+
+    # 4. The next cache: the top-k pool and the last w-1 positions, detached.
+    pool_idx = torch.full((B, K), -1, dtype=torch.int64)
+    for b, ids in enumerate(scan.final_pool):
+        pool_idx[b, : len(ids)] = torch.tensor(sorted(ids), dtype=torch.int64)
+    pool_idx = pool_idx.to(dev)
+    tail_idx = K + lengths[:, None] + torch.arange(Wt, device=dev)[None]  # positions t-(W-1)..t-1
+    rows = torch.arange(B, device=dev)[:, None]
+    pool_ok = pool_idx >= 0
+    pi = pool_idx.clamp(min=0)
+    with torch.no_grad():
+        okv = pool_ok[:, :, None, None]
+        new = dict(
+            pool_k=torch.where(okv, k_ext[rows, pi], 0).to(cache.pool_k.dtype),
+            pool_v=torch.where(okv, v_ext[rows, pi], 0).to(cache.pool_v.dtype),
+            pool_u=torch.where(pool_ok, u_ext[rows, pi], -float("inf")).to(cache.pool_u.dtype),
+            pool_pos=torch.where(pool_ok, pos_ext[rows, pi], -1),
+            tail_k=k_ext[rows, tail_idx].to(cache.tail_k.dtype),
+            tail_v=v_ext[rows, tail_idx].to(cache.tail_v.dtype),
+            tail_u=u_ext[rows, tail_idx].to(cache.tail_u.dtype),
+            seen=seen + lengths,
+            **cache.threshold_tensors(scan.states),
+        )
+    next_cache = SparseKCache(**{name: t.detach() for name, t in new.items()})
+    selection = ChunkSelection(
+        fingerprint=scan.fingerprint,
+        theta_pos=scan.theta_pos,
+        tau=tau64.cpu(),
+        n_active=n_active.cpu(),
+        overflowed=bool((next_cache.overflow > 0).any()),
+    )
+    return o, next_cache, selection
+
+
+def sparsek_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    u: torch.Tensor,
+    *,
+    topk: int,
+    window: int,
+    variant: str = "hard_k_soft_v",
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """SparseK attention over whole sequences (positions 0..T-1): o [B, T, H, D].
+
+    q [B, T, H, D], k and v [B, T, Hkv, D], u [B, T] importance scores. topk = 0 is a sliding
+    window, window = 0 is SparseK only, topk + window >= T is full causal attention.
+    """
+    _check(q, k, v, u, topk, window, variant, backend)
+    cache = SparseKCache.empty(
+        q.shape[0], topk, window, k.shape[2], k.shape[3], dtype=k.dtype, score_dtype=u.dtype, device=q.device
+    )
+    o, _, _ = sparsek_attention_chunk(
+        q, k, v, u, cache, topk=topk, window=window, variant=variant, scale=scale, backend=backend
+    )
+    return o
