@@ -1,0 +1,146 @@
+"""ModelCache: what the model carries from one chunk of a document to the next (Algorithm 3).
+
+Per layer and per batch row:
+  - the attention cache: a SparseKCache (tail of the last w-1 tokens, top-k pool, threshold
+    state; fixed size) for sparsek+sw / sparsek / sw layers, or a FullKVCache for `full` layers
+    (every past key: the baseline, whose memory grows with the document);
+  - the TimestepNorm running totals of the raw scores (sum and sum of squares, float64); the count
+    is `seen`, the tokens of the current document processed so far, shared by all layers.
+Everything is detached: gradients never flow into a previous chunk. Rows are reset one by one at a
+document boundary (`reset_rows`). With per-KV-head score groups a layer's attention cache holds
+B·G rows (the groups are folded into the batch of the op), row b·G + g for group g of row b.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+import torch
+
+from longtrain.ops.attention import SparseKCache
+
+
+@dataclass
+class FullKVCache:
+    """Full causal attention's cache: every key and value seen so far (grows with the document)."""
+
+    full_k: torch.Tensor  # [B, T, Hkv, D] (after RoPE)
+    full_v: torch.Tensor  # [B, T, Hkv, D]
+    full_pos: torch.Tensor  # [B, T] int64 absolute positions (-1: padding or a finished document)
+
+    @classmethod
+    def empty(cls, batch: int, kv_heads: int, head_dim: int, *, dtype, device) -> "FullKVCache":
+        kv = torch.zeros(batch, 0, kv_heads, head_dim, dtype=dtype, device=device)
+        return cls(kv, kv.clone(), torch.zeros(batch, 0, dtype=torch.int64, device=device))
+
+    def reset_rows(self, mask: torch.Tensor) -> "FullKVCache":
+        # Invalidate the row's keys; the tensor keeps its length (the batch shares one T).
+        pos = torch.where(mask.to(self.full_pos.device)[:, None], -1, self.full_pos)
+        return FullKVCache(self.full_k, self.full_v, pos)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name).detach().contiguous() for f in fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, d: dict[str, torch.Tensor]) -> "FullKVCache":
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+    def to(self, device) -> "FullKVCache":
+        return FullKVCache(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+AttentionCache = SparseKCache | FullKVCache
+
+
+@dataclass
+class LayerCache:
+    attn: AttentionCache
+    score_sum: torch.Tensor  # [B, G] float64: sum of raw scores r_0..r_{t-1} (TimestepNorm)
+    score_sumsq: torch.Tensor  # [B, G] float64: sum of r_j^2
+
+
+def _expand_rows(mask: torch.Tensor, rows: int) -> torch.Tensor:
+    """A per-document mask [B] for a tensor of B·G rows (groups folded into the batch)."""
+    return mask.repeat_interleave(rows // mask.shape[0]) if rows != mask.shape[0] else mask
+
+
+@dataclass
+class ModelCache:
+    seen: torch.Tensor  # [B] int64: tokens of the current document processed (the next position)
+    layers: list[LayerCache]
+
+    @property
+    def batch_size(self) -> int:
+        return self.seen.shape[0]
+
+    @property
+    def kv_entries_per_layer(self) -> int:
+        """KV capacity of one layer per row: k + w - 1 (a full-attention cache: its current length)."""
+        attn = self.layers[0].attn
+        if isinstance(attn, SparseKCache):
+            return attn.topk + attn.tail_slots
+        return attn.full_k.shape[1]
+
+    def fill(self) -> float:
+        """Fraction of the KV slots that hold a real token, over all layers and rows."""
+        used = total = 0
+        for layer in self.layers:
+            a = layer.attn
+            if isinstance(a, SparseKCache):
+                used += int((a.pool_pos >= 0).sum()) + int(a.seen.clamp(max=a.tail_slots).sum())
+                total += a.pool_pos.shape[0] * (a.topk + a.tail_slots)
+            else:
+                used += int((a.full_pos >= 0).sum())
+                total += a.full_pos.numel()
+        return used / total if total else 0.0
+
+    def reset_rows(self, mask: torch.Tensor) -> "ModelCache":
+        """A cache where the rows in `mask` [B] bool start a new document."""
+        mask = mask.to(torch.bool)
+        layers = []
+        for layer in self.layers:
+            rows = layer.attn.full_pos.shape[0] if isinstance(layer.attn, FullKVCache) else layer.attn.seen.shape[0]
+            m_attn = _expand_rows(mask, rows)
+            m = mask.to(layer.score_sum.device)[:, None]
+            layers.append(
+                LayerCache(
+                    attn=layer.attn.reset_rows(m_attn),
+                    score_sum=torch.where(m, 0.0, layer.score_sum),
+                    score_sumsq=torch.where(m, 0.0, layer.score_sumsq),
+                )
+            )
+        return ModelCache(seen=torch.where(mask.to(self.seen.device), 0, self.seen), layers=layers)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Flat names ("seen", "layers.3.pool_k", "layers.3.score_sum", ...) for safetensors."""
+        out = {"seen": self.seen.detach().contiguous()}
+        for i, layer in enumerate(self.layers):
+            items = {**layer.attn.state_dict(), "score_sum": layer.score_sum, "score_sumsq": layer.score_sumsq}
+            out.update({f"layers.{i}.{name}": t.detach().contiguous() for name, t in items.items()})
+        return out
+
+    @classmethod
+    def from_state_dict(cls, d: dict[str, torch.Tensor]) -> "ModelCache":
+        per_layer: dict[int, dict[str, torch.Tensor]] = {}
+        for key, t in d.items():
+            m = re.fullmatch(r"layers\.(\d+)\.(\w+)", key)
+            if m:
+                per_layer.setdefault(int(m.group(1)), {})[m.group(2)] = t
+        if "seen" not in d or sorted(per_layer) != list(range(len(per_layer))):
+            raise KeyError("cache state needs `seen` and layers.0 .. layers.N-1")
+        layers = []
+        for i in range(len(per_layer)):
+            sub = per_layer[i]
+            kind = FullKVCache if "full_k" in sub else SparseKCache
+            layers.append(LayerCache(kind.from_state_dict(sub), sub["score_sum"], sub["score_sumsq"]))
+        return cls(seen=d["seen"], layers=layers)
+
+    def to(self, device) -> "ModelCache":
+        return ModelCache(
+            seen=self.seen.to(device),
+            layers=[LayerCache(l.attn.to(device), l.score_sum.to(device), l.score_sumsq.to(device)) for l in self.layers],
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())

@@ -1,0 +1,378 @@
+"""A decoder-only Transformer with SparseK attention that reads a document chunk by chunk.
+
+One flat file in the nanoGPT manner: config, RoPE, attention, MLPs, blocks, the LM. Block styles:
+  gpt2   LayerNorm, GELU MLP, biases, tied embeddings, RoPE (the paper's from-scratch model)
+  llama  RMSNorm, SwiGLU MLP, no biases, untied head, RoPE, grouped-query attention
+A style is one entry of STYLES; GPT-NeoX/Pythia (parallel residual, partial rotary) would add an
+entry, a `parallel_residual` branch in Block.forward and a rotary width in `apply_rope`.
+
+`model(tokens, cache=cache)` processes one chunk at absolute positions cache.seen .. and returns
+the logits and the next cache (Algorithm 3 of the paper). `cache=None` is one unchunked pass from
+position 0; chunked and unchunked give the same results (DESIGN.md section 3).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from longtrain.model.cache import FullKVCache, LayerCache, ModelCache
+from longtrain.model.scoring import Scorer, mimic_score_weight, score_dtype
+from longtrain.ops.attention import ChunkSelection, SparseKCache, sparsek_attention_chunk
+
+
+class ThresholdOverflowWarning(UserWarning):
+    """A SparseK threshold state hit its cap: selection is no longer exact (raise threshold_cap)."""
+
+
+@dataclass
+class LMConfig:
+    vocab_size: int
+    layers: int
+    d_model: int
+    heads: int
+    kv_heads: int | None = None  # None: heads
+    style: Literal["gpt2", "llama"] = "gpt2"
+    mlp_ratio: float = 4.0  # MLP hidden = mlp_ratio * d_model (SwiGLU: each of its three matrices)
+    dropout: float = 0.0
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    attention: Literal["sparsek+sw", "sparsek", "sw", "full"] = "sparsek+sw"
+    topk: int = 0
+    window: int = 0
+    variant: str = "hard_k_soft_v"
+    score_groups: Literal["shared", "per_kv_head"] = "shared"
+    timestep_norm: bool = True
+    eps_slope: float = 1e-3
+    score_init: Literal["random", "mimic"] = "random"
+    threshold_cap: int | None = None
+    backend: str = "auto"
+
+    def __post_init__(self):
+        self.kv_heads = self.kv_heads or self.heads
+        if self.d_model % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must divide d_model ({self.d_model}) and be a multiple of kv_heads ({self.kv_heads})")
+        if (self.d_model // self.heads) % 2:
+            raise ValueError(f"RoPE needs an even head size; got {self.d_model // self.heads}")
+        if self.style not in STYLES:
+            raise ValueError(f"style must be one of {sorted(STYLES)}; got {self.style!r}")
+        need = {"sparsek+sw": (True, True), "sparsek": (True, False), "sw": (False, True), "full": (False, False)}
+        if self.attention not in need:
+            raise ValueError(f"attention must be one of {sorted(need)}; got {self.attention!r}")
+        uses_k, uses_w = need[self.attention]
+        if (self.topk > 0) != uses_k or (self.window > 0) != uses_w:
+            raise ValueError(f"attention {self.attention} needs topk > 0: {uses_k}, window > 0: {uses_w}; got topk={self.topk}, window={self.window}")
+
+    @classmethod
+    def from_recipe(cls, model, attention, vocab_size: int | None = None) -> "LMConfig":
+        """From the recipe's ModelConfig and AttentionConfig; model.vocab_size wins over vocab_size."""
+        vocab = model.vocab_size or vocab_size
+        if vocab is None:
+            raise ValueError("no vocabulary size: set model.vocab_size or pass the tokenizer's")
+        return cls(
+            vocab_size=vocab, layers=model.layers, d_model=model.d_model, heads=model.heads,
+            kv_heads=model.kv_heads, style=model.style, mlp_ratio=model.mlp_ratio, dropout=model.dropout,
+            rope_theta=model.rope_theta, init_std=model.init_std, attention=attention.type,
+            topk=attention.topk or 0, window=attention.window or 0, variant=attention.variant,
+            score_groups=attention.score_groups, timestep_norm=attention.timestep_norm,
+            eps_slope=attention.eps_slope, score_init=attention.score_init,
+            threshold_cap=attention.threshold_cap, backend=attention.backend,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    @property
+    def score_group_count(self) -> int:
+        """Scoring vectors per layer: 0 when nothing is selected (sw, full)."""
+        if self.attention not in ("sparsek+sw", "sparsek"):
+            return 0
+        return self.kv_heads if self.score_groups == "per_kv_head" else 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+
+def rope_angles(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, L, D/2] (float64) at absolute positions pos [B, L]: exact for any chunking."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=pos.device) / head_dim)
+    ang = pos.to(torch.float64)[..., None] * inv_freq  # [B, L, D/2]
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (GPT-NeoX / Llama layout) on x [B, L, H, D]."""
+    c, s = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)  # [B, L, 1, D/2]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+class Attention(nn.Module):
+    """Multi-head (grouped-query) attention with SparseK+SW, SparseK, SW or full causal attention."""
+
+    def __init__(self, cfg: LMConfig, bias: bool):
+        super().__init__()
+        self.cfg = cfg
+        H, Hkv, D, d = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.d_model
+        self.q_proj = nn.Linear(d, H * D, bias=bias)
+        self.k_proj = nn.Linear(d, Hkv * D, bias=bias)
+        self.v_proj = nn.Linear(d, Hkv * D, bias=bias)
+        self.o_proj = nn.Linear(H * D, d, bias=bias)
+        G = cfg.score_group_count
+        self.scorer = Scorer(d, G, timestep_norm=cfg.timestep_norm, eps_slope=cfg.eps_slope) if G else None
+        # What the op is called with: sw is SparseK with k = 0, sparsek has no window.
+        self.topk = cfg.topk if cfg.attention in ("sparsek+sw", "sparsek") else 0
+        self.window = cfg.window if cfg.attention in ("sparsek+sw", "sw") else 0
+
+    def empty_cache(self, batch: int, *, dtype, device) -> LayerCache:
+        cfg = self.cfg
+        G = cfg.score_group_count
+        if cfg.attention == "full":
+            attn = FullKVCache.empty(batch, cfg.kv_heads, cfg.head_dim, dtype=dtype, device=device)
+        else:
+            folded = G > 1  # per-KV-head groups: one op row per (row, group), one KV head each
+            attn = SparseKCache.empty(
+                batch * G if folded else batch, self.topk, self.window, 1 if folded else cfg.kv_heads,
+                cfg.head_dim, dtype=dtype, score_dtype=score_dtype(dtype), device=device, cap=cfg.threshold_cap,
+            )
+        zeros = torch.zeros(batch, G, dtype=torch.float64, device=device)
+        return LayerCache(attn, zeros, zeros.clone())
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, L, d]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [B, L, D/2]
+        pos: torch.Tensor,  # [B, L] int64 absolute positions
+        valid: torch.Tensor,  # [B, L] bool
+        seen: torch.Tensor,  # [B] int64
+        lengths: torch.Tensor,  # [B] int64
+        cache: LayerCache,
+    ) -> tuple[torch.Tensor, LayerCache, ChunkSelection | None]:
+        cfg = self.cfg
+        B, L, _ = x.shape
+        H, Hkv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+        q = apply_rope(self.q_proj(x).view(B, L, H, D), *rope)  # [B, L, H, D]
+        k = apply_rope(self.k_proj(x).view(B, L, Hkv, D), *rope)  # [B, L, Hkv, D], cached after RoPE
+        v = self.v_proj(x).view(B, L, Hkv, D)  # [B, L, Hkv, D]
+
+        if cfg.attention == "full":
+            o, attn_cache = self._full(q, k, v, pos, valid, cache.attn)
+            new = LayerCache(attn_cache, cache.score_sum, cache.score_sumsq)
+            sel = None
+        else:
+            if self.scorer is not None:
+                u, ssum, ssq = self.scorer(x, pos, valid, seen, cache.score_sum, cache.score_sumsq)  # u [B, L, G]
+            else:  # sliding window: nothing is selected, the op ignores the scores
+                u = torch.zeros(B, L, 1, dtype=score_dtype(x.dtype), device=x.device)
+                ssum, ssq = cache.score_sum, cache.score_sumsq
+            G = u.shape[-1]
+            if G > 1:  # fold the groups into the batch: row b·G + g holds group g's heads
+                R = H // G
+                qf = q.view(B, L, G, R, D).transpose(1, 2).reshape(B * G, L, R, D)
+                kf = k.transpose(1, 2).reshape(B * G, L, 1, D)
+                vf = v.transpose(1, 2).reshape(B * G, L, 1, D)
+                uf, lf = u.transpose(1, 2).reshape(B * G, L), lengths.repeat_interleave(G)
+            else:
+                qf, kf, vf, uf, lf = q, k, v, u[..., 0], lengths
+            o, attn_cache, sel = sparsek_attention_chunk(
+                qf, kf, vf, uf, cache.attn, topk=self.topk, window=self.window, variant=cfg.variant,
+                lengths=lf, backend=cfg.backend,
+            )
+            if G > 1:
+                o = o.view(B, G, L, H // G, D).transpose(1, 2)
+            new = LayerCache(attn_cache, ssum, ssq)
+            sel = sel if self.topk > 0 else None
+        y = self.o_proj(o.reshape(B, L, H * D))  # [B, L, d]
+        return y, new, sel
+
+    def _full(self, q, k, v, pos, valid, cache: FullKVCache):
+        """Causal SDPA over every cached key plus the chunk (the baseline; its cache grows)."""
+        B, L, H, D = q.shape
+        R = H // k.shape[2]
+        kpos = torch.where(valid, pos, -1)
+        k_all = torch.cat([cache.full_k.to(k.dtype), k], 1)  # [B, T0 + L, Hkv, D]
+        v_all = torch.cat([cache.full_v.to(v.dtype), v], 1)
+        pos_all = torch.cat([cache.full_pos, kpos], 1)  # [B, T0 + L]
+        qt = q.transpose(1, 2)  # [B, H, L, D]
+        kt = k_all.repeat_interleave(R, 2).transpose(1, 2)  # [B, H, T0 + L, D]
+        vt = v_all.repeat_interleave(R, 2).transpose(1, 2)
+        if cache.full_k.shape[1] == 0 and bool(valid.all()):
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)  # no L x L mask
+        else:
+            mask = (pos_all[:, None, :] >= 0) & (pos_all[:, None, :] <= pos[:, :, None])  # [B, L, T0 + L]
+            mask = mask | ~valid[:, :, None]  # padded queries: any finite row, discarded by the caller
+            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None])
+        new = FullKVCache(k_all.detach(), v_all.detach(), pos_all)
+        return o.transpose(1, 2), new  # [B, L, H, D]
+
+
+# ----------------------------------------------------------------------------- MLPs and blocks
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, d: int, hidden: int, bias: bool):
+        super().__init__()
+        self.up = nn.Linear(d, hidden, bias=bias)
+        self.down = nn.Linear(hidden, d, bias=bias)
+
+    def forward(self, x):  # [B, L, d]
+        return self.down(F.gelu(self.up(x)))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, hidden: int, bias: bool):
+        super().__init__()
+        self.gate = nn.Linear(d, hidden, bias=bias)
+        self.up = nn.Linear(d, hidden, bias=bias)
+        self.down = nn.Linear(hidden, d, bias=bias)
+
+    def forward(self, x):  # [B, L, d]
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+@dataclass(frozen=True)
+class Style:
+    norm: type
+    mlp: type
+    bias: bool
+    tied: bool
+
+
+STYLES = {
+    "gpt2": Style(norm=nn.LayerNorm, mlp=GeluMLP, bias=True, tied=True),
+    "llama": Style(norm=nn.RMSNorm, mlp=SwiGLU, bias=False, tied=False),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        st = STYLES[cfg.style]
+        self.norm1 = st.norm(cfg.d_model, eps=1e-5)
+        self.attn = Attention(cfg, st.bias)
+        self.norm2 = st.norm(cfg.d_model, eps=1e-5)
+        self.mlp = st.mlp(cfg.d_model, int(cfg.mlp_ratio * cfg.d_model), st.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, rope, pos, valid, seen, lengths, cache: LayerCache):
+        a, cache, sel = self.attn(self.norm1(x), rope, pos, valid, seen, lengths, cache)
+        x = x + self.drop(a)  # [B, L, d]
+        x = x + self.drop(self.mlp(self.norm2(x)))
+        return x, cache, sel
+
+
+# ----------------------------------------------------------------------------- the LM
+
+
+@dataclass
+class LMOutput:
+    logits: torch.Tensor | None  # [B, L, V] (None from LM.hidden)
+    cache: ModelCache  # the next cache, detached
+    selections: list[ChunkSelection | None]  # per layer; None for sw and full layers
+    overflowed: bool  # a threshold state hit its cap: selection is no longer exact
+    hidden: torch.Tensor | None = None  # [B, L, d] final (normed) hidden states
+
+
+class LM(nn.Module):
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.cfg = cfg
+        st = STYLES[cfg.style]
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm_f = st.norm(cfg.d_model, eps=1e-5)
+        # Tied: the head reuses embed.weight (no second parameter, so safetensors needs no copy).
+        self.unembed = None if st.tied else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("scorer.weight"):
+                continue
+            if p.dim() >= 2:
+                # Residual projections scaled down by depth (GPT-2).
+                scale = (2 * self.cfg.layers) ** -0.5 if name.endswith(("o_proj.weight", "down.weight")) else 1.0
+                nn.init.normal_(p, std=std * scale)
+            elif name.endswith("bias") and "norm" not in name:
+                nn.init.zeros_(p)
+        for blk in self.blocks:
+            if blk.attn.scorer is not None:
+                blk.attn.scorer.reset_parameters()
+        if self.cfg.score_init == "mimic":
+            self.init_scores_mimic_()
+
+    @torch.no_grad()
+    def init_scores_mimic_(self) -> None:
+        """Set every w_score to W_Q W_Kᵀ 1 / ||·|| (paper 3.5); call again after importing weights."""
+        cfg = self.cfg
+        for blk in self.blocks:
+            a = blk.attn
+            if a.scorer is not None:
+                a.scorer.weight.copy_(mimic_score_weight(a.q_proj.weight, a.k_proj.weight, cfg.heads, cfg.kv_heads, a.scorer.weight.shape[0]))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def empty_cache(self, batch: int, *, device=None, dtype: torch.dtype | None = None) -> ModelCache:
+        """A fresh cache for `batch` documents; dtype is the KV dtype (default: the weights')."""
+        device = device if device is not None else self.embed.weight.device
+        dtype = dtype or self.embed.weight.dtype
+        return ModelCache(
+            seen=torch.zeros(batch, dtype=torch.int64, device=device),
+            layers=[blk.attn.empty_cache(batch, dtype=dtype, device=device) for blk in self.blocks],
+        )
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] from final hidden states [..., d]."""
+        return F.linear(h, self.embed.weight if self.unembed is None else self.unembed.weight)
+
+    def hidden(self, tokens: torch.Tensor, cache: ModelCache | None = None, lengths: torch.Tensor | None = None) -> LMOutput:
+        """Final hidden states of one chunk (tokens [B, L]) continuing from `cache`; logits=None."""
+        B, L = tokens.shape
+        dev = tokens.device
+        if cache is None:
+            cache = self.empty_cache(B, device=dev)
+        lengths = torch.full((B,), L, dtype=torch.int64, device=dev) if lengths is None else lengths.to(dev, torch.int64)
+        seen = cache.seen.to(dev)
+        ar = torch.arange(L, device=dev)
+        pos = seen[:, None] + ar[None]  # [B, L] absolute document positions
+        valid = ar[None] < lengths[:, None]  # [B, L]
+        rope = rope_angles(pos, self.cfg.head_dim, self.cfg.rope_theta)
+
+        x = self.drop(self.embed(tokens))  # [B, L, d]
+        layers, selections = [], []
+        for blk, lc in zip(self.blocks, cache.layers):
+            x, lc, sel = blk(x, rope, pos, valid, seen, lengths, lc)
+            layers.append(lc)
+            selections.append(sel)
+        h = self.norm_f(x)  # [B, L, d]
+        overflowed = any(s is not None and s.overflowed for s in selections)
+        if overflowed:
+            warnings.warn(
+                "SparseK threshold state overflowed its cap: selection is no longer exact; raise attention.threshold_cap",
+                ThresholdOverflowWarning, stacklevel=3,
+            )
+        new_cache = ModelCache(seen=seen + lengths, layers=layers)
+        return LMOutput(logits=None, cache=new_cache, selections=selections, overflowed=overflowed, hidden=h)
+
+    def forward(self, tokens: torch.Tensor, cache: ModelCache | None = None, lengths: torch.Tensor | None = None) -> LMOutput:
+        """Logits [B, L, V] of one chunk and the next cache; cache=None is an unchunked pass from 0."""
+        out = self.hidden(tokens, cache=cache, lengths=lengths)
+        out.logits = self.head(out.hidden)
+        return out
+

@@ -1,0 +1,83 @@
+"""SparseK importance scores (DESIGN.md section 2): u_j = TimestepNorm(x_j · w_score) + eps_slope · j.
+
+Scores are float32 (float64 in a float64 model) even under bf16 autocast: selection compares them,
+and a rounding flip changes which keys a query sees. TimestepNorm uses causal running statistics
+over the document; the totals before the chunk come from the cache and the chunk's prefix sums are
+one cumsum that starts from them, so chunked and unchunked runs compute the same sums in the same
+order (bit-identical on the CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+TSN_EPS = 1e-5
+
+
+def score_dtype(activation_dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if activation_dtype == torch.float64 else torch.float32
+
+
+class Scorer(nn.Module):
+    """The scoring network of one layer: G groups (1 = shared by all heads, or one per KV head)."""
+
+    def __init__(self, d_model: int, groups: int, *, timestep_norm: bool, eps_slope: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(groups, d_model))  # [G, d]
+        self.timestep_norm = timestep_norm
+        self.eps_slope = eps_slope
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # ||w|| ~ 1, so a unit-variance input gives unit-variance scores (as the mimic init does).
+        nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, L, d] the attention input (after the block's norm)
+        pos: torch.Tensor,  # [B, L] int64 absolute positions
+        valid: torch.Tensor,  # [B, L] bool (False: padding after the row's length)
+        seen: torch.Tensor,  # [B] int64 tokens before the chunk (the TimestepNorm count)
+        score_sum: torch.Tensor,  # [B, G] float64 carried sum of raw scores
+        score_sumsq: torch.Tensor,  # [B, G] float64 carried sum of squares
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(u [B, L, G], next score_sum, next score_sumsq)."""
+        sd = score_dtype(x.dtype)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            r = x.to(sd) @ self.weight.to(sd).t()  # [B, L, G]
+        r64 = torch.where(valid[..., None], r.to(torch.float64), 0.0)
+        # Prefix sums that start from the carried totals: [carry, r_0, r_1, ...] -> drop the carry.
+        csum = torch.cat([score_sum[:, None].to(r64), r64], 1).cumsum(1)[:, 1:]  # [B, L, G]
+        csq = torch.cat([score_sumsq[:, None].to(r64), r64 * r64], 1).cumsum(1)[:, 1:]
+        if self.timestep_norm:
+            count = (seen[:, None] + valid.cumsum(1)).clamp(min=1).to(torch.float64)[..., None]  # [B, L, 1]
+            mean = csum / count
+            var = (csq / count - mean * mean).clamp(min=0.0)
+            n = torch.where(valid[..., None], (r64 - mean) / torch.sqrt(var + TSN_EPS), 0.0)
+        else:
+            n = r64
+        u = n + self.eps_slope * pos.to(torch.float64)[..., None]
+        return u.to(sd), csum[:, -1].detach(), csq[:, -1].detach()
+
+
+@torch.no_grad()
+def mimic_score_weight(
+    wq: torch.Tensor,  # [H·D, d] query projection (nn.Linear weight)
+    wk: torch.Tensor,  # [Hkv·D, d] key projection
+    heads: int,
+    kv_heads: int,
+    groups: int,
+) -> torch.Tensor:
+    """w = W_Q W_Kᵀ 1 / ||·|| (paper section 3.5) per score group: [G, d].
+
+    In the paper's row convention (q = x W_Q) this is Σ_h W_Qh W_K(h)ᵀ 1 over the heads of a group,
+    so u_j ranks keys roughly as their accumulated attention would.
+    """
+    d = wq.shape[1]
+    D = wq.shape[0] // heads
+    q = wq.reshape(heads, D, d).to(torch.float64)  # W_Q of head h is q[h]ᵀ, [d, D]
+    k = wk.reshape(kv_heads, D, d).to(torch.float64).repeat_interleave(heads // kv_heads, 0)  # [H, D, d]
+    per_head = torch.einsum("hei,he->hi", q, k.sum(-1))  # W_Qh (W_Khᵀ 1): [H, d]
+    w = per_head.reshape(groups, heads // groups, d).sum(1)  # [G, d]
+    return (w / w.norm(dim=-1, keepdim=True).clamp(min=1e-12)).to(wq.dtype)
