@@ -1,0 +1,253 @@
+"""Triton backward kernels of SparseK attention: deterministic, no atomics.
+
+Math per (query i, key j), with P the softmax, g the gate (1 on window keys), x = scale q.k and
+logits z = x (hard_k_soft_v, straight_through) or g x (soft_kv):
+    dPg_ij = dO_i . v_j                     dV_j += P_ij g_ij dO_i
+    dz_ij  = P_ij (g_ij dPg_ij - Delta_i),  Delta_i = dO_i . o_i
+    dQ_i  += dz_ij (g_ij) scale k_j         dK_j += dz_ij (g_ij) scale q_i      ((g) for soft_kv)
+    dg_ij  = P_ij dPg_ij (+ dz_ij x_ij for soft_kv)
+    dm_ij  = dg_ij on selected keys where 0 <= u_j - tau_i <= 1 (torch's clamp gradient)
+    du_j  += sum_i dm_ij (direct term),     dtau_i -= sum_j dm_ij (tau term, chained by ThresholdFn)
+straight_through uses g = 1 everywhere except dg.
+
+Two kernels:
+- dq: query-major like the forward (pool tiles then band tiles); also gives dtau per query.
+- dkv: key-major, two kinds of programs in one launch.
+  * band programs own BN consecutive ext indices and visit the few query blocks whose band holds them;
+  * pool programs own BN pool *slots* and walk all query blocks in order. `stable_slots` relabels
+    each block's pool so that a key keeps one slot from entering the pool to leaving it (it never
+    returns: irreversibility), so a key's accumulator lives in one program and is written once,
+    when the key leaves its slot. No atomics, no per-block partials: extra memory O(T).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from longtrain.ops.attention.triton_fwd import LOG2E, gates, load_keys
+
+
+@triton.jit
+def _grad_tile(q, do, lse2, delta, k, v, u, kp, extra, qp, thu, thp, tau, WINDOW, scale,
+               VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
+    """Per [G, BN] tile: P g (for dV), dz times the key scale (for dQ/dK) and dm (for du, dtau)."""
+    attend, sel, diff, g = gates(qp, thu, thp, tau, kp, u, WINDOW, HAS_TOPK)
+    attend = attend & extra
+    x = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [G, BN] natural-log logits before the gate
+    z = x * g if VARIANT == 1 else x
+    p = tl.exp2(tl.where(attend, z * 1.4426950408889634, float("-inf")) - lse2[:, None])
+    dpg = tl.dot(do, tl.trans(v), input_precision=PREC)  # [G, BN]
+    gv = g if VARIANT != 2 else 1.0
+    dz = p * (gv * dpg - delta[:, None])
+    dg = p * dpg
+    if VARIANT == 1:
+        dg += dz * x
+        dz = dz * g
+    dm = tl.where(sel & (diff >= 0.0) & (diff <= 1.0), dg, 0.0)
+    return p * gv, dz, dm
+
+
+@triton.jit
+def _dq_kernel(
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, BP, DO, LSE, DELTA, DQ, DTAU,
+    sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh, sbpb, sbpn,
+    L, N, H, R, TOPK, WINDOW, TAIL, scale,
+    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // R
+    i = blk * G + tl.arange(0, G)
+    d = tl.arange(0, D)
+    qm = i < L
+    q = tl.load(Q + b * sqb + i[:, None] * sql + h * sqh + d[None, :], mask=qm[:, None], other=0.0)  # [G, D]
+    do = tl.load(DO + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], mask=qm[:, None], other=0.0)
+    row = b * L + i
+    qp = tl.load(QPOS + row, mask=qm, other=-1)
+    thu = tl.load(THU + row, mask=qm, other=float("inf"))
+    thp = tl.load(THP + row, mask=qm, other=0)
+    tau = tl.load(TAU + row, mask=qm, other=0.0).to(tl.float32)
+    lse2 = tl.load(LSE + bh * L + i, mask=qm, other=float("inf"))
+    delta = tl.load(DELTA + bh * L + i, mask=qm, other=0.0)
+    Kb = Kx + b * skb + kvh * skh
+    Vb = Vx + b * svb + kvh * svh
+    Ub = U + b * N
+    Pb = POS + b * N
+
+    dq = tl.zeros([G, D], tl.float32)
+    dtau = tl.zeros([G], tl.float32)
+    n_pool = TOPK if HAS_TOPK else 0
+    start = TOPK + TAIL - WINDOW + 1 + blk * G
+    band = WINDOW + G - 1
+    n_pool_tiles = tl.cdiv(n_pool, BN)
+    for t in range(0, n_pool_tiles + tl.cdiv(band, BN)):
+        if t < n_pool_tiles:  # pool snapshot: gathered rows
+            jj = t * BN + tl.arange(0, BN)
+            idx = tl.load(BP + b * sbpb + blk * sbpn + jj, mask=jj < TOPK, other=-1)
+            valid = idx >= 0
+        else:  # band: contiguous ext indices
+            jj = (t - n_pool_tiles) * BN + tl.arange(0, BN)
+            idx = start + jj
+            valid = (jj < band) & (idx >= TOPK) & (idx < N)
+        k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
+        pg, dz, dm = _grad_tile(q, do, lse2, delta, k, v, u, kp, valid[None, :], qp, thu, thp, tau, WINDOW, scale,
+                                VARIANT, HAS_TOPK, PREC)
+        dq += tl.dot(dz.to(k.dtype), k, input_precision=PREC)
+        dtau -= tl.sum(dm, 1)
+    tl.store(DQ + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=qm[:, None])
+    tl.store(DTAU + bh * L + i, dtau, mask=qm)
+
+
+@triton.jit
+def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, extra,
+               Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
+               L, H, R, WINDOW, scale,
+               G: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr,
+               PREC: tl.constexpr):
+    """Add query block `blk`'s contributions (all R query heads of kv head kvh) to one key tile."""
+    i = blk * G + tl.arange(0, G)
+    d = tl.arange(0, D)
+    qm = i < L
+    row = b * L + i
+    qp = tl.load(QPOS + row, mask=qm, other=-1)
+    thu = tl.load(THU + row, mask=qm, other=float("inf"))
+    thp = tl.load(THP + row, mask=qm, other=0)
+    tau = tl.load(TAU + row, mask=qm, other=0.0).to(tl.float32)
+    for r in range(0, R):
+        h = kvh * R + r
+        bh = b * H + h
+        q = tl.load(Q + b * sqb + i[:, None] * sql + h * sqh + d[None, :], mask=qm[:, None], other=0.0)
+        do = tl.load(DO + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], mask=qm[:, None], other=0.0)
+        lse2 = tl.load(LSE + bh * L + i, mask=qm, other=float("inf"))
+        delta = tl.load(DELTA + bh * L + i, mask=qm, other=0.0)
+        pg, dz, dm = _grad_tile(q, do, lse2, delta, k, v, u, kp, extra, qp, thu, thp, tau, WINDOW, scale,
+                                VARIANT, HAS_TOPK, PREC)
+        dv += tl.dot(tl.trans(pg.to(do.dtype)), do, input_precision=PREC)
+        dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PREC)
+        du += tl.sum(dm, 0)
+    return dk, dv, du
+
+
+@triton.jit
+def _dkv_kernel(
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, SP, DO, LSE, DELTA,
+    DKB, DVB, DUB, DKP, DVP, DUP,
+    sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh, sspb, sspn,
+    L, N, H, R, NB, TOPK, WINDOW, TAIL, scale, n_slot_tiles,
+    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bk = tl.program_id(1)
+    Hkv = H // R
+    b = bk // Hkv
+    kvh = bk % Hkv
+    d = tl.arange(0, D)
+    Kb = Kx + b * skb + kvh * skh
+    Vb = Vx + b * svb + kvh * svh
+    Ub = U + b * N
+    Pb = POS + b * N
+    # dK/dV/du buffers are fp32 [B, N, Hkv, D] (contiguous) and [B, Hkv, N]
+    okv = (b * N * Hkv + kvh) * D
+    ou = (b * Hkv + kvh) * N
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    du = tl.zeros([BN], tl.float32)
+    if pid < n_slot_tiles:
+        # Pool slots s0..s0+BN: walk every query block; a key's sums are written when it leaves its slot.
+        s = pid * BN + tl.arange(0, BN)
+        sm = s < TOPK
+        idx = tl.load(SP + b * sspb + s, mask=sm, other=-1)
+        for blk in range(0, NB):
+            nxt = tl.load(SP + b * sspb + (blk + 1) * sspn + s, mask=sm & (s * 0 + blk + 1 < NB), other=-1)
+            valid = idx >= 0
+            if tl.max(valid.to(tl.int32), 0) > 0:
+                k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
+                dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, valid[None, :],
+                                        Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
+                                        L, H, R, WINDOW, scale, G, D, VARIANT, HAS_TOPK, PREC)
+                done = valid & (nxt != idx)
+                safe = tl.where(done, idx, 0)
+                ptr = okv + safe[:, None] * (Hkv * D) + d[None, :]
+                tl.store(DKP + ptr, dk * scale, mask=done[:, None])
+                tl.store(DVP + ptr, dv, mask=done[:, None])
+                tl.store(DUP + ou + safe, du, mask=done)
+                dk = tl.where(done[:, None], 0.0, dk)
+                dv = tl.where(done[:, None], 0.0, dv)
+                du = tl.where(done, 0.0, du)
+            idx = nxt
+    else:
+        # Band keys e0..e0+BN over all ext rows: visit the query blocks whose band holds them.
+        e = (pid - n_slot_tiles) * BN + tl.arange(0, BN)
+        valid = (e >= TOPK) & (e < N)
+        a = e - (TOPK + TAIL - WINDOW + 1)  # block blk's band holds a in [blk G, blk G + w + G - 1)
+        band = WINDOW + G - 1
+        a0 = (pid - n_slot_tiles) * BN - (TOPK + TAIL - WINDOW + 1)
+        lo = (tl.maximum(a0 - band + 1, 0) + G - 1) // G
+        a1 = a0 + BN - 1
+        hi = tl.where(a1 >= 0, tl.minimum(tl.maximum(a1, 0) // G, NB - 1), -1)
+        k, v, u, kp = load_keys(e, valid, Kb, Vb, Ub, Pb, skn, svn, D)
+        for blk in range(lo, hi + 1):
+            off = a - blk * G
+            inb = valid & (off >= 0) & (off < band)
+            dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, inb[None, :],
+                                    Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
+                                    L, H, R, WINDOW, scale, G, D, VARIANT, HAS_TOPK, PREC)
+        em = e < N
+        ptr = okv + e[:, None] * (Hkv * D) + d[None, :]
+        tl.store(DKB + ptr, dk * scale, mask=em[:, None])
+        tl.store(DVB + ptr, dv, mask=em[:, None])
+        tl.store(DUB + ou + e, du, mask=em)
+
+
+def stable_slots(block_pool: torch.Tensor, n_ext: int) -> torch.Tensor:
+    """Relabel pool snapshots [B, nb, K] so that every key keeps one slot while it is in the pool.
+
+    Each block holds the same set of ext indices as in `block_pool`. Relies on the scan's facts: a key's
+    pool membership is one interval of blocks, and the pool only grows until full (then it can only
+    empty at once, after a ragged row's last block). At each block boundary the r-th key to enter takes
+    the slot of the r-th key to leave; surplus entrants take fresh slots. Slots follow the chains of
+    predecessors by pointer jumping: O(log nb) gathers, no host synchronisation.
+    """
+    B, nb, K = block_pool.shape
+    if K == 0 or nb == 0:
+        return block_pool
+    dev = block_pool.device
+    N = n_ext
+    bp = block_pool.to(torch.int64)
+    ok = bp >= 0
+    blk = torch.arange(nb, device=dev).view(1, nb, 1).expand(B, nb, K).reshape(B, -1)
+    flat = torch.where(ok, bp, N).reshape(B, -1)  # slot N is a dump for empty entries
+    first = torch.full((B, N + 1), nb, device=dev).scatter_reduce(1, flat, blk, "amin")[:, :N].contiguous()  # [B, N]
+    last = torch.full((B, N + 1), -1, device=dev).scatter_reduce(1, flat, blk, "amax")[:, :N].contiguous()
+    inpool = last >= 0
+    ar = torch.arange(N, device=dev).expand(B, N)
+    # Entrants in order (first block, index); leavers in order (last block, index).
+    f_sorted, f_order = (torch.where(inpool, first, nb) * N + ar).sort(1)
+    l_sorted, l_order = (torch.where(inpool, last, nb) * N + ar).sort(1)
+    f_sorted, l_sorted = f_sorted // N, l_sorted // N
+    place = torch.empty_like(ar).scatter_(1, f_order, ar)  # position of each key among entrants
+    rank = place - torch.searchsorted(f_sorted, first)  # rank among the keys entering with it
+    x_lo = torch.searchsorted(l_sorted, first - 1)  # keys leaving as it enters: last == first - 1
+    n_exit = torch.searchsorted(l_sorted, first - 1, right=True) - x_lo
+    has_pred = inpool & (rank < n_exit)
+    pred = l_order.gather(1, (x_lo + rank).clamp(max=N - 1))
+    count = ok.sum(-1)  # [B, nb] pool size per block
+    before = torch.where(first > 0, count.gather(1, (first - 1).clamp(0, nb - 1)), 0)
+    fresh = before + rank - n_exit  # a new slot, for keys with no predecessor
+    root = torch.where(has_pred, pred, ar)
+    for _ in range(max(1, math.ceil(math.log2(nb + 1)))):
+        root = root.gather(1, root)
+    slot = fresh.gather(1, root)  # [B, N]
+    slot_of = torch.where(ok, slot.gather(1, bp.clamp(min=0).reshape(B, -1)).reshape(B, nb, K), K)
+    out = torch.full((B, nb, K + 1), -1, dtype=torch.int64, device=dev)
+    out.scatter_(2, slot_of, bp)
+    return out[:, :, :K].to(block_pool.dtype)

@@ -1,0 +1,147 @@
+"""SparseK attention core on Triton kernels: same signature and results as naive.py's core.
+
+Forward: triton_fwd (O and a base-2 log-sum-exp per query and head). Backward: triton_bwd (dq and
+dtau query-major; dk, dv, du key-major without atomics, hence deterministic). Gradients go to q,
+k_ext, v_ext, u_ext (direct mask term) and tau (its chain to u is ThresholdFn's, in scan.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from longtrain.ops.attention.triton_bwd import _dkv_kernel, _dq_kernel, stable_slots
+from longtrain.ops.attention.triton_fwd import LOG2E, VARIANT_CODE, _fwd_kernel
+
+# Fill every kernel-written buffer with NaN first, so a value never written shows (tests set it).
+POISON = False
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _config(block: int, D: int, dtype: torch.dtype):
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"the Triton core needs a power-of-two query block >= 16; got {block}")
+    if D < 16 or D & (D - 1) or D > 256:
+        raise ValueError(f"the Triton core needs a power-of-two head dim in [16, 256]; got {D}")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"the Triton core takes float16, bfloat16 or float32 q/k/v; got {dtype}")
+    bn = 16 if _interpreting() else 64  # key tile
+    prec = "ieee" if dtype == torch.float32 else "tf32"  # float32 checks want exact fp32 dots
+    warps = 4 if D <= 64 else 8
+    return bn, prec, warps
+
+
+def _empty(shape, dtype, device):
+    x = torch.empty(shape, dtype=dtype, device=device)
+    return x.fill_(float("nan")) if POISON else x
+
+
+class _SparseKTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool, meta):
+        topk, window, tail_slots, variant, scale, block = meta
+        B, L, H, D = q.shape
+        N, Hkv = k_ext.shape[1], k_ext.shape[2]
+        nb = -(-L // block)
+        bn, prec, warps = _config(block, D, q.dtype)
+        q, k_ext, v_ext = q.contiguous(), k_ext.contiguous(), v_ext.contiguous()
+        u = u_ext.detach().contiguous()  # [B, N]
+        pos = pos_ext.to(torch.int32).contiguous()
+        qpos = q_pos.to(torch.int32).contiguous()
+        thu = theta_u.to(u.dtype).contiguous()  # exact: theta is one of the u values (or +-inf)
+        thp = theta_pos.clamp(-(2**31), 2**31 - 1).to(torch.int32).contiguous()
+        tau_c = tau.detach().contiguous()
+        if topk > 0:
+            bp = block_pool[:, :nb].to(torch.int32).contiguous()  # [B, nb, K]
+        else:
+            bp = torch.full((B, nb, 1), -1, dtype=torch.int32, device=q.device)
+        o = _empty((B, L, H, D), q.dtype, q.device)
+        lse = _empty((B, H, L), torch.float32, q.device)  # base-2 log-sum-exp
+        common = dict(G=block, BN=bn, D=D, VARIANT=VARIANT_CODE[variant], HAS_TOPK=topk > 0, PREC=prec, num_warps=warps)
+        _fwd_kernel[(nb, B * H)](
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, bp, o, lse,
+            q.stride(0), q.stride(1), q.stride(2), k_ext.stride(0), k_ext.stride(1), k_ext.stride(2),
+            v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), o.stride(0), o.stride(1), o.stride(2),
+            bp.stride(0), bp.stride(1),
+            L, N, H, H // Hkv, topk, window, tail_slots, scale * LOG2E,
+            num_stages=2, **common,
+        )
+        ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, bp, o, lse)
+        ctx.meta = (topk, window, tail_slots, scale, block, common, u_ext.dtype, tau.dtype)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, bp, o, lse = ctx.saved_tensors
+        topk, window, tail_slots, scale, block, common, u_dtype, tau_dtype = ctx.meta
+        B, L, H, D = q.shape
+        N, Hkv = k_ext.shape[1], k_ext.shape[2]
+        nb = -(-L // block)
+        bn = common["BN"]
+        do = do.contiguous()
+        delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()  # [B, H, L] = dO_i . o_i
+        dq = _empty((B, L, H, D), q.dtype, q.device)
+        dtau = _empty((B, H, L), torch.float32, q.device)
+        strides = (
+            q.stride(0), q.stride(1), q.stride(2), k_ext.stride(0), k_ext.stride(1), k_ext.stride(2),
+            v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        )
+        _dq_kernel[(nb, B * H)](
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, bp, do, lse, delta, dq, dtau,
+            *strides, bp.stride(0), bp.stride(1),
+            L, N, H, H // Hkv, topk, window, tail_slots, scale,
+            num_stages=1, **common,
+        )
+        # Key-major pass: band programs cover every ext row (written once each); pool programs write
+        # only keys that were in some pool, into zeroed buffers.
+        sp = stable_slots(bp, N).contiguous() if topk > 0 else bp
+        dkb = _empty((B, N, Hkv, D), torch.float32, q.device)
+        dvb = _empty((B, N, Hkv, D), torch.float32, q.device)
+        dub = _empty((B, Hkv, N), torch.float32, q.device)
+        dkp = torch.zeros_like(dkb) if topk > 0 else None
+        dvp = torch.zeros_like(dvb) if topk > 0 else None
+        dup = torch.zeros_like(dub) if topk > 0 else None
+        n_slot_tiles = triton.cdiv(topk, bn) if topk > 0 else 0
+        grid = (n_slot_tiles + triton.cdiv(N, bn), B * Hkv)
+        _dkv_kernel[grid](
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, sp, do, lse, delta,
+            dkb, dvb, dub, dkp if topk > 0 else dkb, dvp if topk > 0 else dvb, dup if topk > 0 else dub,
+            *strides, sp.stride(0), sp.stride(1),
+            L, N, H, H // Hkv, nb, topk, window, tail_slots, scale, n_slot_tiles,
+            num_stages=1, **common,
+        )
+        if topk > 0:
+            dkb, dvb, dub = dkb + dkp, dvb + dvp, dub + dup
+        du = dub.sum(1).to(u_dtype)  # [B, N]: summed over kv heads
+        return (dq, dkb.to(k_ext.dtype), dvb.to(v_ext.dtype), du, None, None, None, None,
+                dtau.sum(1).to(tau_dtype), None, None)
+
+
+def sparsek_attention_core_triton(
+    q: torch.Tensor,  # [B, L, H, D]
+    k_ext: torch.Tensor,  # [B, N, Hkv, D]
+    v_ext: torch.Tensor,  # [B, N, Hkv, D]
+    u_ext: torch.Tensor,  # [B, N]
+    pos_ext: torch.Tensor,  # [B, N] int64 (-1: empty)
+    q_pos: torch.Tensor,  # [B, L] int64 (-1: padding)
+    theta_u: torch.Tensor,  # [B, L] float64
+    theta_pos: torch.Tensor,  # [B, L] int64
+    tau: torch.Tensor,  # [B, L] (differentiable)
+    block_pool: torch.Tensor,  # [B, nb, K] int64 ext indices
+    *,
+    topk: int,
+    window: int,
+    tail_slots: int,
+    variant: str = "hard_k_soft_v",
+    scale: float | None = None,
+    block: int = 64,
+) -> torch.Tensor:
+    """Same contract as naive.sparsek_attention_core_naive; o [B, L, H, D] in q's dtype."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    meta = (topk, window, tail_slots, variant, float(scale), block)
+    return _SparseKTriton.apply(q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool, meta)

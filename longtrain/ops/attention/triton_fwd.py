@@ -1,0 +1,121 @@
+"""Triton forward kernel of SparseK attention: FlashAttention-2 online softmax over pool + band.
+
+One program per (query block of G, batch x head). Its keys are the block's pool snapshot (gathered
+rows of the extended layout) and one contiguous band of ext indices; both are visited as tiles of
+BN keys. Masks (causal, window, selected, gate) are recomputed per tile from positions, u, theta
+and tau, exactly as in naive.py. Only O and the log-sum-exp (base 2, of the unweighted softmax
+normaliser) are stored.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Variant codes (constexpr): the gate multiplies values in all three; soft_kv also scales logits;
+# straight_through has forward gate 1 on selected keys.
+HARD_K_SOFT_V, SOFT_KV, STRAIGHT_THROUGH = 0, 1, 2
+VARIANT_CODE = {"hard_k_soft_v": HARD_K_SOFT_V, "soft_kv": SOFT_KV, "straight_through": STRAIGHT_THROUGH}
+
+
+@triton.jit
+def gates(qp, thu, thp, tau, kp, u, WINDOW, HAS_TOPK: tl.constexpr):
+    """Masks of a [G, BN] tile: attend, selected, u_j - tau_i (float32) and the gate m on selected."""
+    # qp, thp [G] int32; thu [G] (u dtype); tau [G] float32; kp [BN] int32 (-1: none); u [BN]
+    live = (kp[None, :] >= 0) & (qp[:, None] >= 0) & (kp[None, :] <= qp[:, None])
+    in_win = live & (kp[None, :] > qp[:, None] - WINDOW)
+    if HAS_TOPK:
+        above = (u[None, :] > thu[:, None]) | ((u[None, :] == thu[:, None]) & (kp[None, :] >= thp[:, None]))
+        sel = live & (kp[None, :] <= qp[:, None] - WINDOW) & above
+    else:
+        sel = live & False
+    diff = u.to(tl.float32)[None, :] - tau[:, None]
+    g = tl.where(sel, tl.minimum(tl.maximum(diff, 0.0), 1.0), 1.0)  # NaN-free: empty slots are not selected
+    return in_win | sel, sel, diff, g
+
+
+@triton.jit
+def load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D: tl.constexpr):
+    """Gather BN key rows (k, v [BN, D], u [BN], positions [BN]) at ext indices idx."""
+    safe = tl.where(valid, idx, 0)
+    d = tl.arange(0, D)
+    k = tl.load(Kb + safe[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(Vb + safe[:, None] * svn + d[None, :], mask=valid[:, None], other=0.0)
+    u = tl.load(Ub + safe, mask=valid, other=float("-inf"))
+    kp = tl.load(Pb + safe, mask=valid, other=-1)
+    return k, v, u, kp
+
+
+@triton.jit
+def _fwd_tile(q, m_i, l_i, acc, idx, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, WINDOW, scale2,
+              D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
+    k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
+    attend, sel, diff, g = gates(qp, thu, thp, tau, kp, u, WINDOW, HAS_TOPK)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2  # [G, BN] logits in log2 units
+    if VARIANT == 1:
+        s = s * g
+    s = tl.where(attend, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay NaN-free
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if VARIANT != 2:
+        p = p * g  # the gate scales values after normalisation
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, BP, O, LSE,
+    sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sob, sol, soh, sbpb, sbpn,
+    L, N, H, R, TOPK, WINDOW, TAIL, scale2,
+    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // R
+    i = blk * G + tl.arange(0, G)
+    d = tl.arange(0, D)
+    qm = i < L
+    q = tl.load(Q + b * sqb + i[:, None] * sql + h * sqh + d[None, :], mask=qm[:, None], other=0.0)  # [G, D]
+    row = b * L + i  # per-query arrays are [B, L] contiguous
+    qp = tl.load(QPOS + row, mask=qm, other=-1)
+    thu = tl.load(THU + row, mask=qm, other=float("inf"))
+    thp = tl.load(THP + row, mask=qm, other=0)
+    tau = tl.load(TAU + row, mask=qm, other=0.0).to(tl.float32)
+    Kb = Kx + b * skb + kvh * skh
+    Vb = Vx + b * svb + kvh * svh
+    Ub = U + b * N
+    Pb = POS + b * N
+
+    m_i = tl.full([G], float("-inf"), tl.float32)
+    l_i = tl.zeros([G], tl.float32)
+    acc = tl.zeros([G, D], tl.float32)
+    if HAS_TOPK:  # (1) the pool snapshot at the block start: gathered rows
+        for t in range(0, TOPK, BN):
+            jj = t + tl.arange(0, BN)
+            idx = tl.load(BP + b * sbpb + blk * sbpn + jj, mask=jj < TOPK, other=-1)
+            m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, idx, idx >= 0, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau,
+                                      WINDOW, scale2, D, VARIANT, HAS_TOPK, PREC)
+    # (2) the band (i0 - w, i0 + G - 1]: contiguous ext indices
+    start = TOPK + TAIL - WINDOW + 1 + blk * G
+    band = WINDOW + G - 1
+    for t in range(0, band, BN):
+        jj = t + tl.arange(0, BN)
+        idx = start + jj
+        valid = (jj < band) & (idx >= TOPK) & (idx < N)
+        m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, idx, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau,
+                                  WINDOW, scale2, D, VARIANT, HAS_TOPK, PREC)
+
+    has = l_i > 0  # padded queries attend to nothing: o = 0, lse = +inf (p = 0 in the backward)
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    tl.store(O + b * sob + i[:, None] * sol + h * soh + d[None, :], o.to(O.dtype.element_ty), mask=qm[:, None])
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))
+    tl.store(LSE + bh * L + i, lse, mask=qm)
