@@ -1,0 +1,161 @@
+"""The model reads a document in chunks exactly as in one pass (float64), with a detached, fixed-size cache."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from longtrain.model import LM, LMConfig, ModelCache, ThresholdOverflowWarning
+from longtrain.model.scoring import Scorer, mimic_score_weight
+
+SMALL = dict(vocab_size=61, layers=2, d_model=32, heads=4)
+
+CASES = [
+    # name, config overrides, T, chunk
+    ("sparsek+sw", dict(attention="sparsek+sw", topk=8, window=16), 230, 100),  # chunk not a multiple of the 64-query block
+    ("chunk<w", dict(attention="sparsek+sw", topk=6, window=24), 150, 10),  # chunk shorter than the window
+    ("token-by-token", dict(attention="sparsek+sw", topk=4, window=5), 40, 1),  # decoding
+    ("sparsek only", dict(attention="sparsek", topk=7), 160, 37),
+    ("sw only", dict(attention="sw", window=9), 120, 50),
+    ("full", dict(attention="full"), 90, 31),
+    ("llama gqa per-kv-head", dict(style="llama", kv_heads=2, score_groups="per_kv_head", attention="sparsek+sw", topk=5, window=8), 170, 64),
+    ("no tsn, soft_kv, mimic", dict(attention="sparsek+sw", topk=5, window=6, timestep_norm=False, variant="soft_kv", score_init="mimic"), 140, 45),
+]
+
+
+def make(**kw) -> LM:
+    return LM(LMConfig(**{**SMALL, **kw})).double().eval()
+
+
+def chunked(model, tokens, chunk, cache=None, lengths_fn=None):
+    cache = cache or model.empty_cache(tokens.shape[0], dtype=torch.float64)
+    logits, sels = [], []
+    for s in range(0, tokens.shape[1], chunk):
+        out = model(tokens[:, s : s + chunk], cache=cache)
+        cache = out.cache
+        logits.append(out.logits)
+        sels.append(out.selections)
+    return torch.cat(logits, 1), sels, cache
+
+
+@pytest.mark.parametrize("name,kw,T,chunk", CASES, ids=[c[0] for c in CASES])
+@torch.no_grad()
+def test_chunked_equals_unchunked_float64(name, kw, T, chunk):
+    model = make(**kw)
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, T))
+    ref = model(tokens)
+    logits, sels, cache = chunked(model, tokens, chunk)
+    assert (logits - ref.logits).abs().max() <= 1e-9
+    for layer, ref_sel in enumerate(ref.selections):
+        if ref_sel is None:
+            assert all(s[layer] is None for s in sels)
+            continue
+        got = torch.cat([s[layer].fingerprint for s in sels], 1)
+        assert torch.equal(got, ref_sel.fingerprint)
+        assert len(set(ref_sel.fingerprint[0].tolist())) > 10  # the selection really changes along the document
+    assert cache.seen.tolist() == [T, T]
+    assert not ref.overflowed
+
+
+@torch.no_grad()
+def test_ragged_rows_and_reset_match_their_own_documents():
+    # Row 0 reads 70 tokens per chunk, row 1 only 23 (lengths); then row 1 starts a new document.
+    model = make(attention="sparsek+sw", topk=6, window=8)
+    doc = torch.randint(0, 61, (2, 140))
+    cache = model.empty_cache(2, dtype=torch.float64)
+    got0, got1 = [], []
+    for s0, s1 in ((0, 0), (70, 23)):
+        toks = torch.stack([doc[0, s0 : s0 + 70], torch.cat([doc[1, s1 : s1 + 23], torch.zeros(47, dtype=torch.long)])])
+        out = model(toks, cache=cache, lengths=torch.tensor([70, 23]))
+        cache = out.cache
+        got0.append(out.logits[0])
+        got1.append(out.logits[1, :23])
+    assert (torch.cat(got0) - model(doc[:1]).logits[0]).abs().max() <= 1e-9
+    assert (torch.cat(got1) - model(doc[1:, :46]).logits[0]).abs().max() <= 1e-9
+    cache = cache.reset_rows(torch.tensor([False, True]))
+    assert cache.seen.tolist() == [140, 0]
+    out = model(doc[:, :30], cache=cache)
+    assert (out.logits[1] - model(doc[1:, :30]).logits[0]).abs().max() <= 1e-9
+
+
+def test_cache_is_detached_and_backward_stops_at_the_chunk_boundary():
+    model = LM(LMConfig(**SMALL, attention="sparsek+sw", topk=4, window=6)).double()
+    t1, t2 = torch.randint(0, 61, (2, 2, 40))
+    out1 = model(t1, cache=model.empty_cache(2, dtype=torch.float64))
+    assert all(not t.requires_grad and t.grad_fn is None for t in out1.cache.state_dict().values())
+    out2 = model(t2, cache=out1.cache)
+    out2.logits.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    out1.logits.square().mean().backward()  # chunk 1's graph was not consumed by chunk 2's backward
+
+    # Chunk 2's gradient is the same as with a cache built without any graph at all.
+    model.zero_grad()
+    with torch.no_grad():
+        cache = model(t1, cache=model.empty_cache(2, dtype=torch.float64)).cache
+    model(t2, cache=cache).logits.square().mean().backward()
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[n], atol=1e-12, rtol=0), n
+    assert grads["blocks.0.attn.scorer.weight"].abs().sum() > 0  # scores learn through the SparseK mask
+
+
+@torch.no_grad()
+def test_cache_size_is_fixed_and_state_dict_round_trips(tmp_path):
+    model = LM(LMConfig(vocab_size=17, layers=1, d_model=16, heads=2, attention="sparsek+sw", topk=4, window=4)).eval()
+    tokens = torch.randint(0, 17, (2, 100 * 8))
+    cache = model.empty_cache(2, dtype=torch.float32)
+    for i in range(100):
+        cache = model(tokens[:, i * 8 : (i + 1) * 8], cache=cache).cache
+        if i == 9:
+            at10 = {k: (tuple(v.shape), v.dtype) for k, v in cache.state_dict().items()}
+    assert {k: (tuple(v.shape), v.dtype) for k, v in cache.state_dict().items()} == at10
+    assert cache.kv_entries_per_layer == 4 + 4 - 1
+    assert cache.fill() == 1.0 and model.empty_cache(2).fill() == 0.0
+
+    save_file(cache.state_dict(), tmp_path / "cache.safetensors")
+    back = ModelCache.from_state_dict(load_file(tmp_path / "cache.safetensors"))
+    nxt = torch.randint(0, 17, (2, 8))
+    assert torch.equal(model(nxt, cache=back).logits, model(nxt, cache=cache).logits)
+
+
+@torch.no_grad()
+def test_threshold_overflow_is_reported():
+    model = make(attention="sparsek", topk=4, threshold_cap=1)  # the op raises the cap to k + 2
+    tokens = torch.randint(0, 61, (1, 400))
+    with pytest.warns(ThresholdOverflowWarning):
+        out = model(tokens)
+    assert out.overflowed
+    assert not make(attention="sparsek", topk=4)(tokens).overflowed
+
+
+def test_scores_stay_float32_under_bf16_autocast():
+    scorer = Scorer(16, 1, timestep_norm=True, eps_slope=1e-3)
+    x = torch.randn(2, 10, 16, dtype=torch.bfloat16)
+    zeros = torch.zeros(2, 1, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        u, _, _ = scorer(x, torch.arange(10).expand(2, 10), torch.ones(2, 10, dtype=torch.bool), torch.zeros(2, dtype=torch.long), zeros, zeros)
+    assert u.dtype == torch.float32
+
+
+def test_mimic_init_is_wq_wk_transpose_ones_normalised():
+    model = LM(LMConfig(**SMALL, attention="sparsek+sw", topk=4, window=4, score_init="mimic"))
+    a = model.blocks[1].attn
+    W_Q, W_K = a.q_proj.weight.t().double(), a.k_proj.weight.t().double()  # row convention: q = x W_Q
+    w = W_Q @ W_K.t() @ torch.ones(SMALL["d_model"], dtype=torch.float64)
+    assert torch.allclose(a.scorer.weight[0].double(), w / w.norm(), atol=1e-6)
+    # Per-KV-head groups: one unit vector per group, from that group's heads only.
+    g = mimic_score_weight(torch.randn(4 * 8, 32), torch.randn(2 * 8, 32), 4, 2, 2)
+    assert g.shape == (2, 32) and torch.allclose(g.norm(dim=-1), torch.ones(2))
+
+
+def test_styles_and_recipe_config():
+    from longtrain.train.recipe import load_recipe
+
+    r = load_recipe("quickstart")
+    cfg = LMConfig.from_recipe(r.model, r.attention, vocab_size=2048)
+    assert (cfg.topk, cfg.window, cfg.attention, cfg.vocab_size) == (64, 64, "sparsek+sw", 2048)
+    gpt2 = LM(LMConfig(**SMALL, attention="sw", window=4))
+    llama = LM(LMConfig(**SMALL, style="llama", attention="sw", window=4))
+    assert gpt2.unembed is None and llama.unembed is not None  # tied vs untied head
+    assert gpt2.num_params() == sum(p.numel() for p in gpt2.parameters())
+    assert isinstance(llama.blocks[0].norm1, torch.nn.RMSNorm)
+    with pytest.raises(ValueError):
+        LMConfig(**SMALL, attention="sparsek+sw", topk=4)  # no window
