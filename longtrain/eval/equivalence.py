@@ -239,15 +239,14 @@ def verify(
 
 def load_model(recipe: Path | None, checkpoint: Path | None, seed: int):
     """(model, tokenizer or None) from a recipe (random init), a checkpoint, or the small default."""
-    from longtrain.data import DataError
-    from longtrain.data.tokenizer import load_tokenizer
-    from longtrain.train.recipe import RecipeError, load_recipe
-
     if recipe is not None and checkpoint is not None:
         raise UsageError("give --recipe or --checkpoint, not both")
     torch.manual_seed(seed)
     if recipe is None and checkpoint is None:
         return LM(LMConfig(**DEFAULT_MODEL)), None
+    from longtrain.data import DataError
+    from longtrain.data.tokenizer import load_tokenizer
+    from longtrain.train.recipe import RecipeError, load_recipe
 
     state = None
     if checkpoint is not None:
