@@ -56,10 +56,18 @@ def test_chunked_equals_unchunked_float64(name, kw, T, chunk):
     assert not ref.overflowed
 
 
+RAGGED = [
+    dict(attention="sparsek+sw", topk=6, window=8),
+    dict(style="llama", kv_heads=2, score_groups="per_kv_head", attention="sparsek+sw", topk=6, window=8),
+    dict(attention="full"),
+]
+
+
+@pytest.mark.parametrize("kw", RAGGED, ids=["shared", "per-kv-head", "full"])
 @torch.no_grad()
-def test_ragged_rows_and_reset_match_their_own_documents():
+def test_ragged_rows_and_reset_match_their_own_documents(kw):
     # Row 0 reads 70 tokens per chunk, row 1 only 23 (lengths); then row 1 starts a new document.
-    model = make(attention="sparsek+sw", topk=6, window=8)
+    model = make(**kw)
     doc = torch.randint(0, 61, (2, 140))
     cache = model.empty_cache(2, dtype=torch.float64)
     got0, got1 = [], []
