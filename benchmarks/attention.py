@@ -1,0 +1,263 @@
+"""SparseK attention kernels against SDPA (flash, full causal) and FlexAttention (sliding window).
+
+    PYTHONPATH=. python benchmarks/attention.py [--out DIR] [--quick]
+
+First checks the kernels (bf16, NaN-poisoned outputs) against the naive core in float32 at a few
+realistic shapes, then times forward and forward+backward (do_bench medians, ms) for
+T in 2k..128k with at least 16k tokens per batch, H = 12, k = w = 512, D = 64 (and 128 at some T).
+Prints one table and writes attention.json beside it (or under --out).
+Needs CUDA; imports only longtrain.ops (no data or training stack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from longtrain.ops.attention import SparseKCache, op as op_mod, sparsek_attention_chunk
+from longtrain.ops.attention import triton_core
+from longtrain.ops.attention.naive import sparsek_attention_core_naive
+
+H, K, W, G = 12, 512, 512, 64
+TOKENS = 16384
+
+
+class _Captured(Exception):
+    pass
+
+
+def core_args(q, k, v, u, *, topk, window, variant, block=G):
+    """Run the op's layout and CPU scan once; return (core args, core kwargs, scan seconds)."""
+    got = {}
+
+    def grab(*a, **kw):
+        got["a"], got["kw"] = a, kw
+        raise _Captured
+
+    B, T, Hkv, D = k.shape
+    cache = SparseKCache.empty(B, topk, window, Hkv, D, dtype=k.dtype, score_dtype=u.dtype, device=q.device)
+    saved = op_mod.sparsek_attention_core_naive
+    op_mod.sparsek_attention_core_naive = grab
+    try:
+        t0 = time.perf_counter()
+        sparsek_attention_chunk(q, k, v, u, cache, topk=topk, window=window, variant=variant, backend="naive", block=block)
+    except _Captured:
+        pass
+    finally:
+        op_mod.sparsek_attention_core_naive = saved
+    if q.is_cuda:
+        torch.cuda.synchronize()
+    return got["a"], got["kw"], time.perf_counter() - t0
+
+
+def leaves(args, dtype=None):
+    """Detached differentiable copies of the core's float inputs (q, k_ext, v_ext, u_ext, tau)."""
+    out = list(args)
+    for i in (0, 1, 2, 3, 8):
+        x = args[i].detach()
+        if dtype is not None and i < 3:
+            x = x.to(dtype)
+        out[i] = x.clone().requires_grad_()
+    return out
+
+
+def rel_rms(x, ref):
+    return (torch.linalg.vector_norm((x.float() - ref.float())) / torch.linalg.vector_norm(ref.float()).clamp(min=1e-30)).item()
+
+
+def check(T=4096, B=1, Hq=12, Hkv=12, D=64, topk=K, window=W, variant="hard_k_soft_v", dtype=torch.bfloat16, seed=0,
+          dev="cuda"):
+    """Relative RMS errors of o, dq, dk, dv, du, dtau: bf16 kernels vs the naive core in float32."""
+    torch.manual_seed(seed)
+    q = torch.randn(B, T, Hq, D, device=dev, dtype=dtype)
+    k = torch.randn(B, T, Hkv, D, device=dev, dtype=dtype)
+    v = torch.randn(B, T, Hkv, D, device=dev, dtype=dtype)
+    u = torch.randn(B, T, device=dev) + torch.arange(T, device=dev) * 1e-4
+    args, kw, _ = core_args(q, k, v, u, topk=topk, window=window, variant=variant)
+    triton_core.POISON = True
+    try:
+        a = leaves(args)
+        o = triton_core.sparsek_attention_core_triton(*a, **kw)
+        do = torch.randn_like(o)
+        o.backward(do)
+    finally:
+        triton_core.POISON = False
+    r = leaves(args, torch.float32)
+    with torch.device(dev):  # naive.block_key_indices builds its band on the default device
+        o_ref = sparsek_attention_core_naive(*r, **kw)
+    o_ref.backward(do.float())
+    names = ["o", "dq", "dk", "dv", "du", "dtau"]
+    got = [o] + [a[i].grad for i in (0, 1, 2, 3, 8)]
+    want = [o_ref] + [r[i].grad for i in (0, 1, 2, 3, 8)]
+    errs = {}
+    for n, x, y in zip(names, got, want):
+        errs[n] = float("nan") if not torch.isfinite(x).all() else rel_rms(x, y)
+    return errs
+
+
+CHECKS = [
+    dict(T=4096, variant="hard_k_soft_v"),
+    dict(T=3000, Hq=12, Hkv=4, D=128, variant="soft_kv"),  # GQA, D = 128, T not a multiple of 64
+    dict(T=2500, variant="straight_through", dtype=torch.float16),
+    dict(T=2048, B=2, topk=0, window=W),  # sliding window only
+    dict(T=2048, topk=K, window=0, variant="soft_kv"),  # SparseK only
+]
+
+
+def bench(fn, reps_ms=200):
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=reps_ms, return_mode="median")
+
+
+def useful_flops(B, T, D, span):
+    """Forward FLOPs of the attended pairs: 4 D per (query, key, head); span keys at most."""
+    i = torch.arange(T, dtype=torch.float64)
+    pairs = torch.minimum(i + 1, torch.tensor(float(span))).sum().item()
+    return 4.0 * D * H * B * pairs
+
+
+def time_case(T, D, do_naive):
+    B = max(1, TOKENS // T)
+    dev = "cuda"
+    torch.manual_seed(T + D)
+    q = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
+    u = torch.randn(B, T, device=dev)
+    row = dict(T=T, B=B, D=D)
+
+    args, kw, scan_s = core_args(q, k, v, u, topk=K, window=W, variant="hard_k_soft_v")
+    row["scan_ms"] = scan_s * 1e3  # op's layout + CPU selection scan, once (host time)
+    a = leaves(args)
+    do = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
+
+    def sk_f():
+        with torch.no_grad():
+            triton_core.sparsek_attention_core_triton(*a, **kw)
+
+    def sk_fb():
+        o = triton_core.sparsek_attention_core_triton(*a, **kw)
+        torch.autograd.grad(o, [a[0], a[1], a[2], a[3], a[8]], do)
+
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    sk_fb()
+    torch.cuda.synchronize()
+    row["sk_extra_mem_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    row["sk_fwd"], row["sk_fb"] = bench(sk_f), bench(sk_fb)
+    row["scan_share"] = row["scan_ms"] / (row["scan_ms"] + row["sk_fb"])
+
+    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    dot_ = do.transpose(1, 2).contiguous()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa_f():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.no_grad():
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    def sdpa_fb():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        torch.autograd.grad(o, [qt, kt, vt], dot_)
+
+    row["sdpa_fwd"], row["sdpa_fb"] = bench(sdpa_f), bench(sdpa_fb)
+
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+        sw = 2 * W
+
+        def mask_mod(b, h, qi, ki):
+            return (ki <= qi) & (qi - ki < sw)
+
+        bm = create_block_mask(mask_mod, None, None, T, T, device=dev)
+
+        def flex_f():
+            with torch.no_grad():
+                flex(qt, kt, vt, block_mask=bm)
+
+        def flex_fb():
+            o = flex(qt, kt, vt, block_mask=bm)
+            torch.autograd.grad(o, [qt, kt, vt], dot_)
+
+        row["flex_fwd"], row["flex_fb"] = bench(flex_f), bench(flex_fb)
+    except Exception as e:  # report, don't hide
+        row["flex_error"] = repr(e)[:200]
+        row["flex_fwd"] = row["flex_fb"] = float("nan")
+
+    if do_naive:
+        r = leaves(args)
+
+        def naive_fb():
+            o = sparsek_attention_core_naive(*r, **kw)
+            torch.autograd.grad(o, [r[0], r[1], r[2], r[3], r[8]], do)
+
+        with torch.device(dev):  # naive.block_key_indices builds its band on the default device
+            with torch.no_grad():
+                row["naive_fwd"] = bench(lambda: sparsek_attention_core_naive(*r, **kw), 100)
+            row["naive_fb"] = bench(naive_fb, 100)
+    else:
+        row["naive_fwd"] = row["naive_fb"] = float("nan")
+
+    fl = useful_flops(B, T, D, K + W)
+    row["sk_tflops_fwd"] = fl / row["sk_fwd"] / 1e9
+    row["sk_tflops_fb"] = 3.5 * fl / row["sk_fb"] / 1e9  # backward = 2.5 forward (FA2 convention)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", os.path.dirname(os.path.abspath(__file__))))
+    ap.add_argument("--quick", action="store_true", help="T <= 16k, D = 64 only")
+    ap.add_argument("--no-check", action="store_true")
+    ns = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs CUDA")
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version())
+    import triton
+
+    res["triton"] = triton.__version__
+    print(f"# {res['device']}  torch {res['torch']}  triton {res['triton']}", flush=True)
+    if not ns.no_check:
+        res["checks"] = []
+        for c in CHECKS:
+            e = check(**c)
+            res["checks"].append(dict(case={n: str(x) for n, x in c.items()}, rel_rms=e))
+            ok = all(x <= 5e-3 for x in e.values())
+            print("check", c, " ".join(f"{n}={x:.1e}" for n, x in e.items()), "OK" if ok else "FAIL", flush=True)
+    Ts = [2048, 4096, 8192, 16384] + ([] if ns.quick else [32768, 65536, 131072])
+    cases = [(T, 64) for T in Ts] + ([] if ns.quick else [(T, 128) for T in (4096, 16384, 65536)])
+    res["rows"] = []
+    for T, D in cases:
+        row = time_case(T, D, do_naive=T <= 8192)
+        res["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+    path = os.path.join(ns.out, "attention.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    hdr = "|  T  |  B |  D | SK fwd | SK f+b | SDPA f+b | Flex-SW1024 f+b | naive f+b | SDPA/SK | SK/Flex | scan ms (CPU) | SK TFLOP/s f+b | extra MiB |"
+    print(f"\n{res['device']}, bf16, H={H}, k=w={K}, ms (do_bench medians)\n")
+    print(hdr)
+    print("|---" * (hdr.count("|") - 1) + "|")
+    for r in res["rows"]:
+        print(
+            f"| {r['T']} | {r['B']} | {r['D']} | {r['sk_fwd']:.3f} | {r['sk_fb']:.3f} | {r['sdpa_fb']:.3f} | "
+            f"{r['flex_fb']:.3f} | {r['naive_fb']:.2f} | {r['sdpa_fb'] / r['sk_fb']:.2f} | {r['sk_fb'] / r['flex_fb']:.2f} | "
+            f"{r['scan_ms']:.0f} | {r['sk_tflops_fb']:.0f} | {r['sk_extra_mem_mb']:.0f} |"
+        )
+    print(f"\nJSON: {path}")
+
+
+if __name__ == "__main__":
+    main()
