@@ -22,11 +22,11 @@ from longtrain.ops.attention.triton_bwd import stable_slots  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def inputs(B, T, H, Hkv, D):
+def inputs(B, T, H, Hkv, D, slope=1e-2):
     q = torch.randn(B, T, H, D, device=DEV)
     k = torch.randn(B, T, Hkv, D, device=DEV)
     v = torch.randn(B, T, Hkv, D, device=DEV)
-    u = torch.randn(B, T, device=DEV) * 0.7 + torch.arange(T, device=DEV) * 1e-2
+    u = torch.randn(B, T, device=DEV) * 0.7 + torch.arange(T, device=DEV) * slope
     return q, k, v, u
 
 
@@ -59,7 +59,7 @@ def assert_close(got, want, names="o dq dk dv du".split()):
 
 
 CASES = [
-    # T, topk, window, H, Hkv, D, variant, block
+    # T, topk, window, H, Hkv, D, variant, block (, slope of u)
     (37, 5, 4, 4, 2, 16, "hard_k_soft_v", 16),  # GQA, T not a multiple of the block
     (40, 8, 0, 2, 2, 16, "soft_kv", 16),  # SparseK only (w = 0)
     (35, 0, 7, 2, 1, 16, "hard_k_soft_v", 16),  # sliding window only (k = 0), MQA
@@ -67,12 +67,15 @@ CASES = [
     (20, 40, 3, 2, 2, 16, "hard_k_soft_v", 16),  # k larger than any candidate set
     (50, 6, 20, 3, 1, 16, "soft_kv", 16),  # window longer than a query block
     (70, 7, 5, 2, 2, 16, "hard_k_soft_v", 32),  # several blocks, pool keys leave and enter
+    # Tiles on the kernels' fast paths: band tiles inside every window, pool tiles all selected (u falls)
+    (90, 16, 40, 2, 1, 16, "soft_kv", 16, -0.1),
+    (90, 32, 40, 2, 2, 16, "hard_k_soft_v", 16, -0.1),
 ]
 
 
-@pytest.mark.parametrize("T,k,w,H,Hkv,D,variant,block", CASES)
-def test_kernels_equal_naive(T, k, w, H, Hkv, D, variant, block):
-    args = inputs(2, T, H, Hkv, D)
+@pytest.mark.parametrize("T,k,w,H,Hkv,D,variant,block,slope", [c + (1e-2,) * (len(c) == 8) for c in CASES])
+def test_kernels_equal_naive(T, k, w, H, Hkv, D, variant, block, slope):
+    args = inputs(2, T, H, Hkv, D, slope)
     kw = dict(topk=k, window=w, variant=variant, block=block)
     assert_close(run_chunks("triton", args, [T], **kw), run_chunks("naive", args, [T], **kw))
 

@@ -28,27 +28,32 @@ import torch
 import triton
 import triton.language as tl
 
-from longtrain.ops.attention.triton_fwd import LOG2E, gates, load_keys
+from longtrain.ops.attention.triton_fwd import load_keys, masked_logits, tile_mode
 
 
 @triton.jit
-def _grad_tile(q, do, lse2, delta, k, v, u, kp, extra, qp, thu, thp, tau, WINDOW, scale,
-               VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
+def _grad_tile(q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau, qp_min, qp_max, thu_last, thp_last, WINDOW, scale,
+               G: tl.constexpr, BN: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr,
+               IS_POOL: tl.constexpr, PREC: tl.constexpr):
     """Per [G, BN] tile: P g (for dV), dz times the key scale (for dQ/dK) and dm (for du, dtau)."""
-    attend, sel, diff, g = gates(qp, thu, thp, tau, kp, u, WINDOW, HAS_TOPK)
-    attend = attend & extra
+    mode = tile_mode(kp, u, kvalid, qp_min, qp_max, thu_last, thp_last, WINDOW, BN, IS_POOL)
     x = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [G, BN] natural-log logits before the gate
-    z = x * g if VARIANT == 1 else x
-    p = tl.exp2(tl.where(attend, z * 1.4426950408889634, float("-inf")) - lse2[:, None])
+    z2, g, dmask = masked_logits(mode, x * 1.4426950408889634, qp, thu, thp, tau, kp, u, kvalid, WINDOW,
+                                 G, BN, VARIANT, HAS_TOPK)
+    p = tl.exp2(z2 - lse2[:, None])
     dpg = tl.dot(do, tl.trans(v), input_precision=PREC)  # [G, BN]
-    gv = g if VARIANT != 2 else 1.0
-    dz = p * (gv * dpg - delta[:, None])
+    if VARIANT == 2:
+        dz = p * (dpg - delta[:, None])
+        pg = p
+    else:
+        dz = p * (g * dpg - delta[:, None])
+        pg = p * g
     dg = p * dpg
     if VARIANT == 1:
         dg += dz * x
         dz = dz * g
-    dm = tl.where(sel & (diff >= 0.0) & (diff <= 1.0), dg, 0.0)
-    return p * gv, dz, dm
+    dm = tl.where(dmask, dg, 0.0)
+    return pg, dz, dm
 
 
 @triton.jit
@@ -80,25 +85,31 @@ def _dq_kernel(
     Vb = Vx + b * svb + kvh * svh
     Ub = U + b * N
     Pb = POS + b * N
+    qp_min, qp_max = tl.min(qp, 0), tl.max(qp, 0)
+    last = b * L + tl.minimum(blk * G + G - 1, L - 1)  # theta is non-decreasing: the last query's is the largest
+    thu_last, thp_last = tl.load(THU + last), tl.load(THP + last)
 
     dq = tl.zeros([G, D], tl.float32)
     dtau = tl.zeros([G], tl.float32)
     n_pool = TOPK if HAS_TOPK else 0
     start = TOPK + TAIL - WINDOW + 1 + blk * G
     band = WINDOW + G - 1
-    n_pool_tiles = tl.cdiv(n_pool, BN)
-    for t in range(0, n_pool_tiles + tl.cdiv(band, BN)):
-        if t < n_pool_tiles:  # pool snapshot: gathered rows
-            jj = t * BN + tl.arange(0, BN)
-            idx = tl.load(BP + b * sbpb + blk * sbpn + jj, mask=jj < TOPK, other=-1)
-            valid = idx >= 0
-        else:  # band: contiguous ext indices
-            jj = (t - n_pool_tiles) * BN + tl.arange(0, BN)
-            idx = start + jj
-            valid = (jj < band) & (idx >= TOPK) & (idx < N)
+    for t in range(0, n_pool, BN):  # pool snapshot: gathered rows
+        jj = t + tl.arange(0, BN)
+        idx = tl.load(BP + b * sbpb + blk * sbpn + jj, mask=jj < TOPK, other=-1)
+        valid = idx >= 0
         k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-        pg, dz, dm = _grad_tile(q, do, lse2, delta, k, v, u, kp, valid[None, :], qp, thu, thp, tau, WINDOW, scale,
-                                VARIANT, HAS_TOPK, PREC)
+        pg, dz, dm = _grad_tile(q, do, lse2, delta, k, v, u, kp, valid, qp, thu, thp, tau, qp_min, qp_max, thu_last, thp_last,
+                                WINDOW, scale, G, BN, VARIANT, HAS_TOPK, True, PREC)
+        dq += tl.dot(dz.to(k.dtype), k, input_precision=PREC)
+        dtau -= tl.sum(dm, 1)
+    for t in range(0, band, BN):  # band: contiguous ext indices
+        jj = t + tl.arange(0, BN)
+        idx = start + jj
+        valid = (jj < band) & (idx >= TOPK) & (idx < N)
+        k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
+        pg, dz, dm = _grad_tile(q, do, lse2, delta, k, v, u, kp, valid, qp, thu, thp, tau, qp_min, qp_max, thu_last, thp_last,
+                                WINDOW, scale, G, BN, VARIANT, HAS_TOPK, False, PREC)
         dq += tl.dot(dz.to(k.dtype), k, input_precision=PREC)
         dtau -= tl.sum(dm, 1)
     tl.store(DQ + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
@@ -107,11 +118,11 @@ def _dq_kernel(
 
 
 @triton.jit
-def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, extra,
+def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid,
                Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
                L, H, R, WINDOW, scale,
-               G: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr,
-               PREC: tl.constexpr):
+               G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr,
+               IS_POOL: tl.constexpr, PREC: tl.constexpr):
     """Add query block `blk`'s contributions (all R query heads of kv head kvh) to one key tile."""
     i = blk * G + tl.arange(0, G)
     d = tl.arange(0, D)
@@ -121,6 +132,9 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, extra,
     thu = tl.load(THU + row, mask=qm, other=float("inf"))
     thp = tl.load(THP + row, mask=qm, other=0)
     tau = tl.load(TAU + row, mask=qm, other=0.0).to(tl.float32)
+    qp_min, qp_max = tl.min(qp, 0), tl.max(qp, 0)
+    last = b * L + tl.minimum(blk * G + G - 1, L - 1)  # theta is non-decreasing: the last query's is the largest
+    thu_last, thp_last = tl.load(THU + last), tl.load(THP + last)
     for r in range(0, R):
         h = kvh * R + r
         bh = b * H + h
@@ -128,8 +142,8 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, extra,
         do = tl.load(DO + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], mask=qm[:, None], other=0.0)
         lse2 = tl.load(LSE + bh * L + i, mask=qm, other=float("inf"))
         delta = tl.load(DELTA + bh * L + i, mask=qm, other=0.0)
-        pg, dz, dm = _grad_tile(q, do, lse2, delta, k, v, u, kp, extra, qp, thu, thp, tau, WINDOW, scale,
-                                VARIANT, HAS_TOPK, PREC)
+        pg, dz, dm = _grad_tile(q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau, qp_min, qp_max, thu_last, thp_last,
+                                WINDOW, scale, G, BN, VARIANT, HAS_TOPK, IS_POOL, PREC)
         dv += tl.dot(tl.trans(pg.to(do.dtype)), do, input_precision=PREC)
         dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PREC)
         du += tl.sum(dm, 0)
@@ -171,9 +185,9 @@ def _dkv_kernel(
             valid = idx >= 0
             if tl.max(valid.to(tl.int32), 0) > 0:
                 k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-                dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, valid[None, :],
+                dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, valid,
                                         Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
-                                        L, H, R, WINDOW, scale, G, D, VARIANT, HAS_TOPK, PREC)
+                                        L, H, R, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, True, PREC)
                 done = valid & (nxt != idx)
                 safe = tl.where(done, idx, 0)
                 ptr = okv + safe[:, None] * (Hkv * D) + d[None, :]
@@ -198,9 +212,9 @@ def _dkv_kernel(
         for blk in range(lo, hi + 1):
             off = a - blk * G
             inb = valid & (off >= 0) & (off < band)
-            dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, inb[None, :],
+            dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, inb,
                                     Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
-                                    L, H, R, WINDOW, scale, G, D, VARIANT, HAS_TOPK, PREC)
+                                    L, H, R, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, False, PREC)
         em = e < N
         ptr = okv + e[:, None] * (Hkv * D) + d[None, :]
         tl.store(DKB + ptr, dk * scale, mask=em[:, None])
