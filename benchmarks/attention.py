@@ -215,11 +215,37 @@ def time_case(T, D, do_naive):
     return row
 
 
+def profile(T=16384, D=64):
+    """Per-kernel device time of one SparseK forward+backward (torch.profiler), to see where time goes."""
+    B = max(1, TOKENS // T)
+    q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    u = torch.randn(B, T, device="cuda")
+    args, kw, _ = core_args(q, k, v, u, topk=K, window=W, variant="hard_k_soft_v")
+    a = leaves(args)
+    do = torch.randn_like(q)
+
+    def step():
+        o = triton_core.sparsek_attention_core_triton(*a, **kw)
+        torch.autograd.grad(o, [a[0], a[1], a[2], a[3], a[8]], do)
+
+    step()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    print(f"profile T={T} D={D} (5 steps)")
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.dirname(os.path.abspath(__file__))))
     ap.add_argument("--quick", action="store_true", help="T <= 16k, D = 64 only")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, help="profile SparseK fwd+bwd at this T and exit")
     ns = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
@@ -228,6 +254,9 @@ def main():
 
     res["triton"] = triton.__version__
     print(f"# {res['device']}  torch {res['torch']}  triton {res['triton']}", flush=True)
+    if ns.profile:
+        profile(ns.profile)
+        return
     if not ns.no_check:
         res["checks"] = []
         for c in CHECKS:
