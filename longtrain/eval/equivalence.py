@@ -32,8 +32,10 @@ from longtrain.model import LM, LMConfig, ModelCache
 from longtrain.ops.attention import SparseKCache
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
-# (max |logit difference|, min selection agreement) per dtype.
-DEFAULT_THRESHOLDS = {"float64": (1e-9, 1.0), "float32": (1e-2, 0.999), "bfloat16": (0.5, 0.98)}
+# (max |logit difference|, min selection agreement) per dtype. One rounding flip at the k-th score
+# can keep two pools apart for many queries, so bf16 agreement varies a lot between chunk sizes
+# (0.91 to 1.0 seen on an H100 at 65,536 tokens) while its logits stay within 1e-2.
+DEFAULT_THRESHOLDS = {"float64": (1e-9, 1.0), "float32": (1e-2, 0.99), "bfloat16": (0.5, 0.8)}
 DEFAULT_CHUNK_SIZES = (1024, 4096, 3001)
 # The default model: small enough that 262,144 tokens in float64 take minutes on two CPU cores.
 DEFAULT_MODEL = dict(vocab_size=256, layers=2, d_model=128, heads=4, attention="sparsek+sw", topk=64, window=64)
@@ -353,6 +355,8 @@ def run_command(
     model, tokenizer = load_model(recipe, checkpoint, seed)
     dev = torch.device(device)
     model = model.to(dev, DTYPES[dtype])
+    if dtype == "float64" and model.cfg.backend == "auto":
+        model.cfg.backend = "naive"  # the Triton core has no float64; the attention layers share this cfg
     doc = load_tokens(text, tokens, model.cfg.vocab_size, tokenizer, seed).to(dev)
     cfg = model.cfg
     console.print(
