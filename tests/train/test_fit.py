@@ -1,0 +1,163 @@
+"""End-to-end `longtrain fit` on a tiny generated corpus: resume exactness, signals, bad input."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from longtrain.cli import app
+from longtrain.train.metrics import read_metrics
+
+WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at which but have "
+    "an they you were her all she there would their we him been has when who will more no if out so said "
+    "river house letter morning captain garden window silence evening mountain quiet ship coffee wander"
+).split()
+
+
+def write_corpus(folder: Path, n_docs: int = 5, words: int = 3500) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for d in range(n_docs):
+        rng = random.Random(d)
+        text = " ".join(rng.choice(WORDS) + ("." if rng.random() < 0.08 else "") for _ in range(words))
+        (folder / f"doc{d}.txt").write_text(text)
+
+
+RECIPE = """
+model: {{style: gpt2, layers: 2, d_model: 32, heads: 2, mlp_ratio: 2.0}}
+attention: {{type: sparsek+sw, topk: 8, window: 8}}
+data: {{source: files, path: {corpus}, min_doc_tokens: 300, valid: 0.2}}
+tokenizer: {{vocab_size: 320}}
+train: {{steps: {steps}, chunk_size: 48, batch_docs: 2, lr: 3.0e-3, warmup_steps: 2, seed: 3, device: cpu,
+         valid_every: 4, valid_docs: 1, valid_tokens: 96}}
+checkpoint: {{every: {every}, keep: 3}}
+logging: {{every: 1, progress: false}}
+"""
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch):
+    write_corpus(tmp_path / "corpus")
+    monkeypatch.setenv("LONGTRAIN_CACHE", str(tmp_path / "cache"))
+
+    def recipe(steps=10, every=4, name="tiny"):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(RECIPE.format(corpus=tmp_path / "corpus", steps=steps, every=every))
+        return path
+
+    return tmp_path, recipe
+
+
+def run_cli(*args, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "longtrain.cli", *map(str, args)], env=env, capture_output=True, text=True, timeout=600)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+
+
+def final_model(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / f"step-{step:08d}" / "model.safetensors")
+
+
+def test_resume_after_sigkill_is_bitwise_identical(workspace):
+    tmp, recipe = workspace
+    path = recipe(steps=10, every=4)
+    straight = run_cli("fit", path, "--run-dir", tmp / "straight")
+    assert straight.returncode == 0, straight.stderr + straight.stdout
+
+    killed = run_cli("fit", path, "--run-dir", tmp / "resumed", env_extra={"LONGTRAIN_TEST_KILL_AFTER": "4"})
+    assert killed.returncode == -signal.SIGKILL
+    meta = json.loads((tmp / "resumed/checkpoints/step-00000004/meta.json").read_text())
+    rows = meta["data_stream"]["rows"]
+    assert any(0 < off for _, off in rows), "the kill should fall in the middle of a document"
+    assert not (tmp / "resumed/checkpoints/step-00000008").exists()
+
+    resumed = run_cli("fit", path, "--run-dir", tmp / "resumed")
+    assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+    assert "resuming from" in resumed.stdout
+    a, b = losses(tmp / "straight"), losses(tmp / "resumed")
+    assert sorted(b) == list(range(1, 11))
+    assert [a[s] for s in range(5, 11)] == [b[s] for s in range(5, 11)]
+    ma, mb = final_model(tmp / "straight", 10), final_model(tmp / "resumed", 10)
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+    # the loss falls on this tiny corpus
+    assert a[10] < a[1]
+
+
+def cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_missing_recipe_and_bad_keys_are_named(workspace):
+    tmp, recipe = workspace
+    r = cli("fit", tmp / "nope.yaml")
+    assert r.exit_code == 2 and "nope.yaml" in r.output
+    r = cli("fit", recipe(), "--set", "model.layerz=3", "--run-dir", tmp / "x")
+    assert r.exit_code == 2 and "model.layerz" in r.output and "layers" in r.output
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workspace, monkeypatch):
+    tmp, recipe = workspace
+    import longtrain.train.trainer as trainer
+
+    calls = {"n": 0}
+    real = trainer.lm_loss
+
+    def poisoned(logits, targets):
+        calls["n"] += 1
+        loss = real(logits, targets)
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    monkeypatch.setattr(trainer, "lm_loss", poisoned)
+    r = cli("fit", recipe(steps=6, every=2), "--run-dir", tmp / "nan")
+    assert r.exit_code == 1, r.output
+    assert "loss is nan at step 3" in r.output and "step-00000002" in r.output
+    assert (tmp / "nan/checkpoints/step-00000002/model.safetensors").exists()
+    assert not (tmp / "nan/checkpoints/step-00000003").exists()
+
+
+def test_resume_refuses_another_model_and_skips_a_corrupt_checkpoint(workspace):
+    tmp, recipe = workspace
+    path = recipe(steps=4, every=2)
+    assert cli("fit", path, "--run-dir", tmp / "r").exit_code == 0
+    r = cli("fit", path, "--run-dir", tmp / "r", "--set", "model.d_model=48", "--set", "train.steps=6")
+    assert r.exit_code == 1 and "different model shape" in r.output
+
+    # Truncate the newest checkpoint: the previous complete one is used, with a warning.
+    newest = tmp / "r/checkpoints/step-00000004/model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])
+    with pytest.warns(UserWarning, match="step-00000004"):
+        r = cli("fit", path, "--run-dir", tmp / "r", "--set", "train.steps=6")
+    assert r.exit_code == 0, r.output
+    assert "resuming from" in r.output and "step-00000002" in r.output
+    assert sorted(losses(tmp / "r")) == list(range(1, 7))
+
+
+def test_sigterm_saves_a_checkpoint_before_exiting(workspace, monkeypatch):
+    tmp, recipe = workspace
+    import longtrain.train.trainer as trainer
+
+    real = trainer.clip_grad_norm
+    calls = {"n": 0}
+
+    def clip_then_signal(params, max_norm):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return real(params, max_norm)
+
+    monkeypatch.setattr(trainer, "clip_grad_norm", clip_then_signal)
+    r = cli("fit", recipe(steps=10, every=100), "--run-dir", tmp / "t")
+    assert r.exit_code == 0, r.output
+    assert "stopped early" in r.output
+    assert (tmp / "t/checkpoints/step-00000003").is_dir()
