@@ -73,8 +73,17 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=["segments", "deterministic"])
+def pool_walk(request, monkeypatch):
+    """The backward's pool walk: segments of 2 query blocks with atomic adds, or one program per slot tile."""
+    if request.param == "segments":
+        monkeypatch.setattr(triton_core, "POOL_SEGMENT", 2)
+    else:
+        monkeypatch.setattr(triton_core, "DETERMINISTIC", True)
+
+
 @pytest.mark.parametrize("T,k,w,H,Hkv,D,variant,block,slope", [c + (1e-2,) * (len(c) == 8) for c in CASES])
-def test_kernels_equal_naive(T, k, w, H, Hkv, D, variant, block, slope):
+def test_kernels_equal_naive(T, k, w, H, Hkv, D, variant, block, slope, pool_walk):
     args = inputs(2, T, H, Hkv, D, slope)
     kw = dict(topk=k, window=w, variant=variant, block=block)
     assert_close(run_chunks("triton", args, [T], **kw), run_chunks("naive", args, [T], **kw))
@@ -95,7 +104,8 @@ def test_ragged_rows_and_poisoned_buffers(monkeypatch):
     assert_close(got, run_chunks("naive", args, [30], **kw))
 
 
-def test_backward_is_deterministic():
+def test_backward_is_deterministic(monkeypatch):
+    monkeypatch.setattr(triton_core, "DETERMINISTIC", True)
     args = inputs(1, 45, 2, 1, 16)
     kw = dict(topk=5, window=4, variant="hard_k_soft_v", block=16)
     a, b = run_chunks("triton", args, [45], **kw), run_chunks("triton", args, [45], **kw)

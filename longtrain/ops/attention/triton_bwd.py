@@ -12,12 +12,14 @@ straight_through uses g = 1 everywhere except dg.
 
 Two kernels:
 - dq: query-major like the forward (pool tiles then band tiles); also gives dtau per query.
-- dkv: key-major, two kinds of programs in one launch.
-  * band programs own BN consecutive ext indices and visit the few query blocks whose band holds them;
-  * pool programs own BN pool *slots* and walk all query blocks in order. `stable_slots` relabels
-    each block's pool so that a key keeps one slot from entering the pool to leaving it (it never
-    returns: irreversibility), so a key's accumulator lives in one program and is written once,
-    when the key leaves its slot. No atomics, no per-block partials: extra memory O(T).
+- dkv pool: key-major over pool *slots*. `stable_slots` relabels each block's pool so that a key keeps
+  one slot from entering the pool to leaving it (it never returns: irreversibility); a program owns
+  BN slots and walks the query blocks in order, so a key's sums stay in registers and are written
+  when it leaves its slot. Deterministic mode walks all blocks in one program (each key written
+  once, no atomics); the fast mode cuts the walk into segments for parallelism and adds each
+  segment's sums atomically (a few adds per key, not one per query block). Extra memory O(T).
+- dkv band: key-major over ext rows, FA2 style: each program visits the few query blocks whose band
+  holds its keys, adds the pool sums and writes the final dK, dV, du.
 """
 
 from __future__ import annotations
@@ -28,15 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from longtrain.ops.attention.triton_fwd import load_keys, masked_logits, tile_mode
+from longtrain.ops.attention.triton_fwd import band_mode, interior_tiles, load_keys, masked_logits
 
 
 @triton.jit
-def _grad_tile(q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau, qp_min, qp_max, thu_last, thp_last, WINDOW, scale,
-               G: tl.constexpr, BN: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr,
-               IS_POOL: tl.constexpr, PREC: tl.constexpr):
+def _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau, WINDOW, scale,
+               G: tl.constexpr, BN: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
     """Per [G, BN] tile: P g (for dV), dz times the key scale (for dQ/dK) and dm (for du, dtau)."""
-    mode = tile_mode(kp, u, kvalid, qp_min, qp_max, thu_last, thp_last, WINDOW, BN, IS_POOL)
     x = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [G, BN] natural-log logits before the gate
     z2, g, dmask = masked_logits(mode, x * 1.4426950408889634, qp, thu, thp, tau, kp, u, kvalid, WINDOW,
                                  G, BN, VARIANT, HAS_TOPK)
@@ -54,6 +54,18 @@ def _grad_tile(q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau, qp_mi
         dz = dz * g
     dm = tl.where(dmask, dg, 0.0)
     return pg, dz, dm
+
+
+@triton.jit
+def _dq_tile(mode, dq, dtau, idx, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, WINDOW, scale,
+             G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr,
+             PREC: tl.constexpr):
+    k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
+    pg, dz, dm = _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, valid, qp, thu, thp, tau, WINDOW, scale,
+                            G, BN, VARIANT, HAS_TOPK, PREC)
+    dq += tl.dot(dz.to(k.dtype), k, input_precision=PREC)
+    dtau -= tl.sum(dm, 1)
+    return dq, dtau
 
 
 @triton.jit
@@ -85,33 +97,34 @@ def _dq_kernel(
     Vb = Vx + b * svb + kvh * svh
     Ub = U + b * N
     Pb = POS + b * N
-    qp_min, qp_max = tl.min(qp, 0), tl.max(qp, 0)
-    last = b * L + tl.minimum(blk * G + G - 1, L - 1)  # theta is non-decreasing: the last query's is the largest
-    thu_last, thp_last = tl.load(THU + last), tl.load(THP + last)
 
     dq = tl.zeros([G, D], tl.float32)
     dtau = tl.zeros([G], tl.float32)
-    n_pool = TOPK if HAS_TOPK else 0
+    if HAS_TOPK:  # pool snapshot: gathered rows
+        for t in range(0, TOPK, BN):
+            jj = t + tl.arange(0, BN)
+            idx = tl.load(BP + b * sbpb + blk * sbpn + jj, mask=jj < TOPK, other=-1)
+            dq, dtau = _dq_tile(3, dq, dtau, idx, idx >= 0, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn,
+                                qp, thu, thp, tau, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, PREC)
+    # band: contiguous ext indices; its interior tiles need no masks
     start = TOPK + TAIL - WINDOW + 1 + blk * G
     band = WINDOW + G - 1
-    for t in range(0, n_pool, BN):  # pool snapshot: gathered rows
-        jj = t + tl.arange(0, BN)
-        idx = tl.load(BP + b * sbpb + blk * sbpn + jj, mask=jj < TOPK, other=-1)
-        valid = idx >= 0
-        k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-        pg, dz, dm = _grad_tile(q, do, lse2, delta, k, v, u, kp, valid, qp, thu, thp, tau, qp_min, qp_max, thu_last, thp_last,
-                                WINDOW, scale, G, BN, VARIANT, HAS_TOPK, True, PREC)
-        dq += tl.dot(dz.to(k.dtype), k, input_precision=PREC)
-        dtau -= tl.sum(dm, 1)
-    for t in range(0, band, BN):  # band: contiguous ext indices
-        jj = t + tl.arange(0, BN)
-        idx = start + jj
-        valid = (jj < band) & (idx >= TOPK) & (idx < N)
-        k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-        pg, dz, dm = _grad_tile(q, do, lse2, delta, k, v, u, kp, valid, qp, thu, thp, tau, qp_min, qp_max, thu_last, thp_last,
-                                WINDOW, scale, G, BN, VARIANT, HAS_TOPK, False, PREC)
-        dq += tl.dot(dz.to(k.dtype), k, input_precision=PREC)
-        dtau -= tl.sum(dm, 1)
+    nt = tl.cdiv(band, BN)
+    f0, f1 = interior_tiles(tl.min(qp, 0), nt, WINDOW, G, BN)
+    for t in range(0, f0):
+        jj = t * BN + tl.arange(0, BN)
+        valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
+        dq, dtau = _dq_tile(0, dq, dtau, start + jj, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn,
+                            qp, thu, thp, tau, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, PREC)
+    for t in range(f0, f1):
+        jj = t * BN + tl.arange(0, BN)
+        dq, dtau = _dq_tile(1, dq, dtau, start + jj, jj >= 0, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn,
+                            qp, thu, thp, tau, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, PREC)
+    for t in range(f1, nt):
+        jj = t * BN + tl.arange(0, BN)
+        valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
+        dq, dtau = _dq_tile(0, dq, dtau, start + jj, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn,
+                            qp, thu, thp, tau, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, PREC)
     tl.store(DQ + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=qm[:, None])
     tl.store(DTAU + bh * L + i, dtau, mask=qm)
@@ -132,9 +145,7 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid,
     thu = tl.load(THU + row, mask=qm, other=float("inf"))
     thp = tl.load(THP + row, mask=qm, other=0)
     tau = tl.load(TAU + row, mask=qm, other=0.0).to(tl.float32)
-    qp_min, qp_max = tl.min(qp, 0), tl.max(qp, 0)
-    last = b * L + tl.minimum(blk * G + G - 1, L - 1)  # theta is non-decreasing: the last query's is the largest
-    thu_last, thp_last = tl.load(THU + last), tl.load(THP + last)
+    mode = 3 if IS_POOL else band_mode(kp, kvalid, tl.min(qp, 0), WINDOW, G, BN)
     for r in range(0, R):
         h = kvh * R + r
         bh = b * H + h
@@ -142,8 +153,8 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid,
         do = tl.load(DO + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], mask=qm[:, None], other=0.0)
         lse2 = tl.load(LSE + bh * L + i, mask=qm, other=float("inf"))
         delta = tl.load(DELTA + bh * L + i, mask=qm, other=0.0)
-        pg, dz, dm = _grad_tile(q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau, qp_min, qp_max, thu_last, thp_last,
-                                WINDOW, scale, G, BN, VARIANT, HAS_TOPK, IS_POOL, PREC)
+        pg, dz, dm = _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau, WINDOW, scale,
+                                G, BN, VARIANT, HAS_TOPK, PREC)
         dv += tl.dot(tl.trans(pg.to(do.dtype)), do, input_precision=PREC)
         dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PREC)
         du += tl.sum(dm, 0)
@@ -151,14 +162,73 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid,
 
 
 @triton.jit
-def _dkv_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, SP, DO, LSE, DELTA,
-    DKB, DVB, DUB, DKP, DVP, DUP,
+def _dkv_pool_kernel(
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, SP, DO, LSE, DELTA, DKP, DVP, DUP,
     sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh, sspb, sspn,
-    L, N, H, R, NB, TOPK, WINDOW, TAIL, scale, n_slot_tiles,
+    L, N, H, R, NB, TOPK, WINDOW, scale, SEG,
+    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+    VARIANT: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr,
+):
+    """Pool slots s0..s0+BN over query blocks [seg SEG, (seg+1) SEG): a key's sums are written when it
+    leaves its slot or the segment ends. One segment: plain stores (each key once, deterministic);
+    several: atomic adds, a few per key, into the zeroed fp32 buffers DKP, DVP [B, N, Hkv, D], DUP [B, Hkv, N]."""
+    tile = tl.program_id(0)
+    seg = tl.program_id(1)
+    bk = tl.program_id(2)
+    Hkv = H // R
+    b = bk // Hkv
+    kvh = bk % Hkv
+    d = tl.arange(0, D)
+    Kb = Kx + b * skb + kvh * skh
+    Vb = Vx + b * svb + kvh * svh
+    Ub = U + b * N
+    Pb = POS + b * N
+    okv = (b * N * Hkv + kvh) * D
+    ou = (b * Hkv + kvh) * N
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    du = tl.zeros([BN], tl.float32)
+    s = tile * BN + tl.arange(0, BN)
+    sm = s < TOPK
+    b0 = seg * SEG
+    b1 = tl.minimum(b0 + SEG, NB)
+    idx = tl.load(SP + b * sspb + b0 * sspn + s, mask=sm, other=-1)
+    for blk in range(b0, b1):
+        nxt = tl.load(SP + b * sspb + (blk + 1) * sspn + s, mask=sm & (s * 0 + blk + 1 < b1), other=-1)
+        valid = idx >= 0
+        if tl.max(valid.to(tl.int32), 0) > 0:
+            k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
+            dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, valid,
+                                    Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
+                                    L, H, R, WINDOW, scale, G, BN, D, VARIANT, True, True, PREC)
+            done = valid & (nxt != idx)
+            safe = tl.where(done, idx, 0)
+            ptr = okv + safe[:, None] * (Hkv * D) + d[None, :]
+            if ATOMIC:
+                tl.atomic_add(DKP + ptr, dk * scale, mask=done[:, None])
+                tl.atomic_add(DVP + ptr, dv, mask=done[:, None])
+                tl.atomic_add(DUP + ou + safe, du, mask=done)
+            else:
+                tl.store(DKP + ptr, dk * scale, mask=done[:, None])
+                tl.store(DVP + ptr, dv, mask=done[:, None])
+                tl.store(DUP + ou + safe, du, mask=done)
+            dk = tl.where(done[:, None], 0.0, dk)
+            dv = tl.where(done[:, None], 0.0, dv)
+            du = tl.where(done, 0.0, du)
+        idx = nxt
+
+
+@triton.jit
+def _dkv_band_kernel(
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, DO, LSE, DELTA, DKP, DVP, DUP, DK, DV, DU,
+    sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh, sdkb, sdkn, sdkh,
+    L, N, H, R, NB, TOPK, WINDOW, TAIL, scale,
     G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
 ):
+    """Ext rows e0..e0+BN (all of [0, N)): visit the query blocks whose band holds them, add the pool
+    sums (DKP, DVP, DUP, written before this launch) and write the final dK, dV [B, N, Hkv, D] and
+    du per kv head [B, Hkv, N]."""
     pid = tl.program_id(0)
     bk = tl.program_id(1)
     Hkv = H // R
@@ -169,57 +239,36 @@ def _dkv_kernel(
     Vb = Vx + b * svb + kvh * svh
     Ub = U + b * N
     Pb = POS + b * N
-    # dK/dV/du buffers are fp32 [B, N, Hkv, D] (contiguous) and [B, Hkv, N]
-    okv = (b * N * Hkv + kvh) * D
-    ou = (b * Hkv + kvh) * N
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     du = tl.zeros([BN], tl.float32)
-    if pid < n_slot_tiles:
-        # Pool slots s0..s0+BN: walk every query block; a key's sums are written when it leaves its slot.
-        s = pid * BN + tl.arange(0, BN)
-        sm = s < TOPK
-        idx = tl.load(SP + b * sspb + s, mask=sm, other=-1)
-        for blk in range(0, NB):
-            nxt = tl.load(SP + b * sspb + (blk + 1) * sspn + s, mask=sm & (s * 0 + blk + 1 < NB), other=-1)
-            valid = idx >= 0
-            if tl.max(valid.to(tl.int32), 0) > 0:
-                k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-                dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, valid,
-                                        Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
-                                        L, H, R, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, True, PREC)
-                done = valid & (nxt != idx)
-                safe = tl.where(done, idx, 0)
-                ptr = okv + safe[:, None] * (Hkv * D) + d[None, :]
-                tl.store(DKP + ptr, dk * scale, mask=done[:, None])
-                tl.store(DVP + ptr, dv, mask=done[:, None])
-                tl.store(DUP + ou + safe, du, mask=done)
-                dk = tl.where(done[:, None], 0.0, dk)
-                dv = tl.where(done[:, None], 0.0, dv)
-                du = tl.where(done, 0.0, du)
-            idx = nxt
-    else:
-        # Band keys e0..e0+BN over all ext rows: visit the query blocks whose band holds them.
-        e = (pid - n_slot_tiles) * BN + tl.arange(0, BN)
-        valid = (e >= TOPK) & (e < N)
-        a = e - (TOPK + TAIL - WINDOW + 1)  # block blk's band holds a in [blk G, blk G + w + G - 1)
-        band = WINDOW + G - 1
-        a0 = (pid - n_slot_tiles) * BN - (TOPK + TAIL - WINDOW + 1)
-        lo = (tl.maximum(a0 - band + 1, 0) + G - 1) // G
-        a1 = a0 + BN - 1
-        hi = tl.where(a1 >= 0, tl.minimum(tl.maximum(a1, 0) // G, NB - 1), -1)
-        k, v, u, kp = load_keys(e, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-        for blk in range(lo, hi + 1):
-            off = a - blk * G
-            inb = valid & (off >= 0) & (off < band)
-            dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, inb,
-                                    Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
-                                    L, H, R, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, False, PREC)
-        em = e < N
-        ptr = okv + e[:, None] * (Hkv * D) + d[None, :]
-        tl.store(DKB + ptr, dk * scale, mask=em[:, None])
-        tl.store(DVB + ptr, dv, mask=em[:, None])
-        tl.store(DUB + ou + e, du, mask=em)
+    e = pid * BN + tl.arange(0, BN)
+    valid = (e >= TOPK) & (e < N)
+    a = e - (TOPK + TAIL - WINDOW + 1)  # block blk's band holds a in [blk G, blk G + w + G - 1)
+    band = WINDOW + G - 1
+    a0 = pid * BN - (TOPK + TAIL - WINDOW + 1)
+    lo = (tl.maximum(a0 - band + 1, 0) + G - 1) // G
+    a1 = a0 + BN - 1
+    hi = tl.where(a1 >= 0, tl.minimum(tl.maximum(a1, 0) // G, NB - 1), -1)
+    k, v, u, kp = load_keys(e, valid, Kb, Vb, Ub, Pb, skn, svn, D)
+    for blk in range(lo, hi + 1):
+        off = a - blk * G
+        inb = valid & (off >= 0) & (off < band)
+        dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, inb,
+                                Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
+                                L, H, R, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, False, PREC)
+    em = e < N
+    dk = dk * scale
+    ou = (b * Hkv + kvh) * N + e
+    if HAS_TOPK:
+        pp = (b * N * Hkv + kvh) * D + e[:, None] * (Hkv * D) + d[None, :]
+        dk += tl.load(DKP + pp, mask=em[:, None], other=0.0)
+        dv += tl.load(DVP + pp, mask=em[:, None], other=0.0)
+        du += tl.load(DUP + ou, mask=em, other=0.0)
+    ptr = b * sdkb + e[:, None] * sdkn + kvh * sdkh + d[None, :]
+    tl.store(DK + ptr, dk.to(DK.dtype.element_ty), mask=em[:, None])
+    tl.store(DV + ptr, dv.to(DV.dtype.element_ty), mask=em[:, None])
+    tl.store(DU + ou, du, mask=em)
 
 
 def stable_slots(block_pool: torch.Tensor, n_ext: int) -> torch.Tensor:

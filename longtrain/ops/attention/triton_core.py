@@ -12,11 +12,15 @@ import os
 import torch
 import triton
 
-from longtrain.ops.attention.triton_bwd import _dkv_kernel, _dq_kernel, stable_slots
+from longtrain.ops.attention.triton_bwd import _dkv_band_kernel, _dkv_pool_kernel, _dq_kernel, stable_slots
 from longtrain.ops.attention.triton_fwd import LOG2E, VARIANT_CODE, _fwd_kernel
 
 # Fill every kernel-written buffer with NaN first, so a value never written shows (tests set it).
 POISON = False
+# Backward without atomics (bitwise reproducible); also on under torch.use_deterministic_algorithms.
+DETERMINISTIC = False
+# Query blocks per program of the pool walk in the fast (atomic) mode.
+POOL_SEGMENT = 16
 
 
 def _interpreting() -> bool:
@@ -97,28 +101,34 @@ class _SparseKTriton(torch.autograd.Function):
             L, N, H, H // Hkv, topk, window, tail_slots, scale,
             num_stages=1, **common,
         )
-        # Key-major pass: band programs cover every ext row (written once each); pool programs write
-        # only keys that were in some pool, into zeroed buffers.
-        sp = stable_slots(bp, N).contiguous() if topk > 0 else bp
-        dkb = _empty((B, N, Hkv, D), torch.float32, q.device)
-        dvb = _empty((B, N, Hkv, D), torch.float32, q.device)
+        # Key-major passes: pool sums first (zeroed fp32 buffers), then the band pass adds them and
+        # writes the final dk, dv, du (every ext row exactly once).
+        dk = _empty(k_ext.shape, k_ext.dtype, q.device)  # [B, N, Hkv, D]
+        dv = _empty(v_ext.shape, v_ext.dtype, q.device)
         dub = _empty((B, Hkv, N), torch.float32, q.device)
-        dkp = torch.zeros_like(dkb) if topk > 0 else None
-        dvp = torch.zeros_like(dvb) if topk > 0 else None
-        dup = torch.zeros_like(dub) if topk > 0 else None
-        n_slot_tiles = triton.cdiv(topk, bn) if topk > 0 else 0
-        grid = (n_slot_tiles + triton.cdiv(N, bn), B * Hkv)
-        _dkv_kernel[grid](
-            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, sp, do, lse, delta,
-            dkb, dvb, dub, dkp if topk > 0 else dkb, dvp if topk > 0 else dvb, dup if topk > 0 else dub,
-            *strides, sp.stride(0), sp.stride(1),
-            L, N, H, H // Hkv, nb, topk, window, tail_slots, scale, n_slot_tiles,
+        dkp = dvp = dup = dub  # unused without a pool
+        if topk > 0:
+            sp = stable_slots(bp, N).contiguous()  # [B, nb, K]
+            dkp = torch.zeros((B, N, Hkv, D), dtype=torch.float32, device=q.device)
+            dvp = torch.zeros_like(dkp)
+            dup = torch.zeros((B, Hkv, N), dtype=torch.float32, device=q.device)
+            det = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
+            seg = nb if det else POOL_SEGMENT
+            _dkv_pool_kernel[(triton.cdiv(topk, bn), triton.cdiv(nb, seg), B * Hkv)](
+                q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, sp, do, lse, delta, dkp, dvp, dup,
+                *strides, sp.stride(0), sp.stride(1),
+                L, N, H, H // Hkv, nb, topk, window, scale, seg,
+                G=block, BN=bn, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nb,
+                num_warps=common["num_warps"], num_stages=1,
+            )
+        _dkv_band_kernel[(triton.cdiv(N, bn), B * Hkv)](
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, do, lse, delta, dkp, dvp, dup, dk, dv, dub,
+            *strides, dk.stride(0), dk.stride(1), dk.stride(2),
+            L, N, H, H // Hkv, nb, topk, window, tail_slots, scale,
             num_stages=1, **common,
         )
-        if topk > 0:
-            dkb, dvb, dub = dkb + dkp, dvb + dvp, dub + dup
         du = dub.sum(1).to(u_dtype)  # [B, N]: summed over kv heads
-        return (dq, dkb.to(k_ext.dtype), dvb.to(v_ext.dtype), du, None, None, None, None,
+        return (dq, dk, dv, du, None, None, None, None,
                 dtau.sum(1).to(tau_dtype), None, None)
 
 

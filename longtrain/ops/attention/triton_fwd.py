@@ -21,45 +21,55 @@ VARIANT_CODE = {"hard_k_soft_v": HARD_K_SOFT_V, "soft_kv": SOFT_KV, "straight_th
 
 
 @triton.jit
-def tile_mode(kp, u, kvalid, qp_min, qp_max, thu_last, thp_last, WINDOW, BN: tl.constexpr, IS_POOL: tl.constexpr):
-    """1: a band tile inside every query's window; 2: a pool tile every query selects; 0: general.
+def interior_tiles(qp_min, n_tiles, WINDOW, G: tl.constexpr, BN: tl.constexpr):
+    """Band tiles [f0, f1) lie inside every query's window (no masks needed); others are general.
 
-    Tiles 1 and 2 skip most per-element mask work, which otherwise costs more than the dots.
+    With every query of the block valid (positions i0..i0+G-1), band key j has position
+    i0 - w + 1 + j, so tile t is inside every window when t BN >= G - 1, its first position is >= 0
+    and its last is <= i0, i.e. t < w // BN.
     """
+    p0 = qp_min - WINDOW + 1  # position of band key 0
+    lo = tl.maximum((G - 1 + BN - 1) // BN, (tl.maximum(-p0, 0) + BN - 1) // BN)
+    hi = WINDOW // BN
+    ok = (qp_min >= 0) & (lo < hi)
+    return tl.where(ok, lo, n_tiles), tl.where(ok, tl.minimum(hi, n_tiles), n_tiles)
+
+
+@triton.jit
+def band_mode(kp, kvalid, qp_min, WINDOW, G: tl.constexpr, BN: tl.constexpr):
+    """1 when a band key tile lies inside the window of every query of a block (all valid), else 0."""
     full = (tl.sum(kvalid.to(tl.int32), 0) == BN) & (qp_min >= 0)
     kmin = tl.min(tl.where(kvalid, kp, 2147483647), 0)
     kmax = tl.max(tl.where(kvalid, kp, -1), 0)
-    if IS_POOL:
-        # Pool keys are candidates of every query of the block (positions <= i0 - w); all of them
-        # are selected when each is at or above the block's largest theta, its last query's.
-        above = (u > thu_last) | ((u == thu_last) & (kp >= thp_last))
-        mode = tl.where(full & (kmin >= 0) & (tl.sum((kvalid & above).to(tl.int32), 0) == BN), 2, 0)
-    else:
-        mode = tl.where(full & (kmin >= 0) & (kmax <= qp_min) & (kmin > qp_max - WINDOW), 1, 0)
-    return mode
+    return tl.where(full & (kmin >= 0) & (kmax <= qp_min) & (kmin > qp_min + G - 1 - WINDOW), 1, 0)
 
 
 @triton.jit
 def masked_logits(mode, s, qp, thu, thp, tau, kp, u, kvalid, WINDOW,
                   G: tl.constexpr, BN: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr):
     """Logits z [G, BN] (-inf where not attended; times the gate for soft_kv), the gate g and the mask
-    of pairs whose gate has a gradient (selected, 0 <= u_j - tau_i <= 1, as torch's clamp)."""
+    of pairs whose gate has a gradient (selected, 0 <= u_j - tau_i <= 1, as torch's clamp).
+
+    mode 0: band keys, the general rules; 1: band keys inside every window (nothing to mask);
+    3: pool keys, candidates of every query of the block (positions <= i0 - w), selected by theta.
+    """
     # s [G, BN] float32; qp, thp [G] int32; thu [G] (u dtype); tau [G] float32; kp [BN] int32; u [BN]
     if mode == 1:
         z = s
         g = tl.full([G, BN], 1.0, tl.float32)
         dmask = tl.full([G, BN], 0, tl.int1)
-    elif mode == 2:
-        diff = u.to(tl.float32)[None, :] - tau[:, None]
-        g = tl.minimum(tl.maximum(diff, 0.0), 1.0)
-        z = s * g if VARIANT == 1 else s
-        dmask = (diff >= 0.0) & (diff <= 1.0)
     else:
-        live = kvalid[None, :] & (kp[None, :] >= 0) & (qp[:, None] >= 0) & (kp[None, :] <= qp[:, None])
-        in_win = live & (kp[None, :] > qp[:, None] - WINDOW)
+        if mode == 3:
+            live = kvalid[None, :] & (qp[:, None] >= 0)
+            in_win = live & False
+            cand = live
+        else:
+            live = kvalid[None, :] & (kp[None, :] >= 0) & (qp[:, None] >= 0) & (kp[None, :] <= qp[:, None])
+            in_win = live & (kp[None, :] > qp[:, None] - WINDOW)
+            cand = live & (kp[None, :] <= qp[:, None] - WINDOW)
         if HAS_TOPK:
             above = (u[None, :] > thu[:, None]) | ((u[None, :] == thu[:, None]) & (kp[None, :] >= thp[:, None]))
-            sel = live & (kp[None, :] <= qp[:, None] - WINDOW) & above
+            sel = cand & above
         else:
             sel = live & False
         diff = u.to(tl.float32)[None, :] - tau[:, None]
@@ -83,19 +93,18 @@ def load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tile(q, m_i, l_i, acc, idx, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, qp_min, qp_max, thu_last,
-              thp_last, WINDOW, scale2, G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr,
-              HAS_TOPK: tl.constexpr, IS_POOL: tl.constexpr, PREC: tl.constexpr):
+def _fwd_tile(q, m_i, l_i, acc, idx, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, WINDOW, scale2,
+              MODE: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr,
+              HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
     k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-    mode = tile_mode(kp, u, valid, qp_min, qp_max, thu_last, thp_last, WINDOW, BN, IS_POOL)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2  # [G, BN] logits in log2 units
-    s, g, _ = masked_logits(mode, s, qp, thu, thp, tau, kp, u, valid, WINDOW, G, BN, VARIANT, HAS_TOPK)
+    s, g, _ = masked_logits(MODE, s, qp, thu, thp, tau, kp, u, valid, WINDOW, G, BN, VARIANT, HAS_TOPK)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay NaN-free
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if VARIANT != 2:
+    if VARIANT != 2 and MODE != 1:
         p = p * g  # the gate scales values after normalisation
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
@@ -127,9 +136,6 @@ def _fwd_kernel(
     Vb = Vx + b * svb + kvh * svh
     Ub = U + b * N
     Pb = POS + b * N
-    qp_min, qp_max = tl.min(qp, 0), tl.max(qp, 0)
-    last = b * L + tl.minimum(blk * G + G - 1, L - 1)  # theta is non-decreasing: the last query's is the largest
-    thu_last, thp_last = tl.load(THU + last), tl.load(THP + last)
 
     m_i = tl.full([G], float("-inf"), tl.float32)
     l_i = tl.zeros([G], tl.float32)
@@ -139,16 +145,26 @@ def _fwd_kernel(
             jj = t + tl.arange(0, BN)
             idx = tl.load(BP + b * sbpb + blk * sbpn + jj, mask=jj < TOPK, other=-1)
             m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, idx, idx >= 0, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau,
-                                      qp_min, qp_max, thu_last, thp_last, WINDOW, scale2, G, BN, D, VARIANT, HAS_TOPK, True, PREC)
-    # (2) the band (i0 - w, i0 + G - 1]: contiguous ext indices
+                                      WINDOW, scale2, 3, G, BN, D, VARIANT, HAS_TOPK, PREC)
+    # (2) the band (i0 - w, i0 + G - 1]: contiguous ext indices; its interior tiles need no masks
     start = TOPK + TAIL - WINDOW + 1 + blk * G
     band = WINDOW + G - 1
-    for t in range(0, band, BN):
-        jj = t + tl.arange(0, BN)
-        idx = start + jj
-        valid = (jj < band) & (idx >= TOPK) & (idx < N)
-        m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, idx, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau,
-                                  qp_min, qp_max, thu_last, thp_last, WINDOW, scale2, G, BN, D, VARIANT, HAS_TOPK, False, PREC)
+    nt = tl.cdiv(band, BN)
+    f0, f1 = interior_tiles(tl.min(qp, 0), nt, WINDOW, G, BN)
+    for t in range(0, f0):
+        jj = t * BN + tl.arange(0, BN)
+        valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
+        m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau,
+                                  WINDOW, scale2, 0, G, BN, D, VARIANT, HAS_TOPK, PREC)
+    for t in range(f0, f1):
+        jj = t * BN + tl.arange(0, BN)
+        m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, jj >= 0, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau,
+                                  WINDOW, scale2, 1, G, BN, D, VARIANT, HAS_TOPK, PREC)
+    for t in range(f1, nt):
+        jj = t * BN + tl.arange(0, BN)
+        valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
+        m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau,
+                                  WINDOW, scale2, 0, G, BN, D, VARIANT, HAS_TOPK, PREC)
 
     has = l_i > 0  # padded queries attend to nothing: o = 0, lse = +inf (p = 0 in the backward)
     o = acc / tl.where(has, l_i, 1.0)[:, None]
