@@ -139,7 +139,12 @@ def fit(recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", co
             optimizer.zero_grad(set_to_none=True)
             state.step, state.tokens = step, state.tokens + step_tokens
 
-            record = {"step": step, "loss": last_loss, "tokens": state.tokens, "lr": lr, "grad_norm": grad_norm}
+            rows = stream.progress()["rows"]
+            memory = peak_memory_bytes(device)
+            record = {
+                "step": step, "loss": last_loss, "tokens": state.tokens, "lr": lr, "grad_norm": grad_norm,
+                "memory_bytes": memory, "doc_positions": [r["offset"] for r in rows],
+            }
             if cfg.valid_every and (step % cfg.valid_every == 0 or step == cfg.steps) and len(corpus.valid):
                 valid_loss = evaluate(model, corpus, cfg, device)
                 if state.best_valid_loss is None or valid_loss < state.best_valid_loss:
@@ -149,8 +154,8 @@ def fit(recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", co
             metrics.log(record)
             display.update(StepStats(
                 step=step, loss=last_loss, lr=lr, grad_norm=grad_norm, tokens=state.tokens,
-                rows=[RowProgress(r["doc"], r["offset"], r["len"]) for r in stream.progress()["rows"]],
-                cache_fill=cache.fill(), memory_bytes=peak_memory_bytes(device),
+                rows=[RowProgress(r["doc"], r["offset"], r["len"]) for r in rows],
+                cache_fill=cache.fill(), memory_bytes=memory,
             ))
 
             if step % recipe.checkpoint.every == 0 or step == cfg.steps or stop.requested:

@@ -22,11 +22,11 @@ VARIANTS = ("hard_k_soft_v", "soft_kv", "straight_through")
 
 def block_key_indices(block_pool: torch.Tensor, n_ext: int, topk: int, window: int, tail_slots: int, block: int, n_blocks: int):
     """Ext indices [B, nb, K + w + G - 1] of each query block's keys (-1: none)."""
-    B = block_pool.shape[0]
+    B, dev = block_pool.shape[0], block_pool.device
     band = window + block - 1
     # Ext index of position p is topk + tail_slots + (p - t0); the band starts at i0 - w + 1.
-    start = topk + tail_slots - window + 1 + torch.arange(n_blocks) * block  # [nb]
-    band_idx = start[:, None] + torch.arange(band)[None, :]  # [nb, band]
+    start = topk + tail_slots - window + 1 + torch.arange(n_blocks, device=dev) * block  # [nb]
+    band_idx = start[:, None] + torch.arange(band, device=dev)[None, :]  # [nb, band]
     band_idx = torch.where((band_idx >= topk) & (band_idx < n_ext), band_idx, -1)
     return torch.cat([block_pool[:, :n_blocks], band_idx.expand(B, -1, -1)], dim=-1)
 

@@ -50,8 +50,8 @@ def _check(q, k, v, u, topk, window, variant, backend):
 
 
 def _pick_backend(backend: str, q: torch.Tensor) -> str:
-    if backend == "auto":
-        return "triton" if q.is_cuda and _triton_available() else "naive"
+    if backend == "auto":  # the kernels take half precision and float32, not float64
+        return "triton" if q.is_cuda and q.dtype != torch.float64 and _triton_available() else "naive"
     return backend
 
 
