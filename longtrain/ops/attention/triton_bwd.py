@@ -11,7 +11,8 @@ logits z = x (hard_k_soft_v, straight_through) or g x (soft_kv):
 straight_through uses g = 1 everywhere except dg.
 
 Two kernels:
-- dq: query-major like the forward (pool tiles then band tiles); also gives dtau per query.
+- dq: query-major like the forward (pool tiles then band tiles); also gives dtau per query and
+  stores Delta for the key-major kernels.
 - dkv pool: key-major over pool *slots*. `stable_slots` relabels each block's pool so that a key keeps
   one slot from entering the pool to leaving it (it never returns: irreversibility); a program owns
   BN slots and walks the query blocks in order, so a key's sums stay in registers and are written
@@ -70,7 +71,7 @@ def _dq_tile(mode, dq, dtau, idx, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn
 
 @triton.jit
 def _dq_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, BP, DO, LSE, DELTA, DQ, DTAU,
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, BP, DO, O, LSE, DELTA, DQ, DTAU,
     sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh, sbpb, sbpn,
     L, N, H, R, TOPK, WINDOW, TAIL, scale,
     G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
@@ -92,7 +93,10 @@ def _dq_kernel(
     thp = tl.load(THP + row, mask=qm, other=0)
     tau = tl.load(TAU + row, mask=qm, other=0.0).to(tl.float32)
     lse2 = tl.load(LSE + bh * L + i, mask=qm, other=float("inf"))
-    delta = tl.load(DELTA + bh * L + i, mask=qm, other=0.0)
+    # Delta_i = dO_i . o_i, stored for the key-major kernels (O has dO's strides: both [B, L, H, D] contiguous)
+    o = tl.load(O + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], mask=qm[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DELTA + bh * L + i, delta, mask=qm)
     Kb = Kx + b * skb + kvh * skh
     Vb = Vx + b * svb + kvh * svh
     Ub = U + b * N
@@ -202,19 +206,20 @@ def _dkv_pool_kernel(
                                     Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
                                     L, H, R, WINDOW, scale, G, BN, D, VARIANT, True, True, PREC)
             done = valid & (nxt != idx)
-            safe = tl.where(done, idx, 0)
-            ptr = okv + safe[:, None] * (Hkv * D) + d[None, :]
-            if ATOMIC:
-                tl.atomic_add(DKP + ptr, dk * scale, mask=done[:, None])
-                tl.atomic_add(DVP + ptr, dv, mask=done[:, None])
-                tl.atomic_add(DUP + ou + safe, du, mask=done)
-            else:
-                tl.store(DKP + ptr, dk * scale, mask=done[:, None])
-                tl.store(DVP + ptr, dv, mask=done[:, None])
-                tl.store(DUP + ou + safe, du, mask=done)
-            dk = tl.where(done[:, None], 0.0, dk)
-            dv = tl.where(done[:, None], 0.0, dv)
-            du = tl.where(done, 0.0, du)
+            if tl.max(done.to(tl.int32), 0) > 0:  # few keys leave per block: skip the masked writes
+                safe = tl.where(done, idx, 0)
+                ptr = okv + safe[:, None] * (Hkv * D) + d[None, :]
+                if ATOMIC:
+                    tl.atomic_add(DKP + ptr, dk * scale, mask=done[:, None])
+                    tl.atomic_add(DVP + ptr, dv, mask=done[:, None])
+                    tl.atomic_add(DUP + ou + safe, du, mask=done)
+                else:
+                    tl.store(DKP + ptr, dk * scale, mask=done[:, None])
+                    tl.store(DVP + ptr, dv, mask=done[:, None])
+                    tl.store(DUP + ou + safe, du, mask=done)
+                dk = tl.where(done[:, None], 0.0, dk)
+                dv = tl.where(done[:, None], 0.0, dv)
+                du = tl.where(done, 0.0, du)
         idx = nxt
 
 

@@ -20,7 +20,7 @@ POISON = False
 # Backward without atomics (bitwise reproducible); also on under torch.use_deterministic_algorithms.
 DETERMINISTIC = False
 # Query blocks per program of the pool walk in the fast (atomic) mode.
-POOL_SEGMENT = 16
+POOL_SEGMENT = 32
 
 
 def _interpreting() -> bool:
@@ -88,7 +88,7 @@ class _SparseKTriton(torch.autograd.Function):
         nb = -(-L // block)
         bn = common["BN"]
         do = do.contiguous()
-        delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()  # [B, H, L] = dO_i . o_i
+        delta = _empty((B, H, L), torch.float32, q.device)  # dO_i . o_i, written by the dq kernel
         dq = _empty((B, L, H, D), q.dtype, q.device)
         dtau = _empty((B, H, L), torch.float32, q.device)
         strides = (
@@ -96,7 +96,7 @@ class _SparseKTriton(torch.autograd.Function):
             v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), do.stride(0), do.stride(1), do.stride(2),
         )
         _dq_kernel[(nb, B * H)](
-            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, bp, do, lse, delta, dq, dtau,
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, bp, do, o, lse, delta, dq, dtau,
             *strides, bp.stride(0), bp.stride(1),
             L, N, H, H // Hkv, topk, window, tail_slots, scale,
             num_stages=1, **common,
