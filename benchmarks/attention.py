@@ -174,6 +174,7 @@ def time_case(T, D, do_naive):
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+        torch._dynamo.reset()  # a fresh compile per shape: past the recompile limit flex runs eagerly (T x T)
         flex = torch.compile(flex_attention, dynamic=False)
         sw = 2 * W
 
@@ -240,11 +241,54 @@ def profile(T=16384, D=64):
     print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
 
 
+def sweep():
+    """Time launch settings of the kernels; keep the fastest (forward at 16k; fwd+bwd at 16k and 64k)."""
+    inputs = {}
+    for T in (16384, 65536):
+        B = max(1, TOKENS // T)
+        torch.manual_seed(T)
+        q, k, v = (torch.randn(B, T, H, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        args, kw, _ = core_args(q, k, v, torch.randn(B, T, device="cuda"), topk=K, window=W, variant="hard_k_soft_v")
+        inputs[T] = (leaves(args), kw, torch.randn_like(q))
+
+    def fb(T):
+        a, kw, do = inputs[T]
+        o = triton_core.sparsek_attention_core_triton(*a, **kw)
+        torch.autograd.grad(o, [a[0], a[1], a[2], a[3], a[8]], do)
+
+    def fwd():
+        a, kw, _ = inputs[16384]
+        with torch.no_grad():
+            triton_core.sparsek_attention_core_triton(*a, **kw)
+
+    out = {"fwd": [], "bwd": []}
+    for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3)):
+        triton_core.FWD_WARPS, triton_core.FWD_STAGES = warps, stages
+        out["fwd"].append(dict(warps=warps, stages=stages, fwd16k=bench(fwd)))
+        print("sweep fwd", out["fwd"][-1], flush=True)
+    best = min(out["fwd"], key=lambda r: r["fwd16k"])
+    triton_core.FWD_WARPS, triton_core.FWD_STAGES = best["warps"], best["stages"]
+    for warps in (4, 8):
+        for seg in (8, 16, 32):
+            triton_core.BWD_WARPS, triton_core.POOL_SEGMENT = warps, seg
+            r = dict(warps=warps, segment=seg, fb16k=bench(lambda: fb(16384)), fb64k=bench(lambda: fb(65536)))
+            out["bwd"].append(r)
+            print("sweep fwd+bwd", r, flush=True)
+    best_b = min(out["bwd"], key=lambda r: r["fb16k"] + r["fb64k"] / 4)
+    triton_core.BWD_WARPS, triton_core.POOL_SEGMENT = best_b["warps"], best_b["segment"]
+    out["chosen"] = dict(fwd_warps=best["warps"], fwd_stages=best["stages"], bwd_warps=best_b["warps"], pool_segment=best_b["segment"])
+    print("chosen", out["chosen"], flush=True)
+    del inputs
+    torch.cuda.empty_cache()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", os.path.dirname(os.path.abspath(__file__))))
     ap.add_argument("--quick", action="store_true", help="T <= 16k, D = 64 only")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="pick the kernels' launch settings first (D = 64)")
     ap.add_argument("--profile", type=int, default=0, help="profile SparseK fwd+bwd at this T and exit")
     ns = ap.parse_args()
     if not torch.cuda.is_available():
@@ -264,6 +308,8 @@ def main():
             res["checks"].append(dict(case={n: str(x) for n, x in c.items()}, rel_rms=e))
             ok = all(x <= 5e-3 for x in e.values())
             print("check", c, " ".join(f"{n}={x:.1e}" for n, x in e.items()), "OK" if ok else "FAIL", flush=True)
+    if ns.sweep:
+        res["sweep"] = sweep()
     Ts = [2048, 4096, 8192, 16384] + ([] if ns.quick else [32768, 65536, 131072])
     cases = [(T, 64) for T in Ts] + ([] if ns.quick else [(T, 128) for T in (4096, 16384, 65536)])
     res["rows"] = []
@@ -276,7 +322,7 @@ def main():
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     hdr = "|  T  |  B |  D | SK fwd | SK f+b | SDPA f+b | Flex-SW1024 f+b | naive f+b | SDPA/SK | SK/Flex | scan ms (CPU) | SK TFLOP/s f+b | extra MiB |"
-    print(f"\n{res['device']}, bf16, H={H}, k=w={K}, ms (do_bench medians)\n")
+    print(f"\n{res['device']}, bf16, H={H}, k=w={K}, ms (do_bench medians); settings {res.get('sweep', {}).get('chosen', 'default')}\n")
     print(hdr)
     print("|---" * (hdr.count("|") - 1) + "|")
     for r in res["rows"]:

@@ -19,8 +19,12 @@ from longtrain.ops.attention.triton_fwd import LOG2E, VARIANT_CODE, _fwd_kernel
 POISON = False
 # Backward without atomics (bitwise reproducible); also on under torch.use_deterministic_algorithms.
 DETERMINISTIC = False
-# Query blocks per program of the pool walk in the fast (atomic) mode.
-POOL_SEGMENT = 32
+# Launch settings (benchmarks/attention.py --sweep measures alternatives): query blocks per program
+# of the pool walk in the fast (atomic) mode; warps (None: 4 for D <= 64, else 8) and pipeline stages.
+POOL_SEGMENT = 16
+FWD_WARPS = None
+FWD_STAGES = 2
+BWD_WARPS = None
 
 
 def _interpreting() -> bool:
@@ -37,7 +41,7 @@ def _config(block: int, D: int, dtype: torch.dtype):
     bn = 16 if _interpreting() else 64  # key tile
     prec = "ieee" if dtype == torch.float32 else "tf32"  # float32 checks want exact fp32 dots
     warps = 4 if D <= 64 else 8
-    return bn, prec, warps
+    return bn, prec, warps, FWD_WARPS or warps, BWD_WARPS or warps
 
 
 def _empty(shape, dtype, device):
@@ -52,7 +56,7 @@ class _SparseKTriton(torch.autograd.Function):
         B, L, H, D = q.shape
         N, Hkv = k_ext.shape[1], k_ext.shape[2]
         nb = -(-L // block)
-        bn, prec, warps = _config(block, D, q.dtype)
+        bn, prec, _, fwd_warps, bwd_warps = _config(block, D, q.dtype)
         q, k_ext, v_ext = q.contiguous(), k_ext.contiguous(), v_ext.contiguous()
         u = u_ext.detach().contiguous()  # [B, N]
         pos = pos_ext.to(torch.int32).contiguous()
@@ -66,17 +70,17 @@ class _SparseKTriton(torch.autograd.Function):
             bp = torch.full((B, nb, 1), -1, dtype=torch.int32, device=q.device)
         o = _empty((B, L, H, D), q.dtype, q.device)
         lse = _empty((B, H, L), torch.float32, q.device)  # base-2 log-sum-exp
-        common = dict(G=block, BN=bn, D=D, VARIANT=VARIANT_CODE[variant], HAS_TOPK=topk > 0, PREC=prec, num_warps=warps)
+        common = dict(G=block, BN=bn, D=D, VARIANT=VARIANT_CODE[variant], HAS_TOPK=topk > 0, PREC=prec)
         _fwd_kernel[(nb, B * H)](
             q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, bp, o, lse,
             q.stride(0), q.stride(1), q.stride(2), k_ext.stride(0), k_ext.stride(1), k_ext.stride(2),
             v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), o.stride(0), o.stride(1), o.stride(2),
             bp.stride(0), bp.stride(1),
             L, N, H, H // Hkv, topk, window, tail_slots, scale * LOG2E,
-            num_stages=2, **common,
+            num_warps=fwd_warps, num_stages=FWD_STAGES, **common,
         )
         ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, bp, o, lse)
-        ctx.meta = (topk, window, tail_slots, scale, block, common, u_ext.dtype, tau.dtype)
+        ctx.meta = (topk, window, tail_slots, scale, block, dict(common, num_warps=bwd_warps), u_ext.dtype, tau.dtype)
         return o
 
     @staticmethod
