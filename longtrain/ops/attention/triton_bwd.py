@@ -197,29 +197,36 @@ def _dkv_pool_kernel(
     b0 = seg * SEG
     b1 = tl.minimum(b0 + SEG, NB)
     idx = tl.load(SP + b * sspb + b0 * sspn + s, mask=sm, other=-1)
+    k, v, u, kp = load_keys(idx, idx >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
     for blk in range(b0, b1):
         nxt = tl.load(SP + b * sspb + (blk + 1) * sspn + s, mask=sm & (s * 0 + blk + 1 < b1), other=-1)
         valid = idx >= 0
         if tl.max(valid.to(tl.int32), 0) > 0:
-            k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
             dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, valid,
                                     Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
                                     L, H, R, WINDOW, scale, G, BN, D, VARIANT, True, True, PREC)
-            done = valid & (nxt != idx)
-            if tl.max(done.to(tl.int32), 0) > 0:  # few keys leave per block: skip the masked writes
-                safe = tl.where(done, idx, 0)
-                ptr = okv + safe[:, None] * (Hkv * D) + d[None, :]
-                if ATOMIC:
-                    tl.atomic_add(DKP + ptr, dk * scale, mask=done[:, None])
-                    tl.atomic_add(DVP + ptr, dv, mask=done[:, None])
-                    tl.atomic_add(DUP + ou + safe, du, mask=done)
-                else:
-                    tl.store(DKP + ptr, dk * scale, mask=done[:, None])
-                    tl.store(DVP + ptr, dv, mask=done[:, None])
-                    tl.store(DUP + ou + safe, du, mask=done)
-                dk = tl.where(done[:, None], 0.0, dk)
-                dv = tl.where(done[:, None], 0.0, dv)
-                du = tl.where(done, 0.0, du)
+        changed = nxt != idx
+        if tl.max(changed.to(tl.int32), 0) > 0:  # few keys leave per block: skip the masked work
+            done = valid & changed
+            safe = tl.where(done, idx, 0)
+            ptr = okv + safe[:, None] * (Hkv * D) + d[None, :]
+            if ATOMIC:
+                tl.atomic_add(DKP + ptr, dk * scale, mask=done[:, None])
+                tl.atomic_add(DVP + ptr, dv, mask=done[:, None])
+                tl.atomic_add(DUP + ou + safe, du, mask=done)
+            else:
+                tl.store(DKP + ptr, dk * scale, mask=done[:, None])
+                tl.store(DVP + ptr, dv, mask=done[:, None])
+                tl.store(DUP + ou + safe, du, mask=done)
+            dk = tl.where(done[:, None], 0.0, dk)
+            dv = tl.where(done[:, None], 0.0, dv)
+            du = tl.where(done, 0.0, du)
+            # Keys stay in registers while they keep their slot: load only the rows that changed.
+            kn, vn, un, kpn = load_keys(nxt, changed & (nxt >= 0), Kb, Vb, Ub, Pb, skn, svn, D)
+            k = tl.where(changed[:, None], kn, k)
+            v = tl.where(changed[:, None], vn, v)
+            u = tl.where(changed, un, u)
+            kp = tl.where(changed, kpn, kp)
         idx = nxt
 
 
