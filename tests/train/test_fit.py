@@ -142,6 +142,13 @@ def test_resume_refuses_another_model_and_skips_a_corrupt_checkpoint(workspace):
     assert "resuming from" in r.output and "step-00000002" in r.output
     assert sorted(losses(tmp / "r")) == list(range(1, 7))
 
+    # An explicit checkpoint: metrics after it are dropped and rewritten.
+    r = cli("fit", path, "--run-dir", tmp / "r", "--set", "train.steps=6", "--resume", tmp / "r/checkpoints/step-00000002")
+    assert r.exit_code == 0 and "(step 2," in r.output, r.output
+    assert sorted(losses(tmp / "r")) == list(range(1, 7))
+    r = cli("fit", path, "--run-dir", tmp / "r", "--resume", tmp / "r/checkpoints/step-00000099")
+    assert r.exit_code == 1 and "step-00000099" in r.output
+
 
 def test_sigterm_saves_a_checkpoint_before_exiting(workspace, monkeypatch):
     tmp, recipe = workspace
