@@ -62,6 +62,13 @@ def _dq_tile(mode, dq, dtau, idx, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn
              G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr,
              PREC: tl.constexpr):
     k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
+    return _dq_keys(mode, dq, dtau, k, v, u, kp, valid, q, do, lse2, delta, qp, thu, thp, tau, WINDOW, scale,
+                    G, BN, VARIANT, HAS_TOPK, PREC)
+
+
+@triton.jit
+def _dq_keys(mode, dq, dtau, k, v, u, kp, valid, q, do, lse2, delta, qp, thu, thp, tau, WINDOW, scale,
+             G: tl.constexpr, BN: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
     pg, dz, dm = _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, valid, qp, thu, thp, tau, WINDOW, scale,
                             G, BN, VARIANT, HAS_TOPK, PREC)
     dq += tl.dot(dz.to(k.dtype), k, input_precision=PREC)
@@ -104,12 +111,17 @@ def _dq_kernel(
 
     dq = tl.zeros([G, D], tl.float32)
     dtau = tl.zeros([G], tl.float32)
-    if HAS_TOPK:  # pool snapshot: gathered rows
+    if HAS_TOPK:  # pool snapshot: gathered rows, the next tile prefetched
+        bpb = BP + b * sbpb + blk * sbpn + tl.arange(0, BN)
+        idx = tl.load(bpb, mask=tl.arange(0, BN) < TOPK, other=-1)
+        k, v, u, kp = load_keys(idx, idx >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
         for t in range(0, TOPK, BN):
-            jj = t + tl.arange(0, BN)
-            idx = tl.load(BP + b * sbpb + blk * sbpn + jj, mask=jj < TOPK, other=-1)
-            dq, dtau = _dq_tile(3, dq, dtau, idx, idx >= 0, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn,
-                                qp, thu, thp, tau, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, PREC)
+            jn = t + BN + tl.arange(0, BN)
+            idn = tl.load(bpb + t + BN, mask=jn < TOPK, other=-1)
+            kn, vn, un, kpn = load_keys(idn, idn >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
+            dq, dtau = _dq_keys(3, dq, dtau, k, v, u, kp, idx >= 0, q, do, lse2, delta, qp, thu, thp, tau,
+                                WINDOW, scale, G, BN, VARIANT, HAS_TOPK, PREC)
+            idx, k, v, u, kp = idn, kn, vn, un, kpn
     # band: contiguous ext indices; its interior tiles need no masks
     start = TOPK + TAIL - WINDOW + 1 + blk * G
     band = WINDOW + G - 1

@@ -97,6 +97,14 @@ def _fwd_tile(q, m_i, l_i, acc, idx, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, t
               MODE: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr,
               HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
     k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
+    return _fwd_keys(q, m_i, l_i, acc, k, v, u, kp, valid, qp, thu, thp, tau, WINDOW, scale2,
+                     MODE, G, BN, VARIANT, HAS_TOPK, PREC)
+
+
+@triton.jit
+def _fwd_keys(q, m_i, l_i, acc, k, v, u, kp, valid, qp, thu, thp, tau, WINDOW, scale2,
+              MODE: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, VARIANT: tl.constexpr,
+              HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2  # [G, BN] logits in log2 units
     s, g, _ = masked_logits(MODE, s, qp, thu, thp, tau, kp, u, valid, WINDOW, G, BN, VARIANT, HAS_TOPK)
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -140,12 +148,17 @@ def _fwd_kernel(
     m_i = tl.full([G], float("-inf"), tl.float32)
     l_i = tl.zeros([G], tl.float32)
     acc = tl.zeros([G, D], tl.float32)
-    if HAS_TOPK:  # (1) the pool snapshot at the block start: gathered rows
+    if HAS_TOPK:  # (1) the pool snapshot at the block start: gathered rows, the next tile prefetched
+        bpb = BP + b * sbpb + blk * sbpn + tl.arange(0, BN)
+        idx = tl.load(bpb, mask=tl.arange(0, BN) < TOPK, other=-1)
+        k, v, u, kp = load_keys(idx, idx >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
         for t in range(0, TOPK, BN):
-            jj = t + tl.arange(0, BN)
-            idx = tl.load(BP + b * sbpb + blk * sbpn + jj, mask=jj < TOPK, other=-1)
-            m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, idx, idx >= 0, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau,
-                                      WINDOW, scale2, 3, G, BN, D, VARIANT, HAS_TOPK, PREC)
+            jn = t + BN + tl.arange(0, BN)
+            idn = tl.load(bpb + t + BN, mask=jn < TOPK, other=-1)
+            kn, vn, un, kpn = load_keys(idn, idn >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
+            m_i, l_i, acc = _fwd_keys(q, m_i, l_i, acc, k, v, u, kp, idx >= 0, qp, thu, thp, tau,
+                                      WINDOW, scale2, 3, G, BN, VARIANT, HAS_TOPK, PREC)
+            idx, k, v, u, kp = idn, kn, vn, un, kpn
     # (2) the band (i0 - w, i0 + G - 1]: contiguous ext indices; its interior tiles need no masks
     start = TOPK + TAIL - WINDOW + 1 + blk * G
     band = WINDOW + G - 1
