@@ -37,9 +37,9 @@ def fit(
         r = load_recipe(recipe, overrides)
         result = run_fit(r, run_dir=run_dir, resume=resume)
     except (RecipeError, DataError, CheckpointError, TrainingError) as e:
-        err.print(f"[bold red]error:[/] {escape(str(e))}")
+        err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
         raise typer.Exit(2 if isinstance(e, RecipeError) else 1)
-    out = Console()
+    out = Console(soft_wrap=True)
     done = "stopped early (signal)" if result.interrupted else "done"
     best = f", best validation loss {result.best_valid_loss:.4f}" if result.best_valid_loss is not None else ""
     final = f", final validation loss {result.final_valid_loss:.4f}" if result.final_valid_loss is not None else ""
