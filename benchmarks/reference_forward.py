@@ -3,48 +3,22 @@
     python benchmarks/reference_forward.py [--tokens 65536] [--json benchmarks/reference_forward.json]
 
 Defaults are the operator issue's target: B=1, H=4, D=64, k=w=256, float32, 65,536 tokens.
-Peak memory is the process's resident-set growth over the forward, sampled every 5 ms.
+Peak memory is the growth of resident memory over each part, sampled every 5 ms.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 from pathlib import Path
 
-import psutil
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from longtrain.eval.equivalence import PeakMemory
 from longtrain.ops.attention import prefix_thresholds, sparsek_attention
-
-
-class PeakRSS:
-    """Peak resident memory above the starting level while the block runs."""
-
-    def __enter__(self):
-        self.proc = psutil.Process()
-        self.base = self.peak = self.proc.memory_info().rss
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self):
-        while not self.stop.wait(0.005):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    @property
-    def bytes(self) -> int:
-        return self.peak - self.base
 
 
 def main() -> None:
@@ -64,12 +38,12 @@ def main() -> None:
 
     rows = []
     with torch.no_grad():
-        with PeakRSS() as mem:
+        with PeakMemory(torch.device("cpu")) as mem:
             t0 = time.perf_counter()
             prefix_thresholds(u, a.topk, a.window)
             scan_s = time.perf_counter() - t0
         rows.append(("selection scan (CPU heaps)", scan_s, mem.bytes))
-        with PeakRSS() as mem:
+        with PeakMemory(torch.device("cpu")) as mem:
             t0 = time.perf_counter()
             o = sparsek_attention(q, k, v, u, topk=a.topk, window=a.window, backend="naive")
             fwd_s = time.perf_counter() - t0
