@@ -62,13 +62,6 @@ def _dq_tile(mode, dq, dtau, idx, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn
              G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr,
              PREC: tl.constexpr):
     k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-    return _dq_keys(mode, dq, dtau, k, v, u, kp, valid, q, do, lse2, delta, qp, thu, thp, tau, WINDOW, scale,
-                    G, BN, VARIANT, HAS_TOPK, PREC)
-
-
-@triton.jit
-def _dq_keys(mode, dq, dtau, k, v, u, kp, valid, q, do, lse2, delta, qp, thu, thp, tau, WINDOW, scale,
-             G: tl.constexpr, BN: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
     pg, dz, dm = _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, valid, qp, thu, thp, tau, WINDOW, scale,
                             G, BN, VARIANT, HAS_TOPK, PREC)
     dq += tl.dot(dz.to(k.dtype), k, input_precision=PREC)
@@ -111,17 +104,12 @@ def _dq_kernel(
 
     dq = tl.zeros([G, D], tl.float32)
     dtau = tl.zeros([G], tl.float32)
-    if HAS_TOPK:  # pool snapshot: gathered rows, the next tile prefetched
-        bpb = BP + b * sbpb + blk * sbpn + tl.arange(0, BN)
-        idx = tl.load(bpb, mask=tl.arange(0, BN) < TOPK, other=-1)
-        k, v, u, kp = load_keys(idx, idx >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
+    if HAS_TOPK:  # pool snapshot: gathered rows
         for t in range(0, TOPK, BN):
-            jn = t + BN + tl.arange(0, BN)
-            idn = tl.load(bpb + t + BN, mask=jn < TOPK, other=-1)
-            kn, vn, un, kpn = load_keys(idn, idn >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
-            dq, dtau = _dq_keys(3, dq, dtau, k, v, u, kp, idx >= 0, q, do, lse2, delta, qp, thu, thp, tau,
-                                WINDOW, scale, G, BN, VARIANT, HAS_TOPK, PREC)
-            idx, k, v, u, kp = idn, kn, vn, un, kpn
+            jj = t + tl.arange(0, BN)
+            idx = tl.load(BP + b * sbpb + blk * sbpn + jj, mask=jj < TOPK, other=-1)
+            dq, dtau = _dq_tile(3, dq, dtau, idx, idx >= 0, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn,
+                                qp, thu, thp, tau, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, PREC)
     # band: contiguous ext indices; its interior tiles need no masks
     start = TOPK + TAIL - WINDOW + 1 + blk * G
     band = WINDOW + G - 1
@@ -209,36 +197,29 @@ def _dkv_pool_kernel(
     b0 = seg * SEG
     b1 = tl.minimum(b0 + SEG, NB)
     idx = tl.load(SP + b * sspb + b0 * sspn + s, mask=sm, other=-1)
-    k, v, u, kp = load_keys(idx, idx >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
     for blk in range(b0, b1):
         nxt = tl.load(SP + b * sspb + (blk + 1) * sspn + s, mask=sm & (s * 0 + blk + 1 < b1), other=-1)
         valid = idx >= 0
         if tl.max(valid.to(tl.int32), 0) > 0:
+            k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
             dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, valid,
                                     Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
                                     L, H, R, WINDOW, scale, G, BN, D, VARIANT, True, True, PREC)
-        changed = nxt != idx
-        if tl.max(changed.to(tl.int32), 0) > 0:  # few keys leave per block: skip the masked work
-            done = valid & changed
-            safe = tl.where(done, idx, 0)
-            ptr = okv + safe[:, None] * (Hkv * D) + d[None, :]
-            if ATOMIC:
-                tl.atomic_add(DKP + ptr, dk * scale, mask=done[:, None])
-                tl.atomic_add(DVP + ptr, dv, mask=done[:, None])
-                tl.atomic_add(DUP + ou + safe, du, mask=done)
-            else:
-                tl.store(DKP + ptr, dk * scale, mask=done[:, None])
-                tl.store(DVP + ptr, dv, mask=done[:, None])
-                tl.store(DUP + ou + safe, du, mask=done)
-            dk = tl.where(done[:, None], 0.0, dk)
-            dv = tl.where(done[:, None], 0.0, dv)
-            du = tl.where(done, 0.0, du)
-            # Keys stay in registers while they keep their slot: load only the rows that changed.
-            kn, vn, un, kpn = load_keys(nxt, changed & (nxt >= 0), Kb, Vb, Ub, Pb, skn, svn, D)
-            k = tl.where(changed[:, None], kn, k)
-            v = tl.where(changed[:, None], vn, v)
-            u = tl.where(changed, un, u)
-            kp = tl.where(changed, kpn, kp)
+            done = valid & (nxt != idx)
+            if tl.max(done.to(tl.int32), 0) > 0:  # few keys leave per block: skip the masked writes
+                safe = tl.where(done, idx, 0)
+                ptr = okv + safe[:, None] * (Hkv * D) + d[None, :]
+                if ATOMIC:
+                    tl.atomic_add(DKP + ptr, dk * scale, mask=done[:, None])
+                    tl.atomic_add(DVP + ptr, dv, mask=done[:, None])
+                    tl.atomic_add(DUP + ou + safe, du, mask=done)
+                else:
+                    tl.store(DKP + ptr, dk * scale, mask=done[:, None])
+                    tl.store(DVP + ptr, dv, mask=done[:, None])
+                    tl.store(DUP + ou + safe, du, mask=done)
+                dk = tl.where(done[:, None], 0.0, dk)
+                dv = tl.where(done[:, None], 0.0, dv)
+                du = tl.where(done, 0.0, du)
         idx = nxt
 
 
