@@ -181,7 +181,7 @@ def time_case(T, D, do_naive):
         def mask_mod(b, h, qi, ki):
             return (ki <= qi) & (qi - ki < sw)
 
-        bm = create_block_mask(mask_mod, None, None, T, T, device=dev)
+        bm = create_block_mask(mask_mod, None, None, T, T, device=dev, _compile=True)  # no T x T mask in memory
 
         def flex_f():
             with torch.no_grad():
