@@ -140,3 +140,10 @@ def test_stable_slots_keep_each_key_in_one_slot(lengths):
                 if e >= 0:
                     assert slot_of.setdefault(e, s) == s  # never moves
         assert len(slot_of) > K  # keys did leave and enter: the relabelling was exercised
+
+
+def test_unsupported_head_dim_falls_back_to_naive():
+    args = inputs(1, 20, 2, 1, 8)  # D = 8: no kernel
+    with pytest.warns(UserWarning, match="naive core"):
+        o = sparsek_attention(*args, topk=3, window=2, backend="triton")
+    assert torch.equal(o, sparsek_attention(*args, topk=3, window=2, backend="naive"))

@@ -8,9 +8,12 @@ k_ext, v_ext, u_ext (direct mask term) and tau (its chain to u is ThresholdFn's,
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
+
+from longtrain.ops.attention.naive import sparsek_attention_core_naive
 
 from longtrain.ops.attention.triton_bwd import _dkv_band_kernel, _dkv_pool_kernel, _dq_kernel, stable_slots
 from longtrain.ops.attention.triton_fwd import LOG2E, VARIANT_CODE, _fwd_kernel
@@ -31,13 +34,18 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _config(block: int, D: int, dtype: torch.dtype):
+def unsupported(block: int, D: int, dtype: torch.dtype) -> str | None:
+    """Why the kernels cannot take this call (None: they can)."""
     if block < 16 or block & (block - 1):
-        raise ValueError(f"the Triton core needs a power-of-two query block >= 16; got {block}")
+        return f"the query block must be a power of two >= 16; got {block}"
     if D < 16 or D & (D - 1) or D > 256:
-        raise ValueError(f"the Triton core needs a power-of-two head dim in [16, 256]; got {D}")
+        return f"the head dim must be a power of two in [16, 256]; got {D}"
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"the Triton core takes float16, bfloat16 or float32 q/k/v; got {dtype}")
+        return f"q/k/v must be float16, bfloat16 or float32; got {dtype}"
+    return None
+
+
+def _config(block: int, D: int, dtype: torch.dtype):
     bn = 16 if _interpreting() else 64  # key tile
     prec = "ieee" if dtype == torch.float32 else "tf32"  # float32 checks want exact fp32 dots
     warps = 4 if D <= 64 else 8
@@ -157,7 +165,17 @@ def sparsek_attention_core_triton(
     scale: float | None = None,
     block: int = 64,
 ) -> torch.Tensor:
-    """Same contract as naive.sparsek_attention_core_naive; o [B, L, H, D] in q's dtype."""
+    """Same contract as naive.sparsek_attention_core_naive; o [B, L, H, D] in q's dtype.
+
+    Shapes or dtypes the kernels do not take go to the naive core, with a warning.
+    """
+    why = unsupported(block, q.shape[-1], q.dtype)
+    if why is not None:
+        warnings.warn(f"SparseK Triton kernels: {why}; using the naive core", stacklevel=2)
+        return sparsek_attention_core_naive(
+            q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool,
+            topk=topk, window=window, tail_slots=tail_slots, variant=variant, scale=scale, block=block,
+        )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     meta = (topk, window, tail_slots, variant, float(scale), block)
     return _SparseKTriton.apply(q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool, meta)
