@@ -48,7 +48,9 @@ def core_args(q, k, v, u, *, topk, window, variant, block=G):
     op_mod.sparsek_attention_core_naive = grab
     try:
         t0 = time.perf_counter()
-        sparsek_attention_chunk(q, k, v, u, cache, topk=topk, window=window, variant=variant, backend="naive", block=block)
+        sparsek_attention_chunk(
+            q, k, v, u, cache, topk=topk, window=window, variant=variant, backend="naive", block=block
+        )
     except _Captured:
         pass
     finally:
@@ -70,7 +72,8 @@ def leaves(args, dtype=None):
 
 
 def rel_rms(x, ref):
-    return (torch.linalg.vector_norm((x.float() - ref.float())) / torch.linalg.vector_norm(ref.float()).clamp(min=1e-30)).item()
+    err = torch.linalg.vector_norm(x.float() - ref.float())
+    return (err / torch.linalg.vector_norm(ref.float()).clamp(min=1e-30)).item()
 
 
 def check(T=4096, B=1, Hq=12, Hkv=12, D=64, topk=K, window=W, variant="hard_k_soft_v", dtype=torch.bfloat16, seed=0,
@@ -276,7 +279,9 @@ def sweep():
             print("sweep fwd+bwd", r, flush=True)
     best_b = min(out["bwd"], key=lambda r: r["fb16k"] + r["fb64k"] / 4)
     triton_core.BWD_WARPS, triton_core.POOL_SEGMENT = best_b["warps"], best_b["segment"]
-    out["chosen"] = dict(fwd_warps=best["warps"], fwd_stages=best["stages"], bwd_warps=best_b["warps"], pool_segment=best_b["segment"])
+    out["chosen"] = dict(
+        fwd_warps=best["warps"], fwd_stages=best["stages"], bwd_warps=best_b["warps"], pool_segment=best_b["segment"]
+    )
     print("chosen", out["chosen"], flush=True)
     del inputs
     torch.cuda.empty_cache()
@@ -321,14 +326,19 @@ def main():
     path = os.path.join(ns.out, "attention.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
-    hdr = "|  T  |  B |  D | SK fwd | SK f+b | SDPA f+b | Flex-SW1024 f+b | naive f+b | SDPA/SK | SK/Flex | scan ms (CPU) | SK TFLOP/s f+b | extra MiB |"
-    print(f"\n{res['device']}, bf16, H={H}, k=w={K}, ms (do_bench medians); settings {res.get('sweep', {}).get('chosen', 'default')}\n")
+    hdr = (
+        "|  T  |  B |  D | SK fwd | SK f+b | SDPA f+b | Flex-SW1024 f+b | naive f+b | SDPA/SK | SK/Flex "
+        "| scan ms (CPU) | SK TFLOP/s f+b | extra MiB |"
+    )
+    settings = res.get("sweep", {}).get("chosen", "default")
+    print(f"\n{res['device']}, bf16, H={H}, k=w={K}, ms (do_bench medians); settings {settings}\n")
     print(hdr)
     print("|---" * (hdr.count("|") - 1) + "|")
     for r in res["rows"]:
         print(
             f"| {r['T']} | {r['B']} | {r['D']} | {r['sk_fwd']:.3f} | {r['sk_fb']:.3f} | {r['sdpa_fb']:.3f} | "
-            f"{r['flex_fb']:.3f} | {r['naive_fb']:.2f} | {r['sdpa_fb'] / r['sk_fb']:.2f} | {r['sk_fb'] / r['flex_fb']:.2f} | "
+            f"{r['flex_fb']:.3f} | {r['naive_fb']:.2f} | {r['sdpa_fb'] / r['sk_fb']:.2f} | "
+            f"{r['sk_fb'] / r['flex_fb']:.2f} | "
             f"{r['scan_ms']:.0f} | {r['sk_tflops_fb']:.0f} | {r['sk_extra_mem_mb']:.0f} |"
         )
     print(f"\nJSON: {path}")
