@@ -1,8 +1,10 @@
 """SparseK attention core on Triton kernels: same signature and results as naive.py's core.
 
 Forward: triton_fwd (O and a base-2 log-sum-exp per query and head). Backward: triton_bwd (dq and
-dtau query-major; dk, dv, du key-major without atomics, hence deterministic). Gradients go to q,
-k_ext, v_ext, u_ext (direct mask term) and tau (its chain to u is ThresholdFn's, in scan.py).
+dtau query-major; dk, dv, du key-major; the pool keys' sums use a few atomic adds per key unless
+DETERMINISTIC or torch.use_deterministic_algorithms is on). Gradients go to q, k_ext, v_ext, u_ext
+(direct mask term) and tau (its chain to u is ThresholdFn's, in scan.py).
+The selection scan stays on the CPU (scan.py); its outputs arrive here as tensors.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import torch
 import triton
 
 from longtrain.ops.attention.naive import sparsek_attention_core_naive
-
 from longtrain.ops.attention.triton_bwd import _dkv_band_kernel, _dkv_pool_kernel, _dq_kernel, stable_slots
 from longtrain.ops.attention.triton_fwd import LOG2E, VARIANT_CODE, _fwd_kernel
 
@@ -46,6 +47,7 @@ def unsupported(block: int, D: int, dtype: torch.dtype) -> str | None:
 
 
 def _config(block: int, D: int, dtype: torch.dtype):
+    """Key tile, dot precision, default warps, forward warps, backward warps."""
     bn = 16 if _interpreting() else 64  # key tile
     prec = "ieee" if dtype == torch.float32 else "tf32"  # float32 checks want exact fp32 dots
     warps = 4 if D <= 64 else 8
