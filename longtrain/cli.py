@@ -24,7 +24,7 @@ def fit(
     ),
     run_dir: Path = typer.Option(None, "--run-dir", help="run directory (default: runs/<recipe name>)"),
     overrides: list[str] = typer.Option([], "--set", help="override a recipe key: --set train.lr=3e-4 (repeatable)"),
-    resume: str = typer.Option("auto", "--resume", help="auto | never | PATH to a checkpoint directory"),
+    resume: str = typer.Option("auto", "--resume", help="auto (newest complete checkpoint, if any) | never (start over; deletes this run's checkpoints) | PATH to a checkpoint directory"),
 ) -> None:
     """Train or fine-tune on long documents, chunk by chunk, resumable from checkpoints."""
     from longtrain.data import DataError

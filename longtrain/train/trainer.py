@@ -12,6 +12,7 @@ checkpoint, so a resumed run continues bitwise where it stopped.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import shutil
@@ -88,16 +89,22 @@ def fit(recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", co
     hashes = _hashes(recipe, run_dir)
     state = TrainState()
 
+    aside = None
     if resume_from is not None:
         cache = _restore(resume_from, model, optimizer, stream, state, hashes, device)
-    elif manager.steps():
-        shutil.rmtree(manager.dir)  # --resume never, or nothing usable: start clean, not mixed
+    elif manager.steps() and resume == "never":
+        shutil.rmtree(manager.dir)  # asked to start over: old checkpoints would mix with new ones
+    elif manager.steps():  # none of them is complete: keep them for inspection, start clean
+        aside = manager.dir.with_name(f"{manager.dir.name}.unusable-{time.strftime('%Y%m%d-%H%M%S')}")
+        manager.dir.rename(aside)
 
     display = ProgressDisplay(
         cfg.steps, start_step=state.step, start_tokens=state.tokens, every=recipe.logging.every,
         live=recipe.logging.progress, console=console,
     )
     _print_summary(display, recipe, model, corpus, run_dir, resume_from, state)
+    if aside is not None:
+        display.message(f"warning: no complete checkpoint to resume from; moved the unusable ones to {aside}")
 
     stop = _StopSignal()
     t_start = time.monotonic()
@@ -201,14 +208,11 @@ def evaluate(model: LM, corpus: PreparedCorpus, cfg, device: torch.device) -> fl
 
 
 def _hashes(recipe: Recipe, run_dir: Path) -> dict[str, str]:
-    import hashlib
-
+    """What a checkpoint must match to be resumed: model shape, attention, tokenizer."""
     return {
         "model": recipe_hash(recipe, ("model",)),
         "attention": recipe_hash(recipe, ("attention",)),
-        "tokenizer": hashlib.sha256((run_dir / "tokenizer.json").read_bytes()).hexdigest()
-        if (run_dir / "tokenizer.json").exists()
-        else "",
+        "tokenizer": hashlib.sha256((run_dir / "tokenizer.json").read_bytes()).hexdigest(),
     }
 
 
@@ -242,7 +246,6 @@ def _save(manager, model, optimizer, cache: ModelCache, stream, state: TrainStat
 
 def _restore(path: Path, model, optimizer, stream, state: TrainState, hashes, device) -> ModelCache:
     tensors, meta = ckpt.load(path)
-    # The tokenizer hash is rechecked here: a resumed run retrains nothing, it reloads the cache.
     ckpt.check_compatible(meta, hashes, path=path)
     ckpt.check_shapes(tensors["model"], model.state_dict())
     model.load_state_dict(tensors["model"])

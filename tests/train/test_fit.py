@@ -149,6 +149,18 @@ def test_resume_refuses_another_model_and_skips_a_corrupt_checkpoint(workspace):
     r = cli("fit", path, "--run-dir", tmp / "r", "--resume", tmp / "r/checkpoints/step-00000099")
     assert r.exit_code == 1 and "step-00000099" in r.output
 
+    # No complete checkpoint at all: start over, but keep the broken ones aside.
+    for step in (4, 6):
+        f = tmp / f"r/checkpoints/step-{step:08d}/model.safetensors"
+        f.write_bytes(b"broken")
+    import shutil
+
+    shutil.rmtree(tmp / "r/checkpoints/step-00000002", ignore_errors=True)
+    with pytest.warns(UserWarning):
+        r = cli("fit", path, "--run-dir", tmp / "r", "--set", "train.steps=2")
+    assert r.exit_code == 0 and "moved the unusable ones" in r.output, r.output
+    assert list(tmp.glob("r/checkpoints.unusable-*/step-00000006"))
+
 
 def test_sigterm_saves_a_checkpoint_before_exiting(workspace, monkeypatch):
     tmp, recipe = workspace
