@@ -14,7 +14,8 @@ import torch
 
 from longtrain.ops.attention.cache import SparseKCache
 from longtrain.ops.attention.naive import VARIANTS, sparsek_attention_core_naive
-from longtrain.ops.attention.scan import ScanResult, ThresholdFn, scan_chunk
+from longtrain.ops.attention.scan import ScanResult, ThresholdFn
+from longtrain.ops.attention.scan_numba import scan_chunk_numba as scan_chunk
 
 BACKENDS = ("auto", "naive", "triton")
 

@@ -1,0 +1,240 @@
+"""The selection scan compiled with numba: scan.py's algorithm, about 19x faster (benchmarks/scan.py).
+
+Same signature and result as `scan.scan_chunk` (the plain-Python reference beside it, which the
+tests compare this against). The heaps live in numpy arrays: the top-k as a min-heap of
+(value, position, ext index) ordered by (value, position), the saturated and fractional scores as
+min-heaps of floats. The per-row state crosses the boundary as `RowState`, so chunks may alternate
+between the two implementations.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from longtrain.ops.attention.scan import INF, RowState, ScanResult
+
+_MASK63 = np.uint64((1 << 63) - 1)
+
+
+@njit(cache=True, inline="always")
+def _hash(pos):
+    """splitmix64, as scan.position_hash."""
+    x = np.uint64(pos) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return np.int64(x & _MASK63)
+
+
+# ---- top-k min-heap over (value, position), carrying the ext index
+
+
+@njit(cache=True, inline="always")
+def _before(v1, p1, v2, p2):
+    return v1 < v2 or (v1 == v2 and p1 < p2)
+
+
+@njit(cache=True)
+def _kv_sift_down(hv, hp, he, n, i):
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            return
+        if c + 1 < n and _before(hv[c + 1], hp[c + 1], hv[c], hp[c]):
+            c += 1
+        if not _before(hv[c], hp[c], hv[i], hp[i]):
+            return
+        hv[i], hv[c] = hv[c], hv[i]
+        hp[i], hp[c] = hp[c], hp[i]
+        he[i], he[c] = he[c], he[i]
+        i = c
+
+
+@njit(cache=True)
+def _kv_push(hv, hp, he, n, v, p, e):
+    i = n
+    hv[i], hp[i], he[i] = v, p, e
+    while i > 0:
+        parent = (i - 1) // 2
+        if not _before(hv[i], hp[i], hv[parent], hp[parent]):
+            break
+        hv[i], hv[parent] = hv[parent], hv[i]
+        hp[i], hp[parent] = hp[parent], hp[i]
+        he[i], he[parent] = he[parent], he[i]
+        i = parent
+    return n + 1
+
+
+# ---- float min-heaps
+
+
+@njit(cache=True)
+def _f_push(h, n, v):
+    i = n
+    h[i] = v
+    while i > 0:
+        parent = (i - 1) // 2
+        if h[parent] <= h[i]:
+            break
+        h[i], h[parent] = h[parent], h[i]
+        i = parent
+    return n + 1
+
+
+@njit(cache=True)
+def _f_pop(h, n):
+    """Remove the minimum; returns (value, new size)."""
+    top = h[0]
+    n -= 1
+    h[0] = h[n]
+    i = 0
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and h[c + 1] < h[c]:
+            c += 1
+        if h[i] <= h[c]:
+            break
+        h[i], h[c] = h[c], h[i]
+        i = c
+    return top, n
+
+
+@njit(cache=True)
+def _scan_row(
+    u_row, base, t0, n, L, topk, window, cap, block,
+    hv, hp, he, n_heap, sat, n_sat, frac, n_frac, fsum, tau, n_cand, overflow, fp,
+    theta_u, theta_pos, tau_out, n_active, fps, block_pool,
+):
+    """One row of scan.scan_chunk; returns the scalar state after the chunk."""
+    lag = window if window > 1 else 1
+    nxt = t0 - lag + 1
+    if nxt < 0:
+        nxt = 0
+    c = 0
+    while True:
+        # Queries 0..n-1 of the chunk, then one last pass that inserts the candidates
+        # the next chunk's first query needs (c == n).
+        last = t0 + c - window if c < n else t0 + n - lag
+        while nxt <= last:
+            e = base + nxt
+            val = u_row[e]
+            n_cand += 1
+            # top-k by (value, position)
+            if n_heap < topk:
+                n_heap = _kv_push(hv, hp, he, n_heap, val, nxt, e)
+                fp ^= _hash(nxt)
+            elif topk > 0 and _before(hv[0], hp[0], val, nxt):
+                fp ^= _hash(hp[0]) ^ _hash(nxt)
+                hv[0], hp[0], he[0] = val, nxt, e
+                _kv_sift_down(hv, hp, he, n_heap, 0)
+            # threshold state
+            if val > tau:
+                if val >= tau + 1:
+                    n_sat = _f_push(sat, n_sat, val)
+                else:
+                    n_frac = _f_push(frac, n_frac, val)
+                    fsum += val
+                if n_sat + n_frac > cap and n_frac > 0:
+                    dropped, n_frac = _f_pop(frac, n_frac)
+                    fsum -= dropped
+                    overflow += 1
+                if n_cand > topk:
+                    # raise tau to the root of sum clamp(u - tau, 0, 1) = k (scan.RowScanner._solve)
+                    while True:
+                        b_frac = frac[0] if n_frac > 0 else INF
+                        b_sat = sat[0] - 1 if n_sat > 0 else INF
+                        b = min(b_frac, b_sat)
+                        f_b = n_sat + fsum - n_frac * b if n_frac > 0 else float(n_sat)
+                        if b < INF and f_b > topk:
+                            if b_frac <= b_sat:
+                                v, n_frac = _f_pop(frac, n_frac)
+                                fsum -= v
+                            else:
+                                v, n_sat = _f_pop(sat, n_sat)
+                                n_frac = _f_push(frac, n_frac, v)
+                                fsum += v
+                            tau = max(tau, b)
+                            continue
+                        if n_frac > 0:
+                            tau = max(tau, (fsum + n_sat - topk) / n_frac)
+                        break
+                    if n_frac == 0:
+                        fsum = 0.0
+            nxt += 1
+        if c == n:
+            break
+        if c % block == 0:
+            for s in range(n_heap):
+                block_pool[c // block, s] = he[s]
+        if n_heap < topk or topk == 0:
+            theta_u[c], theta_pos[c] = -INF, -1
+        else:
+            theta_u[c], theta_pos[c] = hv[0], hp[0]
+        tau_out[c] = tau if topk > 0 else INF
+        n_active[c] = n_frac
+        fps[c] = fp
+        c += 1
+    return n_heap, n_sat, n_frac, fsum, tau, n_cand, overflow, fp
+
+
+def scan_chunk_numba(
+    u_ext: np.ndarray,
+    pos_ext: np.ndarray,
+    states: list[RowState],
+    *,
+    seen: np.ndarray,
+    lengths: np.ndarray,
+    n_queries: int,
+    topk: int,
+    window: int,
+    cap: int,
+    block: int,
+    ext_of_first_chunk_token: int,
+) -> ScanResult:
+    """scan.scan_chunk, compiled. Same arguments, same result."""
+    import torch
+
+    B, L = u_ext.shape[0], n_queries
+    nb = -(-L // block)
+    theta_u = np.full((B, L), INF)
+    theta_pos = np.full((B, L), np.iinfo(np.int64).max, dtype=np.int64)
+    tau = np.zeros((B, L))
+    n_active = np.zeros((B, L), dtype=np.int64)
+    fps = np.zeros((B, L), dtype=np.int64)
+    block_pool = np.full((B, nb, topk), -1, dtype=np.int64)
+    u_ext = np.ascontiguousarray(u_ext, dtype=np.float64)
+    final_pool, new_states = [], []
+    for b, st in enumerate(states):
+        t0 = int(seen[b])
+        hv = np.empty(max(topk, 1))
+        hp = np.empty(max(topk, 1), dtype=np.int64)
+        he = np.empty(max(topk, 1), dtype=np.int64)
+        for i, (v, p, e) in enumerate(st.topk_heap):  # a valid heap stays a valid heap
+            hv[i], hp[i], he[i] = v, p, e
+        sat = np.empty(cap + 1)
+        frac = np.empty(cap + 1)
+        sat[: len(st.sat)] = st.sat
+        frac[: len(st.frac)] = st.frac
+        out = _scan_row(
+            u_ext[b], ext_of_first_chunk_token - t0, t0, int(lengths[b]), L, topk, window, cap, block,
+            hv, hp, he, len(st.topk_heap), sat, len(st.sat), frac, len(st.frac),
+            float(st.frac_sum), float(st.tau), int(st.n_cand), int(st.overflow), np.int64(st.fingerprint),
+            theta_u[b], theta_pos[b], tau[b], n_active[b], fps[b], block_pool[b],
+        )
+        n_heap, n_sat, n_frac, fsum, t, n_cand, overflow, fp = out
+        heap = list(zip(hv[:n_heap].tolist(), hp[:n_heap].tolist(), he[:n_heap].tolist()))
+        new_states.append(RowState(heap, sat[:n_sat].tolist(), frac[:n_frac].tolist(), fsum, t, n_cand, overflow, int(fp)))
+        final_pool.append(he[:n_heap].tolist())
+    return ScanResult(
+        theta_u=torch.from_numpy(theta_u),
+        theta_pos=torch.from_numpy(theta_pos),
+        tau=tau,
+        n_active=n_active,
+        fingerprint=torch.from_numpy(fps),
+        block_pool=torch.from_numpy(block_pool),
+        final_pool=final_pool,
+        states=new_states,
+    )
