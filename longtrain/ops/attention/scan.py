@@ -139,6 +139,47 @@ class ScanResult:
     states: list  # per row: RowState after the chunk
 
 
+@dataclass
+class ScanOutputs:
+    """The per-query and per-block arrays a scan fills (padded queries keep: nothing selected)."""
+
+    theta_u: np.ndarray  # [B, L]
+    theta_pos: np.ndarray  # [B, L]
+    tau: np.ndarray  # [B, L]
+    n_active: np.ndarray  # [B, L]
+    fingerprint: np.ndarray  # [B, L]
+    block_pool: np.ndarray  # [B, n_blocks, K]
+    final_pool: list
+
+    @classmethod
+    def empty(cls, B: int, L: int, topk: int, block: int) -> "ScanOutputs":
+        nb = -(-L // block)
+        return cls(
+            theta_u=np.full((B, L), INF),
+            theta_pos=np.full((B, L), np.iinfo(np.int64).max, dtype=np.int64),
+            tau=np.zeros((B, L)),
+            n_active=np.zeros((B, L), dtype=np.int64),
+            fingerprint=np.zeros((B, L), dtype=np.int64),
+            block_pool=np.full((B, nb, topk), -1, dtype=np.int64),
+            final_pool=[],
+        )
+
+    def arrays(self):
+        return self.theta_u, self.theta_pos, self.tau, self.n_active, self.fingerprint, self.block_pool
+
+    def result(self, states: list[RowState]) -> ScanResult:
+        return ScanResult(
+            theta_u=torch.from_numpy(self.theta_u),
+            theta_pos=torch.from_numpy(self.theta_pos),
+            tau=self.tau,
+            n_active=self.n_active,
+            fingerprint=torch.from_numpy(self.fingerprint),
+            block_pool=torch.from_numpy(self.block_pool),
+            final_pool=self.final_pool,
+            states=states,
+        )
+
+
 def scan_chunk(
     u_ext: np.ndarray,  # [B, N] float64 scores in the extended layout
     pos_ext: np.ndarray,  # [B, N] int64 positions (-1: empty slot)
@@ -155,15 +196,8 @@ def scan_chunk(
 ) -> ScanResult:
     """Run the scan over one chunk for every row, continuing from `states`."""
     B = u_ext.shape[0]
-    L = n_queries
-    nb = -(-L // block)
-    theta_u = np.full((B, L), INF)
-    theta_pos = np.full((B, L), np.iinfo(np.int64).max, dtype=np.int64)
-    tau = np.zeros((B, L))
-    n_active = np.zeros((B, L), dtype=np.int64)
-    fps = np.zeros((B, L), dtype=np.int64)
-    block_pool = np.full((B, nb, topk), -1, dtype=np.int64)
-    final_pool = []
+    out = ScanOutputs.empty(B, n_queries, topk, block)
+    theta_u, theta_pos, tau, n_active, fps, block_pool = out.arrays()
     lag = max(window, 1)  # after [0, t) the candidates are the positions <= t - lag
     for b in range(B):
         t0, n = int(seen[b]), int(lengths[b])
@@ -189,17 +223,8 @@ def scan_chunk(
             e = base + nxt
             sc.insert(u_row[e], nxt, e)
             nxt += 1
-        final_pool.append([e for (_, _, e) in sc.s.topk_heap])
-    return ScanResult(
-        theta_u=torch.from_numpy(theta_u),
-        theta_pos=torch.from_numpy(theta_pos),
-        tau=tau,
-        n_active=n_active,
-        fingerprint=torch.from_numpy(fps),
-        block_pool=torch.from_numpy(block_pool),
-        final_pool=final_pool,
-        states=states,
-    )
+        out.final_pool.append([e for (_, _, e) in sc.s.topk_heap])
+    return out.result(states)
 
 
 class ThresholdFn(torch.autograd.Function):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from longtrain.ops.attention.scan import INF, RowState, ScanResult
+from longtrain.ops.attention.scan import INF, RowState, ScanOutputs, ScanResult
 
 _MASK63 = np.uint64((1 << 63) - 1)
 
@@ -35,6 +35,13 @@ def _before(v1, p1, v2, p2):
     return v1 < v2 or (v1 == v2 and p1 < p2)
 
 
+@njit(cache=True, inline="always")
+def _kv_swap(hv, hp, he, i, j):
+    hv[i], hv[j] = hv[j], hv[i]
+    hp[i], hp[j] = hp[j], hp[i]
+    he[i], he[j] = he[j], he[i]
+
+
 @njit(cache=True)
 def _kv_sift_down(hv, hp, he, n, i):
     while True:
@@ -45,9 +52,7 @@ def _kv_sift_down(hv, hp, he, n, i):
             c += 1
         if not _before(hv[c], hp[c], hv[i], hp[i]):
             return
-        hv[i], hv[c] = hv[c], hv[i]
-        hp[i], hp[c] = hp[c], hp[i]
-        he[i], he[c] = he[c], he[i]
+        _kv_swap(hv, hp, he, i, c)
         i = c
 
 
@@ -59,9 +64,7 @@ def _kv_push(hv, hp, he, n, v, p, e):
         parent = (i - 1) // 2
         if not _before(hv[i], hp[i], hv[parent], hp[parent]):
             break
-        hv[i], hv[parent] = hv[parent], hv[i]
-        hp[i], hp[parent] = hp[parent], hp[i]
-        he[i], he[parent] = he[parent], he[i]
+        _kv_swap(hv, hp, he, i, parent)
         i = parent
     return n + 1
 
@@ -104,7 +107,7 @@ def _f_pop(h, n):
 
 @njit(cache=True)
 def _scan_row(
-    u_row, base, t0, n, L, topk, window, cap, block,
+    u_row, base, t0, n, topk, window, cap, block,
     hv, hp, he, n_heap, sat, n_sat, frac, n_frac, fsum, tau, n_cand, overflow, fp,
     theta_u, theta_pos, tau_out, n_active, fps, block_pool,
 ):
@@ -195,18 +198,10 @@ def scan_chunk_numba(
     ext_of_first_chunk_token: int,
 ) -> ScanResult:
     """scan.scan_chunk, compiled. Same arguments, same result."""
-    import torch
-
-    B, L = u_ext.shape[0], n_queries
-    nb = -(-L // block)
-    theta_u = np.full((B, L), INF)
-    theta_pos = np.full((B, L), np.iinfo(np.int64).max, dtype=np.int64)
-    tau = np.zeros((B, L))
-    n_active = np.zeros((B, L), dtype=np.int64)
-    fps = np.zeros((B, L), dtype=np.int64)
-    block_pool = np.full((B, nb, topk), -1, dtype=np.int64)
+    out = ScanOutputs.empty(u_ext.shape[0], n_queries, topk, block)
+    theta_u, theta_pos, tau, n_active, fps, block_pool = out.arrays()
     u_ext = np.ascontiguousarray(u_ext, dtype=np.float64)
-    final_pool, new_states = [], []
+    new_states = []
     for b, st in enumerate(states):
         t0 = int(seen[b])
         hv = np.empty(max(topk, 1))
@@ -218,23 +213,14 @@ def scan_chunk_numba(
         frac = np.empty(cap + 1)
         sat[: len(st.sat)] = st.sat
         frac[: len(st.frac)] = st.frac
-        out = _scan_row(
-            u_ext[b], ext_of_first_chunk_token - t0, t0, int(lengths[b]), L, topk, window, cap, block,
+        row = _scan_row(
+            u_ext[b], ext_of_first_chunk_token - t0, t0, int(lengths[b]), topk, window, cap, block,
             hv, hp, he, len(st.topk_heap), sat, len(st.sat), frac, len(st.frac),
             float(st.frac_sum), float(st.tau), int(st.n_cand), int(st.overflow), np.int64(st.fingerprint),
             theta_u[b], theta_pos[b], tau[b], n_active[b], fps[b], block_pool[b],
         )
-        n_heap, n_sat, n_frac, fsum, t, n_cand, overflow, fp = out
+        n_heap, n_sat, n_frac, fsum, t, n_cand, overflow, fp = row
         heap = list(zip(hv[:n_heap].tolist(), hp[:n_heap].tolist(), he[:n_heap].tolist()))
         new_states.append(RowState(heap, sat[:n_sat].tolist(), frac[:n_frac].tolist(), fsum, t, n_cand, overflow, int(fp)))
-        final_pool.append(he[:n_heap].tolist())
-    return ScanResult(
-        theta_u=torch.from_numpy(theta_u),
-        theta_pos=torch.from_numpy(theta_pos),
-        tau=tau,
-        n_active=n_active,
-        fingerprint=torch.from_numpy(fps),
-        block_pool=torch.from_numpy(block_pool),
-        final_pool=final_pool,
-        states=new_states,
-    )
+        out.final_pool.append(he[:n_heap].tolist())
+    return out.result(new_states)
