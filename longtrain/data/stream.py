@@ -157,19 +157,25 @@ class DocumentStream:
 
 
 def iter_valid_chunks(
-    docs: TokenDocs, chunk_size: int, *, batch_rows: int = 1, max_docs: int | None = None, pad_id: int = 0
+    docs: TokenDocs,
+    chunk_size: int,
+    *,
+    batch_rows: int = 1,
+    max_docs: int | None = None,
+    max_tokens: int | None = None,
+    pad_id: int = 0,
 ) -> Iterator[Chunk]:
     """Every document (the first `max_docs`) once, in order, one document per row.
 
     Documents go in groups of `batch_rows`; a group's rows run to the end of
-    their documents, rows that finish early stay idle (length 0) until the
-    longest one ends.
+    their documents (or their first `max_tokens`, rounded up to whole chunks),
+    rows that finish early stay idle (length 0) until the longest one ends.
     """
     n = len(docs) if max_docs is None else min(max_docs, len(docs))
     for start in range(0, n, batch_rows):
         group = list(range(start, min(start + batch_rows, n)))
-        longest = max(int(docs.lengths[d]) for d in group)
-        for o in range(0, longest, chunk_size):
-            spec = [(d, o, o == 0) if o < docs.lengths[d] else None for d in group]
+        read = [int(docs.lengths[d]) if max_tokens is None else min(int(docs.lengths[d]), max_tokens) for d in group]
+        for o in range(0, max(read), chunk_size):
+            spec = [(d, o, o == 0) if o < r else None for d, r in zip(group, read)]
             spec += [None] * (batch_rows - len(group))
             yield make_chunk(docs, spec, chunk_size, pad_id)

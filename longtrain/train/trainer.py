@@ -117,24 +117,25 @@ def fit(recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", co
             lr = lr_at(step, cfg)
             set_lr(optimizer, lr)
             model.train()
-            loss_sum, step_tokens = 0.0, 0
+            loss_sum, step_tokens = torch.zeros((), device=device), 0
             for _ in range(cfg.grad_accum):
-                chunk = stream.next_chunk().to(device)
+                chunk = stream.next_chunk()
+                step_tokens += int(chunk.lengths.sum())  # counted on the CPU, before the copy
+                chunk = chunk.to(device)
                 cache = cache.reset_rows(chunk.reset)  # a new document starts with an empty cache
                 with autocast:
                     out = model(chunk.tokens, cache=cache, lengths=chunk.lengths)
                 loss = lm_loss(out.logits, chunk.targets)
                 (loss / cfg.grad_accum).backward()  # gradients stop at the (detached) cache
                 cache = out.cache
-                loss_sum += loss.item()
-                step_tokens += int(chunk.lengths.sum())
+                loss_sum += loss.detach()  # summed on the device: one host sync per step, below
                 if out.overflowed and not warned_overflow:
                     warned_overflow = True
                     display.message(
                         "warning: a layer's SparseK threshold state hit its cap (attention.threshold_cap); "
                         "thresholds are approximate from here. Raise attention.threshold_cap to keep them exact."
                     )
-            last_loss = loss_sum / cfg.grad_accum
+            last_loss = loss_sum.item() / cfg.grad_accum
             if not math.isfinite(last_loss):
                 where = f"; the last good checkpoint is {saved}" if saved else ""
                 raise TrainingError(
@@ -189,9 +190,10 @@ def evaluate(model: LM, corpus: PreparedCorpus, cfg, device: torch.device) -> fl
     rows = min(cfg.batch_docs, len(corpus.valid))
     cache = model.empty_cache(rows, device=device, dtype=torch.float32)
     total, count = 0.0, 0
-    for chunk in iter_valid_chunks(corpus.valid, cfg.chunk_size, batch_rows=rows, max_docs=cfg.valid_docs):
-        if int(chunk.doc_offset.max()) >= cfg.valid_tokens:
-            continue  # past the per-document budget; the group's next documents start at offset 0
+    chunks = iter_valid_chunks(
+        corpus.valid, cfg.chunk_size, batch_rows=rows, max_docs=cfg.valid_docs, max_tokens=cfg.valid_tokens
+    )
+    for chunk in chunks:
         chunk = chunk.to(device)
         cache = cache.reset_rows(chunk.reset)
         out = model(chunk.tokens, cache=cache, lengths=chunk.lengths)
@@ -288,12 +290,12 @@ class _StopSignal:
 
 def _print_summary(display, recipe: Recipe, model: LM, corpus: PreparedCorpus, run_dir, resume_from, state) -> None:
     cfg, att = recipe.train, recipe.attention
-    kv = model.empty_cache(1, device="cpu", dtype=torch.float32).kv_entries_per_layer
     lines = [
         f"longtrain fit {recipe.name} → {run_dir}",
         f"model: {recipe.model.style}, {recipe.model.layers} layers × {recipe.model.d_model}, "
         f"{model.num_params() / 1e6:.2f}M parameters, vocab {model.cfg.vocab_size}",
-        f"attention: {att.type} (k={att.topk}, w={att.window}, {att.variant}); KV cache {kv} entries per layer per row",
+        f"attention: {att.type} (k={att.topk}, w={att.window}, {att.variant}); KV cache "
+        + (f"{att.topk + max(att.window - 1, 0)} entries per layer per row" if att.type != "full" else "grows with the document"),
         f"batch: {cfg.batch_docs} documents × {cfg.chunk_size} tokens × {cfg.grad_accum} chunks = "
         f"{cfg.batch_docs * cfg.chunk_size * cfg.grad_accum:,} tokens per step, {cfg.steps} steps",
         f"data: {len(corpus.train)} training documents ({corpus.train.n_tokens:,} tokens), "

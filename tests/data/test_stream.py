@@ -121,3 +121,13 @@ def test_valid_chunks_read_every_document_once_one_per_row():
     assert seen == set(range(len(LENGTHS)))
     assert list(iter_valid_chunks(docs, 16, max_docs=2))[-1].doc_index.tolist() == [1]
     assert np.all([c.tokens.shape == (3, 16) for c in chunks])
+
+
+def test_valid_chunks_stop_at_max_tokens():
+    docs = synthetic_docs(LENGTHS)
+    chunks = list(iter_valid_chunks(docs, chunk_size=16, batch_rows=3, max_tokens=20))
+    # Each document is read to min(length, 20) rounded up to whole chunks of 16: at most 2 chunks per group.
+    for b in range(3):
+        for d, inputs, _ in row_reads(chunks, b):
+            assert inputs == docs.doc(d).tolist()[: min(len(docs.doc(d)), 32)]
+    assert len(chunks) == 2 + 2 + 2  # three groups (3 + 3 + 2 documents), each cut after two chunks
