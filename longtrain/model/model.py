@@ -361,7 +361,8 @@ class LM(nn.Module):
             layers.append(lc)
             selections.append(sel)
         h = self.norm_f(x)  # [B, L, d]
-        overflowed = any(s is not None and s.overflowed for s in selections)
+        flags = [s.overflow for s in selections if s is not None]  # on device: one host sync for all layers
+        overflowed = bool(torch.stack(flags).gt(0).any()) if flags else False
         if overflowed:
             warnings.warn(
                 "SparseK threshold state overflowed its cap: selection is no longer exact; raise attention.threshold_cap",

@@ -134,7 +134,7 @@ class SparseKCache:
             heap.sort()
             fp = 0
             for _, p, _ in heap:
-                fp ^= position_hash(p)
+                fp = (fp + position_hash(p)) & (2**63 - 1)
             states.append(
                 RowState(
                     topk_heap=heap,

@@ -14,10 +14,12 @@ import torch
 
 from longtrain.ops.attention.cache import SparseKCache
 from longtrain.ops.attention.naive import VARIANTS, sparsek_attention_core_naive
-from longtrain.ops.attention.scan import ScanResult, ThresholdFn
+from longtrain.ops.attention.scan import ThresholdFn
+from longtrain.ops.attention.scan_device import DeviceScan, scan_chunk_device
 from longtrain.ops.attention.scan_numba import scan_chunk_numba as scan_chunk
 
 BACKENDS = ("auto", "naive", "triton")
+SCANS = ("auto", "host", "device")
 
 
 @dataclass
@@ -28,10 +30,16 @@ class ChunkSelection:
     theta_pos: torch.Tensor  # [B, L] int64
     tau: torch.Tensor  # [B, L] float64
     n_active: torch.Tensor  # [B, L] int64
-    overflowed: bool  # the threshold state hit its cap: tau is no longer exact
+    # (all on the device of the call: reading them is the caller's host sync)
+    overflow: torch.Tensor  # [B] int64 scores dropped at the threshold state's cap (kept on device)
+
+    @property
+    def overflowed(self) -> bool:
+        """The threshold state hit its cap: tau is no longer exact (a host sync)."""
+        return bool((self.overflow > 0).any())
 
 
-def _check(q, k, v, u, topk, window, variant, backend):
+def _check(q, k, v, u, topk, window, variant, backend, scan="auto"):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
@@ -48,12 +56,54 @@ def _check(q, k, v, u, topk, window, variant, backend):
         raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if scan not in SCANS:
+        raise ValueError(f"scan must be one of {SCANS}; got {scan!r}")
+    if scan == "device" and u.dtype == torch.float64:
+        raise ValueError("scan='device' packs float32 scores into its keys; float64 scores need scan='host'")
 
 
 def _pick_backend(backend: str, q: torch.Tensor) -> str:
     if backend == "auto":  # the kernels take half precision and float32, not float64
         return "triton" if q.is_cuda and q.dtype != torch.float64 and _triton_available() else "naive"
     return backend
+
+
+def _pick_scan(scan: str, u: torch.Tensor) -> str:
+    """auto: on the GPU where the scores are (float32 or narrower), else the CPU heaps."""
+    if scan == "auto":
+        return "device" if u.is_cuda and u.dtype != torch.float64 and _triton_available() else "host"
+    return scan
+
+
+def _host_scan(u_ext, pos_ext, cache, seen, lengths, L, topk, window, block) -> DeviceScan:
+    """The CPU heap scan (compiled), its results moved to the call's device as a DeviceScan."""
+    dev = u_ext.device
+    scan = scan_chunk(
+        u_ext.detach().to("cpu", torch.float64).numpy(),
+        pos_ext.cpu().numpy(),
+        cache.row_states(),
+        seen=seen.cpu().numpy(),
+        lengths=lengths.cpu().numpy(),
+        n_queries=L,
+        topk=topk,
+        window=window,
+        cap=cache.cap,
+        block=block,
+        ext_of_first_chunk_token=cache.topk + cache.tail_slots,
+    )
+    final_pool = torch.full((len(scan.final_pool), topk), -1, dtype=torch.int64)
+    for b, ids in enumerate(scan.final_pool):
+        final_pool[b, : len(ids)] = torch.tensor(sorted(ids), dtype=torch.int64)
+    return DeviceScan(
+        theta_u=scan.theta_u.to(dev),
+        theta_pos=scan.theta_pos.to(dev),
+        tau=torch.from_numpy(scan.tau).to(dev),
+        n_active=torch.from_numpy(scan.n_active).to(dev),
+        fingerprint=scan.fingerprint.to(dev),
+        block_pool=scan.block_pool.to(dev),
+        final_pool=final_pool.to(dev),
+        threshold=cache.threshold_tensors(scan.states),
+    )
 
 
 def _triton_available() -> bool:
@@ -78,9 +128,15 @@ def sparsek_attention_chunk(
     lengths: torch.Tensor | None = None,  # [B] valid tokens per row (default L)
     backend: str = "auto",
     block: int = 64,
+    scan: str = "auto",
 ) -> tuple[torch.Tensor, SparseKCache, ChunkSelection]:
-    """SparseK attention of one chunk continuing from `cache`; returns (o, next cache, selection)."""
-    _check(q, k, v, u, topk, window, variant, backend)
+    """SparseK attention of one chunk continuing from `cache`; returns (o, next cache, selection).
+
+    backend: the attention core ("triton" kernels or the "naive" reference; auto: kernels on CUDA).
+    scan: the selection scan ("device": wavelet scan on the tensors' device, exact selection, tau
+    to rounding; "host": the CPU heaps; auto: device on CUDA unless the scores are float64).
+    """
+    _check(q, k, v, u, topk, window, variant, backend, scan)
     if cache.topk != topk or cache.tail_slots != max(window - 1, 0):
         raise ValueError(
             f"cache was built for topk={cache.topk}, window={cache.tail_slots + 1}; the call uses topk={topk}, window={window}"
@@ -103,27 +159,19 @@ def sparsek_attention_chunk(
     v_ext = torch.cat([cache.pool_v.to(v.dtype), cache.tail_v.to(v.dtype), v], dim=1)
     u_ext = torch.cat([cache.pool_u.to(u.dtype), cache.tail_u.to(u.dtype), u], dim=1)
 
-    # 2. The selection scan (exact, CPU heaps), continuing from the cache's state.
-    states = cache.row_states()
-    scan: ScanResult = scan_chunk(
-        u_ext.detach().to("cpu", torch.float64).numpy(),
-        pos_ext.cpu().numpy(),
-        states,
-        seen=seen.cpu().numpy(),
-        lengths=lengths.cpu().numpy(),
-        n_queries=L,
-        topk=topk,
-        window=window,
-        cap=cache.cap,
-        block=block,
-        ext_of_first_chunk_token=K + Wt,
-    )
-    tau64 = torch.from_numpy(scan.tau).to(dev)
-    n_active = torch.from_numpy(scan.n_active).to(dev)
-    tau = ThresholdFn.apply(u, tau64, n_active, lengths, window)
+    # 2. The selection scan, continuing from the cache's state: on the tensors' device, or CPU heaps.
+    if _pick_scan(scan, u_ext) == "device":
+        sel = scan_chunk_device(
+            u_ext, pos_ext, thr_u=cache.thr_u.to(dev), thr_count=cache.thr_count.to(dev),
+            overflow=cache.overflow.to(dev), seen=seen, lengths=lengths, n_queries=L, topk=topk,
+            window=window, block=block,
+        )
+    else:
+        sel = _host_scan(u_ext, pos_ext, cache, seen, lengths, L, topk, window, block)
+    tau = ThresholdFn.apply(u, sel.tau, sel.n_active, lengths, window)
 
     # 3. The attention core.
-    core_args = (q, k_ext, v_ext, u_ext, pos_ext, chunk_pos, scan.theta_u.to(dev), scan.theta_pos.to(dev), tau, scan.block_pool.to(dev))
+    core_args = (q, k_ext, v_ext, u_ext, pos_ext, chunk_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool)
     core_kw = dict(topk=topk, window=window, tail_slots=Wt, variant=variant, scale=scale, block=block)
     if _pick_backend(backend, q) == "triton":
         from longtrain.ops.attention.triton_core import sparsek_attention_core_triton
@@ -133,10 +181,7 @@ def sparsek_attention_chunk(
         o = sparsek_attention_core_naive(*core_args, **core_kw)
 
     # 4. The next cache: the top-k pool and the last w-1 positions, detached.
-    pool_idx = torch.full((B, K), -1, dtype=torch.int64)
-    for b, ids in enumerate(scan.final_pool):
-        pool_idx[b, : len(ids)] = torch.tensor(sorted(ids), dtype=torch.int64)
-    pool_idx = pool_idx.to(dev)
+    pool_idx = sel.final_pool  # [B, K] ext indices, -1 empty
     tail_idx = K + lengths[:, None] + torch.arange(Wt, device=dev)[None]  # positions t-(W-1)..t-1
     rows = torch.arange(B, device=dev)[:, None]
     pool_ok = pool_idx >= 0
@@ -152,15 +197,15 @@ def sparsek_attention_chunk(
             tail_v=v_ext[rows, tail_idx].to(cache.tail_v.dtype),
             tail_u=u_ext[rows, tail_idx].to(cache.tail_u.dtype),
             seen=seen + lengths,
-            **cache.threshold_tensors(scan.states),
+            **{name: t.to(dev) for name, t in sel.threshold.items()},
         )
     next_cache = SparseKCache(**{name: t.detach() for name, t in new.items()})
     selection = ChunkSelection(
-        fingerprint=scan.fingerprint,
-        theta_pos=scan.theta_pos,
-        tau=tau64.cpu(),
-        n_active=n_active.cpu(),
-        overflowed=bool((next_cache.overflow > 0).any()),
+        fingerprint=sel.fingerprint,
+        theta_pos=sel.theta_pos,
+        tau=sel.tau,
+        n_active=sel.n_active,
+        overflow=next_cache.overflow,
     )
     return o, next_cache, selection
 
@@ -176,17 +221,18 @@ def sparsek_attention(
     variant: str = "hard_k_soft_v",
     scale: float | None = None,
     backend: str = "auto",
+    scan: str = "auto",
 ) -> torch.Tensor:
     """SparseK attention over whole sequences (positions 0..T-1): o [B, T, H, D].
 
     q [B, T, H, D], k and v [B, T, Hkv, D], u [B, T] importance scores. topk = 0 is a sliding
     window, window = 0 is SparseK only, topk + window >= T is full causal attention.
     """
-    _check(q, k, v, u, topk, window, variant, backend)
+    _check(q, k, v, u, topk, window, variant, backend, scan)
     cache = SparseKCache.empty(
         q.shape[0], topk, window, k.shape[2], k.shape[3], dtype=k.dtype, score_dtype=u.dtype, device=q.device
     )
     o, _, _ = sparsek_attention_chunk(
-        q, k, v, u, cache, topk=topk, window=window, variant=variant, scale=scale, backend=backend
+        q, k, v, u, cache, topk=topk, window=window, variant=variant, scale=scale, backend=backend, scan=scan
     )
     return o

@@ -30,7 +30,9 @@ INF = math.inf
 
 
 def position_hash(pos: int) -> int:
-    """splitmix64 of a position, as a non-negative int64: XOR of these fingerprints a set."""
+    """splitmix64 of a position, as a non-negative int64: their sum mod 2**63 fingerprints a set.
+
+    A sum (not XOR) so that a set's fingerprint is a prefix-sum difference on the GPU scan."""
     x = (pos + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
@@ -53,7 +55,7 @@ class RowState:
     tau: float
     n_cand: int  # candidates inserted so far
     overflow: int  # scores dropped because the state was full
-    fingerprint: int  # XOR of position_hash over the top-k set
+    fingerprint: int  # sum mod 2**63 of position_hash over the top-k set
 
 
 class RowScanner:
@@ -71,10 +73,10 @@ class RowScanner:
         h = s.topk_heap
         if len(h) < k:
             heapq.heappush(h, (val, pos, ext))
-            s.fingerprint ^= position_hash(pos)
+            s.fingerprint = (s.fingerprint + position_hash(pos)) & _MASK63
         elif k > 0 and (val, pos) > (h[0][0], h[0][1]):
             old = heapq.heapreplace(h, (val, pos, ext))
-            s.fingerprint ^= position_hash(old[1]) ^ position_hash(pos)
+            s.fingerprint = (s.fingerprint - position_hash(old[1]) + position_hash(pos)) & _MASK63
         # Threshold state: scores at or below tau never matter again.
         if val <= s.tau:
             return
@@ -115,6 +117,8 @@ class RowScanner:
                 tau = max(tau, (s.frac_sum + n1 - k) / n2)
             break
         s.tau = tau
+        while frac and frac[0] <= tau:  # exactly at tau: p = 0, and never again above it
+            s.frac_sum -= heapq.heappop(frac)
         if not frac:
             s.frac_sum = 0.0  # re-anchor the running sum so rounding never accumulates
 
@@ -216,7 +220,7 @@ def scan_chunk(
                 block_pool[b, c // block, : len(pool)] = pool
             theta_u[b, c], theta_pos[b, c] = sc.theta()
             tau[b, c] = sc.s.tau if topk > 0 else INF
-            n_active[b, c] = len(sc.s.frac)
+            n_active[b, c] = len(sc.s.frac) if topk > 0 else 0  # k = 0: nothing is selected
             fps[b, c] = sc.s.fingerprint
         # Prepare for the next chunk: candidates up to t - lag join now.
         while nxt <= t0 + n - lag:

@@ -24,7 +24,7 @@ def _hash(pos):
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     x = x ^ (x >> np.uint64(31))
-    return np.int64(x & _MASK63)
+    return x & _MASK63
 
 
 # ---- top-k min-heap over (value, position), carrying the ext index
@@ -128,9 +128,9 @@ def _scan_row(
             # top-k by (value, position)
             if n_heap < topk:
                 n_heap = _kv_push(hv, hp, he, n_heap, val, nxt, e)
-                fp ^= _hash(nxt)
+                fp = (fp + _hash(nxt)) & _MASK63
             elif topk > 0 and _before(hv[0], hp[0], val, nxt):
-                fp ^= _hash(hp[0]) ^ _hash(nxt)
+                fp = (fp - _hash(hp[0]) + _hash(nxt)) & _MASK63
                 hv[0], hp[0], he[0] = val, nxt, e
                 _kv_sift_down(hv, hp, he, n_heap, 0)
             # threshold state
@@ -164,6 +164,9 @@ def _scan_row(
                         if n_frac > 0:
                             tau = max(tau, (fsum + n_sat - topk) / n_frac)
                         break
+                    while n_frac > 0 and frac[0] <= tau:  # exactly at tau: p = 0 for good
+                        v, n_frac = _f_pop(frac, n_frac)
+                        fsum -= v
                     if n_frac == 0:
                         fsum = 0.0
             nxt += 1
@@ -177,7 +180,7 @@ def _scan_row(
         else:
             theta_u[c], theta_pos[c] = hv[0], hp[0]
         tau_out[c] = tau if topk > 0 else INF
-        n_active[c] = n_frac
+        n_active[c] = n_frac if topk > 0 else 0
         fps[c] = fp
         c += 1
     return n_heap, n_sat, n_frac, fsum, tau, n_cand, overflow, fp
@@ -216,7 +219,7 @@ def scan_chunk_numba(
         row = _scan_row(
             u_ext[b], ext_of_first_chunk_token - t0, t0, int(lengths[b]), topk, window, cap, block,
             hv, hp, he, len(st.topk_heap), sat, len(st.sat), frac, len(st.frac),
-            float(st.frac_sum), float(st.tau), int(st.n_cand), int(st.overflow), np.int64(st.fingerprint),
+            float(st.frac_sum), float(st.tau), int(st.n_cand), int(st.overflow), np.uint64(st.fingerprint),
             theta_u[b], theta_pos[b], tau[b], n_active[b], fps[b], block_pool[b],
         )
         n_heap, n_sat, n_frac, fsum, t, n_cand, overflow, fp = row

@@ -1,0 +1,160 @@
+"""The device (wavelet) selection scan against the CPU heap scan: exact selection, tau to rounding.
+
+Runs on the CPU here (its Triton kernel under TRITON_INTERPRET=1) and on CUDA where present.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from longtrain.ops.attention import sparsek_attention_chunk
+from longtrain.ops.attention.cache import SparseKCache
+from longtrain.ops.attention.scan import position_hash
+from longtrain.ops.attention.scan_device import pack_keys, position_hash_tensor, scan_chunk_device
+from longtrain.ops.attention.scan_numba import scan_chunk_numba
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def layout(cache, u, lengths):
+    """The op's extended layout [pool][tail][chunk]: scores and positions."""
+    B, L = u.shape
+    Wt = cache.tail_slots
+    ar = torch.arange(L)
+    chunk_pos = torch.where(ar[None] < lengths[:, None], cache.seen[:, None] + ar[None], -1)
+    tail_pos = cache.seen[:, None] - Wt + torch.arange(Wt)[None]
+    pos = torch.cat([cache.pool_pos, torch.where(tail_pos >= 0, tail_pos, -1), chunk_pos], 1)
+    return torch.cat([cache.pool_u, cache.tail_u, u], 1), pos
+
+
+def next_cache(cache, u_ext, pos_ext, lengths, final_pool, threshold):
+    B, K, Wt = u_ext.shape[0], cache.topk, cache.tail_slots
+    rows, ok, pi = torch.arange(B)[:, None], final_pool >= 0, final_pool.clamp(min=0)
+    tail_idx = K + lengths[:, None] + torch.arange(Wt)[None]
+    return SparseKCache(
+        pool_k=cache.pool_k, pool_v=cache.pool_v, tail_k=cache.tail_k, tail_v=cache.tail_v,
+        pool_u=torch.where(ok, u_ext[rows, pi], -float("inf")), pool_pos=torch.where(ok, pos_ext[rows, pi], -1),
+        tail_u=u_ext[rows, tail_idx], seen=cache.seen + lengths, **threshold,
+    )
+
+
+def scores(rng, B, L, ties):
+    u = torch.from_numpy(rng.normal(size=(B, L))).float() * float(rng.choice([0.3, 1.0, 3.0]))
+    if ties:
+        u = (u * 2).round() / 2  # many exact ties: (u, position) order and p = 0 at tau
+    return u
+
+
+@pytest.mark.parametrize("B,L,k,w,block,chunks,ties,cap", [
+    (2, 37, 5, 3, 8, 4, False, None),  # L not a multiple of the block, chunks continue the state
+    (1, 50, 8, 0, 16, 3, False, None),  # w = 0: a query sees itself as a candidate
+    (3, 20, 30, 4, 4, 3, False, None),  # k larger than the candidates for a while
+    (2, 33, 0, 5, 8, 2, False, None),  # k = 0: sliding window only
+    (2, 64, 7, 1, 16, 4, False, None),
+    (2, 40, 6, 3, 8, 4, True, None),
+    (1, 300, 40, 17, 64, 2, True, None),
+])
+def test_device_scan_equals_heap_scan(B, L, k, w, block, chunks, ties, cap):
+    rng = np.random.default_rng(B * 1000 + L * 10 + k)
+    cache = SparseKCache.empty(B, k, w, 1, 4, cap=cap)
+    for ci in range(chunks):
+        u = scores(rng, B, L, ties)
+        lengths = torch.from_numpy(rng.integers(1, L + 1, size=B)) if ci % 2 else torch.full((B,), L)
+        u_ext, pos_ext = layout(cache, u, lengths)
+        ref = scan_chunk_numba(
+            u_ext.double().numpy(), pos_ext.numpy(), cache.row_states(), seen=cache.seen.numpy(),
+            lengths=lengths.numpy(), n_queries=L, topk=k, window=w, cap=cache.cap, block=block,
+            ext_of_first_chunk_token=k + cache.tail_slots,
+        )
+        got = scan_chunk_device(
+            u_ext.to(DEV), pos_ext.to(DEV), thr_u=cache.thr_u.to(DEV), thr_count=cache.thr_count.to(DEV),
+            overflow=cache.overflow.to(DEV), seen=cache.seen.to(DEV), lengths=lengths.to(DEV), n_queries=L,
+            topk=k, window=w, block=block,
+        )
+        got_cpu = {f: getattr(got, f).cpu() for f in ("theta_u", "theta_pos", "fingerprint", "tau", "n_active",
+                                                      "block_pool", "final_pool")}
+        # Selection is exact.
+        assert torch.equal(got_cpu["theta_u"], ref.theta_u)
+        assert torch.equal(got_cpu["theta_pos"], ref.theta_pos)
+        assert torch.equal(got_cpu["fingerprint"], ref.fingerprint)
+        assert torch.equal(got_cpu["block_pool"].sort(-1).values, ref.block_pool.sort(-1).values)
+        final = torch.full((B, k), -1, dtype=torch.int64)
+        for b, ids in enumerate(ref.final_pool):
+            final[b, : len(ids)] = torch.tensor(sorted(ids), dtype=torch.int64)
+        assert torch.equal(got_cpu["final_pool"], final)
+        # tau to rounding; |A| exactly.
+        rt = torch.from_numpy(ref.tau)
+        fin = torch.isfinite(rt)
+        assert torch.equal(torch.isfinite(got_cpu["tau"]), fin)
+        assert torch.equal(got_cpu["tau"][~fin], rt[~fin])
+        assert torch.allclose(got_cpu["tau"][fin], rt[fin], rtol=0, atol=1e-10)
+        assert torch.equal(got_cpu["n_active"], torch.from_numpy(ref.n_active))
+        # The carried state: the same scores above tau (k = 0 carries none on the device).
+        want = cache.threshold_tensors(ref.states)
+        thr = {name: t.cpu() for name, t in got.threshold.items()}
+        if k > 0:
+            assert torch.equal(thr["thr_count"], want["thr_count"])
+            for b in range(B):
+                n = int(want["thr_count"][b])
+                assert torch.equal(thr["thr_u"][b, :n].sort().values, want["thr_u"][b, :n].sort().values)
+        # Continue from the reference's state, so every chunk is checked from the same start.
+        cache = next_cache(cache, u_ext, pos_ext, lengths, final, want)
+
+
+def test_device_scan_reports_overflow_at_the_cap():
+    B, L, k, w = 1, 200, 4, 2
+    cache = SparseKCache.empty(B, k, w, 1, 4, cap=6)
+    u = torch.linspace(0, 0.5, L)[None]  # all within one unit: every score stays fractional
+    u_ext, pos_ext = layout(cache, u, torch.tensor([L]))
+    got = scan_chunk_device(u_ext, pos_ext, thr_u=cache.thr_u, thr_count=cache.thr_count, overflow=cache.overflow,
+                            seen=cache.seen, lengths=torch.tensor([L]), n_queries=L, topk=k, window=w, block=16)
+    assert int(got.threshold["overflow"][0]) > 0 and int(got.threshold["thr_count"][0]) == 6
+
+
+def test_keys_order_as_value_then_position():
+    u = torch.tensor([[-2.0, -0.0, 0.0, 1.5, 1.5, -1e-30, 3e38, float("-inf")]])
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]])
+    keys = pack_keys(u, pos)[0].tolist()
+    want = sorted(range(8), key=lambda i: (u[0, i].item(), pos[0, i].item()))
+    assert sorted(range(8), key=lambda i: keys[i]) == want
+    assert pack_keys(u, torch.full_like(pos, -1)).eq(torch.iinfo(torch.int64).min).all()
+
+
+def test_position_hash_tensor_matches_python():
+    pos = torch.tensor([0, 1, 2, 511, 2**31 - 1, 123456789])
+    assert position_hash_tensor(pos).tolist() == [position_hash(p) for p in pos.tolist()]
+
+
+@pytest.mark.parametrize("w,k", [(4, 6), (0, 5), (6, 0)])
+def test_op_device_scan_equals_host_scan(w, k):
+    """The whole chunked op, forward and gradients, is the same with either scan."""
+    torch.manual_seed(0)
+    B, T, H, D = 2, 45, 2, 8
+    q, kk, v = (torch.randn(B, T, H, D, device=DEV, requires_grad=True) for _ in range(3))
+    u = torch.randn(B, T, device=DEV, requires_grad=True)
+    outs = {}
+    for scan in ("host", "device"):
+        cache = SparseKCache.empty(B, k, w, H, D, device=DEV)
+        os, sels = [], []
+        for s in range(0, T, 16):
+            sl = slice(s, s + 16)
+            o, cache, sel = sparsek_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], cache, topk=k, window=w,
+                                                     backend="naive", scan=scan, block=8)
+            os.append(o)
+            sels.append(sel)
+        o = torch.cat(os, 1)
+        grads = torch.autograd.grad(o.square().sum(), (q, kk, v, u))
+        outs[scan] = (o, grads, torch.cat([s.fingerprint for s in sels], 1), cache)
+    (o1, g1, f1, c1), (o2, g2, f2, c2) = outs["host"], outs["device"]
+    assert torch.equal(f1, f2)
+    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g2, g1):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert torch.equal(c1.pool_pos, c2.pool_pos) and torch.equal(c1.thr_count, c2.thr_count)
+
+
+def test_device_scan_refuses_float64_scores():
+    q = torch.randn(1, 8, 1, 4, dtype=torch.float64)
+    cache = SparseKCache.empty(1, 2, 2, 1, 4, dtype=torch.float64, score_dtype=torch.float64)
+    with pytest.raises(ValueError, match="scan='host'"):
+        sparsek_attention_chunk(q, q, q, torch.randn(1, 8, dtype=torch.float64), cache, topk=2, window=2, scan="device")
