@@ -106,8 +106,10 @@ def test_device_scan_reports_overflow_at_the_cap():
     cache = SparseKCache.empty(B, k, w, 1, 4, cap=6)
     u = torch.linspace(0, 0.5, L)[None]  # all within one unit: every score stays fractional
     u_ext, pos_ext = layout(cache, u, torch.tensor([L]))
-    got = scan_chunk_device(u_ext, pos_ext, thr_u=cache.thr_u, thr_count=cache.thr_count, overflow=cache.overflow,
-                            seen=cache.seen, lengths=torch.tensor([L]), n_queries=L, topk=k, window=w, block=16)
+    cache = cache.to(DEV)
+    got = scan_chunk_device(u_ext.to(DEV), pos_ext.to(DEV), thr_u=cache.thr_u, thr_count=cache.thr_count,
+                            overflow=cache.overflow, seen=cache.seen, lengths=torch.tensor([L], device=DEV),
+                            n_queries=L, topk=k, window=w, block=16)
     assert int(got.threshold["overflow"][0]) > 0 and int(got.threshold["thr_count"][0]) == 6
 
 
@@ -158,3 +160,15 @@ def test_device_scan_refuses_float64_scores():
     cache = SparseKCache.empty(1, 2, 2, 1, 4, dtype=torch.float64, score_dtype=torch.float64)
     with pytest.raises(ValueError, match="scan='host'"):
         sparsek_attention_chunk(q, q, q, torch.randn(1, 8, dtype=torch.float64), cache, topk=2, window=2, scan="device")
+
+
+@pytest.mark.parametrize("B,N", [(1, 1), (2, 7), (3, 64), (2, 301)])
+def test_batched_wavelet_build_equals_level_by_level(B, N):
+    from longtrain.ops.attention.wavelet import build_wavelet, build_wavelet_by_levels
+
+    ranks = torch.stack([torch.randperm(N) for _ in range(B)]).to(DEV)
+    scores = torch.randn(B, N, dtype=torch.float64, device=DEV)
+    hashes = torch.randint(0, 2**62, (B, N), device=DEV)
+    a, b = build_wavelet(ranks, scores, hashes), build_wavelet_by_levels(ranks, scores, hashes)
+    assert torch.equal(a.zeros, b.zeros) and torch.equal(a.hash_sum, b.hash_sum) and torch.equal(a.n_zeros, b.n_zeros)
+    torch.testing.assert_close(a.score_sum, b.score_sum, rtol=0, atol=0)

@@ -344,7 +344,8 @@ def _pools(rank, valid, q_rank, has_theta, lengths, K, L, N, nb, block, delta):
     group = torch.where(real, (it // N) * nb + blk, B * nb)  # (row, block); the dummy last
     group, order = group.sort(stable=True)  # items stay in ext order within a group
     it = it[order]
-    g_start = torch.nn.functional.pad(torch.bincount(group, minlength=B * nb + 1).cumsum(0), (1, 0))
+    sizes = torch.zeros(B * nb + 1, **i64).scatter_add_(0, group, torch.ones_like(group))  # (bincount syncs)
+    g_start = torch.nn.functional.pad(sizes.cumsum(0), (1, 0))
     slot = torch.arange(total, **i64) - g_start[group]
     slot = torch.where(group < B * nb, slot, 0)
     flat = torch.full((B * nb + 1, K), -1, **i64)

@@ -35,8 +35,8 @@ def wavelet_levels(n: int) -> int:
 
 
 def _prefix(x: torch.Tensor) -> torch.Tensor:
-    """[B, N] -> [B, N+1] inclusive cumsum with a leading 0 (sums of the first i)."""
-    return torch.nn.functional.pad(x.cumsum(1), (1, 0))
+    """[..., N] -> [..., N+1] cumsum with a leading 0 (sums of the first i)."""
+    return torch.nn.functional.pad(x.cumsum(-1), (1, 0))
 
 
 def build_wavelet(
@@ -44,13 +44,41 @@ def build_wavelet(
     scores: torch.Tensor,  # [B, N] float64
     hashes: torch.Tensor,  # [B, N] int64
 ) -> WaveletMatrix:
+    """All levels at once (a few batched ops, not a Python loop of launches per level).
+
+    Level l's order is the sequence stably partitioned by rank bit LV-1 (the top), then by bit
+    LV-2, ..., l times: a stable sort by the key whose bit m is rank bit LV-1-m (the first bit
+    partitioned is the least significant). One batched stable sort gives every level.
+    """
+    B, N = ranks.shape
+    LV = wavelet_levels(N)
+    dev = ranks.device
+    shift = (LV - 1 - torch.arange(LV, device=dev))[None, :, None]  # [1, LV, 1]
+    bits = (ranks[:, None, :] >> shift) & 1  # [B, LV, N]: bit m = rank bit LV-1-m
+    weights = bits << torch.arange(LV, device=dev)[None, :, None]
+    key = weights.cumsum(1) - weights  # [B, LV, N]: level l partitions by bits 0..l-1
+    order = key.sort(dim=2, stable=True).indices  # [B, LV, N]: level l's order of the items
+    rank_l = ranks[:, None, :].expand(B, LV, N).gather(2, order)
+    is0 = ((rank_l >> shift) & 1) == 0  # [B, LV, N]
+    s = scores[:, None, :].expand(B, LV, N).gather(2, order)
+    h = hashes[:, None, :].expand(B, LV, N).gather(2, order)
+    zeros = _prefix(is0.to(torch.int32)).to(torch.int32)
+    return WaveletMatrix(
+        zeros=zeros,
+        score_sum=_prefix(torch.where(is0, s, 0.0)),
+        hash_sum=_prefix(torch.where(is0, h, 0)),
+        n_zeros=zeros[:, :, -1].contiguous(),
+    )
+
+
+def build_wavelet_by_levels(ranks: torch.Tensor, scores: torch.Tensor, hashes: torch.Tensor) -> WaveletMatrix:
+    """The textbook construction, one stable partition per level: the reference for build_wavelet."""
     B, N = ranks.shape
     LV = wavelet_levels(N)
     dev = ranks.device
     zeros = torch.empty(B, LV, N + 1, dtype=torch.int32, device=dev)
     score_sum = torch.empty(B, LV, N + 1, dtype=torch.float64, device=dev)
     hash_sum = torch.empty(B, LV, N + 1, dtype=torch.int64, device=dev)
-    n_zeros = torch.empty(B, LV, dtype=torch.int32, device=dev)
     ar = torch.arange(N, device=dev)[None]  # [1, N]
     order, s, h = ranks, scores, hashes
     for level in range(LV):
@@ -60,10 +88,9 @@ def build_wavelet(
         score_sum[:, level] = _prefix(torch.where(is0, s, 0.0))
         hash_sum[:, level] = _prefix(torch.where(is0, h, 0))
         nz = z[:, -1:]  # [B, 1]
-        n_zeros[:, level] = nz[:, 0]
         # Stable partition: 0-bit items first, then 1-bit items, each in their current order.
         dest = torch.where(is0, z[:, :-1], nz + ar - z[:, :-1])
         order = torch.empty_like(order).scatter_(1, dest, order)
         s = torch.empty_like(s).scatter_(1, dest, s)
         h = torch.empty_like(h).scatter_(1, dest, h)
-    return WaveletMatrix(zeros, score_sum, hash_sum, n_zeros)
+    return WaveletMatrix(zeros, score_sum, hash_sum, zeros[:, :, -1].contiguous())
