@@ -52,6 +52,7 @@ class LMConfig:
     score_init: Literal["random", "mimic"] = "random"
     threshold_cap: int | None = None
     backend: str = "auto"
+    scan: str = "auto"
 
     def __post_init__(self):
         self.kv_heads = self.kv_heads or self.heads
@@ -81,7 +82,7 @@ class LMConfig:
             topk=attention.topk or 0, window=attention.window or 0, variant=attention.variant,
             score_groups=attention.score_groups, timestep_norm=attention.timestep_norm,
             eps_slope=attention.eps_slope, score_init=attention.score_init,
-            threshold_cap=attention.threshold_cap, backend=attention.backend,
+            threshold_cap=attention.threshold_cap, backend=attention.backend, scan=attention.scan,
         )
 
     @property
@@ -188,7 +189,7 @@ class Attention(nn.Module):
                 qf, kf, vf, uf, lf = q, k, v, u[..., 0], lengths
             o, attn_cache, sel = sparsek_attention_chunk(
                 qf, kf, vf, uf, cache.attn, topk=self.topk, window=self.window, variant=cfg.variant,
-                lengths=lf, backend=cfg.backend,
+                lengths=lf, backend=cfg.backend, scan=cfg.scan,
             )
             if G > 1:
                 o = o.view(B, G, L, H // G, D).transpose(1, 2)

@@ -100,6 +100,9 @@ class AttentionConfig(_Section):
     backend: Literal["auto", "naive", "triton"] = Field(
         "auto", description="kernels: auto (Triton on CUDA, naive on the CPU), naive or triton"
     )
+    scan: Literal["auto", "host", "device"] = Field(
+        "auto", description="selection scan: auto (device on CUDA), host (CPU heaps) or device (GPU wavelet)"
+    )
 
     @model_validator(mode="after")
     def _type_matches_sizes(self) -> AttentionConfig:
@@ -247,11 +250,12 @@ def recipe_to_yaml(recipe: Recipe) -> str:
 def recipe_hash(recipe: Recipe, sections: Iterable[str] = ("model", "attention", "tokenizer")) -> str:
     """Stable hash of the sections that decide what a checkpoint can be loaded into.
 
-    `attention.backend` is left out: it picks kernels, not results, so a run
-    started on the CPU may resume on a GPU.
+    `attention.backend` and `attention.scan` are left out: they pick implementations, not
+    results, so a run started on the CPU may resume on a GPU.
     """
     dump = recipe.model_dump(mode="json", include=set(sections))
     dump.get("attention", {}).pop("backend", None)
+    dump.get("attention", {}).pop("scan", None)
     canonical = json.dumps(dump, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
