@@ -4,7 +4,8 @@
 
 Scores as benchmarks/scan.py: u ~ N(0, 1) + 1e-3 * i, k = w = 512, query blocks of 64, a fresh
 cache, rows x tokens per call as the trainer calls it. Times are medians of 5 warm calls, with the
-device synchronised; the host column includes the copies to and from the CPU, as the op pays them.
+device synchronised; the host column includes the copies to and from the CPU, as the op pays them;
+"graph" replays the scan as one CUDA graph (the default), "eager" launches op by op.
 Each row also checks the two scans agree: theta and the block pools exactly, tau to rounding.
 """
 
@@ -23,6 +24,7 @@ from rich.table import Table
 
 from longtrain.ops.attention.cache import SparseKCache
 from longtrain.ops.attention.op import _host_scan
+from longtrain.ops.attention import scan_device
 from longtrain.ops.attention.scan_device import scan_chunk_device
 
 K = W = 512
@@ -65,10 +67,15 @@ def main() -> None:
         dev_ms, d = timed(lambda: scan_chunk_device(
             u_ext, pos, thr_u=cache.thr_u, thr_count=cache.thr_count, overflow=cache.overflow, seen=cache.seen,
             lengths=lengths, n_queries=T, topk=K, window=W, block=BLOCK))
+        scan_device.CUDA_GRAPHS = False
+        eager_ms, _ = timed(lambda: scan_chunk_device(
+            u_ext, pos, thr_u=cache.thr_u, thr_count=cache.thr_count, overflow=cache.overflow, seen=cache.seen,
+            lengths=lengths, n_queries=T, topk=K, window=W, block=BLOCK))
+        scan_device.CUDA_GRAPHS = True
         host_ms, h = timed(lambda: _host_scan(u_ext, pos, cache, cache.seen, lengths, T, K, W, BLOCK), repeats=3)
         fin = torch.isfinite(h.tau)
         rows.append({
-            "rows": B, "tokens": T, "host_ms": host_ms, "device_ms": dev_ms, "speedup": host_ms / dev_ms,
+            "rows": B, "tokens": T, "host_ms": host_ms, "device_ms": dev_ms, "device_eager_ms": eager_ms, "speedup": host_ms / dev_ms,
             "theta_equal": bool(torch.equal(d.theta_u, h.theta_u) and torch.equal(d.theta_pos, h.theta_pos)),
             "pools_equal": bool(torch.equal(d.block_pool.sort(-1).values, h.block_pool.sort(-1).values)
                                 and torch.equal(d.final_pool, h.final_pool)),
@@ -79,11 +86,13 @@ def main() -> None:
         print(rows[-1], flush=True)
     table = Table(title=f"selection scan: GPU wavelet vs CPU heaps (numba), k = w = {K}, blocks of {BLOCK} "
                         f"({torch.cuda.get_device_name()})")
-    for col in ("rows x tokens", "CPU heaps ms", "GPU ms", "speed-up", "theta, pools, fp equal", "max |dtau|"):
+    for col in ("rows x tokens", "CPU heaps ms", "GPU ms (graph)", "GPU ms (eager)", "speed-up", "theta, pools, fp equal",
+                "max |dtau|"):
         table.add_column(col, justify="right")
     for r in rows:
         same = r["theta_equal"] and r["pools_equal"] and r["fingerprints_equal"]
         table.add_row(f"{r['rows']} x {r['tokens']:,}", f"{r['host_ms']:.2f}", f"{r['device_ms']:.2f}",
+                      f"{r['device_eager_ms']:.2f}",
                       f"{r['speedup']:.1f}x", "yes" if same else "NO", f"{r['max_abs_tau_diff']:.1e}")
     Console().print(table)
     a.json.write_text(json.dumps({"k": K, "w": W, "block": BLOCK, "device": torch.cuda.get_device_name(),

@@ -171,4 +171,4 @@ def test_batched_wavelet_build_equals_level_by_level(B, N):
     hashes = torch.randint(0, 2**62, (B, N), device=DEV)
     a, b = build_wavelet(ranks, scores, hashes), build_wavelet_by_levels(ranks, scores, hashes)
     assert torch.equal(a.zeros, b.zeros) and torch.equal(a.hash_sum, b.hash_sum) and torch.equal(a.n_zeros, b.n_zeros)
-    torch.testing.assert_close(a.score_sum, b.score_sum, rtol=0, atol=0)
+    torch.testing.assert_close(a.score_sum, b.score_sum, rtol=0, atol=1e-12)  # cumsum order may differ on CUDA

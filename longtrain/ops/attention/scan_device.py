@@ -192,6 +192,13 @@ def _count_sum_above(sorted_asc: torch.Tensor, csum: torch.Tensor, total_n: torc
     return total_n[:, None] - idx, csum[:, -1:] - csum.gather(1, idx)
 
 
+# On CUDA the scan's ~150 small launches cost more host time than GPU time: replay them as one CUDA
+# graph per input shape (captured on first use; a trainer's chunks share one shape).
+CUDA_GRAPHS = True
+_MAX_GRAPHS = 8
+_graphs: dict = {}
+
+
 def scan_chunk_device(
     u_ext: torch.Tensor,  # [B, N] scores in the extended layout [pool K][tail W-1][chunk L]
     pos_ext: torch.Tensor,  # [B, N] int64 positions (-1: empty)
@@ -207,6 +214,39 @@ def scan_chunk_device(
     block: int,
 ) -> DeviceScan:
     """scan.scan_chunk for one chunk, on u_ext's device; same results (tau up to rounding)."""
+    inputs = dict(u_ext=u_ext.detach(), pos_ext=pos_ext, thr_u=thr_u, thr_count=thr_count, overflow=overflow,
+                  seen=seen, lengths=lengths)
+    static = dict(n_queries=n_queries, topk=topk, window=window, block=block)
+    if not (CUDA_GRAPHS and u_ext.is_cuda):
+        return _scan(**inputs, **static)
+    key = (tuple(static.values()), tuple((t.shape, t.dtype, t.device) for t in inputs.values()))
+    if key not in _graphs:
+        if len(_graphs) >= _MAX_GRAPHS:
+            _graphs.pop(next(iter(_graphs)))  # the oldest shape
+        bufs = {name: t.clone() for name, t in inputs.items()}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the capture: compiles the kernel, primes the allocator
+            _scan(**bufs, **static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _scan(**bufs, **static)
+        _graphs[key] = (graph, bufs, out)
+    graph, bufs, out = _graphs[key]
+    for name, t in inputs.items():
+        bufs[name].copy_(t)
+    graph.replay()
+    # The graph's outputs are overwritten by its next replay (the next layer): hand out copies.
+    return DeviceScan(
+        **{f: getattr(out, f).clone() for f in ("theta_u", "theta_pos", "tau", "n_active", "fingerprint",
+                                                "block_pool", "final_pool")},
+        threshold={name: t.clone() for name, t in out.threshold.items()},
+    )
+
+
+def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, n_queries, topk, window, block) -> DeviceScan:
+    """scan_chunk_device's work, launch by launch."""
     B, N = u_ext.shape
     K, L = topk, n_queries
     dev = u_ext.device
