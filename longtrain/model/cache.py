@@ -84,16 +84,16 @@ class ModelCache:
 
     def fill(self) -> float:
         """Fraction of the KV slots that hold a real token, over all layers and rows."""
-        used = total = 0
+        used, total = [], 0  # counted on the device, read with one host sync
         for layer in self.layers:
             a = layer.attn
             if isinstance(a, SparseKCache):
-                used += int((a.pool_pos >= 0).sum()) + int(a.seen.clamp(max=a.tail_slots).sum())
+                used.append((a.pool_pos >= 0).sum() + a.seen.clamp(max=a.tail_slots).sum())
                 total += a.pool_pos.shape[0] * (a.topk + a.tail_slots)
             else:
-                used += int((a.full_pos >= 0).sum())
+                used.append((a.full_pos >= 0).sum())
                 total += a.full_pos.numel()
-        return used / total if total else 0.0
+        return float(torch.stack(used).sum()) / total if total else 0.0
 
     def reset_rows(self, mask: torch.Tensor) -> "ModelCache":
         """A cache where the rows in `mask` [B] bool start a new document."""
