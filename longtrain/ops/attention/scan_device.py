@@ -381,8 +381,9 @@ def _pools(rank, valid, q_rank, has_theta, lengths, K, L, N, nb, block, delta):
     real = item < B * N
     it = item.clamp(max=B * N - 1)
     blk = enter.reshape(-1)[it] + torch.arange(total, **i64) - start[item]
-    group = torch.where(real, (it // N) * nb + blk, B * nb)  # (row, block); the dummy last
+    group = torch.where(real, (it // N) * nb + blk, B * nb).to(torch.int32)  # (row, block); the dummy last
     group, order = group.sort(stable=True)  # items stay in ext order within a group
+    group = group.to(torch.int64)
     it = it[order]
     sizes = torch.zeros(B * nb + 1, **i64).scatter_add_(0, group, torch.ones_like(group))  # (bincount syncs)
     g_start = torch.nn.functional.pad(sizes.cumsum(0), (1, 0))
@@ -394,8 +395,8 @@ def _pools(rank, valid, q_rank, has_theta, lengths, K, L, N, nb, block, delta):
     # After the chunk: the top-k of everything, ascending ext indices.
     r_fin = torch.where(has_theta[:, L], q_rank[:, L], N)  # [B]
     member = valid & (rank <= r_fin[:, None]) & (s[None] < K + lengths[:, None])  # the last w-1: next tail
-    ext = torch.where(member, s[None], N).sort(dim=1).values[:, :K]
-    final_pool = torch.where(ext < N, ext, -1)
+    slot = torch.where(member, member.cumsum(1) - 1, K)  # members in ext order; the rest to column K
+    final_pool = torch.full((B, K + 1), -1, **i64).scatter_(1, slot, s[None].expand(B, N))[:, :K]
     return block_pool, final_pool
 
 

@@ -56,8 +56,8 @@ def build_wavelet(
     shift = (LV - 1 - torch.arange(LV, device=dev))[None, :, None]  # [1, LV, 1]
     bits = (ranks[:, None, :] >> shift) & 1  # [B, LV, N]: bit m = rank bit LV-1-m
     weights = bits << torch.arange(LV, device=dev)[None, :, None]
-    key = weights.cumsum(1) - weights  # [B, LV, N]: level l partitions by bits 0..l-1
-    order = key.sort(dim=2, stable=True).indices  # [B, LV, N]: level l's order of the items
+    key = (weights.cumsum(1) - weights).to(torch.int32)  # [B, LV, N]: level l partitions by bits 0..l-1
+    order = key.sort(dim=2, stable=True).indices  # [B, LV, N]: level l's order (int32 keys: half the radix passes)
     rank_l = ranks[:, None, :].expand(B, LV, N).gather(2, order)
     is0 = ((rank_l >> shift) & 1) == 0  # [B, LV, N]
     s = scores[:, None, :].expand(B, LV, N).gather(2, order)
