@@ -135,24 +135,28 @@ def test_op_device_scan_equals_host_scan(w, k):
     q, kk, v = (torch.randn(B, T, H, D, device=DEV, requires_grad=True) for _ in range(3))
     u = torch.randn(B, T, device=DEV, requires_grad=True)
     outs = {}
-    for scan in ("host", "device"):
+    # "mixed" alternates the two scans chunk by chunk: each continues from the other's carried state.
+    for scan in ("host", "device", "mixed"):
         cache = SparseKCache.empty(B, k, w, H, D, device=DEV)
         os, sels = [], []
-        for s in range(0, T, 16):
+        for i, s in enumerate(range(0, T, 16)):
             sl = slice(s, s + 16)
+            use = scan if scan != "mixed" else ("device", "host")[i % 2]
             o, cache, sel = sparsek_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], cache, topk=k, window=w,
-                                                     backend="naive", scan=scan, block=8)
+                                                     backend="naive", scan=use, block=8)
             os.append(o)
             sels.append(sel)
         o = torch.cat(os, 1)
         grads = torch.autograd.grad(o.square().sum(), (q, kk, v, u))
         outs[scan] = (o, grads, torch.cat([s.fingerprint for s in sels], 1), cache)
-    (o1, g1, f1, c1), (o2, g2, f2, c2) = outs["host"], outs["device"]
-    assert torch.equal(f1, f2)
-    torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-6)
-    for a, b in zip(g2, g1):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    assert torch.equal(c1.pool_pos, c2.pool_pos) and torch.equal(c1.thr_count, c2.thr_count)
+    o1, g1, f1, c1 = outs["host"]
+    for other in ("device", "mixed"):
+        o2, g2, f2, c2 = outs[other]
+        assert torch.equal(f1, f2)
+        torch.testing.assert_close(o2, o1, rtol=1e-5, atol=1e-6)
+        for a, b in zip(g2, g1):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert torch.equal(c1.pool_pos, c2.pool_pos) and torch.equal(c1.thr_count, c2.thr_count)
 
 
 def test_device_scan_refuses_float64_scores():
