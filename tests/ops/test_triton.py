@@ -73,13 +73,22 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=["segments", "deterministic"])
+@pytest.fixture(params=["segments", "deterministic", "segments-tile64"])
 def pool_walk(request, monkeypatch):
-    """The backward's pool walk: segments of 2 query blocks with atomic adds, or one program per slot tile."""
+    """The backward's pool walk: segments of 2 (or 1) query tiles with atomic adds, or one program per slot
+    tile; the kernels' query tile is the op's block, twice it, or 64 (4 blocks of 16 share one pool snapshot);
+    dk/dv tiles key-major or query-major; the forward's pool tiles prefetched or not."""
     if request.param == "segments":
         monkeypatch.setattr(triton_core, "POOL_SEGMENT", 2)
-    else:
+        monkeypatch.setattr(triton_core, "QUERY_TILE", 16)
+        monkeypatch.setattr(triton_core, "DKV_KEY_MAJOR", False)
+        monkeypatch.setattr(triton_core, "FWD_PREFETCH", not triton_core.FWD_PREFETCH)
+    elif request.param == "deterministic":
         monkeypatch.setattr(triton_core, "DETERMINISTIC", True)
+        monkeypatch.setattr(triton_core, "QUERY_TILE", 32)
+    else:
+        monkeypatch.setattr(triton_core, "POOL_SEGMENT", 1)
+        monkeypatch.setattr(triton_core, "QUERY_TILE", 64)
 
 
 @pytest.mark.parametrize("T,k,w,H,Hkv,D,variant,block,slope", [c + (1e-2,) * (len(c) == 8) for c in CASES])
@@ -140,6 +149,40 @@ def test_stable_slots_keep_each_key_in_one_slot(lengths):
                 if e >= 0:
                     assert slot_of.setdefault(e, s) == s  # never moves
         assert len(slot_of) > K  # keys did leave and enter: the relabelling was exercised
+
+
+@pytest.mark.parametrize("G", [16, 64])
+def test_cut_counts_a_prefix_of_each_tile(G):
+    """_cut_kernel: per query tile and pool slot, the queries selecting the key are the tile's first cut."""
+    B, T, K, w = 2, 300, 12, 5
+    u = (torch.randn(B, T) + torch.arange(T) * 3e-3).double()  # float32 values, as the op's scores
+    u[:, 100:110] = u[:, 90:100]  # ties in u: the position breaks them
+    n0 = K + w - 1  # empty cache prefix
+    u_ext = torch.cat([torch.full((B, n0), -float("inf"), dtype=torch.float64), u], 1)
+    pos_ext = torch.cat([torch.full((B, n0), -1), torch.arange(T).expand(B, T)], 1)
+    lengths = torch.tensor([T, 170])
+    cache = SparseKCache.empty(B, K, w, 1, 16)
+    scan = scan_chunk(
+        u_ext.numpy(), pos_ext.numpy(), cache.row_states(), seen=torch.zeros(B, dtype=torch.int64).numpy(),
+        lengths=lengths.numpy(), n_queries=T, topk=K, window=w, cap=cache.cap, block=16, ext_of_first_chunk_token=n0,
+    )
+    q_pos = torch.where(torch.arange(T)[None] < lengths[:, None], torch.arange(T)[None], -1)
+    bp = scan.block_pool[:, :: G // 16].contiguous()
+    nt = bp.shape[1]
+    args = [x.to(DEV) for x in (bp, u_ext.float(), pos_ext, q_pos, scan.theta_u, scan.theta_pos)]
+    cut = triton_core._cut(*args, T, G, K).cpu().long()  # [B, nt, K]
+    # Reference selection [B, nt, G, K], as naive.py tests it, for the tile's queries.
+    qi = torch.arange(nt * G).clamp(max=T - 1).reshape(nt, G)
+    ok = (torch.arange(nt * G) < T).reshape(nt, G)
+    rows = torch.arange(B)[:, None, None, None]
+    idx = bp.clamp(min=0)[:, :, None, :]
+    uu, kp = u_ext[rows, idx], pos_ext[rows, idx]
+    tu, tp = scan.theta_u[:, qi][..., None], scan.theta_pos[:, qi][..., None]
+    sel = (bp[:, :, None, :] >= 0) & (q_pos[:, qi][..., None] >= 0) & ok[None, :, :, None]
+    sel &= (uu > tu) | ((uu == tu) & (kp >= tp))
+    assert torch.equal(cut, sel.sum(2))
+    assert torch.equal(sel, torch.arange(G)[None, None, :, None] < cut[:, :, None, :])  # a prefix
+    assert (cut > 0).any() and ((cut > 0) & (cut < G)).any()  # keys leave mid-tile: the prefix is exercised
 
 
 def test_unsupported_head_dim_falls_back_to_naive():

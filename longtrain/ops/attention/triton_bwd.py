@@ -12,7 +12,8 @@ straight_through uses g = 1 everywhere except dg.
 
 Two kernels:
 - dq: query-major like the forward (pool tiles then band tiles); also gives dtau per query and
-  stores Delta for the key-major kernels.
+  stores Delta for the key-major kernels. Its pool tiles follow the stable slots below (any order of
+  a tile's pool keys gives the same sums) and their per-slot cut.
 - dkv pool: key-major over pool *slots*. `stable_slots` relabels each block's pool so that a key keeps
   one slot from entering the pool to leaving it (it never returns: irreversibility); a program owns
   BN slots and walks the query blocks in order, so a key's sums stay in registers and are written
@@ -31,23 +32,39 @@ import torch
 import triton
 import triton.language as tl
 
-from longtrain.ops.attention.triton_fwd import band_mode, interior_tiles, load_keys, masked_logits
+from longtrain.ops.attention.triton_fwd import (
+    band_mode, interior_tiles, load_keys, load_queries, masked_logits, pool_logits,
+)
 
 
 @triton.jit
-def _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau, WINDOW, scale,
-               G: tl.constexpr, BN: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
-    """Per [G, BN] tile: P g (for dV), dz times the key scale (for dQ/dK) and dm (for du, dtau)."""
-    x = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [G, BN] natural-log logits before the gate
-    z2, g, dmask = masked_logits(mode, x * 1.4426950408889634, qp, thu, thp, tau, kp, u, kvalid, WINDOW,
-                                 G, BN, VARIANT, HAS_TOPK)
-    p = tl.exp2(z2 - lse2[:, None])
-    dpg = tl.dot(do, tl.trans(v), input_precision=PREC)  # [G, BN]
+def _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau, rows, cut, WINDOW, scale,
+               VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, IS_POOL: tl.constexpr,
+               KEY_MAJOR: tl.constexpr):
+    """One tile: P g (for dV), dz times the key scale (for dQ/dK) and dm (for du, dtau), [G, BN]
+    query-major or [BN, G] key-major (KEY_MAJOR: the dK/dV accumulators' rows are keys, so P and dz
+    feed the next dots without a transpose). The per-query (lse2, delta, qp, thu, thp, tau, rows) and
+    per-key (u, kp, kvalid, cut) operands come expanded to broadcast against the tile. Pool tiles
+    (IS_POOL) select by the per-key cut, band tiles by masked_logits' mode."""
+    if KEY_MAJOR:
+        x = tl.dot(k, tl.trans(q), input_precision=PREC) * scale  # [BN, G] natural-log logits before the gate
+    else:
+        x = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [G, BN]
+    if IS_POOL:
+        z2, g, dmask = pool_logits(x * 1.4426950408889634, rows, cut, u, tau, VARIANT)
+    else:
+        z2, g, dmask = masked_logits(mode, x * 1.4426950408889634, qp, thu, thp, tau, kp, u, kvalid, WINDOW,
+                                     VARIANT, HAS_TOPK)
+    p = tl.exp2(z2 - lse2)
+    if KEY_MAJOR:
+        dpg = tl.dot(v, tl.trans(do), input_precision=PREC)
+    else:
+        dpg = tl.dot(do, tl.trans(v), input_precision=PREC)
     if VARIANT == 2:
-        dz = p * (dpg - delta[:, None])
+        dz = p * (dpg - delta)
         pg = p
     else:
-        dz = p * (g * dpg - delta[:, None])
+        dz = p * (g * dpg - delta)
         pg = p * g
     dg = p * dpg
     if VARIANT == 1:
@@ -58,12 +75,12 @@ def _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau,
 
 
 @triton.jit
-def _dq_tile(mode, dq, dtau, idx, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, WINDOW, scale,
-             G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr,
-             PREC: tl.constexpr):
+def _dq_tile(mode, dq, dtau, idx, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, rows, cut,
+             WINDOW, scale, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
+             IS_POOL: tl.constexpr):
     k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-    pg, dz, dm = _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, valid, qp, thu, thp, tau, WINDOW, scale,
-                            G, BN, VARIANT, HAS_TOPK, PREC)
+    pg, dz, dm = _grad_tile(mode, q, do, lse2, delta, k, v, u[None, :], kp[None, :], valid[None, :], qp, thu, thp, tau,
+                            rows, cut[None, :], WINDOW, scale, VARIANT, HAS_TOPK, PREC, IS_POOL, False)
     dq += tl.dot(dz.to(k.dtype), k, input_precision=PREC)
     dtau -= tl.sum(dm, 1)
     return dq, dtau
@@ -71,9 +88,9 @@ def _dq_tile(mode, dq, dtau, idx, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn
 
 @triton.jit
 def _dq_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, BP, DO, O, LSE, DELTA, DQ, DTAU,
-    sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh, sbpb, sbpn,
-    L, N, H, R, TOPK, WINDOW, TAIL, scale,
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, SP, CUT, DO, O, LSE, DELTA, DQ, DTAU,
+    sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh, sspb, sspn,
+    L, N, H, R, NBQ, TOPK, WINDOW, TAIL, scale,
     G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -82,16 +99,15 @@ def _dq_kernel(
     b = bh // H
     h = bh % H
     kvh = h // R
-    i = blk * G + tl.arange(0, G)
+    rows = tl.arange(0, G)
+    i = blk * G + rows
     d = tl.arange(0, D)
     qm = i < L
     q = tl.load(Q + b * sqb + i[:, None] * sql + h * sqh + d[None, :], mask=qm[:, None], other=0.0)  # [G, D]
     do = tl.load(DO + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], mask=qm[:, None], other=0.0)
     row = b * L + i
-    qp = tl.load(QPOS + row, mask=qm, other=-1)
-    thu = tl.load(THU + row, mask=qm, other=float("inf"))
-    thp = tl.load(THP + row, mask=qm, other=0)
-    tau = tl.load(TAU + row, mask=qm, other=0.0).to(tl.float32)
+    qp, thu, thp, tau = load_queries(QPOS, THU, THP, TAU, row, qm, U.dtype.element_ty)
+    qp_min = tl.min(qp, 0)
     lse2 = tl.load(LSE + bh * L + i, mask=qm, other=float("inf"))
     # Delta_i = dO_i . o_i, stored for the key-major kernels (O has dO's strides: both [B, L, H, D] contiguous)
     o = tl.load(O + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], mask=qm[:, None], other=0.0)
@@ -101,79 +117,104 @@ def _dq_kernel(
     Vb = Vx + b * svb + kvh * svh
     Ub = U + b * N
     Pb = POS + b * N
+    rows2, lse22, delta2 = rows[:, None], lse2[:, None], delta[:, None]
+    qp2, thu2, thp2, tau2 = qp[:, None], thu[:, None], thp[:, None], tau[:, None]
 
     dq = tl.zeros([G, D], tl.float32)
     dtau = tl.zeros([G], tl.float32)
-    if HAS_TOPK:  # pool snapshot: gathered rows
+    if HAS_TOPK:  # pool snapshot: gathered rows, selected by the per-slot cut
         for t in range(0, TOPK, BN):
             jj = t + tl.arange(0, BN)
-            idx = tl.load(BP + b * sbpb + blk * sbpn + jj, mask=jj < TOPK, other=-1)
-            dq, dtau = _dq_tile(3, dq, dtau, idx, idx >= 0, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn,
-                                qp, thu, thp, tau, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, PREC)
+            idx = tl.load(SP + b * sspb + blk * sspn + jj, mask=jj < TOPK, other=-1).to(tl.int32)
+            cut = tl.load(CUT + (b * NBQ + blk) * TOPK + jj, mask=jj < TOPK, other=0)
+            dq, dtau = _dq_tile(3, dq, dtau, idx, idx >= 0, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
+                                qp2, thu2, thp2, tau2, rows2, cut, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC, True)
     # band: contiguous ext indices; its interior tiles need no masks
     start = TOPK + TAIL - WINDOW + 1 + blk * G
     band = WINDOW + G - 1
     nt = tl.cdiv(band, BN)
-    f0, f1 = interior_tiles(tl.min(qp, 0), nt, WINDOW, G, BN)
+    f0, f1 = interior_tiles(qp_min, nt, WINDOW, G, BN)
     for t in range(0, f0):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
-        dq, dtau = _dq_tile(0, dq, dtau, start + jj, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn,
-                            qp, thu, thp, tau, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, PREC)
+        dq, dtau = _dq_tile(0, dq, dtau, start + jj, valid, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
+                            qp2, thu2, thp2, tau2, rows2, jj, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC, False)
     for t in range(f0, f1):
         jj = t * BN + tl.arange(0, BN)
-        dq, dtau = _dq_tile(1, dq, dtau, start + jj, jj >= 0, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn,
-                            qp, thu, thp, tau, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, PREC)
+        dq, dtau = _dq_tile(1, dq, dtau, start + jj, jj >= 0, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
+                            qp2, thu2, thp2, tau2, rows2, jj, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC, False)
     for t in range(f1, nt):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
-        dq, dtau = _dq_tile(0, dq, dtau, start + jj, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn,
-                            qp, thu, thp, tau, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, PREC)
+        dq, dtau = _dq_tile(0, dq, dtau, start + jj, valid, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
+                            qp2, thu2, thp2, tau2, rows2, jj, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC, False)
     tl.store(DQ + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=qm[:, None])
     tl.store(DTAU + bh * L + i, dtau, mask=qm)
 
 
 @triton.jit
-def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid,
+def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
                Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
-               L, H, R, WINDOW, scale,
-               G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr,
-               IS_POOL: tl.constexpr, PREC: tl.constexpr):
-    """Add query block `blk`'s contributions (all R query heads of kv head kvh) to one key tile."""
-    i = blk * G + tl.arange(0, G)
+               L, H, R, WINDOW, scale, UTY: tl.constexpr,
+               G: tl.constexpr, MQ: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr,
+               HAS_TOPK: tl.constexpr, IS_POOL: tl.constexpr, PREC: tl.constexpr, KEY_MAJOR: tl.constexpr):
+    """Add query tile `blk`'s contributions (all R query heads of kv head kvh) to one key tile, MQ
+    queries at a time, as [BN, MQ] tiles (KEY_MAJOR) or [MQ, BN] tiles with transposed dots."""
     d = tl.arange(0, D)
-    qm = i < L
-    row = b * L + i
-    qp = tl.load(QPOS + row, mask=qm, other=-1)
-    thu = tl.load(THU + row, mask=qm, other=float("inf"))
-    thp = tl.load(THP + row, mask=qm, other=0)
-    tau = tl.load(TAU + row, mask=qm, other=0.0).to(tl.float32)
-    mode = 3 if IS_POOL else band_mode(kp, kvalid, tl.min(qp, 0), WINDOW, G, BN)
-    for r in range(0, R):
-        h = kvh * R + r
-        bh = b * H + h
-        q = tl.load(Q + b * sqb + i[:, None] * sql + h * sqh + d[None, :], mask=qm[:, None], other=0.0)
-        do = tl.load(DO + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], mask=qm[:, None], other=0.0)
-        lse2 = tl.load(LSE + bh * L + i, mask=qm, other=float("inf"))
-        delta = tl.load(DELTA + bh * L + i, mask=qm, other=0.0)
-        pg, dz, dm = _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau, WINDOW, scale,
-                                G, BN, VARIANT, HAS_TOPK, PREC)
-        dv += tl.dot(tl.trans(pg.to(do.dtype)), do, input_precision=PREC)
-        dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PREC)
-        du += tl.sum(dm, 0)
+    u2, kp2, kvalid2, cut2 = u[:, None], kp[:, None], kvalid[:, None], cut[:, None]
+    kmin = tl.min(tl.where(kvalid, kp, 2147483647), 0)
+    for c in range(0, G, MQ):
+        rows = c + tl.arange(0, MQ)
+        i = blk * G + rows
+        qm = i < L
+        row = b * L + i
+        if IS_POOL:  # the selection is in cut; positions and theta are not needed
+            tau = tl.load(TAU + row, mask=qm, other=0.0).to(tl.float32)
+            qp = rows
+            thu = tau
+            thp = rows
+            mode = 3
+            live = c * 0 + 1
+        else:
+            qp, thu, thp, tau = load_queries(QPOS, THU, THP, TAU, row, qm, UTY)
+            mode = band_mode(kp, kvalid, tl.min(qp, 0), WINDOW, MQ, BN)
+            live = (kmin <= tl.max(qp, 0)) & (tl.max(kvalid.to(tl.int32), 0) > 0)  # else causally masked
+        if live:
+            for r in range(0, R):
+                h = kvh * R + r
+                bh = b * H + h
+                q = tl.load(Q + b * sqb + i[:, None] * sql + h * sqh + d[None, :], mask=qm[:, None], other=0.0)
+                do = tl.load(DO + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], mask=qm[:, None], other=0.0)
+                lse2 = tl.load(LSE + bh * L + i, mask=qm, other=float("inf"))
+                delta = tl.load(DELTA + bh * L + i, mask=qm, other=0.0)
+                if KEY_MAJOR:
+                    pg, dz, dm = _grad_tile(mode, q, do, lse2[None, :], delta[None, :], k, v, u2, kp2, kvalid2,
+                                            qp[None, :], thu[None, :], thp[None, :], tau[None, :], rows[None, :],
+                                            cut2, WINDOW, scale, VARIANT, HAS_TOPK, PREC, IS_POOL, True)
+                    dv += tl.dot(pg.to(do.dtype), do, input_precision=PREC)
+                    dk += tl.dot(dz.to(q.dtype), q, input_precision=PREC)
+                    du += tl.sum(dm, 1)
+                else:
+                    pg, dz, dm = _grad_tile(mode, q, do, lse2[:, None], delta[:, None], k, v, u[None, :],
+                                            kp[None, :], kvalid[None, :], qp[:, None], thu[:, None], thp[:, None],
+                                            tau[:, None], rows[:, None], cut[None, :], WINDOW, scale, VARIANT,
+                                            HAS_TOPK, PREC, IS_POOL, False)
+                    dv += tl.dot(tl.trans(pg.to(do.dtype)), do, input_precision=PREC)
+                    dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PREC)
+                    du += tl.sum(dm, 0)
     return dk, dv, du
 
 
 @triton.jit
 def _dkv_pool_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, SP, DO, LSE, DELTA, DKP, DVP, DUP,
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, SP, CUT, DO, LSE, DELTA, DKP, DVP, DUP,
     sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh, sspb, sspn,
     L, N, H, R, NB, TOPK, WINDOW, scale, SEG,
-    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    VARIANT: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr,
+    G: tl.constexpr, MQ: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+    VARIANT: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr, KEY_MAJOR: tl.constexpr,
 ):
-    """Pool slots s0..s0+BN over query blocks [seg SEG, (seg+1) SEG): a key's sums are written when it
+    """Pool slots s0..s0+BN over query tiles [seg SEG, (seg+1) SEG): a key's sums are written when it
     leaves its slot or the segment ends. One segment: plain stores (each key once, deterministic);
     several: atomic adds, a few per key, into the zeroed fp32 buffers DKP, DVP [B, N, Hkv, D], DUP [B, Hkv, N]."""
     tile = tl.program_id(0)
@@ -196,17 +237,19 @@ def _dkv_pool_kernel(
     sm = s < TOPK
     b0 = seg * SEG
     b1 = tl.minimum(b0 + SEG, NB)
-    idx = tl.load(SP + b * sspb + b0 * sspn + s, mask=sm, other=-1)
+    idx = tl.load(SP + b * sspb + b0 * sspn + s, mask=sm, other=-1).to(tl.int32)
     for blk in range(b0, b1):
-        nxt = tl.load(SP + b * sspb + (blk + 1) * sspn + s, mask=sm & (s * 0 + blk + 1 < b1), other=-1)
+        nxt = tl.load(SP + b * sspb + (blk + 1) * sspn + s, mask=sm & (s * 0 + blk + 1 < b1), other=-1).to(tl.int32)
         valid = idx >= 0
         if tl.max(valid.to(tl.int32), 0) > 0:
+            cut = tl.load(CUT + (b * NB + blk) * TOPK + s, mask=sm, other=0)
             k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-            dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, valid,
+            dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, valid, cut,
                                     Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
-                                    L, H, R, WINDOW, scale, G, BN, D, VARIANT, True, True, PREC)
+                                    L, H, R, WINDOW, scale, U.dtype.element_ty, G, MQ, BN, D, VARIANT, True, True, PREC,
+                                    KEY_MAJOR)
             done = valid & (nxt != idx)
-            if tl.max(done.to(tl.int32), 0) > 0:  # few keys leave per block: skip the masked writes
+            if tl.max(done.to(tl.int32), 0) > 0:  # few keys leave per tile: skip the masked writes
                 safe = tl.where(done, idx, 0)
                 ptr = okv + safe[:, None] * (Hkv * D) + d[None, :]
                 if ATOMIC:
@@ -228,10 +271,10 @@ def _dkv_band_kernel(
     Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, DO, LSE, DELTA, DKP, DVP, DUP, DK, DV, DU,
     sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh, sdkb, sdkn, sdkh,
     L, N, H, R, NB, TOPK, WINDOW, TAIL, scale,
-    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
+    G: tl.constexpr, MQ: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, KEY_MAJOR: tl.constexpr,
 ):
-    """Ext rows e0..e0+BN (all of [0, N)): visit the query blocks whose band holds them, add the pool
+    """Ext rows e0..e0+BN (all of [0, N)): visit the query tiles whose band holds them, add the pool
     sums (DKP, DVP, DUP, written before this launch) and write the final dK, dV [B, N, Hkv, D] and
     du per kv head [B, Hkv, N]."""
     pid = tl.program_id(0)
@@ -249,7 +292,7 @@ def _dkv_band_kernel(
     du = tl.zeros([BN], tl.float32)
     e = pid * BN + tl.arange(0, BN)
     valid = (e >= TOPK) & (e < N)
-    a = e - (TOPK + TAIL - WINDOW + 1)  # block blk's band holds a in [blk G, blk G + w + G - 1)
+    a = e - (TOPK + TAIL - WINDOW + 1)  # tile blk's band holds a in [blk G, blk G + w + G - 1)
     band = WINDOW + G - 1
     a0 = pid * BN - (TOPK + TAIL - WINDOW + 1)
     lo = (tl.maximum(a0 - band + 1, 0) + G - 1) // G
@@ -259,9 +302,10 @@ def _dkv_band_kernel(
     for blk in range(lo, hi + 1):
         off = a - blk * G
         inb = valid & (off >= 0) & (off < band)
-        dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, inb,
+        dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, inb, e,
                                 Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
-                                L, H, R, WINDOW, scale, G, BN, D, VARIANT, HAS_TOPK, False, PREC)
+                                L, H, R, WINDOW, scale, U.dtype.element_ty, G, MQ, BN, D, VARIANT, HAS_TOPK, False,
+                                PREC, KEY_MAJOR)
     em = e < N
     dk = dk * scale
     ou = (b * Hkv + kvh) * N + e

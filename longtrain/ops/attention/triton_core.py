@@ -4,7 +4,9 @@ Forward: triton_fwd (O and a base-2 log-sum-exp per query and head). Backward: t
 dtau query-major; dk, dv, du key-major; the pool keys' sums use a few atomic adds per key unless
 DETERMINISTIC or torch.use_deterministic_algorithms is on). Gradients go to q, k_ext, v_ext, u_ext
 (direct mask term) and tau (its chain to u is ThresholdFn's, in scan.py).
-The selection scan stays on the CPU (scan.py); its outputs arrive here as tensors.
+The selection scan's outputs (theta, positions, block pools: int64 / float64, on the GPU or the CPU)
+go to the kernels as they are; the kernels cast. A small kernel (_cut_kernel) turns each query tile's
+theta tests on its pool keys into one count per key, shared by all heads and kernels.
 """
 
 from __future__ import annotations
@@ -17,18 +19,22 @@ import triton
 
 from longtrain.ops.attention.naive import sparsek_attention_core_naive
 from longtrain.ops.attention.triton_bwd import _dkv_band_kernel, _dkv_pool_kernel, _dq_kernel, stable_slots
-from longtrain.ops.attention.triton_fwd import LOG2E, VARIANT_CODE, _fwd_kernel
+from longtrain.ops.attention.triton_fwd import LOG2E, VARIANT_CODE, _cut_kernel, _fwd_kernel
 
 # Fill every kernel-written buffer with NaN first, so a value never written shows (tests set it).
 POISON = False
 # Backward without atomics (bitwise reproducible); also on under torch.use_deterministic_algorithms.
 DETERMINISTIC = False
-# Launch settings (benchmarks/attention.py --sweep measures alternatives): query blocks per program
-# of the pool walk in the fast (atomic) mode; warps (None: 4 for D <= 64, else 8) and pipeline stages.
-POOL_SEGMENT = 16
-FWD_WARPS = None
-FWD_STAGES = 2
-BWD_WARPS = None
+# Launch settings (benchmarks/attention.py --sweep measures alternatives; tuned at D = 64 on the H100):
+# the kernels' query tile, a multiple of the op's block (max(block, QUERY_TILE)); key tiles, warps and
+# pipeline stages per kernel; queries per step (DKV_MQ) of the key-major dk/dv kernels; query tiles
+# per program of the pool walk in the fast (atomic) mode. The interpreter (CPU tests) uses small tiles.
+_INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
+QUERY_TILE = 32 if _INTERP else 64  # 128 measured slower on the H100 (benchmarks/gpu_notes.md)
+FWD_WARPS, FWD_STAGES, FWD_PREFETCH = 4, 2, True
+DQ_BN, DQ_WARPS, DQ_STAGES = 64, 4, 1
+DKV_BN, DKV_MQ, DKV_WARPS, DKV_KEY_MAJOR = 64, (16 if _INTERP else 64), 4, True
+POOL_SEGMENT = 32
 
 
 def _interpreting() -> bool:
@@ -46,19 +52,35 @@ def unsupported(block: int, D: int, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _config(block: int, D: int, dtype: torch.dtype):
-    """Key tile, dot precision, default warps, forward warps, backward warps."""
-    bn = 16 if _interpreting() else 64  # key tile
+def _config(D: int, dtype: torch.dtype):
+    """Dot precision and per-kernel launch settings (key tile BN, warps, stages; MQ for dk/dv)."""
     prec = "ieee" if dtype == torch.float32 else "tf32"  # float32 checks want exact fp32 dots
-    warps = 4 if D <= 64 else 8
-    if D > 64:  # the knobs are tuned at D = 64
-        return bn, prec, warps, warps, warps
-    return bn, prec, warps, FWD_WARPS or warps, BWD_WARPS or warps
+    if _interpreting():
+        return prec, dict(BN=16, num_warps=4, num_stages=1, PREFETCH=FWD_PREFETCH), \
+            dict(BN=16, num_warps=4, num_stages=1), dict(BN=16, MQ=DKV_MQ, num_warps=4, KEY_MAJOR=DKV_KEY_MAJOR)
+    fwd = dict(BN=64, num_warps=FWD_WARPS, num_stages=FWD_STAGES, PREFETCH=FWD_PREFETCH)
+    dq = dict(BN=DQ_BN, num_warps=DQ_WARPS, num_stages=DQ_STAGES)
+    dkv = dict(BN=DKV_BN, MQ=DKV_MQ if D <= 64 else DKV_MQ // 2, num_warps=DKV_WARPS, KEY_MAJOR=DKV_KEY_MAJOR)  # D = 128: fewer spills
+    return prec, fwd, dq, dkv
 
 
 def _empty(shape, dtype, device):
     x = torch.empty(shape, dtype=dtype, device=device)
-    return x.fill_(float("nan")) if POISON else x
+    if POISON:
+        x.fill_(float("nan") if dtype.is_floating_point else -(2**31))
+    return x
+
+
+def _cut(sp, u, pos, qpos, thu, thp, L, G, topk):
+    """[B, nt, K] int32: per query tile and pool slot, how many of the tile's queries select the key."""
+    B, nt = sp.shape[0], sp.shape[1]
+    cut = _empty((B, nt, topk), torch.int32, u.device)
+    bk = 16 if _interpreting() else 128
+    _cut_kernel[(nt, B, triton.cdiv(topk, bk))](
+        sp, u, pos, qpos, thu, thp, cut, sp.stride(0), sp.stride(1), L, u.shape[1], nt, topk,
+        G=G, BK=bk, QC=min(G, 16 if _interpreting() else 32), num_warps=4,
+    )
+    return cut
 
 
 class _SparseKTriton(torch.autograd.Function):
@@ -67,81 +89,92 @@ class _SparseKTriton(torch.autograd.Function):
         topk, window, tail_slots, variant, scale, block = meta
         B, L, H, D = q.shape
         N, Hkv = k_ext.shape[1], k_ext.shape[2]
-        nb = -(-L // block)
-        bn, prec, _, fwd_warps, bwd_warps = _config(block, D, q.dtype)
+        G = max(block, QUERY_TILE)  # the kernels' query tile: its pool is the snapshot of its first block
+        nt = -(-L // G)
+        prec, fwd, dq_cfg, dkv_cfg = _config(D, q.dtype)
         q, k_ext, v_ext = q.contiguous(), k_ext.contiguous(), v_ext.contiguous()
+        dev = q.device
+        # Scan outputs go in as they come (int64 / float64): the kernels cast.
         u = u_ext.detach().contiguous()  # [B, N]
-        pos = pos_ext.to(torch.int32).contiguous()
-        qpos = q_pos.to(torch.int32).contiguous()
-        thu = theta_u.to(u.dtype).contiguous()  # exact: theta is one of the u values (or +-inf)
-        thp = theta_pos.clamp(-(2**31), 2**31 - 1).to(torch.int32).contiguous()
+        pos = pos_ext.to(dev).contiguous()
+        qpos = q_pos.to(dev).contiguous()
+        thu = theta_u.to(dev).contiguous()
+        thp = theta_pos.to(dev).contiguous()
         tau_c = tau.detach().contiguous()
         if topk > 0:
-            bp = block_pool[:, :nb].to(torch.int32).contiguous()  # [B, nb, K]
+            bp = block_pool.to(dev)[:, : nt * (G // block) : G // block]  # [B, nt, K] (a strided view)
+            if bp.stride(-1) != 1:
+                bp = bp.contiguous()
+            cut = _cut(bp, u, pos, qpos, thu, thp, L, G, topk)
         else:
-            bp = torch.full((B, nb, 1), -1, dtype=torch.int32, device=q.device)
-        o = _empty((B, L, H, D), q.dtype, q.device)
-        lse = _empty((B, H, L), torch.float32, q.device)  # base-2 log-sum-exp
-        common = dict(G=block, BN=bn, D=D, VARIANT=VARIANT_CODE[variant], HAS_TOPK=topk > 0, PREC=prec)
-        _fwd_kernel[(nb, B * H)](
-            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, bp, o, lse,
+            bp = cut = torch.full((B, nt, 1), -1, dtype=torch.int32, device=dev)
+        o = _empty((B, L, H, D), q.dtype, dev)
+        lse = _empty((B, H, L), torch.float32, dev)  # base-2 log-sum-exp
+        common = dict(G=G, D=D, VARIANT=VARIANT_CODE[variant], HAS_TOPK=topk > 0, PREC=prec)
+        _fwd_kernel[(nt, B * H)](
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, bp, cut, o, lse,
             q.stride(0), q.stride(1), q.stride(2), k_ext.stride(0), k_ext.stride(1), k_ext.stride(2),
             v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), o.stride(0), o.stride(1), o.stride(2),
             bp.stride(0), bp.stride(1),
-            L, N, H, H // Hkv, topk, window, tail_slots, scale * LOG2E,
-            num_warps=fwd_warps, num_stages=FWD_STAGES, **common,
+            L, N, H, H // Hkv, nt, topk, window, tail_slots, scale * LOG2E,
+            **fwd, **common,
         )
-        ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, bp, o, lse)
-        ctx.meta = (topk, window, tail_slots, scale, block, dict(common, num_warps=bwd_warps), u_ext.dtype, tau.dtype)
+        ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, bp, cut, o, lse)
+        ctx.meta = (topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_ext.dtype, tau.dtype)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, bp, o, lse = ctx.saved_tensors
-        topk, window, tail_slots, scale, block, common, u_dtype, tau_dtype = ctx.meta
+        q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, bp, cut, o, lse = ctx.saved_tensors
+        topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_dtype, tau_dtype = ctx.meta
         B, L, H, D = q.shape
         N, Hkv = k_ext.shape[1], k_ext.shape[2]
-        nb = -(-L // block)
-        bn = common["BN"]
+        G = common["G"]
+        nt = -(-L // G)
+        dkv_cfg = dict(dkv_cfg, MQ=min(G, dkv_cfg["MQ"]))
+        dev = q.device
         do = do.contiguous()
-        delta = _empty((B, H, L), torch.float32, q.device)  # dO_i . o_i, written by the dq kernel
-        dq = _empty((B, L, H, D), q.dtype, q.device)
-        dtau = _empty((B, H, L), torch.float32, q.device)
+        det = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
+        if topk > 0:  # the pool walk's layout: each key keeps one slot while in the pool; its cut
+            sp = stable_slots(bp, N)  # [B, nt, K]
+            cut_sp = _cut(sp, u, pos, qpos, thu, thp, L, G, topk)
+            dkp = torch.zeros((B, N, Hkv, D), dtype=torch.float32, device=dev)
+            dvp = torch.zeros_like(dkp)
+            dup = torch.zeros((B, Hkv, N), dtype=torch.float32, device=dev)
+        delta = _empty((B, H, L), torch.float32, dev)  # dO_i . o_i, written by the dq kernel
+        dq = _empty((B, L, H, D), q.dtype, dev)
+        dtau = _empty((B, H, L), torch.float32, dev)
         strides = (
             q.stride(0), q.stride(1), q.stride(2), k_ext.stride(0), k_ext.stride(1), k_ext.stride(2),
             v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), do.stride(0), do.stride(1), do.stride(2),
         )
-        _dq_kernel[(nb, B * H)](
-            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, bp, do, o, lse, delta, dq, dtau,
+        _dq_kernel[(nt, B * H)](  # the forward's pool layout and cut
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, bp, cut, do, o, lse, delta, dq, dtau,
             *strides, bp.stride(0), bp.stride(1),
-            L, N, H, H // Hkv, topk, window, tail_slots, scale,
-            num_stages=1, **common,
+            L, N, H, H // Hkv, nt, topk, window, tail_slots, scale,
+            **dq_cfg, **common,
         )
         # Key-major passes: pool sums first (zeroed fp32 buffers), then the band pass adds them and
         # writes the final dk, dv, du (every ext row exactly once).
-        dk = _empty(k_ext.shape, k_ext.dtype, q.device)  # [B, N, Hkv, D]
-        dv = _empty(v_ext.shape, v_ext.dtype, q.device)
-        dub = _empty((B, Hkv, N), torch.float32, q.device)
-        dkp = dvp = dup = dub  # unused without a pool
+        dk = _empty(k_ext.shape, k_ext.dtype, dev)  # [B, N, Hkv, D]
+        dv = _empty(v_ext.shape, v_ext.dtype, dev)
+        dub = _empty((B, Hkv, N), torch.float32, dev)
+        bn = dkv_cfg["BN"]
         if topk > 0:
-            sp = stable_slots(bp, N).contiguous()  # [B, nb, K]
-            dkp = torch.zeros((B, N, Hkv, D), dtype=torch.float32, device=q.device)
-            dvp = torch.zeros_like(dkp)
-            dup = torch.zeros((B, Hkv, N), dtype=torch.float32, device=q.device)
-            det = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
-            seg = nb if det else POOL_SEGMENT
-            _dkv_pool_kernel[(triton.cdiv(topk, bn), triton.cdiv(nb, seg), B * Hkv)](
-                q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, sp, do, lse, delta, dkp, dvp, dup,
+            seg = nt if det else POOL_SEGMENT
+            _dkv_pool_kernel[(triton.cdiv(topk, bn), triton.cdiv(nt, seg), B * Hkv)](
+                q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, sp, cut_sp, do, lse, delta, dkp, dvp, dup,
                 *strides, sp.stride(0), sp.stride(1),
-                L, N, H, H // Hkv, nb, topk, window, scale, seg,
-                G=block, BN=bn, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nb,
-                num_warps=common["num_warps"], num_stages=1,
+                L, N, H, H // Hkv, nt, topk, window, scale, seg,
+                G=G, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nt, num_stages=1, **dkv_cfg,
             )
+        else:
+            dkp = dvp = dup = dub  # unused without a pool
         _dkv_band_kernel[(triton.cdiv(N, bn), B * Hkv)](
             q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, do, lse, delta, dkp, dvp, dup, dk, dv, dub,
             *strides, dk.stride(0), dk.stride(1), dk.stride(2),
-            L, N, H, H // Hkv, nb, topk, window, tail_slots, scale,
-            num_stages=1, **common,
+            L, N, H, H // Hkv, nt, topk, window, tail_slots, scale,
+            num_stages=1, **dkv_cfg, **common,
         )
         du = dub.sum(1).to(u_dtype)  # [B, N]: summed over kv heads
         return (dq, dk, dv, du, None, None, None, None,

@@ -1,10 +1,15 @@
 """Triton forward kernel of SparseK attention: FlashAttention-2 online softmax over pool + band.
 
-One program per (query block of G, batch x head). Its keys are the block's pool snapshot (gathered
-rows of the extended layout) and one contiguous band of ext indices; both are visited as tiles of
-BN keys. Masks (causal, window, selected, gate) are recomputed per tile from positions, u, theta
-and tau, exactly as in naive.py. Only O and the log-sum-exp (base 2, of the unweighted softmax
-normaliser) are stored.
+One program per (query tile of G, batch x head). G is the kernels' own query tile, a multiple of the
+op's block: fact 2 of DESIGN.md holds for any run of consecutive queries, so a tile needs only the
+pool snapshot at its first query (the op's block_pool row of its first block) plus one contiguous
+band of ext indices (i0 - w, i0 + G - 1]. Both are visited as tiles of BN keys. Masks (causal,
+window, selected, gate) are recomputed per tile from positions, u, theta and tau, exactly as in
+naive.py. On pool tiles the selection test is one integer compare: `_cut_kernel` counts, per tile
+and pool slot, the tile's queries that select the key; since theta never decreases, they are the
+tile's first `cut` queries (DESIGN.md fact 1). Only O and the log-sum-exp (base 2, of the unweighted
+softmax normaliser) are stored. Index, position and theta inputs arrive in the scan's dtypes
+(int64, float64) and are cast in the kernels.
 """
 
 from __future__ import annotations
@@ -45,34 +50,27 @@ def band_mode(kp, kvalid, qp_min, WINDOW, G: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def masked_logits(mode, s, qp, thu, thp, tau, kp, u, kvalid, WINDOW,
-                  G: tl.constexpr, BN: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr):
-    """Logits z [G, BN] (-inf where not attended; times the gate for soft_kv), the gate g and the mask
-    of pairs whose gate has a gradient (selected, 0 <= u_j - tau_i <= 1, as torch's clamp).
+def masked_logits(mode, s, qp, thu, thp, tau, kp, u, kvalid, WINDOW, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr):
+    """Band tiles: logits z (-inf where not attended; times the gate for soft_kv), the gate g and the
+    mask of pairs whose gate has a gradient (selected, 0 <= u_j - tau_i <= 1, as torch's clamp).
 
-    mode 0: band keys, the general rules; 1: band keys inside every window (nothing to mask);
-    3: pool keys, candidates of every query of the block (positions <= i0 - w), selected by theta.
+    One body for both orientations: s is [G, BN] (query-major) or [BN, G] (key-major) and the
+    per-query (qp, thu, thp, tau) and per-key (kp, u, kvalid) operands come expanded to broadcast
+    against it. mode 0: the general rules; 1: keys inside every query's window (nothing to mask).
     """
-    # s [G, BN] float32; qp, thp [G] int32; thu [G] (u dtype); tau [G] float32; kp [BN] int32; u [BN]
     if mode == 1:
         z = s
-        g = tl.full([G, BN], 1.0, tl.float32)
-        dmask = tl.full([G, BN], 0, tl.int1)
+        g = tl.full(s.shape, 1.0, tl.float32)
+        dmask = tl.full(s.shape, 0, tl.int1)
     else:
-        if mode == 3:
-            live = kvalid[None, :] & (qp[:, None] >= 0)
-            in_win = live & False
-            cand = live
-        else:
-            live = kvalid[None, :] & (kp[None, :] >= 0) & (qp[:, None] >= 0) & (kp[None, :] <= qp[:, None])
-            in_win = live & (kp[None, :] > qp[:, None] - WINDOW)
-            cand = live & (kp[None, :] <= qp[:, None] - WINDOW)
+        live = kvalid & (kp >= 0) & (qp >= 0) & (kp <= qp)
+        in_win = live & (kp > qp - WINDOW)
         if HAS_TOPK:
-            above = (u[None, :] > thu[:, None]) | ((u[None, :] == thu[:, None]) & (kp[None, :] >= thp[:, None]))
-            sel = cand & above
+            above = (u > thu) | ((u == thu) & (kp >= thp))
+            sel = live & (kp <= qp - WINDOW) & above
         else:
             sel = live & False
-        diff = u.to(tl.float32)[None, :] - tau[:, None]
+        diff = u.to(tl.float32) - tau
         g = tl.where(sel, tl.minimum(tl.maximum(diff, 0.0), 1.0), 1.0)  # NaN-free: empty slots are not selected
         z = s * g if VARIANT == 1 else s
         z = tl.where(in_win | sel, z, float("-inf"))
@@ -81,38 +79,95 @@ def masked_logits(mode, s, qp, thu, thp, tau, kp, u, kvalid, WINDOW,
 
 
 @triton.jit
+def pool_logits(s, rows, cut, u, tau, VARIANT: tl.constexpr):
+    """masked_logits for pool tiles (keys that are candidates of every query of the tile): key j is
+    selected by the tile's first cut_j queries (rows < cut). Operands expanded as in masked_logits."""
+    sel = rows < cut
+    diff = u.to(tl.float32) - tau
+    g = tl.where(sel, tl.minimum(tl.maximum(diff, 0.0), 1.0), 1.0)
+    z = s * g if VARIANT == 1 else s
+    z = tl.where(sel, z, float("-inf"))
+    dmask = sel & (diff >= 0.0) & (diff <= 1.0)
+    return z, g, dmask
+
+
+@triton.jit
+def load_theta(THU, THP, row, qm, UTY: tl.constexpr):
+    """theta (value in u's dtype, exact: it is one of the u values or +-inf; position as int32)."""
+    thu = tl.load(THU + row, mask=qm, other=float("inf")).to(tl.float32).to(UTY)
+    thp = tl.load(THP + row, mask=qm, other=0)
+    thp = tl.minimum(tl.maximum(thp, -2147483648), 2147483647).to(tl.int32)
+    return thu, thp
+
+
+@triton.jit
+def _cut_kernel(SP, U, POS, QPOS, THU, THP, CUT, sspb, sspn, L, N, NBQ, TOPK,
+                G: tl.constexpr, BK: tl.constexpr, QC: tl.constexpr):
+    """CUT[b, t, s] = how many queries of query tile t select pool slot s of snapshot SP[b, t]
+    (sel = valid key, valid query, (u, pos) >= theta; pool keys are candidates of every query of the tile)."""
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    s = tl.program_id(2) * BK + tl.arange(0, BK)
+    sm = s < TOPK
+    idx = tl.load(SP + b * sspb + t * sspn + s, mask=sm, other=-1).to(tl.int32)
+    valid = idx >= 0
+    safe = tl.where(valid, idx, 0)
+    u = tl.load(U + b * N + safe, mask=valid, other=float("-inf"))
+    kp = tl.load(POS + b * N + safe, mask=valid, other=-1).to(tl.int32)
+    cnt = tl.zeros([BK], tl.int32)
+    for c in range(0, G, QC):
+        i = t * G + c + tl.arange(0, QC)
+        qm = i < L
+        row = b * L + i
+        qp = tl.load(QPOS + row, mask=qm, other=-1)
+        thu, thp = load_theta(THU, THP, row, qm, U.dtype.element_ty)
+        above = (u[None, :] > thu[:, None]) | ((u[None, :] == thu[:, None]) & (kp[None, :] >= thp[:, None]))
+        sel = above & valid[None, :] & (qp[:, None] >= 0)
+        cnt += tl.sum(sel.to(tl.int32), 0)
+    tl.store(CUT + (b * NBQ + t) * TOPK + s, cnt, mask=sm)
+
+
+@triton.jit
 def load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D: tl.constexpr):
-    """Gather BN key rows (k, v [BN, D], u [BN], positions [BN]) at ext indices idx."""
+    """Gather BN key rows (k, v [BN, D], u [BN], positions [BN] int32) at ext indices idx."""
     safe = tl.where(valid, idx, 0)
     d = tl.arange(0, D)
     k = tl.load(Kb + safe[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(Vb + safe[:, None] * svn + d[None, :], mask=valid[:, None], other=0.0)
     u = tl.load(Ub + safe, mask=valid, other=float("-inf"))
-    kp = tl.load(Pb + safe, mask=valid, other=-1)
+    kp = tl.load(Pb + safe, mask=valid, other=-1).to(tl.int32)
     return k, v, u, kp
 
 
 @triton.jit
-def _fwd_tile(q, m_i, l_i, acc, idx, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, WINDOW, scale2,
-              MODE: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr,
-              HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
-    k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-    return _fwd_keys(q, m_i, l_i, acc, k, v, u, kp, valid, qp, thu, thp, tau, WINDOW, scale2,
-                     MODE, G, BN, VARIANT, HAS_TOPK, PREC)
+def load_queries(QPOS, THU, THP, TAU, row, qm, UTY: tl.constexpr):
+    """Per-query positions (int32, -1: padding), theta and tau (float32) of one query tile."""
+    qp = tl.load(QPOS + row, mask=qm, other=-1).to(tl.int32)
+    thu, thp = load_theta(THU, THP, row, qm, UTY)
+    tau = tl.load(TAU + row, mask=qm, other=0.0).to(tl.float32)
+    return qp, thu, thp, tau
 
 
 @triton.jit
-def _fwd_keys(q, m_i, l_i, acc, k, v, u, kp, valid, qp, thu, thp, tau, WINDOW, scale2,
-              MODE: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, VARIANT: tl.constexpr,
-              HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
+def _fwd_tile(q, m_i, l_i, acc, idx, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, WINDOW, scale2,
+              MODE: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
+    """One band tile (per-query operands expanded to [G, 1])."""
+    k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2  # [G, BN] logits in log2 units
-    s, g, _ = masked_logits(MODE, s, qp, thu, thp, tau, kp, u, valid, WINDOW, G, BN, VARIANT, HAS_TOPK)
+    s, g, _ = masked_logits(MODE, s, qp, thu, thp, tau, kp[None, :], u[None, :], valid[None, :], WINDOW,
+                            VARIANT, HAS_TOPK)
+    return _fwd_update(m_i, l_i, acc, s, g, v, MODE == 1, VARIANT, PREC)
+
+
+@triton.jit
+def _fwd_update(m_i, l_i, acc, s, g, v, NO_GATE: tl.constexpr, VARIANT: tl.constexpr, PREC: tl.constexpr):
+    """Online softmax step with masked logits s [G, BN] (log2 units) and gates g."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay NaN-free
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if VARIANT != 2 and MODE != 1:
+    if VARIANT != 2 and not NO_GATE:
         p = p * g  # the gate scales values after normalisation
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return m_new, l_i, acc
@@ -120,26 +175,25 @@ def _fwd_keys(q, m_i, l_i, acc, k, v, u, kp, valid, qp, thu, thp, tau, WINDOW, s
 
 @triton.jit
 def _fwd_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, BP, O, LSE,
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, BP, CUT, O, LSE,
     sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sob, sol, soh, sbpb, sbpn,
-    L, N, H, R, TOPK, WINDOW, TAIL, scale2,
+    L, N, H, R, NBQ, TOPK, WINDOW, TAIL, scale2,
     G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
+    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     kvh = h // R
-    i = blk * G + tl.arange(0, G)
+    rows = tl.arange(0, G)
+    i = blk * G + rows
     d = tl.arange(0, D)
     qm = i < L
     q = tl.load(Q + b * sqb + i[:, None] * sql + h * sqh + d[None, :], mask=qm[:, None], other=0.0)  # [G, D]
     row = b * L + i  # per-query arrays are [B, L] contiguous
-    qp = tl.load(QPOS + row, mask=qm, other=-1)
-    thu = tl.load(THU + row, mask=qm, other=float("inf"))
-    thp = tl.load(THP + row, mask=qm, other=0)
-    tau = tl.load(TAU + row, mask=qm, other=0.0).to(tl.float32)
+    qp, thu, thp, tau = load_queries(QPOS, THU, THP, TAU, row, qm, U.dtype.element_ty)
+    qp_min = tl.min(qp, 0)
     Kb = Kx + b * skb + kvh * skh
     Vb = Vx + b * svb + kvh * svh
     Ub = U + b * N
@@ -148,36 +202,52 @@ def _fwd_kernel(
     m_i = tl.full([G], float("-inf"), tl.float32)
     l_i = tl.zeros([G], tl.float32)
     acc = tl.zeros([G, D], tl.float32)
-    if HAS_TOPK:  # (1) the pool snapshot at the block start: gathered rows, the next tile prefetched
-        bpb = BP + b * sbpb + blk * sbpn + tl.arange(0, BN)
-        idx = tl.load(bpb, mask=tl.arange(0, BN) < TOPK, other=-1)
-        k, v, u, kp = load_keys(idx, idx >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
-        for t in range(0, TOPK, BN):
-            jn = t + BN + tl.arange(0, BN)
-            idn = tl.load(bpb + t + BN, mask=jn < TOPK, other=-1)
-            kn, vn, un, kpn = load_keys(idn, idn >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
-            m_i, l_i, acc = _fwd_keys(q, m_i, l_i, acc, k, v, u, kp, idx >= 0, qp, thu, thp, tau,
-                                      WINDOW, scale2, 3, G, BN, VARIANT, HAS_TOPK, PREC)
-            idx, k, v, u, kp = idn, kn, vn, un, kpn
+    if HAS_TOPK:  # (1) the pool snapshot at the tile start: gathered rows, selected by the per-slot cut
+        bpb = BP + b * sbpb + blk * sbpn
+        cpb = CUT + (b * NBQ + blk) * TOPK
+        if PREFETCH:  # the next gathered tile is loaded before this one's dots
+            km = tl.arange(0, BN) < TOPK
+            idx = tl.load(bpb + tl.arange(0, BN), mask=km, other=-1).to(tl.int32)
+            cut = tl.load(cpb + tl.arange(0, BN), mask=km, other=0)
+            k, v, u, kp0 = load_keys(idx, idx >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
+            for t in range(0, TOPK, BN):
+                jn = t + BN + tl.arange(0, BN)
+                idn = tl.load(bpb + jn, mask=jn < TOPK, other=-1).to(tl.int32)
+                cutn = tl.load(cpb + jn, mask=jn < TOPK, other=0)
+                kn, vn, un, kpn = load_keys(idn, idn >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2
+                s, g, dm0 = pool_logits(s, rows[:, None], cut[None, :], u[None, :], tau[:, None], VARIANT)
+                m_i, l_i, acc = _fwd_update(m_i, l_i, acc, s, g, v, False, VARIANT, PREC)
+                cut, k, v, u = cutn, kn, vn, un
+        else:
+            for t in range(0, TOPK, BN):
+                jj = t + tl.arange(0, BN)
+                idx = tl.load(bpb + jj, mask=jj < TOPK, other=-1).to(tl.int32)
+                cut = tl.load(cpb + jj, mask=jj < TOPK, other=0)
+                k, v, u, _ = load_keys(idx, idx >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2
+                s, g, _ = pool_logits(s, rows[:, None], cut[None, :], u[None, :], tau[:, None], VARIANT)
+                m_i, l_i, acc = _fwd_update(m_i, l_i, acc, s, g, v, False, VARIANT, PREC)
     # (2) the band (i0 - w, i0 + G - 1]: contiguous ext indices; its interior tiles need no masks
+    qp2, thu2, thp2, tau2 = qp[:, None], thu[:, None], thp[:, None], tau[:, None]
     start = TOPK + TAIL - WINDOW + 1 + blk * G
     band = WINDOW + G - 1
     nt = tl.cdiv(band, BN)
-    f0, f1 = interior_tiles(tl.min(qp, 0), nt, WINDOW, G, BN)
+    f0, f1 = interior_tiles(qp_min, nt, WINDOW, G, BN)
     for t in range(0, f0):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
-        m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau,
-                                  WINDOW, scale2, 0, G, BN, D, VARIANT, HAS_TOPK, PREC)
+        m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, valid, Kb, Vb, Ub, Pb, skn, svn, qp2, thu2, thp2, tau2,
+                                  WINDOW, scale2, 0, D, VARIANT, HAS_TOPK, PREC)
     for t in range(f0, f1):
         jj = t * BN + tl.arange(0, BN)
-        m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, jj >= 0, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau,
-                                  WINDOW, scale2, 1, G, BN, D, VARIANT, HAS_TOPK, PREC)
+        m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, jj >= 0, Kb, Vb, Ub, Pb, skn, svn, qp2, thu2, thp2, tau2,
+                                  WINDOW, scale2, 1, D, VARIANT, HAS_TOPK, PREC)
     for t in range(f1, nt):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
-        m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau,
-                                  WINDOW, scale2, 0, G, BN, D, VARIANT, HAS_TOPK, PREC)
+        m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, valid, Kb, Vb, Ub, Pb, skn, svn, qp2, thu2, thp2, tau2,
+                                  WINDOW, scale2, 0, D, VARIANT, HAS_TOPK, PREC)
 
     has = l_i > 0  # padded queries attend to nothing: o = 0, lse = +inf (p = 0 in the backward)
     o = acc / tl.where(has, l_i, 1.0)[:, None]
