@@ -78,6 +78,10 @@ def test_device_scan_equals_heap_scan(B, L, k, w, block, chunks, ties, cap):
         assert torch.equal(got_cpu["theta_pos"], ref.theta_pos)
         assert torch.equal(got_cpu["fingerprint"], ref.fingerprint)
         assert torch.equal(got_cpu["block_pool"].sort(-1).values, ref.block_pool.sort(-1).values)
+        for b in range(B):  # stable slots: a key keeps one slot while it is pooled
+            bp = got_cpu["block_pool"][b]
+            for key in bp[bp >= 0].unique().tolist():
+                assert len(set((bp == key).nonzero()[:, 1].tolist())) == 1
         final = torch.full((B, k), -1, dtype=torch.int64)
         for b, ids in enumerate(ref.final_pool):
             final[b, : len(ids)] = torch.tensor(sorted(ids), dtype=torch.int64)
@@ -176,3 +180,28 @@ def test_batched_wavelet_build_equals_level_by_level(B, N):
     a, b = build_wavelet(ranks, scores, hashes), build_wavelet_by_levels(ranks, scores, hashes)
     assert torch.equal(a.zeros, b.zeros) and torch.equal(a.hash_sum, b.hash_sum) and torch.equal(a.n_zeros, b.n_zeros)
     torch.testing.assert_close(a.score_sum, b.score_sum, rtol=0, atol=1e-12)  # cumsum order may differ on CUDA
+
+
+@pytest.mark.parametrize("w,k,L,block", [(5, 6, 37, 16), (0, 4, 30, 16), (3, 20, 45, 16)])
+def test_kernels_on_the_device_scans_stable_pools(w, k, L, block):
+    """The Triton core trusts the device scan's stable slots (no relabelling): same o and gradients."""
+    from longtrain.ops.attention import triton_core  # noqa: F401  (the kernels exist: interpreter or CUDA)
+
+    torch.manual_seed(1)
+    B, H, D = 2, 2, 16
+    q, kk, v = (torch.randn(B, 2 * L, H, D, device=DEV, requires_grad=True) for _ in range(3))
+    u = torch.randn(B, 2 * L, device=DEV, requires_grad=True)
+    outs = {}
+    for backend, scan in (("naive", "host"), ("triton", "device")):
+        cache = SparseKCache.empty(B, k, w, H, D, device=DEV)
+        os = []
+        for s in (slice(0, L), slice(L, 2 * L)):  # the second chunk starts from a full cache
+            o, cache, _ = sparsek_attention_chunk(q[:, s], kk[:, s], v[:, s], u[:, s], cache, topk=k, window=w,
+                                                   backend=backend, scan=scan, block=block)
+            os.append(o)
+        o = torch.cat(os, 1)
+        outs[backend] = (o, torch.autograd.grad((o * torch.linspace(-1, 1, D, device=DEV)).sum(), (q, kk, v, u)))
+    (o1, g1), (o2, g2) = outs["naive"], outs["triton"]
+    torch.testing.assert_close(o2, o1, rtol=1e-4, atol=1e-5)
+    for a, b in zip(g2, g1):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)

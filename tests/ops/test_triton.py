@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 from longtrain.ops.attention import SparseKCache, sparsek_attention, sparsek_attention_chunk  # noqa: E402
 from longtrain.ops.attention import triton_core  # noqa: E402
 from longtrain.ops.attention.scan import scan_chunk  # noqa: E402
-from longtrain.ops.attention.triton_bwd import stable_slots  # noqa: E402
+from longtrain.ops.attention.pool_slots import stable_slots  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -160,7 +160,8 @@ def sparsek_attention_chunk(
     u_ext = torch.cat([cache.pool_u.to(u.dtype), cache.tail_u.to(u.dtype), u], dim=1)
 
     # 2. The selection scan, continuing from the cache's state: on the tensors' device, or CPU heaps.
-    if _pick_scan(scan, u_ext) == "device":
+    on_device = _pick_scan(scan, u_ext) == "device"
+    if on_device:
         sel = scan_chunk_device(
             u_ext, pos_ext, thr_u=cache.thr_u.to(dev), thr_count=cache.thr_count.to(dev),
             overflow=cache.overflow.to(dev), seen=seen, lengths=lengths, n_queries=L, topk=topk,
@@ -172,7 +173,8 @@ def sparsek_attention_chunk(
 
     # 3. The attention core.
     core_args = (q, k_ext, v_ext, u_ext, pos_ext, chunk_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool)
-    core_kw = dict(topk=topk, window=window, tail_slots=Wt, variant=variant, scale=scale, block=block)
+    core_kw = dict(topk=topk, window=window, tail_slots=Wt, variant=variant, scale=scale, block=block,
+                   stable_pool=on_device)  # the device scan's pools are in stable slots already
     if _pick_backend(backend, q) == "triton":
         from longtrain.ops.attention.triton_core import sparsek_attention_core_triton
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longtrain.ops.attention.pool_slots import slots_from_intervals
 from longtrain.ops.attention.wavelet import WaveletMatrix, build_wavelet
 
 INF = float("inf")
@@ -75,7 +76,7 @@ class DeviceScan:
     tau: torch.Tensor  # [B, L] float64
     n_active: torch.Tensor  # [B, L] int64
     fingerprint: torch.Tensor  # [B, L] int64
-    block_pool: torch.Tensor  # [B, n_blocks, K] int64 ext indices (-1 empty)
+    block_pool: torch.Tensor  # [B, n_blocks, K] int64 ext indices (-1 empty), in stable slots
     final_pool: torch.Tensor  # [B, K] int64 ext indices of the top-k after the chunk, ascending (-1 empty)
     threshold: dict  # thr_u, thr_saturated, thr_count, tau, thr_sum, overflow of the next cache
 
@@ -372,8 +373,17 @@ def _pools(rank, valid, q_rank, has_theta, lengths, K, L, N, nb, block, delta):
     first_q = torch.where(s < K, 0, (s - K - delta + 1).clamp(min=0))  # [N]
     enter = (-(-first_q // block))[None].expand(B, N)
     leave = torch.searchsorted((-r_blk).contiguous(), (-rank).contiguous(), right=True)  # [B, N]
-    count = torch.where(valid, (leave - enter).clamp(min=0), 0).reshape(-1)  # [B*N]
+    count = torch.where(valid, (leave - enter).clamp(min=0), 0)  # [B, N] blocks in the pool
+    # Stable slots (pool_slots.py): a key keeps one slot while pooled, so the kernels' backward can
+    # walk the pool slot by slot without relabelling it.
+    pooled = count > 0
+    one = pooled.to(torch.int64)
+    size = torch.zeros(B, nb + 1, **i64).scatter_add_(1, torch.where(pooled, enter, nb), one)
+    size = size - torch.zeros(B, nb + 1, **i64).scatter_add_(1, torch.where(pooled, leave, nb), one)
+    size = size.cumsum(1)[:, :nb]  # [B, nb] keys in the pool of each block: +1 at enter, -1 at leave
+    slot = slots_from_intervals(enter, leave - 1, pooled, size)  # [B, N]
     # Expand (item, block) pairs with a static size (a dummy item takes the slack: no host sync).
+    count = count.reshape(-1)  # [B*N]
     total = B * nb * K
     reps = torch.cat([count, (total - count.sum()).reshape(1)])
     item = torch.repeat_interleave(torch.arange(B * N + 1, **i64), reps, output_size=total)
@@ -381,16 +391,9 @@ def _pools(rank, valid, q_rank, has_theta, lengths, K, L, N, nb, block, delta):
     real = item < B * N
     it = item.clamp(max=B * N - 1)
     blk = enter.reshape(-1)[it] + torch.arange(total, **i64) - start[item]
-    group = torch.where(real, (it // N) * nb + blk, B * nb).to(torch.int32)  # (row, block); the dummy last
-    group, order = group.sort(stable=True)  # items stay in ext order within a group
-    group = group.to(torch.int64)
-    it = it[order]
-    sizes = torch.zeros(B * nb + 1, **i64).scatter_add_(0, group, torch.ones_like(group))  # (bincount syncs)
-    g_start = torch.nn.functional.pad(sizes.cumsum(0), (1, 0))
-    slot = torch.arange(total, **i64) - g_start[group]
-    slot = torch.where(group < B * nb, slot, 0)
+    group = torch.where(real, (it // N) * nb + blk, B * nb)  # (row, block); the dummy to a spare row
     flat = torch.full((B * nb + 1, K), -1, **i64)
-    flat[group, slot] = it % N
+    flat[group, torch.where(real, slot.reshape(-1)[it], 0)] = it % N
     block_pool = flat[: B * nb].view(B, nb, K)
     # After the chunk: the top-k of everything, ascending ext indices.
     r_fin = torch.where(has_theta[:, L], q_rank[:, L], N)  # [B]

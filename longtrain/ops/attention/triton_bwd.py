@@ -26,7 +26,6 @@ Two kernels:
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -318,48 +317,3 @@ def _dkv_band_kernel(
     tl.store(DK + ptr, dk.to(DK.dtype.element_ty), mask=em[:, None])
     tl.store(DV + ptr, dv.to(DV.dtype.element_ty), mask=em[:, None])
     tl.store(DU + ou, du, mask=em)
-
-
-def stable_slots(block_pool: torch.Tensor, n_ext: int) -> torch.Tensor:
-    """Relabel pool snapshots [B, nb, K] so that every key keeps one slot while it is in the pool.
-
-    Each block holds the same set of ext indices as in `block_pool`. Relies on the scan's facts: a key's
-    pool membership is one interval of blocks, and the pool only grows until full (then it can only
-    empty at once, after a ragged row's last block). At each block boundary the r-th key to enter takes
-    the slot of the r-th key to leave; surplus entrants take fresh slots. Slots follow the chains of
-    predecessors by pointer jumping: O(log nb) gathers, no host synchronisation.
-    """
-    B, nb, K = block_pool.shape
-    if K == 0 or nb == 0:
-        return block_pool
-    dev = block_pool.device
-    N = n_ext
-    bp = block_pool.to(torch.int64)
-    ok = bp >= 0
-    blk = torch.arange(nb, device=dev).view(1, nb, 1).expand(B, nb, K).reshape(B, -1)
-    flat = torch.where(ok, bp, N).reshape(B, -1)  # slot N is a dump for empty entries
-    first = torch.full((B, N + 1), nb, device=dev).scatter_reduce(1, flat, blk, "amin")[:, :N].contiguous()  # [B, N]
-    last = torch.full((B, N + 1), -1, device=dev).scatter_reduce(1, flat, blk, "amax")[:, :N].contiguous()
-    inpool = last >= 0
-    ar = torch.arange(N, device=dev).expand(B, N)
-    # Entrants in order (first block, index); leavers in order (last block, index).
-    f_sorted, f_order = (torch.where(inpool, first, nb) * N + ar).sort(1)
-    l_sorted, l_order = (torch.where(inpool, last, nb) * N + ar).sort(1)
-    f_sorted, l_sorted = f_sorted // N, l_sorted // N
-    place = torch.empty_like(ar).scatter_(1, f_order, ar)  # position of each key among entrants
-    rank = place - torch.searchsorted(f_sorted, first)  # rank among the keys entering with it
-    x_lo = torch.searchsorted(l_sorted, first - 1)  # keys leaving as it enters: last == first - 1
-    n_exit = torch.searchsorted(l_sorted, first - 1, right=True) - x_lo
-    has_pred = inpool & (rank < n_exit)
-    pred = l_order.gather(1, (x_lo + rank).clamp(max=N - 1))
-    count = ok.sum(-1)  # [B, nb] pool size per block
-    before = torch.where(first > 0, count.gather(1, (first - 1).clamp(0, nb - 1)), 0)
-    fresh = before + rank - n_exit  # a new slot, for keys with no predecessor
-    root = torch.where(has_pred, pred, ar)
-    for _ in range(max(1, math.ceil(math.log2(nb + 1)))):
-        root = root.gather(1, root)
-    slot = fresh.gather(1, root)  # [B, N]
-    slot_of = torch.where(ok, slot.gather(1, bp.clamp(min=0).reshape(B, -1)).reshape(B, nb, K), K)
-    out = torch.full((B, nb, K + 1), -1, dtype=torch.int64, device=dev)
-    out.scatter_(2, slot_of, bp)
-    return out[:, :, :K].to(block_pool.dtype)

@@ -18,7 +18,8 @@ import torch
 import triton
 
 from longtrain.ops.attention.naive import sparsek_attention_core_naive
-from longtrain.ops.attention.triton_bwd import _dkv_band_kernel, _dkv_pool_kernel, _dq_kernel, stable_slots
+from longtrain.ops.attention.pool_slots import stable_slots
+from longtrain.ops.attention.triton_bwd import _dkv_band_kernel, _dkv_pool_kernel, _dq_kernel
 from longtrain.ops.attention.triton_fwd import LOG2E, VARIANT_CODE, _cut_kernel, _fwd_kernel
 
 # Fill every kernel-written buffer with NaN first, so a value never written shows (tests set it).
@@ -86,7 +87,7 @@ def _cut(sp, u, pos, qpos, thu, thp, L, G, topk):
 class _SparseKTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool, meta):
-        topk, window, tail_slots, variant, scale, block = meta
+        topk, window, tail_slots, variant, scale, block, stable_pool = meta
         B, L, H, D = q.shape
         N, Hkv = k_ext.shape[1], k_ext.shape[2]
         G = max(block, QUERY_TILE)  # the kernels' query tile: its pool is the snapshot of its first block
@@ -120,13 +121,13 @@ class _SparseKTriton(torch.autograd.Function):
             **fwd, **common,
         )
         ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, bp, cut, o, lse)
-        ctx.meta = (topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_ext.dtype, tau.dtype)
+        ctx.meta = (topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_ext.dtype, tau.dtype, stable_pool)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, bp, cut, o, lse = ctx.saved_tensors
-        topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_dtype, tau_dtype = ctx.meta
+        topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_dtype, tau_dtype, stable_pool = ctx.meta
         B, L, H, D = q.shape
         N, Hkv = k_ext.shape[1], k_ext.shape[2]
         G = common["G"]
@@ -136,8 +137,11 @@ class _SparseKTriton(torch.autograd.Function):
         do = do.contiguous()
         det = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
         if topk > 0:  # the pool walk's layout: each key keeps one slot while in the pool; its cut
-            sp = stable_slots(bp, N)  # [B, nt, K]
-            cut_sp = _cut(sp, u, pos, qpos, thu, thp, L, G, topk)
+            if stable_pool:  # the device scan keeps each key in one slot already: the forward's cut holds
+                sp, cut_sp = bp, cut
+            else:
+                sp = stable_slots(bp, N)  # [B, nt, K]
+                cut_sp = _cut(sp, u, pos, qpos, thu, thp, L, G, topk)
             dkp = torch.zeros((B, N, Hkv, D), dtype=torch.float32, device=dev)
             dvp = torch.zeros_like(dkp)
             dup = torch.zeros((B, Hkv, N), dtype=torch.float32, device=dev)
@@ -199,6 +203,8 @@ def sparsek_attention_core_triton(
     variant: str = "hard_k_soft_v",
     scale: float | None = None,
     block: int = 64,
+    stable_pool: bool = False,  # block_pool already keeps each key in one slot (the device scan's): skip relabelling
+    # (a speed hint only: the pool walk is correct in any slot order, it just flushes more when keys move)
 ) -> torch.Tensor:
     """Same contract as naive.sparsek_attention_core_naive; o [B, L, H, D] in q's dtype.
 
@@ -210,7 +216,8 @@ def sparsek_attention_core_triton(
         return sparsek_attention_core_naive(
             q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool,
             topk=topk, window=window, tail_slots=tail_slots, variant=variant, scale=scale, block=block,
+            stable_pool=stable_pool,
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    meta = (topk, window, tail_slots, variant, float(scale), block)
+    meta = (topk, window, tail_slots, variant, float(scale), block, stable_pool)
     return _SparseKTriton.apply(q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool, meta)
