@@ -152,6 +152,7 @@ def fit(recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", co
             record = {
                 "step": step, "loss": last_loss, "tokens": state.tokens, "lr": lr, "grad_norm": grad_norm,
                 "memory_bytes": memory, "doc_positions": [r["offset"] for r in rows],
+                "elapsed_s": round(time.monotonic() - t_start, 4),  # since this process started the loop
             }
             if cfg.valid_every and (step % cfg.valid_every == 0 or step == cfg.steps) and len(corpus.valid):
                 valid_loss = evaluate(model, corpus, cfg, device)

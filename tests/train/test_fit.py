@@ -92,6 +92,9 @@ def test_resume_after_sigkill_is_bitwise_identical(workspace):
     assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
     # the loss falls on this tiny corpus
     assert a[10] < a[1]
+    # every record carries the loop's wall-clock time, for throughput between any two steps
+    times = [r["elapsed_s"] for r in read_metrics(tmp / "straight" / "metrics.jsonl")]
+    assert len(times) == 10 and times == sorted(times) and times[0] > 0
 
 
 def cli(*args):
