@@ -14,8 +14,7 @@ import torch
 
 from longtrain.ops.attention.cache import SparseKCache
 from longtrain.ops.attention.naive import VARIANTS, sparsek_attention_core_naive
-from longtrain.ops.attention.scan import ThresholdFn
-from longtrain.ops.attention.scan_device import DeviceScan, scan_chunk_device
+from longtrain.ops.attention.scan import DeviceScan, ThresholdFn
 from longtrain.ops.attention.scan_numba import scan_chunk_numba as scan_chunk
 
 BACKENDS = ("auto", "naive", "triton")
@@ -58,6 +57,8 @@ def _check(q, k, v, u, topk, window, variant, backend, scan="auto"):
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if scan not in SCANS:
         raise ValueError(f"scan must be one of {SCANS}; got {scan!r}")
+    if scan == "device" and not _triton_available():
+        raise ValueError("scan='device' needs Triton (Linux); use scan='host'")
     if scan == "device" and u.dtype == torch.float64:
         raise ValueError("scan='device' packs float32 scores into its keys; float64 scores need scan='host'")
 
@@ -162,6 +163,8 @@ def sparsek_attention_chunk(
     # 2. The selection scan, continuing from the cache's state: on the tensors' device, or CPU heaps.
     on_device = _pick_scan(scan, u_ext) == "device"
     if on_device:
+        from longtrain.ops.attention.scan_device import scan_chunk_device  # needs Triton
+
         sel = scan_chunk_device(
             u_ext, pos_ext, thr_u=cache.thr_u.to(dev), thr_count=cache.thr_count.to(dev),
             overflow=cache.overflow.to(dev), seen=seen, lengths=lengths, n_queries=L, topk=topk,

@@ -184,6 +184,20 @@ class ScanOutputs:
         )
 
 
+@dataclass
+class DeviceScan:
+    """What the op needs from either scan, on the call's device: per-query arrays, pools, next threshold state."""
+
+    theta_u: torch.Tensor  # [B, L] float64
+    theta_pos: torch.Tensor  # [B, L] int64
+    tau: torch.Tensor  # [B, L] float64
+    n_active: torch.Tensor  # [B, L] int64
+    fingerprint: torch.Tensor  # [B, L] int64
+    block_pool: torch.Tensor  # [B, n_blocks, K] int64 ext indices (-1 empty); the device scan keeps stable slots
+    final_pool: torch.Tensor  # [B, K] int64 ext indices of the top-k after the chunk, ascending (-1 empty)
+    threshold: dict  # thr_u, thr_saturated, thr_count, tau, thr_sum, overflow of the next cache
+
+
 def scan_chunk(
     u_ext: np.ndarray,  # [B, N] float64 scores in the extended layout
     pos_ext: np.ndarray,  # [B, N] int64 positions (-1: empty slot)

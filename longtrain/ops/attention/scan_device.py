@@ -25,13 +25,12 @@ Scores must be float32 or narrower: a key holds the float32 bits (float64 scores
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from longtrain.ops.attention.pool_slots import slots_from_intervals
+from longtrain.ops.attention.scan import DeviceScan
 from longtrain.ops.attention.wavelet import WaveletMatrix, build_wavelet
 
 INF = float("inf")
@@ -65,20 +64,6 @@ def pack_keys(u: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone in u, still signed
     key = ordered * (1 << 32) + pos.clamp(min=0)
     return torch.where(pos >= 0, key, torch.iinfo(torch.int64).min)
-
-
-@dataclass
-class DeviceScan:
-    """scan.ScanResult's per-query arrays plus the next cache's threshold fields, all on device."""
-
-    theta_u: torch.Tensor  # [B, L] float64
-    theta_pos: torch.Tensor  # [B, L] int64
-    tau: torch.Tensor  # [B, L] float64
-    n_active: torch.Tensor  # [B, L] int64
-    fingerprint: torch.Tensor  # [B, L] int64
-    block_pool: torch.Tensor  # [B, n_blocks, K] int64 ext indices (-1 empty), in stable slots
-    final_pool: torch.Tensor  # [B, K] int64 ext indices of the top-k after the chunk, ascending (-1 empty)
-    threshold: dict  # thr_u, thr_saturated, thr_count, tau, thr_sum, overflow of the next cache
 
 
 @triton.jit
