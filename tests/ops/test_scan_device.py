@@ -59,7 +59,7 @@ def test_device_scan_equals_heap_scan(B, L, k, w, block, chunks, ties, cap):
     cache = SparseKCache.empty(B, k, w, 1, 4, cap=cap)
     for ci in range(chunks):
         u = scores(rng, B, L, ties)
-        lengths = torch.from_numpy(rng.integers(1, L + 1, size=B)) if ci % 2 else torch.full((B,), L)
+        lengths = torch.from_numpy(rng.integers(0, L + 1, size=B)) if ci % 2 else torch.full((B,), L)  # ragged, even empty rows
         u_ext, pos_ext = layout(cache, u, lengths)
         ref = scan_chunk_numba(
             u_ext.double().numpy(), pos_ext.numpy(), cache.row_states(), seen=cache.seen.numpy(),
