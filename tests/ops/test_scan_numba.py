@@ -54,3 +54,24 @@ def test_numba_scan_equals_python_reference(k, w, chunk, cap, block):
         )
     if cap == 7:
         assert any(s.overflow for s in got_states)
+
+
+@pytest.mark.parametrize("lengths", [[300, 300], [300, 170]])
+def test_scans_keep_each_key_in_one_slot(lengths):
+    """The block pools come in stable slots (the kernels' backward walks them slot by slot)."""
+    B, T, K, G = 2, 300, 12, 16
+    u = np.random.default_rng(0).normal(size=(B, T)) + np.arange(T) * 3e-3
+    args = dict(seen=np.zeros(B, dtype=np.int64), lengths=np.array(lengths), n_queries=T, topk=K, window=5,
+                cap=1024, block=G, ext_of_first_chunk_token=K + 4)
+    u_ext = np.concatenate([np.full((B, K + 4), -np.inf), u], 1)
+    pos_ext = np.concatenate([np.full((B, K + 4), -1), np.broadcast_to(np.arange(T), (B, T))], 1)
+    bp = scan_chunk(u_ext, pos_ext, fresh(B), **args).block_pool
+    sp = scan_chunk_numba(u_ext, pos_ext, fresh(B), **args).block_pool
+    assert np.array_equal(sp.numpy(), bp.numpy())  # the compiled scan hands out the same slots
+    for b in range(B):
+        slot_of = {}
+        for t in range(bp.shape[1]):
+            for s, e in enumerate(sp[b, t].tolist()):
+                if e >= 0:
+                    assert slot_of.setdefault(e, s) == s  # never moves
+        assert len(slot_of) > K  # keys did leave and enter: slots were reused

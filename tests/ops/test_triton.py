@@ -17,7 +17,6 @@ triton = pytest.importorskip("triton")
 from longtrain.ops.attention import SparseKCache, sparsek_attention, sparsek_attention_chunk  # noqa: E402
 from longtrain.ops.attention import triton_core  # noqa: E402
 from longtrain.ops.attention.scan import scan_chunk  # noqa: E402
-from longtrain.ops.attention.pool_slots import stable_slots  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -126,29 +125,6 @@ def test_public_op_default_block():
     o = sparsek_attention(*args, topk=9, window=8, backend="triton")
     ref = sparsek_attention(*[x.detach() for x in args], topk=9, window=8, backend="naive")
     assert (o - ref).abs().max() < 1e-5
-
-
-@pytest.mark.parametrize("lengths", [[300, 300], [300, 170]])
-def test_stable_slots_keep_each_key_in_one_slot(lengths):
-    B, T, K, G = 2, 300, 12, 16
-    u = torch.randn(B, T, dtype=torch.float64) + torch.arange(T) * 3e-3
-    cache = SparseKCache.empty(B, K, 5, 1, 16)
-    scan = scan_chunk(
-        torch.cat([torch.full((B, K + 4), -float("inf"), dtype=torch.float64), u], 1).numpy(),
-        torch.cat([torch.full((B, K + 4), -1), torch.arange(T).expand(B, T)], 1).numpy(),
-        cache.row_states(), seen=torch.zeros(B, dtype=torch.int64).numpy(), lengths=torch.tensor(lengths).numpy(),
-        n_queries=T, topk=K, window=5, cap=cache.cap, block=G, ext_of_first_chunk_token=K + 4,
-    )
-    bp = scan.block_pool
-    sp = stable_slots(bp, K + 4 + T)
-    assert torch.equal(sp.sort(-1).values, bp.sort(-1).values)  # the same set in every block
-    for b in range(B):
-        slot_of = {}
-        for t in range(bp.shape[1]):
-            for s, e in enumerate(sp[b, t].tolist()):
-                if e >= 0:
-                    assert slot_of.setdefault(e, s) == s  # never moves
-        assert len(slot_of) > K  # keys did leave and enter: the relabelling was exercised
 
 
 @pytest.mark.parametrize("G", [16, 64])

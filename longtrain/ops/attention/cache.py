@@ -129,11 +129,12 @@ class SparseKCache:
         states = []
         for b in range(len(seen)):
             vals, flags = thr_u[b][: count[b]], sat[b][: count[b]]
-            # The pool sits in ext slots 0..K-1, in the order the cache stores it.
-            heap = [(pool_u[b][s], pool_pos[b][s], s) for s in range(k) if pool_pos[b][s] >= 0]
-            heap.sort()
+            # The pool sits in ext slots 0..K-1, in the order the cache stores it; its keys take pool
+            # slots 0..n-1 (the scan hands out n, n+1, ... while the pool grows).
+            valid = [s for s in range(k) if pool_pos[b][s] >= 0]
+            heap = sorted((pool_u[b][s], pool_pos[b][s], s, slot) for slot, s in enumerate(valid))
             fp = 0
-            for _, p, _ in heap:
+            for _, p, _, _ in heap:
                 fp = (fp + position_hash(p)) & (2**63 - 1)
             states.append(
                 RowState(

@@ -49,7 +49,6 @@ def sparsek_attention_core_naive(
     variant: str = "hard_k_soft_v",
     scale: float | None = None,
     block: int = 64,
-    stable_pool: bool = False,  # block_pool already keeps each key in one slot (the kernels' hint; unused here)
     max_scores: int = 1 << 24,
 ) -> torch.Tensor:
     B, L, H, D = q.shape

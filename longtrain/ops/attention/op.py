@@ -161,8 +161,7 @@ def sparsek_attention_chunk(
     u_ext = torch.cat([cache.pool_u.to(u.dtype), cache.tail_u.to(u.dtype), u], dim=1)
 
     # 2. The selection scan, continuing from the cache's state: on the tensors' device, or CPU heaps.
-    on_device = _pick_scan(scan, u_ext) == "device"
-    if on_device:
+    if _pick_scan(scan, u_ext) == "device":
         from longtrain.ops.attention.scan_device import scan_chunk_device  # needs Triton
 
         sel = scan_chunk_device(
@@ -176,8 +175,7 @@ def sparsek_attention_chunk(
 
     # 3. The attention core.
     core_args = (q, k_ext, v_ext, u_ext, pos_ext, chunk_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool)
-    core_kw = dict(topk=topk, window=window, tail_slots=Wt, variant=variant, scale=scale, block=block,
-                   stable_pool=on_device)  # the device scan's pools are in stable slots already
+    core_kw = dict(topk=topk, window=window, tail_slots=Wt, variant=variant, scale=scale, block=block)
     if _pick_backend(backend, q) == "triton":
         from longtrain.ops.attention.triton_core import sparsek_attention_core_triton
 

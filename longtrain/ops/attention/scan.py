@@ -48,7 +48,7 @@ def default_threshold_cap(topk: int) -> int:
 class RowState:
     """One row's selection state, ready for the next candidate."""
 
-    topk_heap: list  # min-heap of (u, pos, ext_index): the current top-k candidates
+    topk_heap: list  # min-heap of (u, pos, ext_index, slot): the current top-k candidates
     sat: list  # min-heap of saturated scores (u >= tau + 1)
     frac: list  # min-heap of fractional scores (tau < u < tau + 1)
     frac_sum: float
@@ -72,10 +72,10 @@ class RowScanner:
         # Top-k by (value, position): the heap's minimum is theta.
         h = s.topk_heap
         if len(h) < k:
-            heapq.heappush(h, (val, pos, ext))
+            heapq.heappush(h, (val, pos, ext, len(h)))  # a fresh slot while the pool grows
             s.fingerprint = (s.fingerprint + position_hash(pos)) & _MASK63
         elif k > 0 and (val, pos) > (h[0][0], h[0][1]):
-            old = heapq.heapreplace(h, (val, pos, ext))
+            old = heapq.heapreplace(h, (val, pos, ext, h[0][3]))  # the newcomer takes the evicted key's slot
             s.fingerprint = (s.fingerprint - position_hash(old[1]) + position_hash(pos)) & _MASK63
         # Threshold state: scores at or below tau never matter again.
         if val <= s.tau:
@@ -138,7 +138,7 @@ class ScanResult:
     tau: np.ndarray  # [B, L] float64, SparseK threshold over C_i (-inf while |C_i| <= k)
     n_active: np.ndarray  # [B, L] int64, |A_i|
     fingerprint: torch.Tensor  # [B, L] int64, hash of S_i
-    block_pool: torch.Tensor  # [B, n_blocks, K] int64, pool at each block start (ext indices, -1 empty)
+    block_pool: torch.Tensor  # [B, n_blocks, K] int64, pool at each block start (ext indices, -1 empty), stable slots
     final_pool: list  # per row: ext indices of the top-k after the chunk
     states: list  # per row: RowState after the chunk
 
@@ -193,7 +193,7 @@ class DeviceScan:
     tau: torch.Tensor  # [B, L] float64
     n_active: torch.Tensor  # [B, L] int64
     fingerprint: torch.Tensor  # [B, L] int64
-    block_pool: torch.Tensor  # [B, n_blocks, K] int64 ext indices (-1 empty); the device scan keeps stable slots
+    block_pool: torch.Tensor  # [B, n_blocks, K] int64 ext indices (-1 empty) in stable slots: a key never moves while pooled
     final_pool: torch.Tensor  # [B, K] int64 ext indices of the top-k after the chunk, ascending (-1 empty)
     threshold: dict  # thr_u, thr_saturated, thr_count, tau, thr_sum, overflow of the next cache
 
@@ -230,8 +230,8 @@ def scan_chunk(
                 sc.insert(u_row[e], nxt, e)
                 nxt += 1
             if c % block == 0:
-                pool = [e for (_, _, e) in sc.s.topk_heap]
-                block_pool[b, c // block, : len(pool)] = pool
+                for _, _, e, slot in sc.s.topk_heap:  # stable slots: a key never moves while pooled
+                    block_pool[b, c // block, slot] = e
             theta_u[b, c], theta_pos[b, c] = sc.theta()
             tau[b, c] = sc.s.tau if topk > 0 else INF
             n_active[b, c] = len(sc.s.frac) if topk > 0 else 0  # k = 0: nothing is selected
@@ -241,7 +241,7 @@ def scan_chunk(
             e = base + nxt
             sc.insert(u_row[e], nxt, e)
             nxt += 1
-        out.final_pool.append([e for (_, _, e) in sc.s.topk_heap])
+        out.final_pool.append([e for (_, _, e, _) in sc.s.topk_heap])
     return out.result(states)
 
 

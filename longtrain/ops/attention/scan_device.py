@@ -25,11 +25,12 @@ Scores must be float32 or narrower: a key holds the float32 bits (float64 scores
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from longtrain.ops.attention.pool_slots import slots_from_intervals
 from longtrain.ops.attention.scan import DeviceScan
 from longtrain.ops.attention.wavelet import WaveletMatrix, build_wavelet
 
@@ -359,14 +360,14 @@ def _pools(rank, valid, q_rank, has_theta, lengths, K, L, N, nb, block, delta):
     enter = (-(-first_q // block))[None].expand(B, N)
     leave = torch.searchsorted((-r_blk).contiguous(), (-rank).contiguous(), right=True)  # [B, N]
     count = torch.where(valid, (leave - enter).clamp(min=0), 0)  # [B, N] blocks in the pool
-    # Stable slots (pool_slots.py): a key keeps one slot while pooled, so the kernels' backward can
-    # walk the pool slot by slot without relabelling it.
+    # Stable slots, as the CPU scan's heap keeps them: a key keeps one slot while pooled, so the
+    # kernels' backward walks the pool slot by slot.
     pooled = count > 0
     one = pooled.to(torch.int64)
     size = torch.zeros(B, nb + 1, **i64).scatter_add_(1, torch.where(pooled, enter, nb), one)
     size = size - torch.zeros(B, nb + 1, **i64).scatter_add_(1, torch.where(pooled, leave, nb), one)
     size = size.cumsum(1)[:, :nb]  # [B, nb] keys in the pool of each block: +1 at enter, -1 at leave
-    slot = slots_from_intervals(enter, leave - 1, pooled, size)  # [B, N]
+    slot = _slots_from_intervals(enter, leave - 1, pooled, size)  # [B, N]
     # Expand (item, block) pairs with a static size (a dummy item takes the slack: no host sync).
     count = count.reshape(-1)  # [B*N]
     total = B * nb * K
@@ -386,6 +387,42 @@ def _pools(rank, valid, q_rank, has_theta, lengths, K, L, N, nb, block, delta):
     slot = torch.where(member, member.cumsum(1) - 1, K)  # members in ext order; the rest to column K
     final_pool = torch.full((B, K + 1), -1, **i64).scatter_(1, slot, s[None].expand(B, N))[:, :K]
     return block_pool, final_pool
+
+
+def _slots_from_intervals(
+    first: torch.Tensor,  # [B, N] first block a key is pooled in (any value where not pooled)
+    last: torch.Tensor,  # [B, N] last block it is pooled in
+    inpool: torch.Tensor,  # [B, N] bool: pooled in some block
+    count: torch.Tensor,  # [B, nb] pool size per block
+) -> torch.Tensor:
+    """[B, N] int64: the slot each pooled key keeps (garbage where not pooled).
+
+    The slots the CPU heap hands out, from each key's block interval: at each block boundary the
+    r-th key to enter takes the slot of the r-th key to leave, surplus entrants take fresh slots
+    (the pool only grows until full). Slots follow the chains of predecessors by pointer jumping:
+    O(log nb) gathers, no host synchronisation.
+    """
+    B, N = first.shape
+    nb = count.shape[1]
+    dev = first.device
+    ar = torch.arange(N, device=dev).expand(B, N)
+    first = torch.where(inpool, first, nb)
+    # Entrants in order (first block, index); leavers in order (last block, index).
+    f_sorted, f_order = (first * N + ar).sort(1)
+    l_sorted, l_order = (torch.where(inpool, last, nb) * N + ar).sort(1)
+    f_sorted, l_sorted = f_sorted // N, l_sorted // N
+    place = torch.empty_like(ar).scatter_(1, f_order, ar)  # position of each key among entrants
+    rank = place - torch.searchsorted(f_sorted, first)  # rank among the keys entering with it
+    x_lo = torch.searchsorted(l_sorted, first - 1)  # keys leaving as it enters: last == first - 1
+    n_exit = torch.searchsorted(l_sorted, first - 1, right=True) - x_lo
+    has_pred = inpool & (rank < n_exit)
+    pred = l_order.gather(1, (x_lo + rank).clamp(max=N - 1))
+    before = torch.where(first > 0, count.gather(1, (first - 1).clamp(0, nb - 1)), 0)
+    fresh = before + rank - n_exit  # a new slot, for keys with no predecessor
+    root = torch.where(has_pred, pred, ar)
+    for _ in range(max(1, math.ceil(math.log2(nb + 1)))):
+        root = root.gather(1, root)
+    return fresh.gather(1, root)
 
 
 def _next_threshold(score, valid, carried, lengths, tau_end, overflow, K, cap):

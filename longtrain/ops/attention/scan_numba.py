@@ -27,7 +27,7 @@ def _hash(pos):
     return x & _MASK63
 
 
-# ---- top-k min-heap over (value, position), carrying the ext index
+# ---- top-k min-heap over (value, position), carrying the ext index and the key's pool slot
 
 
 @njit(cache=True, inline="always")
@@ -36,14 +36,15 @@ def _before(v1, p1, v2, p2):
 
 
 @njit(cache=True, inline="always")
-def _kv_swap(hv, hp, he, i, j):
+def _kv_swap(hv, hp, he, hs, i, j):
     hv[i], hv[j] = hv[j], hv[i]
     hp[i], hp[j] = hp[j], hp[i]
     he[i], he[j] = he[j], he[i]
+    hs[i], hs[j] = hs[j], hs[i]
 
 
 @njit(cache=True)
-def _kv_sift_down(hv, hp, he, n, i):
+def _kv_sift_down(hv, hp, he, hs, n, i):
     while True:
         c = 2 * i + 1
         if c >= n:
@@ -52,19 +53,19 @@ def _kv_sift_down(hv, hp, he, n, i):
             c += 1
         if not _before(hv[c], hp[c], hv[i], hp[i]):
             return
-        _kv_swap(hv, hp, he, i, c)
+        _kv_swap(hv, hp, he, hs, i, c)
         i = c
 
 
 @njit(cache=True)
-def _kv_push(hv, hp, he, n, v, p, e):
+def _kv_push(hv, hp, he, hs, n, v, p, e):
     i = n
-    hv[i], hp[i], he[i] = v, p, e
+    hv[i], hp[i], he[i], hs[i] = v, p, e, n  # a fresh slot while the pool grows
     while i > 0:
         parent = (i - 1) // 2
         if not _before(hv[i], hp[i], hv[parent], hp[parent]):
             break
-        _kv_swap(hv, hp, he, i, parent)
+        _kv_swap(hv, hp, he, hs, i, parent)
         i = parent
     return n + 1
 
@@ -108,7 +109,7 @@ def _f_pop(h, n):
 @njit(cache=True)
 def _scan_row(
     u_row, base, t0, n, topk, window, cap, block,
-    hv, hp, he, n_heap, sat, n_sat, frac, n_frac, fsum, tau, n_cand, overflow, fp,
+    hv, hp, he, hs, n_heap, sat, n_sat, frac, n_frac, fsum, tau, n_cand, overflow, fp,
     theta_u, theta_pos, tau_out, n_active, fps, block_pool,
 ):
     """One row of scan.scan_chunk; returns the scalar state after the chunk."""
@@ -127,12 +128,12 @@ def _scan_row(
             n_cand += 1
             # top-k by (value, position)
             if n_heap < topk:
-                n_heap = _kv_push(hv, hp, he, n_heap, val, nxt, e)
+                n_heap = _kv_push(hv, hp, he, hs, n_heap, val, nxt, e)
                 fp = (fp + _hash(nxt)) & _MASK63
             elif topk > 0 and _before(hv[0], hp[0], val, nxt):
                 fp = (fp - _hash(hp[0]) + _hash(nxt)) & _MASK63
-                hv[0], hp[0], he[0] = val, nxt, e
-                _kv_sift_down(hv, hp, he, n_heap, 0)
+                hv[0], hp[0], he[0] = val, nxt, e  # hs[0] kept: the newcomer takes the evicted key's slot
+                _kv_sift_down(hv, hp, he, hs, n_heap, 0)
             # threshold state
             if val > tau:
                 if val >= tau + 1:
@@ -174,7 +175,7 @@ def _scan_row(
             break
         if c % block == 0:
             for s in range(n_heap):
-                block_pool[c // block, s] = he[s]
+                block_pool[c // block, hs[s]] = he[s]  # stable slots
         if n_heap < topk or topk == 0:
             theta_u[c], theta_pos[c] = -INF, -1
         else:
@@ -210,20 +211,21 @@ def scan_chunk_numba(
         hv = np.empty(max(topk, 1))
         hp = np.empty(max(topk, 1), dtype=np.int64)
         he = np.empty(max(topk, 1), dtype=np.int64)
-        for i, (v, p, e) in enumerate(st.topk_heap):  # a valid heap stays a valid heap
-            hv[i], hp[i], he[i] = v, p, e
+        hs = np.empty(max(topk, 1), dtype=np.int64)
+        for i, (v, p, e, slot) in enumerate(st.topk_heap):  # a valid heap stays a valid heap
+            hv[i], hp[i], he[i], hs[i] = v, p, e, slot
         sat = np.empty(cap + 1)
         frac = np.empty(cap + 1)
         sat[: len(st.sat)] = st.sat
         frac[: len(st.frac)] = st.frac
         row = _scan_row(
             u_ext[b], ext_of_first_chunk_token - t0, t0, int(lengths[b]), topk, window, cap, block,
-            hv, hp, he, len(st.topk_heap), sat, len(st.sat), frac, len(st.frac),
+            hv, hp, he, hs, len(st.topk_heap), sat, len(st.sat), frac, len(st.frac),
             float(st.frac_sum), float(st.tau), int(st.n_cand), int(st.overflow), np.uint64(st.fingerprint),
             theta_u[b], theta_pos[b], tau[b], n_active[b], fps[b], block_pool[b],
         )
         n_heap, n_sat, n_frac, fsum, t, n_cand, overflow, fp = row
-        heap = list(zip(hv[:n_heap].tolist(), hp[:n_heap].tolist(), he[:n_heap].tolist()))
+        heap = list(zip(hv[:n_heap].tolist(), hp[:n_heap].tolist(), he[:n_heap].tolist(), hs[:n_heap].tolist()))
         new_states.append(RowState(heap, sat[:n_sat].tolist(), frac[:n_frac].tolist(), fsum, t, n_cand, overflow, int(fp)))
         out.final_pool.append(he[:n_heap].tolist())
     return out.result(new_states)

@@ -14,8 +14,8 @@ Two kernels:
 - dq: query-major like the forward (pool tiles then band tiles); also gives dtau per query and
   stores Delta for the key-major kernels. Its pool tiles follow the stable slots below (any order of
   a tile's pool keys gives the same sums) and their per-slot cut.
-- dkv pool: key-major over pool *slots*. `stable_slots` relabels each block's pool so that a key keeps
-  one slot from entering the pool to leaving it (it never returns: irreversibility); a program owns
+- dkv pool: key-major over pool *slots*. Both selection scans keep each key in one slot from entering
+  the pool to leaving it (it never returns: irreversibility); a program owns
   BN slots and walks the query blocks in order, so a key's sums stay in registers and are written
   when it leaves its slot. Deterministic mode walks all blocks in one program (each key written
   once, no atomics); the fast mode cuts the walk into segments for parallelism and adds each

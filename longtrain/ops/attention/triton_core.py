@@ -18,7 +18,6 @@ import torch
 import triton
 
 from longtrain.ops.attention.naive import sparsek_attention_core_naive
-from longtrain.ops.attention.pool_slots import stable_slots
 from longtrain.ops.attention.triton_bwd import _dkv_band_kernel, _dkv_pool_kernel, _dq_kernel
 from longtrain.ops.attention.triton_fwd import LOG2E, VARIANT_CODE, _cut_kernel, _fwd_kernel
 
@@ -87,7 +86,7 @@ def _cut(sp, u, pos, qpos, thu, thp, L, G, topk):
 class _SparseKTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool, meta):
-        topk, window, tail_slots, variant, scale, block, stable_pool = meta
+        topk, window, tail_slots, variant, scale, block = meta
         B, L, H, D = q.shape
         N, Hkv = k_ext.shape[1], k_ext.shape[2]
         G = max(block, QUERY_TILE)  # the kernels' query tile: its pool is the snapshot of its first block
@@ -121,13 +120,13 @@ class _SparseKTriton(torch.autograd.Function):
             **fwd, **common,
         )
         ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, bp, cut, o, lse)
-        ctx.meta = (topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_ext.dtype, tau.dtype, stable_pool)
+        ctx.meta = (topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_ext.dtype, tau.dtype)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, bp, cut, o, lse = ctx.saved_tensors
-        topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_dtype, tau_dtype, stable_pool = ctx.meta
+        topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_dtype, tau_dtype = ctx.meta
         B, L, H, D = q.shape
         N, Hkv = k_ext.shape[1], k_ext.shape[2]
         G = common["G"]
@@ -136,12 +135,7 @@ class _SparseKTriton(torch.autograd.Function):
         dev = q.device
         do = do.contiguous()
         det = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
-        if topk > 0:  # the pool walk's layout: each key keeps one slot while in the pool; its cut
-            if stable_pool:  # the device scan keeps each key in one slot already: the forward's cut holds
-                sp, cut_sp = bp, cut
-            else:
-                sp = stable_slots(bp, N)  # [B, nt, K]
-                cut_sp = _cut(sp, u, pos, qpos, thu, thp, L, G, topk)
+        if topk > 0:
             dkp = torch.zeros((B, N, Hkv, D), dtype=torch.float32, device=dev)
             dvp = torch.zeros_like(dkp)
             dup = torch.zeros((B, Hkv, N), dtype=torch.float32, device=dev)
@@ -164,11 +158,11 @@ class _SparseKTriton(torch.autograd.Function):
         dv = _empty(v_ext.shape, v_ext.dtype, dev)
         dub = _empty((B, Hkv, N), torch.float32, dev)
         bn = dkv_cfg["BN"]
-        if topk > 0:
+        if topk > 0:  # the pool walk follows the scans' stable slots (a key never moves while pooled)
             seg = nt if det else POOL_SEGMENT
             _dkv_pool_kernel[(triton.cdiv(topk, bn), triton.cdiv(nt, seg), B * Hkv)](
-                q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, sp, cut_sp, do, lse, delta, dkp, dvp, dup,
-                *strides, sp.stride(0), sp.stride(1),
+                q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, bp, cut, do, lse, delta, dkp, dvp, dup,
+                *strides, bp.stride(0), bp.stride(1),
                 L, N, H, H // Hkv, nt, topk, window, scale, seg,
                 G=G, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nt, num_stages=1, **dkv_cfg,
             )
@@ -195,7 +189,7 @@ def sparsek_attention_core_triton(
     theta_u: torch.Tensor,  # [B, L] float64
     theta_pos: torch.Tensor,  # [B, L] int64
     tau: torch.Tensor,  # [B, L] (differentiable)
-    block_pool: torch.Tensor,  # [B, nb, K] int64 ext indices
+    block_pool: torch.Tensor,  # [B, nb, K] int64 ext indices in stable slots (as both scans give them)
     *,
     topk: int,
     window: int,
@@ -203,8 +197,6 @@ def sparsek_attention_core_triton(
     variant: str = "hard_k_soft_v",
     scale: float | None = None,
     block: int = 64,
-    stable_pool: bool = False,  # block_pool already keeps each key in one slot (the device scan's): skip relabelling
-    # (a speed hint only: the pool walk is correct in any slot order, it just flushes more when keys move)
 ) -> torch.Tensor:
     """Same contract as naive.sparsek_attention_core_naive; o [B, L, H, D] in q's dtype.
 
@@ -216,8 +208,7 @@ def sparsek_attention_core_triton(
         return sparsek_attention_core_naive(
             q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool,
             topk=topk, window=window, tail_slots=tail_slots, variant=variant, scale=scale, block=block,
-            stable_pool=stable_pool,
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    meta = (topk, window, tail_slots, variant, float(scale), block, stable_pool)
+    meta = (topk, window, tail_slots, variant, float(scale), block)
     return _SparseKTriton.apply(q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool, meta)
