@@ -55,12 +55,30 @@ def timed(fn, repeats=5):
     return statistics.median(times) * 1e3, out
 
 
+def profile(dev: str) -> None:
+    """Top CUDA kernels of one eager scan (no graph, so the profiler sees each kernel's device time)."""
+    scan_device.CUDA_GRAPHS = False
+    for B, T in ((1, 4096), (1, 16384)):
+        u_ext, pos, cache, lengths = inputs(B, T, dev)
+        call = lambda: scan_chunk_device(  # noqa: E731
+            u_ext, pos, thr_u=cache.thr_u, thr_count=cache.thr_count, overflow=cache.overflow, seen=cache.seen,
+            lengths=lengths, n_queries=T, topk=K, window=W, block=BLOCK)
+        call()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+            call()
+            torch.cuda.synchronize()
+        print(f"profile {B} x {T} (eager)")
+        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", type=Path, default=Path(__file__).with_suffix(".json"))
-    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one 16k call")
+    ap.add_argument("--profile", action="store_true", help="only print the top CUDA kernels of one eager call at 4k and 16k")
     a = ap.parse_args()
     dev = "cuda"
+    if a.profile:
+        return profile(dev)
     rows = []
     for B, T in ((1, 4096), (4, 4096), (1, 16384), (8, 16384), (1, 65536), (1, 262144)):
         u_ext, pos, cache, lengths = inputs(B, T, dev)
@@ -97,17 +115,6 @@ def main() -> None:
     Console().print(table)
     a.json.write_text(json.dumps({"k": K, "w": W, "block": BLOCK, "device": torch.cuda.get_device_name(),
                                   "results": rows}, indent=2))
-    if a.profile:
-        u_ext, pos, cache, lengths = inputs(1, 16384, dev)
-        call = lambda: scan_chunk_device(  # noqa: E731
-            u_ext, pos, thr_u=cache.thr_u, thr_count=cache.thr_count, overflow=cache.overflow, seen=cache.seen,
-            lengths=lengths, n_queries=16384, topk=K, window=W, block=BLOCK)
-        call()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as p:
-            call()
-            torch.cuda.synchronize()
-        print(p.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-
 
 if __name__ == "__main__":
     main()
