@@ -266,6 +266,35 @@ def profile(T=16384, D=64):
     print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
 
 
+def ncu_step(T=16384, D=64):
+    """One SparseK fwd+bwd and one FlexAttention SW-1024 fwd+bwd inside a CUDA profiler range, after a
+    warm-up of each: run under `ncu --profile-from-start off` to read the kernels' hardware counters."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B = max(1, TOKENS // T)
+    q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    args, kw, _ = core_args(q, k, v, torch.randn(B, T, device="cuda"), topk=K, window=W, variant="hard_k_soft_v")
+    a = leaves(args)
+    do = torch.randn_like(q)
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))  # [B, H, T, D]
+    flex = torch.compile(flex_attention, dynamic=False)
+    bm = create_block_mask(lambda b, h, qi, ki: (ki <= qi) & (qi - ki < 2 * W), None, None, T, T, device="cuda",
+                           _compile=True)
+
+    def step():
+        o = triton_core.sparsek_attention_core_triton(*a, **kw)
+        torch.autograd.grad(o, [a[0], a[1], a[2], a[3], a[8]], do)
+        o = flex(qt, kt, vt, block_mask=bm)
+        torch.autograd.grad(o, [qt, kt, vt], do.transpose(1, 2))
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def sweep():
     """Time launch settings of the kernels one at a time from triton_core's defaults (fwd+bwd at 16k and 64k);
     keep a change only where it is faster at both."""
@@ -319,6 +348,7 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="pick the kernels' launch settings first (D = 64)")
     ap.add_argument("--profile", type=int, default=0, help="profile SparseK fwd+bwd at this T and exit")
+    ap.add_argument("--ncu", type=int, default=0, help="one SparseK and one Flex step at this T in a profiler range (for ncu)")
     ns = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
@@ -329,6 +359,9 @@ def main():
     print(f"# {res['device']}  torch {res['torch']}  triton {res['triton']}", flush=True)
     if ns.profile:
         profile(ns.profile)
+        return
+    if ns.ncu:
+        ncu_step(ns.ncu)
         return
     if not ns.no_check:
         res["checks"] = []
