@@ -104,6 +104,20 @@ def test_chunks_with_cache_prefix_equal_naive(k, w, chunks):
     assert_close(run_chunks("triton", args, chunks, **kw), run_chunks("naive", args, chunks, **kw))
 
 
+@pytest.mark.parametrize("variant", ["hard_k_soft_v", "soft_kv"])
+def test_fast_band_tiles_across_chunks(variant, monkeypatch):
+    """A window of several key tiles: band tiles inside every window (no masks) and past them (the
+    causal mask alone), with the window's tail from the previous chunk; then ragged rows, whose padded
+    queries take the general masks."""
+    monkeypatch.setattr(triton_core, "QUERY_TILE", 16)
+    monkeypatch.setattr(triton_core, "POISON", True)
+    args = inputs(2, 140, 2, 1, 16, -0.02)
+    kw = dict(topk=8, window=48, variant=variant, block=16)
+    assert_close(run_chunks("triton", args, [75, 65], **kw), run_chunks("naive", args, [75, 65], **kw))
+    kw["lengths"] = torch.tensor([140, 101], device=DEV)
+    assert_close(run_chunks("triton", args, [140], **kw), run_chunks("naive", args, [140], **kw))
+
+
 def test_ragged_rows_and_poisoned_buffers(monkeypatch):
     monkeypatch.setattr(triton_core, "POISON", True)  # a value never written would stay NaN
     args = inputs(2, 30, 2, 2, 16)
@@ -129,7 +143,8 @@ def test_public_op_default_block():
 
 @pytest.mark.parametrize("G", [16, 64])
 def test_cut_counts_a_prefix_of_each_tile(G):
-    """_cut_kernel: per query tile and pool slot, the queries selecting the key are the tile's first cut."""
+    """_cut_kernel: per query tile and pool slot, the queries selecting the key are the tile's first cut;
+    it also hands the kernels the snapshot's indices and scores compacted."""
     B, T, K, w = 2, 300, 12, 5
     u = (torch.randn(B, T) + torch.arange(T) * 3e-3).double()  # float32 values, as the op's scores
     u[:, 100:110] = u[:, 90:100]  # ties in u: the position breaks them
@@ -146,7 +161,12 @@ def test_cut_counts_a_prefix_of_each_tile(G):
     bp = scan.block_pool[:, :: G // 16].contiguous()
     nt = bp.shape[1]
     args = [x.to(DEV) for x in (bp, u_ext.float(), pos_ext, q_pos, scan.theta_u, scan.theta_pos)]
-    cut = triton_core._cut(*args, T, G, K).cpu().long()  # [B, nt, K]
+    cut, pi, pu = (x.cpu() for x in triton_core._cut(*args, T, G, K))  # [B, nt, K] each
+    cut = cut.long()
+    # The compacted snapshot: int32 ext indices, float32 scores (+inf on empty slots).
+    assert pi.dtype == torch.int32 and torch.equal(pi.long(), bp)
+    assert torch.equal(pu, torch.where(bp >= 0, u_ext.float().gather(1, bp.clamp(min=0).flatten(1)).view_as(pu),
+                                       float("inf")))
     # Reference selection [B, nt, G, K], as naive.py tests it, for the tile's queries.
     qi = torch.arange(nt * G).clamp(max=T - 1).reshape(nt, G)
     ok = (torch.arange(nt * G) < T).reshape(nt, G)

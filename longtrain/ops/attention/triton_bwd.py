@@ -32,28 +32,30 @@ import triton
 import triton.language as tl
 
 from longtrain.ops.attention.triton_fwd import (
-    band_mode, interior_tiles, load_keys, load_queries, masked_logits, pool_logits,
+    band_mode, causal_logits, interior_tiles, load_keys, load_pool_keys, load_queries, masked_logits, pool_logits,
 )
 
 
 @triton.jit
 def _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau, rows, cut, WINDOW, scale,
                VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, IS_POOL: tl.constexpr,
-               KEY_MAJOR: tl.constexpr):
+               KEY_MAJOR: tl.constexpr, CAUSAL: tl.constexpr = False):
     """One tile: P g (for dV), dz times the key scale (for dQ/dK) and dm (for du, dtau), [G, BN]
     query-major or [BN, G] key-major (KEY_MAJOR: the dK/dV accumulators' rows are keys, so P and dz
     feed the next dots without a transpose). The per-query (lse2, delta, qp, thu, thp, tau, rows) and
     per-key (u, kp, kvalid, cut) operands come expanded to broadcast against the tile. Pool tiles
-    (IS_POOL) select by the per-key cut, band tiles by masked_logits' mode."""
+    (IS_POOL) select by the per-key cut, band tiles by masked_logits' mode or, CAUSAL, causal_logits."""
     if KEY_MAJOR:
-        x = tl.dot(k, tl.trans(q), input_precision=PREC) * scale  # [BN, G] natural-log logits before the gate
+        s = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BN, G] unscaled logits
     else:
-        x = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [G, BN]
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [G, BN]
     if IS_POOL:
-        z2, g, dmask = pool_logits(x * 1.4426950408889634, rows, cut, u, tau, VARIANT)
+        z, g, dmask = pool_logits(s, rows, cut, u, tau, VARIANT, KEY_MAJOR)
+    elif CAUSAL:
+        z, g, dmask = causal_logits(s, qp, kp)
     else:
-        z2, g, dmask = masked_logits(mode, x * 1.4426950408889634, qp, thu, thp, tau, kp, u, kvalid, WINDOW,
-                                     VARIANT, HAS_TOPK)
+        z, g, dmask = masked_logits(mode, s, qp, thu, thp, tau, kp, u, kvalid, WINDOW, VARIANT, HAS_TOPK)
+    z2 = z * (scale * 1.4426950408889634)  # log2 units, as the forward's log-sum-exp (fused into exp2's FMA)
     p = tl.exp2(z2 - lse2)
     if KEY_MAJOR:
         dpg = tl.dot(v, tl.trans(do), input_precision=PREC)
@@ -67,28 +69,34 @@ def _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau,
         pg = p * g
     dg = p * dpg
     if VARIANT == 1:
-        dg += dz * x
+        dg += dz * (s * scale)
         dz = dz * g
     dm = tl.where(dmask, dg, 0.0)
     return pg, dz, dm
 
 
 @triton.jit
-def _dq_tile(mode, dq, dtau, idx, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, rows, cut,
-             WINDOW, scale, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
-             IS_POOL: tl.constexpr):
-    k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
+def _dq_tile(mode, dq, dtau, k, v, u, kp, valid, q, do, lse2, delta, qp, thu, thp, tau, rows, cut, WINDOW, scale,
+             VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, IS_POOL: tl.constexpr):
     pg, dz, dm = _grad_tile(mode, q, do, lse2, delta, k, v, u[None, :], kp[None, :], valid[None, :], qp, thu, thp, tau,
-                            rows, cut[None, :], WINDOW, scale, VARIANT, HAS_TOPK, PREC, IS_POOL, False)
+                            rows, cut[None, :], WINDOW, scale, VARIANT, HAS_TOPK, PREC, IS_POOL, False, mode == 2)
     dq += tl.dot(dz.to(k.dtype), k, input_precision=PREC)
     dtau -= tl.sum(dm, 1)
     return dq, dtau
 
 
 @triton.jit
+def _dq_band_tile(mode, dq, dtau, idx, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, rows,
+                  WINDOW, scale, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
+    k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
+    return _dq_tile(mode, dq, dtau, k, v, u, kp, valid, q, do, lse2, delta, qp, thu, thp, tau, rows, kp, WINDOW, scale,
+                    VARIANT, HAS_TOPK, PREC, False)
+
+
+@triton.jit
 def _dq_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, SP, CUT, DO, O, LSE, DELTA, DQ, DTAU,
-    sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh, sspb, sspn,
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, DO, O, LSE, DELTA, DQ, DTAU,
+    sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh,
     L, N, H, R, NBQ, TOPK, WINDOW, TAIL, scale,
     G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
@@ -122,31 +130,30 @@ def _dq_kernel(
     dq = tl.zeros([G, D], tl.float32)
     dtau = tl.zeros([G], tl.float32)
     if HAS_TOPK:  # pool snapshot: gathered rows, selected by the per-slot cut
+        po = (b * NBQ + blk) * TOPK
         for t in range(0, TOPK, BN):
-            jj = t + tl.arange(0, BN)
-            idx = tl.load(SP + b * sspb + blk * sspn + jj, mask=jj < TOPK, other=-1).to(tl.int32)
-            cut = tl.load(CUT + (b * NBQ + blk) * TOPK + jj, mask=jj < TOPK, other=0)
-            dq, dtau = _dq_tile(3, dq, dtau, idx, idx >= 0, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
-                                qp2, thu2, thp2, tau2, rows2, cut, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC, True)
+            k, v, u, cut = load_pool_keys(PI, PU, CUT, po, t + tl.arange(0, BN), TOPK, Kb, Vb, skn, svn, D)
+            dq, dtau = _dq_tile(3, dq, dtau, k, v, u, cut, cut >= 0, q, do, lse22, delta2, qp2, thu2, thp2, tau2, rows2,
+                                cut, WINDOW, scale, VARIANT, HAS_TOPK, PREC, True)
     # band: contiguous ext indices; its interior tiles need no masks
     start = TOPK + TAIL - WINDOW + 1 + blk * G
     band = WINDOW + G - 1
     nt = tl.cdiv(band, BN)
-    f0, f1 = interior_tiles(qp_min, nt, WINDOW, G, BN)
+    f0, f1, f2 = interior_tiles(qp_min, nt, WINDOW, G, BN)
     for t in range(0, f0):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
-        dq, dtau = _dq_tile(0, dq, dtau, start + jj, valid, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
-                            qp2, thu2, thp2, tau2, rows2, jj, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC, False)
+        dq, dtau = _dq_band_tile(0, dq, dtau, start + jj, valid, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
+                                 qp2, thu2, thp2, tau2, rows2, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
     for t in range(f0, f1):
         jj = t * BN + tl.arange(0, BN)
-        dq, dtau = _dq_tile(1, dq, dtau, start + jj, jj >= 0, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
-                            qp2, thu2, thp2, tau2, rows2, jj, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC, False)
-    for t in range(f1, nt):
+        dq, dtau = _dq_band_tile(1, dq, dtau, start + jj, jj >= 0, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
+                                 qp2, thu2, thp2, tau2, rows2, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
+    for t in range(f1, f2):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
-        dq, dtau = _dq_tile(0, dq, dtau, start + jj, valid, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
-                            qp2, thu2, thp2, tau2, rows2, jj, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC, False)
+        dq, dtau = _dq_band_tile(2, dq, dtau, start + jj, valid, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
+                                 qp2, thu2, thp2, tau2, rows2, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
     tl.store(DQ + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=qm[:, None])
     tl.store(DTAU + bh * L + i, dtau, mask=qm)
@@ -162,7 +169,6 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
     queries at a time, as [BN, MQ] tiles (KEY_MAJOR) or [MQ, BN] tiles with transposed dots."""
     d = tl.arange(0, D)
     u2, kp2, kvalid2, cut2 = u[:, None], kp[:, None], kvalid[:, None], cut[:, None]
-    kmin = tl.min(tl.where(kvalid, kp, 2147483647), 0)
     for c in range(0, G, MQ):
         rows = c + tl.arange(0, MQ)
         i = blk * G + rows
@@ -178,6 +184,7 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
         else:
             qp, thu, thp, tau = load_queries(QPOS, THU, THP, TAU, row, qm, UTY)
             mode = band_mode(kp, kvalid, tl.min(qp, 0), WINDOW, MQ, BN)
+            kmin = tl.min(tl.where(kvalid, kp, 2147483647), 0)
             live = (kmin <= tl.max(qp, 0)) & (tl.max(kvalid.to(tl.int32), 0) > 0)  # else causally masked
         if live:
             for r in range(0, R):
@@ -207,8 +214,8 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
 
 @triton.jit
 def _dkv_pool_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, SP, CUT, DO, LSE, DELTA, DKP, DVP, DUP,
-    sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh, sspb, sspn,
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, DO, LSE, DELTA, DKP, DVP, DUP,
+    sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh,
     L, N, H, R, NB, TOPK, WINDOW, scale, SEG,
     G: tl.constexpr, MQ: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     VARIANT: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr, KEY_MAJOR: tl.constexpr,
@@ -225,8 +232,6 @@ def _dkv_pool_kernel(
     d = tl.arange(0, D)
     Kb = Kx + b * skb + kvh * skh
     Vb = Vx + b * svb + kvh * svh
-    Ub = U + b * N
-    Pb = POS + b * N
     okv = (b * N * Hkv + kvh) * D
     ou = (b * Hkv + kvh) * N
     dk = tl.zeros([BN, D], tl.float32)
@@ -236,14 +241,18 @@ def _dkv_pool_kernel(
     sm = s < TOPK
     b0 = seg * SEG
     b1 = tl.minimum(b0 + SEG, NB)
-    idx = tl.load(SP + b * sspb + b0 * sspn + s, mask=sm, other=-1).to(tl.int32)
+    idx = tl.load(PI + (b * NB + b0) * TOPK + s, mask=sm, other=-1)
     for blk in range(b0, b1):
-        nxt = tl.load(SP + b * sspb + (blk + 1) * sspn + s, mask=sm & (s * 0 + blk + 1 < b1), other=-1).to(tl.int32)
+        po = (b * NB + blk) * TOPK  # this tile's row of the cut kernel's outputs
+        nxt = tl.load(PI + po + TOPK + s, mask=sm & (s * 0 + blk + 1 < b1), other=-1)
         valid = idx >= 0
         if tl.max(valid.to(tl.int32), 0) > 0:
-            cut = tl.load(CUT + (b * NB + blk) * TOPK + s, mask=sm, other=0)
-            k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-            dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, valid, cut,
+            safe = tl.where(valid, idx, 0)
+            k = tl.load(Kb + safe[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(Vb + safe[:, None] * svn + d[None, :], mask=valid[:, None], other=0.0)
+            u = tl.load(PU + po + s, mask=sm, other=float("inf"))
+            cut = tl.load(CUT + po + s, mask=sm, other=0)
+            dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, cut, valid, cut,
                                     Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
                                     L, H, R, WINDOW, scale, U.dtype.element_ty, G, MQ, BN, D, VARIANT, True, True, PREC,
                                     KEY_MAJOR)
@@ -252,9 +261,9 @@ def _dkv_pool_kernel(
                 safe = tl.where(done, idx, 0)
                 ptr = okv + safe[:, None] * (Hkv * D) + d[None, :]
                 if ATOMIC:
-                    tl.atomic_add(DKP + ptr, dk * scale, mask=done[:, None])
-                    tl.atomic_add(DVP + ptr, dv, mask=done[:, None])
-                    tl.atomic_add(DUP + ou + safe, du, mask=done)
+                    tl.atomic_add(DKP + ptr, dk * scale, mask=done[:, None], sem="relaxed")
+                    tl.atomic_add(DVP + ptr, dv, mask=done[:, None], sem="relaxed")
+                    tl.atomic_add(DUP + ou + safe, du, mask=done, sem="relaxed")
                 else:
                     tl.store(DKP + ptr, dk * scale, mask=done[:, None])
                     tl.store(DVP + ptr, dv, mask=done[:, None])

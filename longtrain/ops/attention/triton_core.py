@@ -72,15 +72,18 @@ def _empty(shape, dtype, device):
 
 
 def _cut(sp, u, pos, qpos, thu, thp, L, G, topk):
-    """[B, nt, K] int32: per query tile and pool slot, how many of the tile's queries select the key."""
+    """Per query tile and pool slot [B, nt, K]: how many of the tile's queries select the key (int32),
+    and the snapshot compacted for the kernels: ext index (int32, -1 empty), score (float32, +inf empty)."""
     B, nt = sp.shape[0], sp.shape[1]
     cut = _empty((B, nt, topk), torch.int32, u.device)
+    pi = _empty((B, nt, topk), torch.int32, u.device)
+    pu = _empty((B, nt, topk), torch.float32, u.device)
     bk = 16 if _interpreting() else 128
     _cut_kernel[(nt, B, triton.cdiv(topk, bk))](
-        sp, u, pos, qpos, thu, thp, cut, sp.stride(0), sp.stride(1), L, u.shape[1], nt, topk,
+        sp, u, pos, qpos, thu, thp, cut, pi, pu, sp.stride(0), sp.stride(1), L, u.shape[1], nt, topk,
         G=G, BK=bk, QC=min(G, 16 if _interpreting() else 32), num_warps=4,
     )
-    return cut
+    return cut, pi, pu
 
 
 class _SparseKTriton(torch.autograd.Function):
@@ -105,27 +108,27 @@ class _SparseKTriton(torch.autograd.Function):
             bp = block_pool.to(dev)[:, : nt * (G // block) : G // block]  # [B, nt, K] (a strided view)
             if bp.stride(-1) != 1:
                 bp = bp.contiguous()
-            cut = _cut(bp, u, pos, qpos, thu, thp, L, G, topk)
+            cut, pi, pu = _cut(bp, u, pos, qpos, thu, thp, L, G, topk)
         else:
-            bp = cut = torch.full((B, nt, 1), -1, dtype=torch.int32, device=dev)
+            cut = pi = torch.full((B, nt, 1), -1, dtype=torch.int32, device=dev)
+            pu = torch.full((B, nt, 1), float("inf"), device=dev)
         o = _empty((B, L, H, D), q.dtype, dev)
         lse = _empty((B, H, L), torch.float32, dev)  # base-2 log-sum-exp
         common = dict(G=G, D=D, VARIANT=VARIANT_CODE[variant], HAS_TOPK=topk > 0, PREC=prec)
         _fwd_kernel[(nt, B * H)](
-            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, bp, cut, o, lse,
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, cut, pi, pu, o, lse,
             q.stride(0), q.stride(1), q.stride(2), k_ext.stride(0), k_ext.stride(1), k_ext.stride(2),
             v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), o.stride(0), o.stride(1), o.stride(2),
-            bp.stride(0), bp.stride(1),
             L, N, H, H // Hkv, nt, topk, window, tail_slots, scale * LOG2E,
             **fwd, **common,
         )
-        ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, bp, cut, o, lse)
+        ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, cut, pi, pu, o, lse)
         ctx.meta = (topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_ext.dtype, tau.dtype)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, bp, cut, o, lse = ctx.saved_tensors
+        q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, o, lse = ctx.saved_tensors
         topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_dtype, tau_dtype = ctx.meta
         B, L, H, D = q.shape
         N, Hkv = k_ext.shape[1], k_ext.shape[2]
@@ -147,8 +150,8 @@ class _SparseKTriton(torch.autograd.Function):
             v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), do.stride(0), do.stride(1), do.stride(2),
         )
         _dq_kernel[(nt, B * H)](  # the forward's pool layout and cut
-            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, bp, cut, do, o, lse, delta, dq, dtau,
-            *strides, bp.stride(0), bp.stride(1),
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, do, o, lse, delta, dq, dtau,
+            *strides,
             L, N, H, H // Hkv, nt, topk, window, tail_slots, scale,
             **dq_cfg, **common,
         )
@@ -161,8 +164,8 @@ class _SparseKTriton(torch.autograd.Function):
         if topk > 0:  # the pool walk follows the scans' stable slots (a key never moves while pooled)
             seg = nt if det else POOL_SEGMENT
             _dkv_pool_kernel[(triton.cdiv(topk, bn), triton.cdiv(nt, seg), B * Hkv)](
-                q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, bp, cut, do, lse, delta, dkp, dvp, dup,
-                *strides, bp.stride(0), bp.stride(1),
+                q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, do, lse, delta, dkp, dvp, dup,
+                *strides,
                 L, N, H, H // Hkv, nt, topk, window, scale, seg,
                 G=G, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nt, num_stages=1, **dkv_cfg,
             )

@@ -27,17 +27,21 @@ VARIANT_CODE = {"hard_k_soft_v": HARD_K_SOFT_V, "soft_kv": SOFT_KV, "straight_th
 
 @triton.jit
 def interior_tiles(qp_min, n_tiles, WINDOW, G: tl.constexpr, BN: tl.constexpr):
-    """Band tiles [f0, f1) lie inside every query's window (no masks needed); others are general.
+    """Band tiles [f0, f1) lie inside every query's window (no masks needed), tiles [f1, f2) need only
+    the causal mask; the others (the first, or all when a query is padding) take the general rules.
 
     With every query of the block valid (positions i0..i0+G-1), band key j has position
     i0 - w + 1 + j, so tile t is inside every window when t BN >= G - 1, its first position is >= 0
-    and its last is <= i0, i.e. t < w // BN.
+    and its last is <= i0, i.e. t < w // BN. Tiles from t BN >= G - 1 on hold no key below the last
+    query's window (no candidates either), so past f1 only j's position <= the query's matters.
     """
     p0 = qp_min - WINDOW + 1  # position of band key 0
     lo = tl.maximum((G - 1 + BN - 1) // BN, (tl.maximum(-p0, 0) + BN - 1) // BN)
     hi = WINDOW // BN
     ok = (qp_min >= 0) & (lo < hi)
-    return tl.where(ok, lo, n_tiles), tl.where(ok, tl.minimum(hi, n_tiles), n_tiles)
+    f0 = tl.where(ok, lo, n_tiles)
+    f1 = tl.where(ok, tl.minimum(hi, n_tiles), n_tiles)
+    return f0, f1, n_tiles
 
 
 @triton.jit
@@ -79,15 +83,30 @@ def masked_logits(mode, s, qp, thu, thp, tau, kp, u, kvalid, WINDOW, VARIANT: tl
 
 
 @triton.jit
-def pool_logits(s, rows, cut, u, tau, VARIANT: tl.constexpr):
+def causal_logits(s, qp, kp):
+    """masked_logits for band tiles past interior_tiles' f1: no key below any query's window, so only
+    the causal mask (invalid keys have position -1); gate 1, no gate gradient."""
+    z = tl.where((kp >= 0) & (kp <= qp), s, float("-inf"))
+    return z, tl.full(s.shape, 1.0, tl.float32), tl.full(s.shape, 0, tl.int1)
+
+
+@triton.jit
+def pool_logits(s, rows, cut, u, tau, VARIANT: tl.constexpr, SEL_DMASK: tl.constexpr = False):
     """masked_logits for pool tiles (keys that are candidates of every query of the tile): key j is
-    selected by the tile's first cut_j queries (rows < cut). Operands expanded as in masked_logits."""
+    selected by the tile's first cut_j queries (rows < cut). Operands expanded as in masked_logits.
+
+    On a selected pair u_j >= theta_i > tau_i (tau in float32 rounds at most onto theta), so the gate
+    clamp(u - tau, 0, 1) is min(u - tau, 1) and its gradient mask is u - tau <= 1. Elsewhere p = 0,
+    so neither needs the selection (empty slots carry u = +inf: g = 1, NaN-free). SEL_DMASK ands the
+    selection into the mask anyway: same results, and the key-major dk/dv kernel spills less with it."""
     sel = rows < cut
-    diff = u.to(tl.float32) - tau
-    g = tl.where(sel, tl.minimum(tl.maximum(diff, 0.0), 1.0), 1.0)
+    diff = u - tau
+    g = tl.minimum(diff, 1.0)
     z = s * g if VARIANT == 1 else s
     z = tl.where(sel, z, float("-inf"))
-    dmask = sel & (diff >= 0.0) & (diff <= 1.0)
+    dmask = diff <= 1.0
+    if SEL_DMASK:
+        dmask = dmask & sel
     return z, g, dmask
 
 
@@ -101,10 +120,12 @@ def load_theta(THU, THP, row, qm, UTY: tl.constexpr):
 
 
 @triton.jit
-def _cut_kernel(SP, U, POS, QPOS, THU, THP, CUT, sspb, sspn, L, N, NBQ, TOPK,
+def _cut_kernel(SP, U, POS, QPOS, THU, THP, CUT, PI, PU, sspb, sspn, L, N, NBQ, TOPK,
                 G: tl.constexpr, BK: tl.constexpr, QC: tl.constexpr):
     """CUT[b, t, s] = how many queries of query tile t select pool slot s of snapshot SP[b, t]
-    (sel = valid key, valid query, (u, pos) >= theta; pool keys are candidates of every query of the tile)."""
+    (sel = valid key, valid query, (u, pos) >= theta; pool keys are candidates of every query of the tile).
+    Also the snapshot compacted for the kernels' pool tiles: PI = ext index (int32, -1 empty) and
+    PU = its score (float32, +inf empty), so they read contiguous rows instead of gathering u."""
     t = tl.program_id(0)
     b = tl.program_id(1)
     s = tl.program_id(2) * BK + tl.arange(0, BK)
@@ -124,7 +145,10 @@ def _cut_kernel(SP, U, POS, QPOS, THU, THP, CUT, sspb, sspn, L, N, NBQ, TOPK,
         above = (u[None, :] > thu[:, None]) | ((u[None, :] == thu[:, None]) & (kp[None, :] >= thp[:, None]))
         sel = above & valid[None, :] & (qp[:, None] >= 0)
         cnt += tl.sum(sel.to(tl.int32), 0)
-    tl.store(CUT + (b * NBQ + t) * TOPK + s, cnt, mask=sm)
+    o = (b * NBQ + t) * TOPK + s
+    tl.store(CUT + o, cnt, mask=sm)
+    tl.store(PI + o, idx, mask=sm)
+    tl.store(PU + o, tl.where(valid, u.to(tl.float32), float("inf")), mask=sm)
 
 
 @triton.jit
@@ -140,6 +164,22 @@ def load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D: tl.constexpr):
 
 
 @triton.jit
+def load_pool_keys(PI, PU, CUT, o, jj, TOPK, Kb, Vb, skn, svn, D: tl.constexpr):
+    """Pool slots jj of one tile's snapshot (row o of the cut kernel's outputs): gathered k, v [BN, D],
+    contiguous scores u (float32) and cuts [BN]."""
+    m = jj < TOPK
+    idx = tl.load(PI + o + jj, mask=m, other=-1)
+    valid = idx >= 0
+    safe = tl.where(valid, idx, 0)
+    d = tl.arange(0, D)
+    k = tl.load(Kb + safe[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
+    v = tl.load(Vb + safe[:, None] * svn + d[None, :], mask=valid[:, None], other=0.0)
+    u = tl.load(PU + o + jj, mask=m, other=float("inf"))
+    cut = tl.load(CUT + o + jj, mask=m, other=0)
+    return k, v, u, cut
+
+
+@triton.jit
 def load_queries(QPOS, THU, THP, TAU, row, qm, UTY: tl.constexpr):
     """Per-query positions (int32, -1: padding), theta and tau (float32) of one query tile."""
     qp = tl.load(QPOS + row, mask=qm, other=-1).to(tl.int32)
@@ -151,20 +191,25 @@ def load_queries(QPOS, THU, THP, TAU, row, qm, UTY: tl.constexpr):
 @triton.jit
 def _fwd_tile(q, m_i, l_i, acc, idx, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, WINDOW, scale2,
               MODE: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
-    """One band tile (per-query operands expanded to [G, 1])."""
+    """One band tile (per-query operands expanded to [G, 1]); MODE: masked_logits' 0 or 1, or 2 (causal_logits)."""
     k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2  # [G, BN] logits in log2 units
-    s, g, _ = masked_logits(MODE, s, qp, thu, thp, tau, kp[None, :], u[None, :], valid[None, :], WINDOW,
-                            VARIANT, HAS_TOPK)
-    return _fwd_update(m_i, l_i, acc, s, g, v, MODE == 1, VARIANT, PREC)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [G, BN] unscaled logits
+    if MODE == 2:
+        s, g, _ = causal_logits(s, qp, kp[None, :])
+    else:
+        s, g, _ = masked_logits(MODE, s, qp, thu, thp, tau, kp[None, :], u[None, :], valid[None, :], WINDOW,
+                                VARIANT, HAS_TOPK)
+    return _fwd_update(m_i, l_i, acc, s, g, v, scale2, MODE >= 1, VARIANT, PREC)
 
 
 @triton.jit
-def _fwd_update(m_i, l_i, acc, s, g, v, NO_GATE: tl.constexpr, VARIANT: tl.constexpr, PREC: tl.constexpr):
-    """Online softmax step with masked logits s [G, BN] (log2 units) and gates g."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+def _fwd_update(m_i, l_i, acc, s, g, v, scale2, NO_GATE: tl.constexpr, VARIANT: tl.constexpr,
+                PREC: tl.constexpr):
+    """Online softmax step with masked unscaled logits s [G, BN] and gates g; m_i, the log-sum-exp
+    and scale2 (scale * log2 e) in log2 units: the scale goes into exp2's argument (one FMA)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay NaN-free
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(s * scale2 - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if VARIANT != 2 and not NO_GATE:
@@ -175,8 +220,8 @@ def _fwd_update(m_i, l_i, acc, s, g, v, NO_GATE: tl.constexpr, VARIANT: tl.const
 
 @triton.jit
 def _fwd_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, BP, CUT, O, LSE,
-    sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sob, sol, soh, sbpb, sbpn,
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, O, LSE,
+    sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sob, sol, soh,
     L, N, H, R, NBQ, TOPK, WINDOW, TAIL, scale2,
     G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
@@ -203,37 +248,28 @@ def _fwd_kernel(
     l_i = tl.zeros([G], tl.float32)
     acc = tl.zeros([G, D], tl.float32)
     if HAS_TOPK:  # (1) the pool snapshot at the tile start: gathered rows, selected by the per-slot cut
-        bpb = BP + b * sbpb + blk * sbpn
-        cpb = CUT + (b * NBQ + blk) * TOPK
+        po = (b * NBQ + blk) * TOPK  # this tile's row of the cut kernel's outputs
+        jj = tl.arange(0, BN)
         if PREFETCH:  # the next gathered tile is loaded before this one's dots
-            km = tl.arange(0, BN) < TOPK
-            idx = tl.load(bpb + tl.arange(0, BN), mask=km, other=-1).to(tl.int32)
-            cut = tl.load(cpb + tl.arange(0, BN), mask=km, other=0)
-            k, v, u, kp0 = load_keys(idx, idx >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
+            k, v, u, cut = load_pool_keys(PI, PU, CUT, po, jj, TOPK, Kb, Vb, skn, svn, D)
             for t in range(0, TOPK, BN):
-                jn = t + BN + tl.arange(0, BN)
-                idn = tl.load(bpb + jn, mask=jn < TOPK, other=-1).to(tl.int32)
-                cutn = tl.load(cpb + jn, mask=jn < TOPK, other=0)
-                kn, vn, un, kpn = load_keys(idn, idn >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
-                s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2
-                s, g, dm0 = pool_logits(s, rows[:, None], cut[None, :], u[None, :], tau[:, None], VARIANT)
-                m_i, l_i, acc = _fwd_update(m_i, l_i, acc, s, g, v, False, VARIANT, PREC)
+                kn, vn, un, cutn = load_pool_keys(PI, PU, CUT, po, t + BN + jj, TOPK, Kb, Vb, skn, svn, D)
+                s = tl.dot(q, tl.trans(k), input_precision=PREC)
+                s, g, _ = pool_logits(s, rows[:, None], cut[None, :], u[None, :], tau[:, None], VARIANT)
+                m_i, l_i, acc = _fwd_update(m_i, l_i, acc, s, g, v, scale2, False, VARIANT, PREC)
                 cut, k, v, u = cutn, kn, vn, un
         else:
             for t in range(0, TOPK, BN):
-                jj = t + tl.arange(0, BN)
-                idx = tl.load(bpb + jj, mask=jj < TOPK, other=-1).to(tl.int32)
-                cut = tl.load(cpb + jj, mask=jj < TOPK, other=0)
-                k, v, u, _ = load_keys(idx, idx >= 0, Kb, Vb, Ub, Pb, skn, svn, D)
-                s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale2
+                k, v, u, cut = load_pool_keys(PI, PU, CUT, po, t + jj, TOPK, Kb, Vb, skn, svn, D)
+                s = tl.dot(q, tl.trans(k), input_precision=PREC)
                 s, g, _ = pool_logits(s, rows[:, None], cut[None, :], u[None, :], tau[:, None], VARIANT)
-                m_i, l_i, acc = _fwd_update(m_i, l_i, acc, s, g, v, False, VARIANT, PREC)
+                m_i, l_i, acc = _fwd_update(m_i, l_i, acc, s, g, v, scale2, False, VARIANT, PREC)
     # (2) the band (i0 - w, i0 + G - 1]: contiguous ext indices; its interior tiles need no masks
     qp2, thu2, thp2, tau2 = qp[:, None], thu[:, None], thp[:, None], tau[:, None]
     start = TOPK + TAIL - WINDOW + 1 + blk * G
     band = WINDOW + G - 1
     nt = tl.cdiv(band, BN)
-    f0, f1 = interior_tiles(qp_min, nt, WINDOW, G, BN)
+    f0, f1, f2 = interior_tiles(qp_min, nt, WINDOW, G, BN)
     for t in range(0, f0):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
@@ -243,11 +279,11 @@ def _fwd_kernel(
         jj = t * BN + tl.arange(0, BN)
         m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, jj >= 0, Kb, Vb, Ub, Pb, skn, svn, qp2, thu2, thp2, tau2,
                                   WINDOW, scale2, 1, D, VARIANT, HAS_TOPK, PREC)
-    for t in range(f1, nt):
+    for t in range(f1, f2):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
         m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, valid, Kb, Vb, Ub, Pb, skn, svn, qp2, thu2, thp2, tau2,
-                                  WINDOW, scale2, 0, D, VARIANT, HAS_TOPK, PREC)
+                                  WINDOW, scale2, 2, D, VARIANT, HAS_TOPK, PREC)
 
     has = l_i > 0  # padded queries attend to nothing: o = 0, lse = +inf (p = 0 in the backward)
     o = acc / tl.where(has, l_i, 1.0)[:, None]
