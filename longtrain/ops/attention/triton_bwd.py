@@ -164,9 +164,12 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
                Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
                L, H, R, WINDOW, scale, UTY: tl.constexpr,
                G: tl.constexpr, MQ: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr,
-               HAS_TOPK: tl.constexpr, IS_POOL: tl.constexpr, PREC: tl.constexpr, KEY_MAJOR: tl.constexpr):
+               HAS_TOPK: tl.constexpr, IS_POOL: tl.constexpr, PREC: tl.constexpr, KEY_MAJOR: tl.constexpr,
+               MODE: tl.constexpr = -1):
     """Add query tile `blk`'s contributions (all R query heads of kv head kvh) to one key tile, MQ
-    queries at a time, as [BN, MQ] tiles (KEY_MAJOR) or [MQ, BN] tiles with transposed dots."""
+    queries at a time, as [BN, MQ] tiles (KEY_MAJOR) or [MQ, BN] tiles with transposed dots.
+    Band tiles: MODE -1 picks masked_logits' mode per step (and skips causally empty steps); 0 and 1
+    are masked_logits' modes, 2 causal_logits, fixed by the caller for the whole query tile."""
     d = tl.arange(0, D)
     u2, kp2, kvalid2, cut2 = u[:, None], kp[:, None], kvalid[:, None], cut[:, None]
     for c in range(0, G, MQ):
@@ -181,11 +184,15 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
             thp = rows
             mode = 3
             live = c * 0 + 1
-        else:
+        elif MODE == -1:
             qp, thu, thp, tau = load_queries(QPOS, THU, THP, TAU, row, qm, UTY)
             mode = band_mode(kp, kvalid, tl.min(qp, 0), WINDOW, MQ, BN)
             kmin = tl.min(tl.where(kvalid, kp, 2147483647), 0)
             live = (kmin <= tl.max(qp, 0)) & (tl.max(kvalid.to(tl.int32), 0) > 0)  # else causally masked
+        else:
+            qp, thu, thp, tau = load_queries(QPOS, THU, THP, TAU, row, qm, UTY)
+            mode = MODE
+            live = c * 0 + 1
         if live:
             for r in range(0, R):
                 h = kvh * R + r
@@ -197,7 +204,7 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
                 if KEY_MAJOR:
                     pg, dz, dm = _grad_tile(mode, q, do, lse2[None, :], delta[None, :], k, v, u2, kp2, kvalid2,
                                             qp[None, :], thu[None, :], thp[None, :], tau[None, :], rows[None, :],
-                                            cut2, WINDOW, scale, VARIANT, HAS_TOPK, PREC, IS_POOL, True)
+                                            cut2, WINDOW, scale, VARIANT, HAS_TOPK, PREC, IS_POOL, True, MODE == 2)
                     dv += tl.dot(pg.to(do.dtype), do, input_precision=PREC)
                     dk += tl.dot(dz.to(q.dtype), q, input_precision=PREC)
                     du += tl.sum(dm, 1)
@@ -205,7 +212,7 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
                     pg, dz, dm = _grad_tile(mode, q, do, lse2[:, None], delta[:, None], k, v, u[None, :],
                                             kp[None, :], kvalid[None, :], qp[:, None], thu[:, None], thp[:, None],
                                             tau[:, None], rows[:, None], cut[None, :], WINDOW, scale, VARIANT,
-                                            HAS_TOPK, PREC, IS_POOL, False)
+                                            HAS_TOPK, PREC, IS_POOL, False, MODE == 2)
                     dv += tl.dot(tl.trans(pg.to(do.dtype)), do, input_precision=PREC)
                     dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PREC)
                     du += tl.sum(dm, 0)
@@ -307,13 +314,42 @@ def _dkv_band_kernel(
     a1 = a0 + BN - 1
     hi = tl.where(a1 >= 0, tl.minimum(tl.maximum(a1, 0) // G, NB - 1), -1)
     k, v, u, kp = load_keys(e, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-    for blk in range(lo, hi + 1):
+    # Query tiles [lo, c1): keys ahead of or on the diagonal, none below any window (causal mask only);
+    # [c1, c2): keys inside every query's window (no mask); [c2, hi]: the window's edge (general rules).
+    # Needs a tile of real, consecutive key positions and consecutive queries from a valid first one
+    # (query tile t holds positions q0 + t G ...); any other tile takes the general rules throughout.
+    kmin = tl.min(kp, 0)
+    kmax = tl.max(kp, 0)
+    q0 = tl.load(QPOS + b * L).to(tl.int32)
+    regular = (tl.sum(valid.to(tl.int32), 0) == BN) & (kmin >= 0) & (kmax - kmin == BN - 1) & (q0 >= 0)
+    regular &= BN + G - 2 < WINDOW  # then no tile before c1 holds a key below a window
+    c1 = (tl.maximum(kmax - q0, 0) + G - 1) // G  # first tile with kmax <= its first query
+    c2 = (tl.maximum(kmin - q0 - G + 1 + WINDOW, 0) + G - 1) // G  # first tile with a key below a window
+    c1 = tl.minimum(tl.maximum(c1, lo), hi + 1)
+    c2 = tl.minimum(tl.minimum(tl.maximum(c2, c1), hi + 1), L // G)  # interior tiles: whole tiles of queries
+    last_q = tl.load(QPOS + b * L + tl.maximum(c2 * G - 1, 0), mask=c2 > c1, other=0)
+    c2 = tl.where(last_q >= 0, c2, c1)  # padded queries (a suffix) in them: the general rules
+    c1 = tl.where(regular, c1, lo)
+    c2 = tl.where(regular, tl.maximum(c2, c1), lo)
+    for blk in range(lo, c1):
+        off = a - blk * G
+        inb = valid & (off >= 0) & (off < band)
+        dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, tl.where(inb, kp, -1), inb, e,
+                                Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
+                                L, H, R, WINDOW, scale, U.dtype.element_ty, G, MQ, BN, D, VARIANT, HAS_TOPK, False,
+                                PREC, KEY_MAJOR, 2)
+    for blk in range(c1, c2):
+        dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, valid, e,
+                                Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
+                                L, H, R, WINDOW, scale, U.dtype.element_ty, G, MQ, BN, D, VARIANT, HAS_TOPK, False,
+                                PREC, KEY_MAJOR, 1)
+    for blk in range(c2, hi + 1):
         off = a - blk * G
         inb = valid & (off >= 0) & (off < band)
         dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, inb, e,
                                 Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
                                 L, H, R, WINDOW, scale, U.dtype.element_ty, G, MQ, BN, D, VARIANT, HAS_TOPK, False,
-                                PREC, KEY_MAJOR)
+                                PREC, KEY_MAJOR, 0)
     em = e < N
     dk = dk * scale
     ou = (b * Hkv + kvh) * N + e
