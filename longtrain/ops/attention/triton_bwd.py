@@ -32,27 +32,32 @@ import triton
 import triton.language as tl
 
 from longtrain.ops.attention.triton_fwd import (
-    band_mode, causal_logits, interior_tiles, load_keys, load_pool_keys, load_queries, masked_logits, pool_logits,
+    band_mode, causal_logits, edge_logits, interior_tiles, load_keys, load_pool_keys, load_queries, masked_logits, pool_logits,
 )
 
 
 @triton.jit
 def _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau, rows, cut, WINDOW, scale,
                VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, IS_POOL: tl.constexpr,
-               KEY_MAJOR: tl.constexpr, CAUSAL: tl.constexpr = False):
+               KEY_MAJOR: tl.constexpr, FIXED: tl.constexpr = -1):
     """One tile: P g (for dV), dz times the key scale (for dQ/dK) and dm (for du, dtau), [G, BN]
     query-major or [BN, G] key-major (KEY_MAJOR: the dK/dV accumulators' rows are keys, so P and dz
     feed the next dots without a transpose). The per-query (lse2, delta, qp, thu, thp, tau, rows) and
     per-key (u, kp, kvalid, cut) operands come expanded to broadcast against the tile. Pool tiles
-    (IS_POOL) select by the per-key cut, band tiles by masked_logits' mode or, CAUSAL, causal_logits."""
+    (IS_POOL) select by the per-key cut, band tiles by masked_logits' runtime mode (FIXED -1) or by a
+    mode fixed at compile time: masked_logits' 0 or 1, causal_logits (2), edge_logits (3)."""
     if KEY_MAJOR:
         s = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BN, G] unscaled logits
     else:
         s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [G, BN]
     if IS_POOL:
         z, g, dmask = pool_logits(s, rows, cut, u, tau, VARIANT, KEY_MAJOR)
-    elif CAUSAL:
+    elif FIXED == 2:
         z, g, dmask = causal_logits(s, qp, kp)
+    elif FIXED == 3:
+        z, g, dmask = edge_logits(s, qp, thu, thp, tau, kp, u, WINDOW, VARIANT, HAS_TOPK)
+    elif FIXED >= 0:
+        z, g, dmask = masked_logits(FIXED, s, qp, thu, thp, tau, kp, u, kvalid, WINDOW, VARIANT, HAS_TOPK)
     else:
         z, g, dmask = masked_logits(mode, s, qp, thu, thp, tau, kp, u, kvalid, WINDOW, VARIANT, HAS_TOPK)
     z2 = z * (scale * 1.4426950408889634)  # log2 units, as the forward's log-sum-exp (fused into exp2's FMA)
@@ -79,7 +84,7 @@ def _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau,
 def _dq_tile(mode, dq, dtau, k, v, u, kp, valid, q, do, lse2, delta, qp, thu, thp, tau, rows, cut, WINDOW, scale,
              VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, IS_POOL: tl.constexpr):
     pg, dz, dm = _grad_tile(mode, q, do, lse2, delta, k, v, u[None, :], kp[None, :], valid[None, :], qp, thu, thp, tau,
-                            rows, cut[None, :], WINDOW, scale, VARIANT, HAS_TOPK, PREC, IS_POOL, False, mode == 2)
+                            rows, cut[None, :], WINDOW, scale, VARIANT, HAS_TOPK, PREC, IS_POOL, False, mode)
     dq += tl.dot(dz.to(k.dtype), k, input_precision=PREC)
     dtau -= tl.sum(dm, 1)
     return dq, dtau
@@ -139,17 +144,21 @@ def _dq_kernel(
     start = TOPK + TAIL - WINDOW + 1 + blk * G
     band = WINDOW + G - 1
     nt = tl.cdiv(band, BN)
-    f0, f1, f2 = interior_tiles(qp_min, nt, WINDOW, G, BN)
-    for t in range(0, f0):
+    e0, f0, f1 = interior_tiles(qp_min, nt, WINDOW, G, BN)
+    for t in range(0, e0):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
         dq, dtau = _dq_band_tile(0, dq, dtau, start + jj, valid, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
+                                 qp2, thu2, thp2, tau2, rows2, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
+    for t in range(e0, f0):
+        jj = t * BN + tl.arange(0, BN)
+        dq, dtau = _dq_band_tile(3, dq, dtau, start + jj, jj >= 0, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
                                  qp2, thu2, thp2, tau2, rows2, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
     for t in range(f0, f1):
         jj = t * BN + tl.arange(0, BN)
         dq, dtau = _dq_band_tile(1, dq, dtau, start + jj, jj >= 0, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
                                  qp2, thu2, thp2, tau2, rows2, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
-    for t in range(f1, f2):
+    for t in range(f1, nt):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
         dq, dtau = _dq_band_tile(2, dq, dtau, start + jj, valid, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
@@ -204,7 +213,7 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
                 if KEY_MAJOR:
                     pg, dz, dm = _grad_tile(mode, q, do, lse2[None, :], delta[None, :], k, v, u2, kp2, kvalid2,
                                             qp[None, :], thu[None, :], thp[None, :], tau[None, :], rows[None, :],
-                                            cut2, WINDOW, scale, VARIANT, HAS_TOPK, PREC, IS_POOL, True, MODE == 2)
+                                            cut2, WINDOW, scale, VARIANT, HAS_TOPK, PREC, IS_POOL, True, MODE)
                     dv += tl.dot(pg.to(do.dtype), do, input_precision=PREC)
                     dk += tl.dot(dz.to(q.dtype), q, input_precision=PREC)
                     du += tl.sum(dm, 1)
@@ -212,7 +221,7 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
                     pg, dz, dm = _grad_tile(mode, q, do, lse2[:, None], delta[:, None], k, v, u[None, :],
                                             kp[None, :], kvalid[None, :], qp[:, None], thu[:, None], thp[:, None],
                                             tau[:, None], rows[:, None], cut[None, :], WINDOW, scale, VARIANT,
-                                            HAS_TOPK, PREC, IS_POOL, False, MODE == 2)
+                                            HAS_TOPK, PREC, IS_POOL, False, MODE)
                     dv += tl.dot(tl.trans(pg.to(do.dtype)), do, input_precision=PREC)
                     dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PREC)
                     du += tl.sum(dm, 0)

@@ -27,21 +27,24 @@ VARIANT_CODE = {"hard_k_soft_v": HARD_K_SOFT_V, "soft_kv": SOFT_KV, "straight_th
 
 @triton.jit
 def interior_tiles(qp_min, n_tiles, WINDOW, G: tl.constexpr, BN: tl.constexpr):
-    """Band tiles [f0, f1) lie inside every query's window (no masks needed), tiles [f1, f2) need only
-    the causal mask; the others (the first, or all when a query is padding) take the general rules.
+    """Band tiles [0, e0): the general rules; [e0, f0): the window's edge (real keys at or before every
+    query: edge_logits); [f0, f1): inside every query's window (no masks); [f1, n_tiles): the causal
+    mask alone. All general when a query of the tile is padding.
 
     With every query of the block valid (positions i0..i0+G-1), band key j has position
     i0 - w + 1 + j, so tile t is inside every window when t BN >= G - 1, its first position is >= 0
-    and its last is <= i0, i.e. t < w // BN. Tiles from t BN >= G - 1 on hold no key below the last
+    and its last is <= i0, i.e. t < w // BN; before that, tiles whose first position is >= 0 hold
+    real keys at or before every query. Tiles from t BN >= G - 1 on hold no key below the last
     query's window (no candidates either), so past f1 only j's position <= the query's matters.
     """
     p0 = qp_min - WINDOW + 1  # position of band key 0
-    lo = tl.maximum((G - 1 + BN - 1) // BN, (tl.maximum(-p0, 0) + BN - 1) // BN)
+    e0 = (tl.maximum(-p0, 0) + BN - 1) // BN
+    lo = tl.maximum((G - 1 + BN - 1) // BN, e0)
     hi = WINDOW // BN
     ok = (qp_min >= 0) & (lo < hi)
     f0 = tl.where(ok, lo, n_tiles)
     f1 = tl.where(ok, tl.minimum(hi, n_tiles), n_tiles)
-    return f0, f1, n_tiles
+    return tl.where(ok, e0, n_tiles), f0, f1
 
 
 @triton.jit
@@ -88,6 +91,23 @@ def causal_logits(s, qp, kp):
     the causal mask (invalid keys have position -1); gate 1, no gate gradient."""
     z = tl.where((kp >= 0) & (kp <= qp), s, float("-inf"))
     return z, tl.full(s.shape, 1.0, tl.float32), tl.full(s.shape, 0, tl.int1)
+
+
+@triton.jit
+def edge_logits(s, qp, thu, thp, tau, kp, u, WINDOW, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr):
+    """masked_logits for band tiles of real keys at or before every query (interior_tiles' [e0, f0)):
+    a key is in the window or a candidate; a selected candidate has u >= theta > tau, so its gate is
+    min(u - tau, 1) (tau = -inf when everything is selected: g = 1, no gradient)."""
+    in_win = kp > qp - WINDOW
+    if HAS_TOPK:
+        sel = (kp <= qp - WINDOW) & ((u > thu) | ((u == thu) & (kp >= thp)))
+    else:
+        sel = in_win & False
+    diff = u.to(tl.float32) - tau
+    g = tl.where(sel, tl.minimum(diff, 1.0), 1.0)
+    z = s * g if VARIANT == 1 else s
+    z = tl.where(in_win | sel, z, float("-inf"))
+    return z, g, sel & (diff <= 1.0)
 
 
 @triton.jit
@@ -191,15 +211,18 @@ def load_queries(QPOS, THU, THP, TAU, row, qm, UTY: tl.constexpr):
 @triton.jit
 def _fwd_tile(q, m_i, l_i, acc, idx, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, WINDOW, scale2,
               MODE: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
-    """One band tile (per-query operands expanded to [G, 1]); MODE: masked_logits' 0 or 1, or 2 (causal_logits)."""
+    """One band tile (per-query operands expanded to [G, 1]); MODE: masked_logits' 0 or 1, 2 (causal_logits)
+    or 3 (edge_logits)."""
     k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
     s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [G, BN] unscaled logits
     if MODE == 2:
         s, g, _ = causal_logits(s, qp, kp[None, :])
+    elif MODE == 3:
+        s, g, _ = edge_logits(s, qp, thu, thp, tau, kp[None, :], u[None, :], WINDOW, VARIANT, HAS_TOPK)
     else:
         s, g, _ = masked_logits(MODE, s, qp, thu, thp, tau, kp[None, :], u[None, :], valid[None, :], WINDOW,
                                 VARIANT, HAS_TOPK)
-    return _fwd_update(m_i, l_i, acc, s, g, v, scale2, MODE >= 1, VARIANT, PREC)
+    return _fwd_update(m_i, l_i, acc, s, g, v, scale2, (MODE == 1) or (MODE == 2), VARIANT, PREC)
 
 
 @triton.jit
@@ -269,17 +292,21 @@ def _fwd_kernel(
     start = TOPK + TAIL - WINDOW + 1 + blk * G
     band = WINDOW + G - 1
     nt = tl.cdiv(band, BN)
-    f0, f1, f2 = interior_tiles(qp_min, nt, WINDOW, G, BN)
-    for t in range(0, f0):
+    e0, f0, f1 = interior_tiles(qp_min, nt, WINDOW, G, BN)
+    for t in range(0, e0):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
         m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, valid, Kb, Vb, Ub, Pb, skn, svn, qp2, thu2, thp2, tau2,
                                   WINDOW, scale2, 0, D, VARIANT, HAS_TOPK, PREC)
+    for t in range(e0, f0):
+        jj = t * BN + tl.arange(0, BN)
+        m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, jj >= 0, Kb, Vb, Ub, Pb, skn, svn, qp2, thu2, thp2, tau2,
+                                  WINDOW, scale2, 3, D, VARIANT, HAS_TOPK, PREC)
     for t in range(f0, f1):
         jj = t * BN + tl.arange(0, BN)
         m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, jj >= 0, Kb, Vb, Ub, Pb, skn, svn, qp2, thu2, thp2, tau2,
                                   WINDOW, scale2, 1, D, VARIANT, HAS_TOPK, PREC)
-    for t in range(f1, f2):
+    for t in range(f1, nt):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
         m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, valid, Kb, Vb, Ub, Pb, skn, svn, qp2, thu2, thp2, tau2,
