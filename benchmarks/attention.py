@@ -325,6 +325,7 @@ def sweep():
     print("sweep", out["runs"][-1], flush=True)
     chosen = {}
     for cfg in (dict(FWD_PREFETCH=False), dict(DKV_KEY_MAJOR=False), dict(DKV_MQ=32), dict(POOL_SEGMENT=16),
+                dict(POOL_SEGMENT=64), dict(DKV_WARPS=8), dict(DQ_STAGES=2), dict(FWD_STAGES=3, FWD_PREFETCH=False),
                 dict(QUERY_TILE=128, FWD_WARPS=8, FWD_PREFETCH=False, DQ_BN=32, DQ_WARPS=8, DKV_MQ=32)):
         r = run(dict(chosen, **cfg))
         out["runs"].append(r)
