@@ -6,12 +6,20 @@ Runs on the CPU here (its Triton kernel under TRITON_INTERPRET=1) and on CUDA wh
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from longtrain.ops.attention import sparsek_attention_chunk
+from longtrain.ops.attention import scan_device, sparsek_attention_chunk
+from longtrain.ops.attention import scan_device_kernels as kern
 from longtrain.ops.attention.cache import SparseKCache
 from longtrain.ops.attention.scan import position_hash
-from longtrain.ops.attention.scan_device import pack_keys, position_hash_tensor, scan_chunk_device
+from longtrain.ops.attention.scan_device import (
+    breakpoints_reference, pack_keys, position_hash_tensor, scan_chunk_device, sort_keys, sort_keys_reference,
+)
 from longtrain.ops.attention.scan_numba import scan_chunk_numba
+from longtrain.ops.attention.wavelet import (
+    build_wavelet_tree, build_wavelet_tree_reference, tree_count_below, tree_quantile, wavelet_levels,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -53,8 +61,19 @@ def scores(rng, B, L, ties):
     (2, 64, 7, 1, 16, 4, False, None),
     (2, 40, 6, 3, 8, 4, True, None),
     (1, 300, 40, 17, 64, 2, True, None),
+    (2, 150, 6, 2, 4, 3, True, None),  # 38 blocks: chains of slots longer than one jump launch
 ])
 def test_device_scan_equals_heap_scan(B, L, k, w, block, chunks, ties, cap):
+    check_device_scan(B, L, k, w, block, chunks, ties, cap)
+
+
+def test_device_scan_with_one_sort_per_row(monkeypatch):
+    """Rows that do not fit in one key sort row by row: the same results."""
+    monkeypatch.setattr(scan_device, "PACK_ROWS", False)
+    check_device_scan(2, 40, 6, 3, 8, 4, True, None)
+
+
+def check_device_scan(B, L, k, w, block, chunks, ties, cap):
     rng = np.random.default_rng(B * 1000 + L * 10 + k)
     cache = SparseKCache.empty(B, k, w, 1, 4, cap=cap)
     for ci in range(chunks):
@@ -98,6 +117,10 @@ def test_device_scan_equals_heap_scan(B, L, k, w, block, chunks, ties, cap):
         thr = {name: t.cpu() for name, t in got.threshold.items()}
         if k > 0:
             assert torch.equal(thr["thr_count"], want["thr_count"])
+            assert torch.equal(thr["overflow"], want["overflow"])
+            assert torch.equal(thr["thr_saturated"].sum(1), want["thr_saturated"].sum(1))
+            torch.testing.assert_close(thr["tau"], want["tau"], rtol=0, atol=1e-10)
+            torch.testing.assert_close(thr["thr_sum"], want["thr_sum"], rtol=0, atol=1e-9)
             for b in range(B):
                 n = int(want["thr_count"][b])
                 assert torch.equal(thr["thr_u"][b, :n].sort().values, want["thr_u"][b, :n].sort().values)
@@ -170,16 +193,108 @@ def test_device_scan_refuses_float64_scores():
         sparsek_attention_chunk(q, q, q, torch.randn(1, 8, dtype=torch.float64), cache, topk=2, window=2, scan="device")
 
 
-@pytest.mark.parametrize("B,N", [(1, 1), (2, 7), (3, 64), (2, 301)])
-def test_batched_wavelet_build_equals_level_by_level(B, N):
-    from longtrain.ops.attention.wavelet import build_wavelet, build_wavelet_by_levels
-
-    ranks = torch.stack([torch.randperm(N) for _ in range(B)]).to(DEV)
-    scores = torch.randn(B, N, dtype=torch.float64, device=DEV)
+@pytest.mark.parametrize("B,N", [(1, 1), (2, 7), (3, 64), (2, 301), (1, 2500)])
+def test_wavelet_tree_merges_equal_level_by_level_sorts(B, N):
+    """The merge build (Triton) against sorts per level; 2500 ranks take the one-launch-per-level path too."""
+    by_rank = torch.stack([torch.randperm(N) for _ in range(B)]).int().to(DEV)
+    score = torch.randn(B, N, dtype=torch.float64, device=DEV)
     hashes = torch.randint(0, 2**62, (B, N), device=DEV)
-    a, b = build_wavelet(ranks, scores, hashes), build_wavelet_by_levels(ranks, scores, hashes)
-    assert torch.equal(a.zeros, b.zeros) and torch.equal(a.hash_sum, b.hash_sum) and torch.equal(a.n_zeros, b.n_zeros)
-    torch.testing.assert_close(a.score_sum, b.score_sum, rtol=0, atol=1e-12)  # cumsum order may differ on CUDA
+    a, b = build_wavelet_tree(by_rank, score, hashes), build_wavelet_tree_reference(by_rank, score, hashes)
+    assert torch.equal(a.order, b.order) and torch.equal(a.zeros, b.zeros) and torch.equal(a.hash_sum, b.hash_sum)
+    torch.testing.assert_close(a.score_sum, b.score_sum, rtol=0, atol=1e-12)  # summation orders differ
+
+
+@triton.jit
+def _tree_probe_kernel(Z, SS, HS, P, RHO, R, CNT, SUM, RANK, HSUM, N, LV, BLK: tl.constexpr):
+    i = tl.arange(0, BLK)
+    p, rho, r = tl.load(P + i), tl.load(RHO + i), tl.load(R + i)
+    cnt, s = tree_count_below(Z, SS, 0, 0, p, rho, LV, N)
+    rank, h = tree_quantile(Z, HS, 0, 0, p, r, LV, N)
+    tl.store(CNT + i, cnt)
+    tl.store(SUM + i, s)
+    tl.store(RANK + i, rank)
+    tl.store(HSUM + i, h)
+
+
+@pytest.mark.parametrize("N", [1, 5, 64, 77])
+def test_tree_descents_count_and_select_in_prefixes(N):
+    """tree_count_below / tree_quantile against brute force over every prefix P and threshold."""
+    g = torch.Generator().manual_seed(N)
+    by_rank = torch.randperm(N, generator=g).int()[None]
+    score = torch.randn(1, N, dtype=torch.float64, generator=g)
+    hashes = torch.randint(0, 2**62, (1, N), generator=g)
+    tree = build_wavelet_tree(by_rank.to(DEV), score.to(DEV), hashes.to(DEV))
+    rank_of = torch.empty(N, dtype=torch.int64).scatter_(0, by_rank[0].long(), torch.arange(N))
+    BLK = 128
+    P = torch.randint(0, N + 1, (BLK,), generator=g, dtype=torch.int32)
+    rho = torch.randint(0, N + 1, (BLK,), generator=g, dtype=torch.int32)
+    r = (torch.rand(BLK, generator=g) * P).int()  # r < P where P > 0
+    outs = [torch.empty(BLK, dtype=d, device=DEV) for d in (torch.int32, torch.float64, torch.int32, torch.int64)]
+    _tree_probe_kernel[(1,)](tree.zeros, tree.score_sum, tree.hash_sum, P.to(DEV), rho.to(DEV), r.to(DEV), *outs, N,
+                             tree.levels, BLK=BLK)
+    cnt, ssum, rank, hsum = (o.cpu() for o in outs)
+    for q in range(BLK):
+        ranks = rank_of[: P[q]]  # the ranks of the first P items (ext order)
+        below = ranks < rho[q]
+        assert cnt[q] == below.sum()
+        torch.testing.assert_close(ssum[q], score[0][ranks[below]].sum(), rtol=0, atol=1e-12)
+        if P[q] > 0:
+            want = ranks.sort().values[r[q]]
+            assert rank[q] == want
+            assert hsum[q] == hashes[0][ranks[ranks < want]].sum()
+
+
+@pytest.mark.parametrize("B,N,cap,packed", [(1, 5, 3, True), (3, 37, 20, True), (2, 300, 64, False)])
+def test_sort_keys_rank_by_value_then_position(B, N, cap, packed, monkeypatch):
+    """The key kernel against torch, and the order it gives: (u, position) descending, invalid last."""
+    monkeypatch.setattr(scan_device, "PACK_ROWS", packed)
+    g = torch.Generator().manual_seed(N)
+    u = (torch.randn(B, N, generator=g) * 2).round() / 2  # ties
+    u[:, ::7] = -0.0
+    pos = torch.arange(N).expand(B, N).clone()  # ascending with the ext index, as the op lays them out
+    pos[torch.rand(B, N, generator=g) < 0.2] = -1
+    thr = ((torch.randn(B, cap, generator=g) * 2).round() / 2).double()
+    thr_count = torch.randint(0, cap + 1, (B,), generator=g)
+    args = (u.to(DEV), pos.to(DEV), thr.to(DEV), thr_count.to(DEV))
+    got, ib = sort_keys(*args)
+    want, _ = sort_keys_reference(*args)
+    assert torch.equal(got, want)
+    m = ((1 << ib) - 1 - (got & ((1 << ib) - 1))).cpu()
+    for b in range(B):
+        entries = [(float(u[b, i]), i) for i in range(N) if pos[b, i] >= 0]
+        entries += [(float(thr[b, c]), N + c) for c in range(int(thr_count[b]))]
+        best_first = [i for _, i in sorted(entries, key=lambda e: (e[0], e[1]), reverse=True)]
+        assert m[b, : len(best_first)].tolist() == best_first
+
+
+@pytest.mark.parametrize("B,NM,N,K", [(1, 3, 2, 1), (2, 50, 30, 4), (2, 1500, 1200, 40)])
+def test_breakpoints_kernel_equals_sort_and_search(B, NM, N, K):
+    """The merged breakpoints (and f's offsets) against a float64 sort and searchsorted."""
+    g = torch.Generator().manual_seed(NM)
+    nvalid = torch.randint(0, NM + 1, (B,), generator=g, dtype=torch.int32)
+    score = ((torch.randn(B, NM, generator=g) * 2).round() / 4).double().sort(1, descending=True).values
+    score = torch.where(torch.arange(NM)[None] < nvalid[:, None].long(), score, -float("inf"))
+    by_rank = torch.stack([torch.randperm(NM, generator=g) for _ in range(B)]).int()
+    valid = torch.arange(NM)[None] < nvalid[:, None].long()
+    w = (valid & (by_rank >= N)).int() - (valid & (by_rank < K)).int()
+    wu = w.double() * torch.where(valid, score, 0.0)
+    NT = triton.cdiv(NM, scan_device.TILE)
+    pad = NT * scan_device.TILE - NM
+    tot = torch.zeros(B, kern.N_TOT, NT, dtype=torch.int32)
+    tot[:, kern.T_OFFSET] = torch.nn.functional.pad(w, (0, pad)).view(B, NT, -1).sum(2)
+    tots = torch.nn.functional.pad(wu, (0, pad)).view(B, NT, -1).sum(2)
+    outs = [torch.empty(B, NM + 1, dtype=torch.int32), torch.empty(B, NM + 1, dtype=torch.float64),
+            torch.empty(B, 2 * NM, dtype=torch.float64), torch.empty(B, 2 * NM, dtype=torch.int32),
+            torch.empty(B, 2 * NM, dtype=torch.int32)]
+    outs = [o.to(DEV) for o in outs]
+    kern.breakpoints_kernel[(NT, B)](score.to(DEV), by_rank.to(DEV), nvalid.to(DEV), tot.to(DEV), tots.to(DEV), *outs,
+                                     N, NM, K, NT, NM.bit_length(), NTP=triton.next_power_of_2(NT),
+                                     BLK=scan_device.TILE)
+    cc, cs, bpt, rv, rw = (o.cpu() for o in outs)
+    want_t, want_rv, want_rw = breakpoints_reference(score, nvalid)
+    assert torch.equal(bpt, want_t) and torch.equal(rv, want_rv) and torch.equal(rw, want_rw)
+    assert torch.equal(cc, torch.nn.functional.pad(w.cumsum(1), (1, 0)).int())
+    torch.testing.assert_close(cs, torch.nn.functional.pad(wu.cumsum(1), (1, 0)), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("w,k,L,block", [(5, 6, 37, 16), (0, 4, 30, 16), (3, 20, 45, 16)])

@@ -1,13 +1,25 @@
-"""A wavelet matrix over per-row rank sequences: prefix counts, score sums and quantiles in O(log n).
+"""A wavelet tree over each row's ranks: prefix counts, score sums and quantiles in O(log n).
 
-The device selection scan (scan_device.py) asks, for every query, two questions about the first n
-items of a row (items in position order, each tagged with its rank in the row's score order):
+The device selection scan (scan_device.py) asks, for every query, two questions about the first P
+items of a row in ext order (each item tagged with its rank in the row's score order):
   - which item is the r-th best (theta: r = k - 1), and the hash sum of the better ones;
   - how many items rank better than rho, and the sum of their scores (tau's piecewise-linear f).
-A wavelet matrix answers each with one descent through its log2(n) bit levels. Level l holds the
-sequence stably partitioned by the rank's higher bits; per level we keep prefix counts of 0-bits and
-the prefix sums (score, hash) over the 0-bit items, so a descent reads two entries per level.
-Building it is one stable partition (a cumsum and a scatter) per level: O(n log n), all on device.
+
+The ranks are a permutation of 0..N-1, so the tree needs no bookkeeping of node bounds: level l
+(0 <= l <= LV) has nodes of 2**(LV - l) consecutive ranks, node t holding ranks
+[t * 2**(LV-l), (t+1) * 2**(LV-l)) at the same positions, its items sorted by ext index. Level LV
+is the rank order itself; level 0 the ext order. Level l is the merge sort of level l + 1's
+children: a bottom-up merge sort of the items by ext index, started from the rank order.
+Per level we keep, in-node and inclusive:
+  - zeros[l, p]: items of the node's left child (rank bit LV-1-l = 0) among its first p - start + 1;
+  - score_sum[l, p], hash_sum[l, p]: the sums of their scores and hashes over the same prefix.
+A descent reads one entry per level: the first m items of a node (ext < P) put zeros[.., m-1] of
+them in the left child, which are its first ones (children are sorted by ext index too).
+
+Building a level is one merge per child pair: each item's place in its parent is its own index plus
+the number of the sibling's items with a smaller ext index (a binary search), and the parent's
+prefix sums are the two children's prefix sums at the split: no scan, no sort. The low levels
+(nodes up to a tile) run in one launch, a tile per program; each higher level is a launch.
 """
 
 from __future__ import annotations
@@ -15,14 +27,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
+
+MERGE_TILE = 1024  # positions per program of the low levels (a power of two)
+UPPER_TILE = 256  # positions per program of a high level
 
 
 @dataclass
-class WaveletMatrix:
-    zeros: torch.Tensor  # [B, LV, N+1] int32: 0-bit items among the first i of level l's order
-    score_sum: torch.Tensor  # [B, LV, N+1] float64: their score sum
-    hash_sum: torch.Tensor  # [B, LV, N+1] int64: their hash sum (wrapping)
-    n_zeros: torch.Tensor  # [B, LV] int32: 0-bit items at level l (where the 1-bit items start)
+class WaveletTree:
+    order: torch.Tensor  # [B, LV+1, N] int32: each level's items (ext indices); level LV is the rank order
+    zeros: torch.Tensor  # [B, LV, N] int32: left-child items among the node's first p - start + 1
+    score_sum: torch.Tensor  # [B, LV+1, N] float64: their scores' in-node inclusive prefix sum, per level
+    hash_sum: torch.Tensor  # [B, LV+1, N] int64: the same for hashes (wrapping)
 
     @property
     def levels(self) -> int:
@@ -30,67 +47,149 @@ class WaveletMatrix:
 
 
 def wavelet_levels(n: int) -> int:
-    """Bits for ranks and thresholds rho in [0, n]."""
+    """Bits for ranks and thresholds rho in [0, n]: the root's 2**LV ranks exceed n."""
     return max(1, int(n).bit_length())
 
 
-def _prefix(x: torch.Tensor) -> torch.Tensor:
-    """[..., N] -> [..., N+1] cumsum with a leading 0 (sums of the first i)."""
-    return torch.nn.functional.pad(x.cumsum(-1), (1, 0))
+@triton.jit
+def tree_count_below(Z, SS, zrow, srow, P, rho, LV, N):
+    """Count and score sum of the items among the first P (ext order) whose rank is below rho."""
+    s = tl.zeros_like(P)  # the node's start (its first rank and position)
+    m = P  # its items with ext index < P: its first m
+    cnt = tl.zeros_like(P)
+    ssum = tl.zeros(P.shape, tl.float64)
+    for level in range(LV):
+        z = tl.load(Z + zrow + level * N + s + m - 1, mask=m > 0, other=0)  # of them in the left child
+        right = ((rho >> (LV - 1 - level)) & 1) == 1  # the left child's items all rank below rho
+        cnt += tl.where(right, z, 0)
+        ssum += tl.load(SS + srow + (level + 1) * N + s + z - 1, mask=right & (z > 0), other=0.0)
+        s = tl.where(right, s + (1 << (LV - 1 - level)), s)
+        m = tl.where(right, m - z, z)
+    return cnt, ssum
 
 
-def build_wavelet(
-    ranks: torch.Tensor,  # [B, N] int64, each row a permutation of 0..N-1
-    scores: torch.Tensor,  # [B, N] float64
-    hashes: torch.Tensor,  # [B, N] int64
-) -> WaveletMatrix:
-    """All levels at once (a few batched ops, not a Python loop of launches per level).
+@triton.jit
+def tree_quantile(Z, HS, zrow, hrow, P, r, LV, N):
+    """The rank of the r-th best (0-based) item among the first P, and the hash sum of the better ones."""
+    s = tl.zeros_like(P)
+    m = P
+    hsum = tl.zeros(P.shape, tl.int64)
+    for level in range(LV):
+        z = tl.load(Z + zrow + level * N + s + m - 1, mask=m > 0, other=0)
+        right = r >= z  # not among the left child's: skip them
+        r = tl.where(right, r - z, r)
+        hsum += tl.load(HS + hrow + (level + 1) * N + s + z - 1, mask=right & (z > 0), other=0)
+        s = tl.where(right, s + (1 << (LV - 1 - level)), s)
+        m = tl.where(right, m - z, z)
+    return s, hsum
 
-    Level l's order is the sequence stably partitioned by rank bit LV-1 (the top), then by bit
-    LV-2, ..., l times: a stable sort by the key whose bit m is rank bit LV-1-m (the first bit
-    partitioned is the least significant). One batched stable sort gives every level.
-    """
-    B, N = ranks.shape
+
+@triton.jit
+def _merge_level(ORD, ZER, SS, HS, orow, zrow, srow, p, pm, level, LV, N):
+    """Build level `level` from level + 1 at positions p: each item's place in the merged parent."""
+    lg = LV - 1 - level  # children hold 2**lg ranks
+    half = 1 << lg
+    src = (level + 1) * N + p
+    x = tl.load(ORD + orow + src, mask=pm, other=0)  # ext index (the merge key)
+    sp = tl.load(SS + srow + src, mask=pm, other=0.0)
+    hp = tl.load(HS + srow + src, mask=pm, other=0)
+    child = p >> lg
+    i = p - (child << lg)  # index in its child
+    sib = (child ^ 1) << lg  # the sibling's start
+    lo = tl.zeros_like(p)
+    hi = tl.minimum(tl.maximum(N - sib, 0), half)  # the sibling's length
+    for _ in range(lg + 1):  # lower bound of x among the sibling's ext indices
+        act = pm & (lo < hi)
+        mid = (lo + hi) >> 1
+        v = tl.load(ORD + orow + (level + 1) * N + sib + mid, mask=act, other=0)
+        less = v < x
+        lo = tl.where(act & less, mid + 1, lo)
+        hi = tl.where(act & ~less, mid, hi)
+    out = ((child >> 1) << (lg + 1)) + i + lo  # the parent's start + place
+    z = tl.where((child & 1) == 0, i + 1, lo)  # left-child items up to and including it
+    sib_m = pm & (lo > 0)
+    sp += tl.load(SS + srow + (level + 1) * N + sib + lo - 1, mask=sib_m, other=0.0)
+    hp += tl.load(HS + srow + (level + 1) * N + sib + lo - 1, mask=sib_m, other=0)
+    tl.store(ORD + orow + level * N + out, x, mask=pm)
+    tl.store(ZER + zrow + level * N + out, z, mask=pm)
+    tl.store(SS + srow + level * N + out, sp, mask=pm)
+    tl.store(HS + srow + level * N + out, hp, mask=pm)
+
+
+@triton.jit
+def _merge_levels_kernel(ORD, ZER, SS, HS, N, LV, TOP, NLEV, BLK: tl.constexpr):
+    """Levels TOP-1 down to TOP-NLEV for one tile of positions (grid: tiles, rows).
+
+    With NLEV > 1 every node built must fit in the tile: the program reads only what it wrote."""
+    b = tl.program_id(1).to(tl.int64)
+    p = tl.program_id(0) * BLK + tl.arange(0, BLK)
+    pm = p < N
+    orow = b * (LV + 1) * N
+    zrow = b * LV * N
+    for k in range(NLEV):
+        _merge_level(ORD, ZER, SS, HS, orow, zrow, orow, p, pm, TOP - 1 - k, LV, N)
+        tl.debug_barrier()  # the next level reads this one's stores, made by other threads
+
+
+def empty_wavelet_tree(B: int, N: int, device) -> WaveletTree:
+    """Storage for a tree over N ranks per row; the caller fills the leaves (level LV) before merge_levels."""
     LV = wavelet_levels(N)
-    dev = ranks.device
-    shift = (LV - 1 - torch.arange(LV, device=dev))[None, :, None]  # [1, LV, 1]
-    bits = (ranks[:, None, :] >> shift) & 1  # [B, LV, N]: bit m = rank bit LV-1-m
-    weights = bits << torch.arange(LV, device=dev)[None, :, None]
-    key = (weights.cumsum(1) - weights).to(torch.int32)  # [B, LV, N]: level l partitions by bits 0..l-1
-    order = key.sort(dim=2, stable=True).indices  # [B, LV, N]: level l's order (int32 keys: half the radix passes)
-    rank_l = ranks[:, None, :].expand(B, LV, N).gather(2, order)
-    is0 = ((rank_l >> shift) & 1) == 0  # [B, LV, N]
-    s = scores[:, None, :].expand(B, LV, N).gather(2, order)
-    h = hashes[:, None, :].expand(B, LV, N).gather(2, order)
-    zeros = _prefix(is0.to(torch.int32)).to(torch.int32)
-    return WaveletMatrix(
-        zeros=zeros,
-        score_sum=_prefix(torch.where(is0, s, 0.0)),
-        hash_sum=_prefix(torch.where(is0, h, 0)),
-        n_zeros=zeros[:, :, -1].contiguous(),
+    return WaveletTree(
+        order=torch.empty(B, LV + 1, N, dtype=torch.int32, device=device),
+        zeros=torch.empty(B, LV, N, dtype=torch.int32, device=device),
+        score_sum=torch.empty(B, LV + 1, N, dtype=torch.float64, device=device),
+        hash_sum=torch.empty(B, LV + 1, N, dtype=torch.int64, device=device),
     )
 
 
-def build_wavelet_by_levels(ranks: torch.Tensor, scores: torch.Tensor, hashes: torch.Tensor) -> WaveletMatrix:
-    """The textbook construction, one stable partition per level: the reference for build_wavelet."""
-    B, N = ranks.shape
+def merge_levels(tree: WaveletTree) -> WaveletTree:
+    """Levels LV-1 .. 0 from the leaves: one launch for the low levels, one per higher level."""
+    B, LV, N = tree.zeros.shape
+    args = (tree.order, tree.zeros, tree.score_sum, tree.hash_sum, N, LV)
+    low = min(LV, MERGE_TILE.bit_length() - 1)  # levels whose nodes fit in a tile
+    _merge_levels_kernel[(triton.cdiv(N, MERGE_TILE), B)](*args, LV, low, BLK=MERGE_TILE)
+    for level in range(LV - low - 1, -1, -1):
+        _merge_levels_kernel[(triton.cdiv(N, UPPER_TILE), B)](*args, level + 1, 1, BLK=UPPER_TILE)
+    return tree
+
+
+def build_wavelet_tree(
+    by_rank: torch.Tensor,  # [B, N] int32: the item (ext index) at each rank, a permutation of 0..N-1
+    score: torch.Tensor,  # [B, N] float64: its score (by rank)
+    hashes: torch.Tensor,  # [B, N] int64: its hash (by rank)
+) -> WaveletTree:
+    """The tree by bottom-up merges from the rank order (the leaves: one rank each, its own prefix)."""
+    B, N = by_rank.shape
+    tree = empty_wavelet_tree(B, N, by_rank.device)
+    tree.order[:, -1] = by_rank
+    tree.score_sum[:, -1] = score
+    tree.hash_sum[:, -1] = hashes
+    return merge_levels(tree)
+
+
+def build_wavelet_tree_reference(by_rank: torch.Tensor, score: torch.Tensor, hashes: torch.Tensor) -> WaveletTree:
+    """The same tree level by level with sorts and segmented cumsums: the reference for build_wavelet_tree."""
+    B, N = by_rank.shape
     LV = wavelet_levels(N)
-    dev = ranks.device
-    zeros = torch.empty(B, LV, N + 1, dtype=torch.int32, device=dev)
-    score_sum = torch.empty(B, LV, N + 1, dtype=torch.float64, device=dev)
-    hash_sum = torch.empty(B, LV, N + 1, dtype=torch.int64, device=dev)
-    ar = torch.arange(N, device=dev)[None]  # [1, N]
-    order, s, h = ranks, scores, hashes
-    for level in range(LV):
-        is0 = ((order >> (LV - 1 - level)) & 1) == 0  # [B, N]
-        z = _prefix(is0.to(torch.int64))  # [B, N+1]
-        zeros[:, level] = z
-        score_sum[:, level] = _prefix(torch.where(is0, s, 0.0))
-        hash_sum[:, level] = _prefix(torch.where(is0, h, 0))
-        nz = z[:, -1:]  # [B, 1]
-        # Stable partition: 0-bit items first, then 1-bit items, each in their current order.
-        dest = torch.where(is0, z[:, :-1], nz + ar - z[:, :-1])
-        order = torch.empty_like(order).scatter_(1, dest, order)
-        s = torch.empty_like(s).scatter_(1, dest, s)
-        h = torch.empty_like(h).scatter_(1, dest, h)
-    return WaveletMatrix(zeros, score_sum, hash_sum, zeros[:, :, -1].contiguous())
+    dev = by_rank.device
+    rank = torch.arange(N, device=dev).expand(B, N)
+    order_all = torch.empty(B, LV + 1, N, dtype=torch.int32, device=dev)
+    zeros = torch.empty(B, LV, N, dtype=torch.int32, device=dev)
+    score_sum = torch.empty(B, LV + 1, N, dtype=torch.float64, device=dev)
+    hash_sum = torch.empty(B, LV + 1, N, dtype=torch.int64, device=dev)
+    for level in range(LV + 1):
+        node = rank >> (LV - level)
+        order = (node * N + by_rank.long()).argsort(1)  # ranks in level order: by node, then ext index
+        s, h, r = score.gather(1, order), hashes.gather(1, order), rank.gather(1, order)
+        order_all[:, level] = by_rank.gather(1, order)
+        start = (rank >> (LV - level)) << (LV - level)  # each position's node start
+
+        def in_node(x):  # inclusive prefix sums restarting at each node
+            c = x.cumsum(1)
+            return c - torch.nn.functional.pad(c, (1, 0))[:, :-1].gather(1, start)
+
+        score_sum[:, level] = in_node(s)
+        hash_sum[:, level] = in_node(h)
+        if level < LV:
+            zeros[:, level] = in_node(((r >> (LV - 1 - level)) & 1 == 0).long()).int()
+    return WaveletTree(order_all, zeros, score_sum, hash_sum)
