@@ -18,7 +18,7 @@ from longtrain.ops.attention.scan_device import (
 )
 from longtrain.ops.attention.scan_numba import scan_chunk_numba
 from longtrain.ops.attention.wavelet import (
-    build_wavelet_tree, build_wavelet_tree_reference, tree_count_below, tree_quantile, wavelet_levels,
+    build_wavelet_tree, build_wavelet_tree_reference, tree_count_below, tree_quantile,
 )
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,12 +65,6 @@ def scores(rng, B, L, ties):
 ])
 def test_device_scan_equals_heap_scan(B, L, k, w, block, chunks, ties, cap):
     check_device_scan(B, L, k, w, block, chunks, ties, cap)
-
-
-def test_device_scan_with_one_sort_per_row(monkeypatch):
-    """Rows that do not fit in one key sort row by row: the same results."""
-    monkeypatch.setattr(scan_device, "PACK_ROWS", False)
-    check_device_scan(2, 40, 6, 3, 8, 4, True, None)
 
 
 def check_device_scan(B, L, k, w, block, chunks, ties, cap):
@@ -244,10 +238,9 @@ def test_tree_descents_count_and_select_in_prefixes(N):
             assert hsum[q] == hashes[0][ranks[ranks < want]].sum()
 
 
-@pytest.mark.parametrize("B,N,cap,packed", [(1, 5, 3, True), (3, 37, 20, True), (2, 300, 64, False)])
-def test_sort_keys_rank_by_value_then_position(B, N, cap, packed, monkeypatch):
+@pytest.mark.parametrize("B,N,cap", [(1, 5, 3), (3, 37, 20), (2, 300, 64)])
+def test_sort_keys_rank_by_value_then_position(B, N, cap):
     """The key kernel against torch, and the order it gives: (u, position) descending, invalid last."""
-    monkeypatch.setattr(scan_device, "PACK_ROWS", packed)
     g = torch.Generator().manual_seed(N)
     u = (torch.randn(B, N, generator=g) * 2).round() / 2  # ties
     u[:, ::7] = -0.0
@@ -256,10 +249,10 @@ def test_sort_keys_rank_by_value_then_position(B, N, cap, packed, monkeypatch):
     thr = ((torch.randn(B, cap, generator=g) * 2).round() / 2).double()
     thr_count = torch.randint(0, cap + 1, (B,), generator=g)
     args = (u.to(DEV), pos.to(DEV), thr.to(DEV), thr_count.to(DEV))
-    got, ib = sort_keys(*args)
-    want, _ = sort_keys_reference(*args)
-    assert torch.equal(got, want)
-    m = ((1 << ib) - 1 - (got & ((1 << ib) - 1))).cpu()
+    got, got_i = sort_keys(*args)
+    want, want_i = sort_keys_reference(*args)
+    assert torch.equal(got, want) and torch.equal(got_i, want_i)
+    m = (N + cap - 1 - got_i).cpu()
     for b in range(B):
         entries = [(float(u[b, i]), i) for i in range(N) if pos[b, i] >= 0]
         entries += [(float(thr[b, c]), N + c) for c in range(int(thr_count[b]))]

@@ -29,14 +29,13 @@ import math
 
 import torch
 import triton
-import triton.language as tl
 
 from longtrain.ops.attention import scan_device_kernels as kern
 from longtrain.ops.attention.scan import DeviceScan
 from longtrain.ops.attention.wavelet import empty_wavelet_tree, merge_levels
 
 TILE = 1024  # entries (ranks, items) per program of the per-entry kernels
-PACK_ROWS = True  # sort all rows at once when the row fits in the key (else a batched sort)
+PROBES = 4  # f evaluations per round of tau's search (a power of two): 5-ary, fewer dependent rounds
 INF = float("inf")
 MASK63 = (1 << 63) - 1
 INT64_MAX = (1 << 63) - 1
@@ -70,8 +69,8 @@ def pack_keys(u: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.where(pos >= 0, key, torch.iinfo(torch.int64).min)
 
 
-# On CUDA the scan's ~150 small launches cost more host time than GPU time: replay them as one CUDA
-# graph per input shape (captured on first use; a trainer's chunks share one shape).
+# On CUDA the scan's launches cost more host time than GPU time: replay them as one CUDA graph per
+# input shape (captured on first use; a trainer's chunks share one shape).
 CUDA_GRAPHS = True
 _MAX_GRAPHS = 8
 _graphs: dict = {}
@@ -112,10 +111,11 @@ def scan_chunk_device(
             out = _scan(**bufs, **static)
         _graphs[key] = (graph, bufs, out)
     graph, bufs, out = _graphs[key]
-    for name, t in inputs.items():
-        bufs[name].copy_(t)
+    torch._foreach_copy_(list(bufs.values()), list(inputs.values()))  # a few launches, not one per input
     graph.replay()
     # The graph's outputs are overwritten by its next replay (the next layer): hand out copies.
+    if out.flat is not None:  # one buffer holds them all: one copy
+        return _output_views(out.flat.clone(), **out.dims)
     return DeviceScan(
         **{f: getattr(out, f).clone() for f in ("theta_u", "theta_pos", "tau", "n_active", "fingerprint",
                                                 "block_pool", "final_pool")},
@@ -123,31 +123,64 @@ def scan_chunk_device(
     )
 
 
-def sort_keys(u_ext: torch.Tensor, pos_ext: torch.Tensor, thr_u: torch.Tensor, thr_count: torch.Tensor):
-    """The row's entries (items in ext order, then the carried scores) as sort keys, sorted: the rank order.
+def _output_fields(B, L, nb, K, cap):
+    """DeviceScan's tensors in one flat buffer: (name, shape, dtype), the 8-byte ones first."""
+    f64, i64 = torch.float64, torch.int64
+    return (("theta_u", (B, L), f64), ("theta_pos", (B, L), i64), ("tau", (B, L), f64), ("n_active", (B, L), i64),
+            ("fingerprint", (B, L), i64), ("block_pool", (B, nb, K), i64), ("final_pool", (B, K), i64),
+            ("thr_u", (B, cap), f64), ("thr_count", (B,), i64), ("thr_tau", (B,), f64), ("thr_sum", (B,), f64),
+            ("overflow", (B,), i64), ("thr_saturated", (B, cap), torch.bool))
 
-    Returns [B, N + cap] int64 and IB, the bits of the entry index in a key. A key is
-    [row][u descending: 32 bits][entry index descending: IB bits]: ties go to the larger ext index,
-    which is the larger position (the op's layout: pool ascending, then tail and chunk). Invalid
-    entries sort last. With the row in the key, one flat sort serves every row."""
+
+def _output_views(flat: torch.Tensor | None, B, L, nb, K, cap, device=None) -> DeviceScan:
+    """A DeviceScan whose tensors are views of `flat` (uint8; allocated when None), in _output_fields' layout."""
+    fields = _output_fields(B, L, nb, K, cap)
+    sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in fields]
+    if flat is None:
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    t, off = {}, 0
+    for (name, shape, dtype), size in zip(fields, sizes):
+        t[name] = flat[off: off + size].view(dtype).view(shape)
+        off += size
+    scan = DeviceScan(
+        **{f: t[f] for f in ("theta_u", "theta_pos", "tau", "n_active", "fingerprint", "block_pool", "final_pool")},
+        threshold=dict(thr_u=t["thr_u"], thr_saturated=t["thr_saturated"], thr_count=t["thr_count"], tau=t["thr_tau"],
+                       thr_sum=t["thr_sum"], overflow=t["overflow"]),
+    )
+    scan.flat, scan.dims = flat, dict(B=B, L=L, nb=nb, K=K, cap=cap)
+    return scan
+
+
+def _search_rounds(n: int, probes: int) -> int:
+    """Rounds of queries_kernel's search to shrink (-1, n) to two neighbours, NP probes a round."""
+    span, rounds = n + 1, 0
+    while span > 1:
+        cuts = [min(max(span * p // (probes + 1), 1), span - 1) for p in range(1, probes + 1)]
+        span = max(b - a for a, b in zip([0] + cuts, cuts + [span]))
+        rounds += 1
+    return rounds
+
+
+def sort_keys(u_ext: torch.Tensor, pos_ext: torch.Tensor, thr_u: torch.Tensor, thr_count: torch.Tensor):
+    """The row's entries (items in ext order, then the carried scores) in rank order: [B, N + cap] sorted
+    int32 keys and their int64 indices (entry m = N + cap - 1 - index).
+
+    A key is u descending (32 bits; invalid entries last); the keys are written in reverse entry
+    order, so the stable sort ranks ties by the larger ext index, which is the larger position
+    (the op's layout: pool ascending, then tail and chunk). Four radix passes, not the eight of
+    (u, position) in one int64."""
     B, N = u_ext.shape
     NM = N + thr_u.shape[1]
-    ib = max(1, (NM - 1).bit_length())
-    packed = PACK_ROWS and (B - 1).bit_length() + 32 + ib <= 63
-    keys = torch.empty(B, NM, dtype=torch.int64, device=u_ext.device)
-    kern.keys_kernel[(triton.cdiv(NM, TILE), B)](u_ext, pos_ext, thr_u, thr_count, keys, N, NM, thr_u.shape[1], ib,
-                                                 PACKED=packed, BLK=TILE)
-    if packed:
-        return keys.view(-1).sort().values.view(B, NM), ib
-    return keys.sort(dim=1).values, ib
+    keys = torch.empty(B, NM, dtype=torch.int32, device=u_ext.device)
+    kern.keys_kernel[(triton.cdiv(NM, TILE), B)](u_ext, pos_ext, thr_u, thr_count, keys, N, NM, thr_u.shape[1],
+                                                 BLK=TILE)
+    return keys.sort(dim=1, stable=True)
 
 
 def sort_keys_reference(u_ext, pos_ext, thr_u, thr_count):
     """sort_keys in plain torch (the same keys, the same order)."""
     B, N = u_ext.shape
     cap = thr_u.shape[1]
-    NM = N + cap
-    ib = max(1, (NM - 1).bit_length())
     dev = u_ext.device
     u = torch.cat([u_ext.float(), thr_u.float()], 1)
     u = torch.where(u == 0, 0.0, u)
@@ -155,10 +188,7 @@ def sort_keys_reference(u_ext, pos_ext, thr_u, thr_count):
     mono = torch.where(bits < 1 << 31, bits + (1 << 31), 0xFFFFFFFF - bits)
     valid = torch.cat([pos_ext >= 0, torch.arange(cap, device=dev)[None] < thr_count[:, None]], 1)
     desc = torch.where(valid, 0xFFFFFFFF - mono, 0xFFFFFFFF)
-    key = (desc << ib) + ((1 << ib) - 1 - torch.arange(NM, device=dev))
-    if PACK_ROWS and (B - 1).bit_length() + 32 + ib <= 63:
-        key = key + (torch.arange(B, device=dev)[:, None] << (32 + ib))
-    return key.sort(dim=1).values, ib
+    return (desc - (1 << 31)).int().flip(1).sort(dim=1, stable=True)
 
 
 def breakpoints_reference(score: torch.Tensor, nvalid: torch.Tensor):
@@ -181,7 +211,9 @@ def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, n_queries, 
     nb = -(-L // block)
     dev = u_ext.device
     if K == 0:
-        return _nothing_selected(B, L, nb, thr_u, overflow, lengths)
+        scan = _nothing_selected(B, L, nb, thr_u, overflow, lengths)
+        scan.flat = None
+        return scan
     u_ext, pos_ext = u_ext.contiguous(), pos_ext.contiguous().to(torch.int64)
     thr_u, thr_count = thr_u.contiguous().to(torch.float64), thr_count.contiguous().to(torch.int64)
     seen, lengths = seen.contiguous().to(torch.int64), lengths.contiguous().to(torch.int64)
@@ -196,14 +228,14 @@ def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, n_queries, 
         return torch.empty(*shape, dtype=dtype, device=dev)
 
     # Entries in rank order; per rank the entry, its score and hash: the tree's leaves, then the tree.
-    keys, ib = sort_keys(u_ext, pos_ext, thr_u, thr_count)  # [B, NM]
+    keys, kidx = sort_keys(u_ext, pos_ext, thr_u, thr_count)  # [B, NM]
     tree = empty_wavelet_tree(B, NM, dev)
     LV = tree.levels
     by_rank, rank_of, score = new(B, NM), new(B, NM), new(B, NM, dtype=torch.float64)
     nvalid = new(B)
     tot, tots = new(B, kern.N_TOT, NT), new(B, NT, dtype=torch.float64)  # per-tile totals
-    kern.ranked_kernel[grid](keys, pos_ext, by_rank, rank_of, score, tree.order, tree.score_sum, tree.hash_sum,
-                             LV * NM, (LV + 1) * NM, nvalid, tot, tots, N, NM, K, ib, NT, BLK=TILE)
+    kern.ranked_kernel[grid](keys, kidx, pos_ext, by_rank, rank_of, score, tree.order, tree.score_sum, tree.hash_sum,
+                             LV * NM, (LV + 1) * NM, nvalid, tot, tots, N, NM, K, NT, BLK=TILE)
     merge_levels(tree)
 
     # tau's breakpoints and f's offsets (carried entries in, pool items out).
@@ -213,14 +245,15 @@ def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, n_queries, 
                                   NM.bit_length(), NTP=NTP, BLK=TILE)
 
     # Every query, and the state after the chunk (c = L).
-    theta_u, tau = new(B, L, dtype=torch.float64), new(B, L, dtype=torch.float64)
-    theta_pos, n_active, fp = (new(B, L, dtype=torch.int64) for _ in range(3))
+    out = _output_views(None, B, L, nb, K, cap, device=dev)
+    thr = out.threshold
+    theta_u, tau, theta_pos, n_active, fp = out.theta_u, out.tau, out.theta_pos, out.n_active, out.fingerprint
     qrank, tau_end = new(B, L + 1), new(B, dtype=torch.float64)
     bq = 64 if B * (L + 1) >= 64 * 256 else 32  # small rows: more, smaller programs
     kern.queries_kernel[(triton.cdiv(L + 1, bq), B)](
         tree.zeros, tree.score_sum, tree.hash_sum, bpt, bprv, bprw, cc, cs, score, by_rank, pos_ext, nvalid, seen,
         lengths, theta_u, theta_pos, tau, n_active, fp, qrank, tau_end,
-        N, NM, K, L, LV, (2 * NM).bit_length(), delta, lag, BQ=bq, num_warps=bq // 32,
+        N, NM, K, L, LV, _search_rounds(2 * NM, PROBES), delta, lag, BQ=bq, NP=PROBES, num_warps=bq // 32,
     )
 
     # The pools: item s is pooled in the blocks [enter, leave); stable slots; then the expansion.
@@ -228,7 +261,7 @@ def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, n_queries, 
     kern.pool_flags_kernel[grid](pos_ext, rank_of, by_rank, score, qrank, nvalid, lengths, tau_end, count, member,
                                  flags_r, tot, N, NM, K, L, nb, block, delta, NT, max(1, nb.bit_length()), BLK=TILE)
     pe, cp, pr, lseq = new(B, N + 1), new(B, N + 1), new(B, NM + 1), new(B, N)
-    final_pool, thr_out = new(B, K, dtype=torch.int64), new(B, cap, dtype=torch.float64)
+    final_pool, thr_out = out.final_pool, thr["thr_u"]
     kern.pool_scan_kernel[grid](count, member, flags_r, by_rank, score, tot, pe, cp, pr, lseq, final_pool, thr_out,
                                 N, NM, K, cap, NT, NTP=NTP, BLK=TILE)
     grid_n = (triton.cdiv(N, TILE), B)
@@ -242,23 +275,16 @@ def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, n_queries, 
     for i in range(jumps):
         kern.slot_jump_kernel[grid_n](count, ptr, other, root_slot, slot, N, 16, FINAL=i == jumps - 1, BLK=TILE)
         ptr, other = other, ptr
-    block_pool = torch.full((B, nb, K), -1, dtype=torch.int64, device=dev)
+    block_pool = out.block_pool.fill_(-1)
     if nb > 0:
         kern.expand_pools_kernel[(triton.cdiv(nb * K, TILE), B)](cp, slot, block_pool, N, K, nb, block, delta,
                                                                  max(1, N.bit_length()), BLK=TILE)
 
     # The next threshold state: the carried and new scores above tau after the chunk, descending.
-    thr_sat = new(B, cap, dtype=torch.uint8)
-    thr_count_out, ovf = new(B, dtype=torch.int64), new(B, dtype=torch.int64)
-    thr_tau, thr_sum = new(B, dtype=torch.float64), new(B, dtype=torch.float64)
-    kern.finish_kernel[(B,)](tot, tau_end, overflow.contiguous(), thr_out, thr_sat, thr_count_out, thr_tau, thr_sum,
-                             ovf, final_pool, K, cap, NT, NTP=NTP, BLK=TILE)
-    return DeviceScan(
-        theta_u=theta_u, theta_pos=theta_pos, tau=tau, n_active=n_active, fingerprint=fp,
-        block_pool=block_pool, final_pool=final_pool,
-        threshold=dict(thr_u=thr_out, thr_saturated=thr_sat.view(torch.bool), thr_count=thr_count_out, tau=thr_tau,
-                       thr_sum=thr_sum, overflow=ovf),
-    )
+    kern.finish_kernel[(B,)](tot, tau_end, overflow.contiguous(), thr_out, thr["thr_saturated"].view(torch.uint8),
+                             thr["thr_count"], thr["tau"], thr["thr_sum"], thr["overflow"], final_pool, K, cap, NT,
+                             NTP=NTP, BLK=TILE)
+    return out
 
 
 def _nothing_selected(B, L, nb, thr_u, overflow, lengths) -> DeviceScan:

@@ -37,10 +37,9 @@ def _before_tile(TOT, q, b, t, NT, NTP: tl.constexpr):
 
 
 @triton.jit
-def keys_kernel(U, POS, THR, THR_COUNT, KEYS, N, NM, CAP, IB, PACKED: tl.constexpr, BLK: tl.constexpr):
-    """Sort keys of the row's entries; ascending order = rank order: u descending, then ext index descending.
-
-    key = [row][32 bits: u descending][IB bits: ext index descending]; invalid entries sort last."""
+def keys_kernel(U, POS, THR, THR_COUNT, KEYS, N, NM, CAP, BLK: tl.constexpr):
+    """int32 sort keys of the row's entries (u descending; invalid: INT32_MAX), written in reverse entry
+    order: a stable ascending sort then ranks ties by the larger entry index first."""
     b = tl.program_id(1).to(tl.int64)
     m = tl.program_id(0) * BLK + tl.arange(0, BLK)  # [BLK] entries
     mm = m < NM
@@ -54,30 +53,26 @@ def keys_kernel(U, POS, THR, THR_COUNT, KEYS, N, NM, CAP, IB, PACKED: tl.constex
     u = tl.where(u == 0.0, 0.0, u)  # -0.0 -> +0.0: the CPU scan compares them as equal
     bits = u.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     mono = tl.where(bits < 0x80000000, bits + 0x80000000, 0xFFFFFFFF - bits)  # unsigned, monotone in u
-    desc = tl.where(valid, 0xFFFFFFFF - mono, 0xFFFFFFFF)
-    key = (desc << IB) + ((1 << IB) - 1 - m)
-    if PACKED:  # one flat sort for all rows
-        key += b << (32 + IB)
-    tl.store(KEYS + b * NM + m, key, mask=mm)
+    desc = tl.where(valid, 0xFFFFFFFF - mono, 0xFFFFFFFF)  # (a NaN with all bits set would pass as invalid)
+    tl.store(KEYS + b * NM + (NM - 1 - m), (desc - 0x80000000).to(tl.int32), mask=mm)
 
 
 @triton.jit
-def _decode_key(key, IB):
-    """(entry m, valid, float32 score) of a sort key."""
-    m = ((1 << IB) - 1 - (key & ((1 << IB) - 1))).to(tl.int32)
-    desc = (key >> IB) & 0xFFFFFFFF
+def _decode_key(key, index, NM):
+    """(entry m, valid, float32 score) of a sorted key and its index in the keys as written."""
+    desc = key.to(tl.int64) + 0x80000000
     mono = 0xFFFFFFFF - desc
     bits = tl.where(mono >= 0x80000000, mono - 0x80000000, 0xFFFFFFFF - mono)
-    return m, desc != 0xFFFFFFFF, bits.to(tl.int32).to(tl.float32, bitcast=True)
+    return (NM - 1 - index).to(tl.int32), desc != 0xFFFFFFFF, bits.to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def ranked_kernel(
-    SKEYS, POS,  # [B, NM] sorted keys, [B, N] positions
+    SKEYS, SIDX, POS,  # [B, NM] sorted keys and their indices, [B, N] positions
     BY_RANK, RANK_OF, SCORE,  # out [B, NM]: entry at rank r, rank of entry m, score at rank r (-inf: invalid)
     ORD, SS, HS, LEAF_OFF, TREE_ROW,  # out: the wavelet tree's leaves (level LV)
     NVALID, TOT, TOTS,  # out: [B] valid entries, per-tile totals
-    N, NM, K, IB, NT, BLK: tl.constexpr,
+    N, NM, K, NT, BLK: tl.constexpr,
 ):
     """Per rank: the entry there, its score and hash (the tree's leaves), and the row's valid count."""
     b = tl.program_id(1).to(tl.int64)
@@ -85,10 +80,10 @@ def ranked_kernel(
     r = t * BLK + tl.arange(0, BLK)  # [BLK] ranks
     rm = r < NM
     row = b * NM
-    m, valid, u32 = _decode_key(tl.load(SKEYS + row + r, mask=rm, other=0), IB)
+    m, valid, u32 = _decode_key(tl.load(SKEYS + row + r, mask=rm, other=0),
+                                tl.load(SIDX + row + r, mask=rm, other=0), NM)
     valid = rm & valid
-    _, valid_next, _ = _decode_key(tl.load(SKEYS + row + r + 1, mask=r + 1 < NM, other=0), IB)
-    valid_next = (r + 1 < NM) & valid_next
+    valid_next = (r + 1 < NM) & (tl.load(SKEYS + row + r + 1, mask=r + 1 < NM, other=0) != 0x7FFFFFFF)
     score = tl.where(valid, u32.to(tl.float64), -float("inf"))
     item = valid & (m < N)
     pos = tl.load(POS + b * N + m, mask=item, other=0)
@@ -116,23 +111,18 @@ def _offset_weight(m, valid, N, K):
 
 
 @triton.jit
-def _count_true(SCORE, row, n, t, MODE: tl.constexpr, ITERS):
-    """How many of the first n ranks have (0) score > t, (1) score >= t or (2) score - 1 > t: a prefix."""
-    lo = tl.zeros(t.shape, tl.int32)
-    hi = lo + n
-    for _ in range(ITERS):
-        act = lo < hi
-        mid = (lo + hi) >> 1
-        v = tl.load(SCORE + row + mid, mask=act, other=0.0)
-        if MODE == 0:
-            ok = v > t
-        elif MODE == 1:
-            ok = v >= t
-        else:
-            ok = v - 1.0 > t
-        lo = tl.where(act & ok, mid + 1, lo)
-        hi = tl.where(act & ~ok, mid, hi)
-    return lo
+def _search_step(SCORE, row, lo, hi, t, MODE: tl.constexpr):
+    """One halving of [lo, hi) towards the ranks with (0) score > t, (1) score >= t, (2) score - 1 > t."""
+    act = lo < hi
+    mid = (lo + hi) >> 1
+    v = tl.load(SCORE + row + mid, mask=act, other=0.0)
+    if MODE == 0:
+        ok = v > t
+    elif MODE == 1:
+        ok = v >= t
+    else:
+        ok = v - 1.0 > t
+    return tl.where(act & ok, mid + 1, lo), tl.where(act & ~ok, mid, hi)
 
 
 @triton.jit
@@ -169,11 +159,15 @@ def breakpoints_kernel(
     # Breakpoints: u (place r + #{u' - 1 > u}) and u - 1 (place r + #{u' >= u - 1}), descending.
     t1 = u
     t2 = u - 1.0
-    rv1 = _count_true(SCORE, row, nval, t1, 0, ITERS)
-    rw1 = _count_true(SCORE, row, nval, t1, 2, ITERS)
-    ge2 = _count_true(SCORE, row, nval, t2, 1, ITERS)
-    rv2 = _count_true(SCORE, row, nval, t2, 0, ITERS)
-    rw2 = _count_true(SCORE, row, nval, t2, 2, ITERS)
+    # Five prefix lengths of the ranks, by binary searches interleaved in one loop (latency-bound).
+    rv1, rw1, ge2, rv2, rw2 = (tl.zeros_like(r) for _ in range(5))
+    h1, h2, h3, h4, h5 = (tl.zeros_like(r) + nval for _ in range(5))
+    for _ in range(ITERS):
+        rv1, h1 = _search_step(SCORE, row, rv1, h1, t1, 0)  # u > t1
+        rw1, h2 = _search_step(SCORE, row, rw1, h2, t1, 2)  # u - 1 > t1
+        ge2, h3 = _search_step(SCORE, row, ge2, h3, t2, 1)  # u >= t2
+        rv2, h4 = _search_step(SCORE, row, rv2, h4, t2, 0)  # u > t2
+        rw2, h5 = _search_step(SCORE, row, rw2, h5, t2, 2)  # u - 1 > t2
     top = 2 * nval - 1  # ascending index = top - descending place
     a1 = tl.where(valid, top - (r + rw1), 2 * r)
     a2 = tl.where(valid, top - (r + ge2), 2 * r + 1)
@@ -189,16 +183,23 @@ def breakpoints_kernel(
 
 @triton.jit
 def _f_at(ZER, SS, BPT, BPRV, BPRW, CC, CS, zrow, srow, brow, crow, j, m, P, LV, NM):
-    """f(t_j) = sum clamp(u - t_j, 0, 1) over the query's candidates, and the pieces that make it."""
-    t = tl.load(BPT + brow + j, mask=m, other=0.0)
+    """f(t_j) = sum clamp(u - t_j, 0, 1) over the query's candidates, and the pieces that make it.
+
+    j, m: [BQ, NP] breakpoints (probes) per query. The 2 NP tree descents (u > t and u - 1 > t at
+    every probe) run as one descent over a [BQ, NP, 2] tensor: their loads overlap."""
+    t = tl.load(BPT + brow + j, mask=m, other=0.0)  # [BQ, NP]
     rv = tl.load(BPRV + brow + j, mask=m, other=0)
     rw = tl.load(BPRW + brow + j, mask=m, other=0)
-    cv, sv = tree_count_below(ZER, SS, zrow, srow, P, rv, LV, NM)  # u > t
-    cw, sw = tree_count_below(ZER, SS, zrow, srow, P, rw, LV, NM)  # u - 1 > t (saturated)
-    cv += tl.load(CC + crow + rv, mask=m, other=0)
-    sv += tl.load(CS + crow + rv, mask=m, other=0.0)
-    cw += tl.load(CC + crow + rw, mask=m, other=0)
-    sw += tl.load(CS + crow + rw, mask=m, other=0.0)
+    sat = (tl.arange(0, 2) == 1)[None, None, :]  # [1, 1, 2]: u > t, u - 1 > t (saturated)
+    rho = tl.where(sat, rw[:, :, None], rv[:, :, None])  # [BQ, NP, 2]
+    m3 = m[:, :, None] & (rho >= 0)
+    cnt, ssum = tree_count_below(ZER, SS, zrow, srow, tl.where(m3, P[:, None, None], 0), rho, LV, NM)
+    cnt += tl.load(CC + crow + rho, mask=m3, other=0)
+    ssum += tl.load(CS + crow + rho, mask=m3, other=0.0)
+    cv = tl.sum(tl.where(sat, 0, cnt), axis=2)
+    cw = tl.sum(tl.where(sat, cnt, 0), axis=2)
+    sv = tl.sum(tl.where(sat, 0.0, ssum), axis=2)
+    sw = tl.sum(tl.where(sat, ssum, 0.0), axis=2)
     f = sv - sw + cw.to(tl.float64) - t * (cv - cw).to(tl.float64)
     return f, t, cv, sv, cw, sw
 
@@ -211,9 +212,9 @@ def queries_kernel(
     THETA_U, THETA_POS, TAU, NACT, FP,  # out [B, L], padded queries: nothing selected
     QRANK, TAU_END,  # out [B, L+1]: theta's rank (NM: everything selected), [B]: tau after the chunk
     N, NM, K, L, LV, NIT, DELTA, LAG,
-    BQ: tl.constexpr,
+    BQ: tl.constexpr, NP: tl.constexpr,
 ):
-    """Every query c (c = L: after the chunk): theta from one tree descent, tau by a binary search
+    """Every query c (c = L: after the chunk): theta from one tree descent, tau by an (NP+1)-ary search
     over the breakpoints for the last t_j with f(t_j) > K, then the linear piece after it."""
     b = tl.program_id(1).to(tl.int64)
     c = tl.program_id(0) * BQ + tl.arange(0, BQ)  # [BQ] queries
@@ -227,10 +228,10 @@ def queries_kernel(
     # Query c sees the pool and the first c + DELTA stream items (tail, chunk); after it, `length`.
     n_vis = tl.minimum(tl.where(c < L, c + DELTA, length), N - K)
     P = tl.where(qm, K + n_vis, 0)
-    # Candidates: those before the chunk's stream, plus the valid stream items seen.
-    cnt_p, _ = tree_count_below(ZER, SS, zrow, srow, P, zero + nval, LV, NM)
-    cnt_k, _ = tree_count_below(ZER, SS, zrow, srow, zero + K, zero + nval, LV, NM)
-    ncand = tl.maximum(tl.load(SEEN + b) - LAG + 1, 0) + (cnt_p - cnt_k)
+    # Candidates: those before the chunk's stream, plus the valid stream items seen (two prefixes).
+    two = tl.arange(0, 2)[None, :]
+    cnt, _ = tree_count_below(ZER, SS, zrow, srow, tl.where(two == 0, P[:, None], K), two * 0 + nval, LV, NM)
+    ncand = tl.maximum(tl.load(SEEN + b) - LAG + 1, 0) + tl.sum(tl.where(two == 0, cnt, -cnt), axis=1)
 
     # theta: the K-th best among the first P; the fingerprint sums the hashes at or above it.
     has = qm & (P >= K)  # (K > 0: the host handles k = 0)
@@ -252,26 +253,31 @@ def queries_kernel(
     Pn = tl.where(need, P, 0)
     jlo = zero - 1  # f(-inf) = #candidates > K
     jhi = zero + NBP
-    for _ in range(NIT):
-        active = need & (jhi - jlo > 1)
-        mid = (jlo + jhi) // 2
-        f, t, cv, sv, cw, sw = _f_at(ZER, SS, BPT, BPRV, BPRW, CC, CS, zrow, srow, brow, crow, mid, active, Pn,
-                                     LV, NM)
-        gt = f > K
-        jlo = tl.where(active & gt, mid, jlo)
-        jhi = tl.where(active, tl.where(gt, jhi, mid), jhi)
+    p1 = tl.arange(0, NP)[None, :] + 1  # [1, NP]
+    for _ in range(NIT):  # NP probes split (jlo, jhi) into NP + 1 parts: keep the one where f crosses K
+        span = (jhi - jlo)[:, None]
+        probe = tl.minimum(jlo[:, None] + tl.maximum(span * p1 // (NP + 1), 1), jhi[:, None] - 1)  # [BQ, NP]
+        active = (need & (jhi - jlo > 1))[:, None] & (p1 > 0)
+        f, _, _, _, _, _ = _f_at(ZER, SS, BPT, BPRV, BPRW, CC, CS, zrow, srow, brow, crow, probe, active, Pn, LV, NM)
+        gt = active & (f > K)  # f descends along the breakpoints
+        jlo = tl.maximum(jlo, tl.max(tl.where(gt, probe, -1), axis=1))
+        jhi = tl.minimum(jhi, tl.min(tl.where(active & ~gt, probe, NBP), axis=1))
+    # The piece [t_j, t_j+1]; at j + 1 only the count above matters (|A| below).
     j = tl.maximum(jlo, 0)
-    f, t, cv, sv, cw, sw = _f_at(ZER, SS, BPT, BPRV, BPRW, CC, CS, zrow, srow, brow, crow, j, need, Pn, LV, NM)
-    n_frac = cv - cw
-    tau = (sv - sw + cw.to(tl.float64) - K) / tl.maximum(n_frac, 1).to(tl.float64)
+    jj = j[:, None] + tl.minimum(p1 - 1, 1)  # [BQ, NP]: j, j + 1, j + 1, ...
+    f, t, cv, sv, cw, sw = _f_at(ZER, SS, BPT, BPRV, BPRW, CC, CS, zrow, srow, brow, crow, jj,
+                                 need[:, None] & (jj < NBP) & (p1 <= 2), Pn, LV, NM)
+    first = p1 == 1
+    t_at = tl.sum(tl.where(first, t, 0.0), axis=1)
+    cw = tl.sum(tl.where(first, cw, 0), axis=1)
+    n_frac = tl.sum(tl.where(first, cv, 0), axis=1) - cw
+    tau = (tl.sum(tl.where(first, sv - sw, 0.0), axis=1) + cw.to(tl.float64) - K) / tl.maximum(n_frac, 1).to(tl.float64)
     has_next = need & (j + 1 < NBP)
-    t_next = tl.load(BPT + brow + j + 1, mask=has_next, other=float("inf"))
-    tau = tl.minimum(tl.maximum(tau, t), t_next)
+    t_next = tl.where(has_next, tl.sum(tl.where(p1 == 2, t, 0.0), axis=1), float("inf"))
+    tau = tl.minimum(tl.maximum(tau, t_at), t_next)
     # |A| = #{tau < u < tau + 1}: when tau lands on the next breakpoint, scores equal to it have
     # p = 0; the candidates with u > t_next are the fractional ones then.
-    rv_next = tl.load(BPRV + brow + j + 1, mask=has_next, other=0)
-    cv_next, _ = tree_count_below(ZER, SS, zrow, srow, Pn, rv_next, LV, NM)
-    cv_next += tl.load(CC + crow + rv_next, mask=has_next, other=0)
+    cv_next = tl.sum(tl.where(p1 == 2, cv, 0), axis=1)
     n_act = tl.where(tau == t_next, cv_next - cw, n_frac)
     tau = tl.where(need, tau, -float("inf"))
     n_act = tl.where(need, n_act, 0)
@@ -334,7 +340,11 @@ def pool_flags_kernel(
     sm = x < N
     valid = sm & (tl.load(POS + b * N + x, mask=sm, other=-1) >= 0)
     rank = tl.load(RANK_OF + b * NM + x, mask=sm, other=0)
-    leave = _leave(QRANK, qrow, rank, length, NB, BLOCK, ITERS)
+    # Two searches in one loop: item x's leaving block, and that of the entry at rank x.
+    two = tl.arange(0, 2)[None, :]
+    leave2 = _leave(QRANK, qrow, tl.where(two == 0, rank[:, None], x[:, None]), length, NB, BLOCK, ITERS)
+    leave = tl.sum(tl.where(two == 0, leave2, 0), axis=1)
+    leave_r = tl.sum(tl.where(two == 1, leave2, 0), axis=1)
     count = tl.where(valid, tl.maximum(leave - _enter(x, K, DELTA, BLOCK), 0), 0)
     r_fin = tl.load(QRANK + qrow + L)  # the top-k after the chunk; the last w-1 form the next tail
     member = valid & (rank <= r_fin) & (x < K + length)
@@ -344,7 +354,7 @@ def pool_flags_kernel(
     rm = x < NM
     m = tl.load(BY_RANK + b * NM + x, mask=rm, other=0)
     real = rm & (x < tl.load(NVALID + b))
-    pooled_r = real & (m < N) & (_leave(QRANK, qrow, x, length, NB, BLOCK, ITERS) > _enter(m, K, DELTA, BLOCK))
+    pooled_r = real & (m < N) & (leave_r > _enter(m, K, DELTA, BLOCK))
     u = tl.load(SCORE + b * NM + x, mask=rm, other=0.0)
     new = (m >= N) | ((m >= K) & (m < K + length))  # carried, tail and the chunk's candidates
     keep = real & new & (u > tl.load(TAU_END + b)) & (u < float("inf"))  # k = 0: tau = +inf, none

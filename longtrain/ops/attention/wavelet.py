@@ -17,7 +17,7 @@ A descent reads one entry per level: the first m items of a node (ext < P) put z
 them in the left child, which are its first ones (children are sorted by ext index too).
 
 Building a level is one merge per child pair: each item's place in its parent is its own index plus
-the number of the sibling's items with a smaller ext index (a binary search), and the parent's
+the number of the sibling's items with a smaller ext index (a 5-ary search), and the parent's
 prefix sums are the two children's prefix sums at the split: no scan, no sort. The low levels
 (nodes up to a tile) run in one launch, a tile per program; each higher level is a launch.
 """
@@ -96,15 +96,15 @@ def _merge_level(ORD, ZER, SS, HS, orow, zrow, srow, p, pm, level, LV, N):
     child = p >> lg
     i = p - (child << lg)  # index in its child
     sib = (child ^ 1) << lg  # the sibling's start
-    lo = tl.zeros_like(p)
+    lo = tl.zeros_like(p)  # x's place among the sibling's ext indices lies in [lo, hi]
     hi = tl.minimum(tl.maximum(N - sib, 0), half)  # the sibling's length
-    for _ in range(lg + 1):  # lower bound of x among the sibling's ext indices
-        act = pm & (lo < hi)
-        mid = (lo + hi) >> 1
-        v = tl.load(ORD + orow + (level + 1) * N + sib + mid, mask=act, other=0)
-        less = v < x
-        lo = tl.where(act & less, mid + 1, lo)
-        hi = tl.where(act & ~less, mid, hi)
+    cut = tl.arange(1, 5)[None, :]  # [1, 4]: four probes a round split [lo, hi] in five
+    for _ in range(lg // 2 + 2):  # spans 2**lg -> ceil(span / 5) -> ... -> 0
+        q = lo[:, None] + ((hi - lo)[:, None] * cut) // 5  # [BLK, 4]
+        act = (pm & (lo < hi))[:, None] & (q < hi[:, None])
+        less = tl.load(ORD + orow + (level + 1) * N + sib[:, None] + q, mask=act, other=0) < x[:, None]
+        lo = tl.maximum(lo, tl.max(tl.where(act & less, q + 1, 0), axis=1))
+        hi = tl.minimum(hi, tl.min(tl.where(act & ~less, q, N), axis=1))
     out = ((child >> 1) << (lg + 1)) + i + lo  # the parent's start + place
     z = tl.where((child & 1) == 0, i + 1, lo)  # left-child items up to and including it
     sib_m = pm & (lo > 0)
