@@ -160,8 +160,10 @@ def breakpoints_kernel(
     t1 = u
     t2 = u - 1.0
     # Five prefix lengths of the ranks, by binary searches interleaved in one loop (latency-bound).
-    rv1, rw1, ge2, rv2, rw2 = (tl.zeros_like(r) for _ in range(5))
-    h1, h2, h3, h4, h5 = (tl.zeros_like(r) + nval for _ in range(5))
+    lo = tl.zeros_like(r)
+    hi = lo + nval
+    rv1, rw1, ge2, rv2, rw2 = lo, lo, lo, lo, lo
+    h1, h2, h3, h4, h5 = hi, hi, hi, hi, hi
     for _ in range(ITERS):
         rv1, h1 = _search_step(SCORE, row, rv1, h1, t1, 0)  # u > t1
         rw1, h2 = _search_step(SCORE, row, rw1, h2, t1, 2)  # u - 1 > t1
