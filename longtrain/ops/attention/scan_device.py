@@ -34,8 +34,8 @@ from longtrain.ops.attention import scan_device_kernels as kern
 from longtrain.ops.attention.scan import DeviceScan
 from longtrain.ops.attention.wavelet import empty_wavelet_tree, merge_levels
 
-TILE = 1024  # entries (ranks, items) per program of the per-entry kernels
-PROBES = 4  # f evaluations per round of tau's search (a power of two): 5-ary, fewer dependent rounds
+TILE = 128  # entries (ranks, items) per program of the per-entry kernels: programs for every SM
+PROBES = 1  # f evaluations per round of tau's search (a power of two; 1: binary, the least work)
 INF = float("inf")
 MASK63 = (1 << 63) - 1
 INT64_MAX = (1 << 63) - 1
@@ -251,7 +251,7 @@ def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, n_queries, 
     qrank, tau_end = new(B, L + 1), new(B, dtype=torch.float64)
     bq = 64 if B * (L + 1) >= 64 * 256 else 32  # small rows: more, smaller programs
     kern.queries_kernel[(triton.cdiv(L + 1, bq), B)](
-        tree.zeros, tree.score_sum, tree.hash_sum, bpt, bprv, bprw, cc, cs, score, by_rank, pos_ext, nvalid, seen,
+        tree.zeros, tree.left, tree.hash_sum, bpt, bprv, bprw, cc, cs, score, by_rank, pos_ext, nvalid, seen,
         lengths, theta_u, theta_pos, tau, n_active, fp, qrank, tau_end,
         N, NM, K, L, LV, _search_rounds(2 * NM, PROBES), delta, lag, BQ=bq, NP=PROBES, num_warps=bq // 32,
     )
@@ -283,7 +283,7 @@ def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, n_queries, 
     # The next threshold state: the carried and new scores above tau after the chunk, descending.
     kern.finish_kernel[(B,)](tot, tau_end, overflow.contiguous(), thr_out, thr["thr_saturated"].view(torch.uint8),
                              thr["thr_count"], thr["tau"], thr["thr_sum"], thr["overflow"], final_pool, K, cap, NT,
-                             NTP=NTP, BLK=TILE)
+                             NTP=NTP, BLK=1024)
     return out
 
 

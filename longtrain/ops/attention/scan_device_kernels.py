@@ -184,7 +184,7 @@ def breakpoints_kernel(
 
 
 @triton.jit
-def _f_at(ZER, SS, BPT, BPRV, BPRW, CC, CS, zrow, srow, brow, crow, j, m, P, LV, NM):
+def _f_at(LEFT, BPT, BPRV, BPRW, CC, CS, zrow, brow, crow, j, m, P, LV, NM):
     """f(t_j) = sum clamp(u - t_j, 0, 1) over the query's candidates, and the pieces that make it.
 
     j, m: [BQ, NP] breakpoints (probes) per query. The 2 NP tree descents (u > t and u - 1 > t at
@@ -195,7 +195,7 @@ def _f_at(ZER, SS, BPT, BPRV, BPRW, CC, CS, zrow, srow, brow, crow, j, m, P, LV,
     sat = (tl.arange(0, 2) == 1)[None, None, :]  # [1, 1, 2]: u > t, u - 1 > t (saturated)
     rho = tl.where(sat, rw[:, :, None], rv[:, :, None])  # [BQ, NP, 2]
     m3 = m[:, :, None] & (rho >= 0)
-    cnt, ssum = tree_count_below(ZER, SS, zrow, srow, tl.where(m3, P[:, None, None], 0), rho, LV, NM)
+    cnt, ssum = tree_count_below(LEFT, zrow, tl.where(m3, P[:, None, None], 0), rho, LV, NM)
     cnt += tl.load(CC + crow + rho, mask=m3, other=0)
     ssum += tl.load(CS + crow + rho, mask=m3, other=0.0)
     cv = tl.sum(tl.where(sat, 0, cnt), axis=2)
@@ -208,7 +208,7 @@ def _f_at(ZER, SS, BPT, BPRV, BPRW, CC, CS, zrow, srow, brow, crow, j, m, P, LV,
 
 @triton.jit
 def queries_kernel(
-    ZER, SS, HS,  # the wavelet tree
+    ZER, LEFT, HS,  # the wavelet tree
     BPT, BPRV, BPRW, CC, CS,  # breakpoints [B, 2 NM] and offsets [B, NM+1]
     SCORE, BY_RANK, POS, NVALID, SEEN, LENGTHS,
     THETA_U, THETA_POS, TAU, NACT, FP,  # out [B, L], padded queries: nothing selected
@@ -232,7 +232,7 @@ def queries_kernel(
     P = tl.where(qm, K + n_vis, 0)
     # Candidates: those before the chunk's stream, plus the valid stream items seen (two prefixes).
     two = tl.arange(0, 2)[None, :]
-    cnt, _ = tree_count_below(ZER, SS, zrow, srow, tl.where(two == 0, P[:, None], K), two * 0 + nval, LV, NM)
+    cnt, _ = tree_count_below(LEFT, zrow, tl.where(two == 0, P[:, None], K), two * 0 + nval, LV, NM)
     ncand = tl.maximum(tl.load(SEEN + b) - LAG + 1, 0) + tl.sum(tl.where(two == 0, cnt, -cnt), axis=1)
 
     # theta: the K-th best among the first P; the fingerprint sums the hashes at or above it.
@@ -260,26 +260,27 @@ def queries_kernel(
         span = (jhi - jlo)[:, None]
         probe = tl.minimum(jlo[:, None] + tl.maximum(span * p1 // (NP + 1), 1), jhi[:, None] - 1)  # [BQ, NP]
         active = (need & (jhi - jlo > 1))[:, None] & (p1 > 0)
-        f, _, _, _, _, _ = _f_at(ZER, SS, BPT, BPRV, BPRW, CC, CS, zrow, srow, brow, crow, probe, active, Pn, LV, NM)
+        f, _, _, _, _, _ = _f_at(LEFT, BPT, BPRV, BPRW, CC, CS, zrow, brow, crow, probe, active, Pn, LV, NM)
         gt = active & (f > K)  # f descends along the breakpoints
         jlo = tl.maximum(jlo, tl.max(tl.where(gt, probe, -1), axis=1))
         jhi = tl.minimum(jhi, tl.min(tl.where(active & ~gt, probe, NBP), axis=1))
     # The piece [t_j, t_j+1]; at j + 1 only the count above matters (|A| below).
     j = tl.maximum(jlo, 0)
-    jj = j[:, None] + tl.minimum(p1 - 1, 1)  # [BQ, NP]: j, j + 1, j + 1, ...
-    f, t, cv, sv, cw, sw = _f_at(ZER, SS, BPT, BPRV, BPRW, CC, CS, zrow, srow, brow, crow, jj,
-                                 need[:, None] & (jj < NBP) & (p1 <= 2), Pn, LV, NM)
-    first = p1 == 1
+    nxt = tl.arange(0, 2)[None, :]  # [1, 2]: j, j + 1
+    jj = j[:, None] + nxt
+    f, t, cv, sv, cw, sw = _f_at(LEFT, BPT, BPRV, BPRW, CC, CS, zrow, brow, crow, jj, need[:, None] & (jj < NBP),
+                                 Pn, LV, NM)
+    first = nxt == 0
     t_at = tl.sum(tl.where(first, t, 0.0), axis=1)
     cw = tl.sum(tl.where(first, cw, 0), axis=1)
     n_frac = tl.sum(tl.where(first, cv, 0), axis=1) - cw
     tau = (tl.sum(tl.where(first, sv - sw, 0.0), axis=1) + cw.to(tl.float64) - K) / tl.maximum(n_frac, 1).to(tl.float64)
     has_next = need & (j + 1 < NBP)
-    t_next = tl.where(has_next, tl.sum(tl.where(p1 == 2, t, 0.0), axis=1), float("inf"))
+    t_next = tl.where(has_next, tl.sum(tl.where(first, 0.0, t), axis=1), float("inf"))
     tau = tl.minimum(tl.maximum(tau, t_at), t_next)
     # |A| = #{tau < u < tau + 1}: when tau lands on the next breakpoint, scores equal to it have
     # p = 0; the candidates with u > t_next are the fractional ones then.
-    cv_next = tl.sum(tl.where(p1 == 2, cv, 0), axis=1)
+    cv_next = tl.sum(tl.where(first, 0, cv), axis=1)
     n_act = tl.where(tau == t_next, cv_next - cw, n_frac)
     tau = tl.where(need, tau, -float("inf"))
     n_act = tl.where(need, n_act, 0)

@@ -17,7 +17,7 @@ A descent reads one entry per level: the first m items of a node (ext < P) put z
 them in the left child, which are its first ones (children are sorted by ext index too).
 
 Building a level is one merge per child pair: each item's place in its parent is its own index plus
-the number of the sibling's items with a smaller ext index (a 5-ary search), and the parent's
+the number of the sibling's items with a smaller ext index (a binary search), and the parent's
 prefix sums are the two children's prefix sums at the split: no scan, no sort. The low levels
 (nodes up to a tile) run in one launch, a tile per program; each higher level is a launch.
 """
@@ -30,14 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
-MERGE_TILE = 1024  # positions per program of the low levels (a power of two)
-UPPER_TILE = 256  # positions per program of a high level
+MERGE_TILE = 256  # positions per program of the low levels (a power of two)
+UPPER_TILE = 128  # positions per program of a high level
 
 
 @dataclass
 class WaveletTree:
     order: torch.Tensor  # [B, LV+1, N] int32: each level's items (ext indices); level LV is the rank order
     zeros: torch.Tensor  # [B, LV, N] int32: left-child items among the node's first p - start + 1
+    left: torch.Tensor  # [B, LV, N, 2] int64: (zeros, float64 bits of those items' score sum), side by side
     score_sum: torch.Tensor  # [B, LV+1, N] float64: their scores' in-node inclusive prefix sum, per level
     hash_sum: torch.Tensor  # [B, LV+1, N] int64: the same for hashes (wrapping)
 
@@ -52,17 +53,18 @@ def wavelet_levels(n: int) -> int:
 
 
 @triton.jit
-def tree_count_below(Z, SS, zrow, srow, P, rho, LV, N):
+def tree_count_below(LEFT, zrow, P, rho, LV, N):
     """Count and score sum of the items among the first P (ext order) whose rank is below rho."""
     s = tl.zeros_like(P)  # the node's start (its first rank and position)
     m = P  # its items with ext index < P: its first m
     cnt = tl.zeros_like(P)
     ssum = tl.zeros(P.shape, tl.float64)
     for level in range(LV):
-        z = tl.load(Z + zrow + level * N + s + m - 1, mask=m > 0, other=0)  # of them in the left child
         right = ((rho >> (LV - 1 - level)) & 1) == 1  # the left child's items all rank below rho
+        rec = LEFT + 2 * (zrow + level * N + s + m - 1)
+        z = tl.load(rec, mask=m > 0, other=0).to(tl.int32)  # of them in the left child
+        ssum += tl.load(rec + 1, mask=right & (m > 0), other=0).to(tl.float64, bitcast=True)
         cnt += tl.where(right, z, 0)
-        ssum += tl.load(SS + srow + (level + 1) * N + s + z - 1, mask=right & (z > 0), other=0.0)
         s = tl.where(right, s + (1 << (LV - 1 - level)), s)
         m = tl.where(right, m - z, z)
     return cnt, ssum
@@ -85,7 +87,7 @@ def tree_quantile(Z, HS, zrow, hrow, P, r, LV, N):
 
 
 @triton.jit
-def _merge_level(ORD, ZER, SS, HS, orow, zrow, srow, p, pm, level, LV, N):
+def _merge_level(ORD, ZER, LEFT, SS, HS, orow, zrow, srow, p, pm, level, LV, N):
     """Build level `level` from level + 1 at positions p: each item's place in the merged parent."""
     lg = LV - 1 - level  # children hold 2**lg ranks
     half = 1 << lg
@@ -96,20 +98,25 @@ def _merge_level(ORD, ZER, SS, HS, orow, zrow, srow, p, pm, level, LV, N):
     child = p >> lg
     i = p - (child << lg)  # index in its child
     sib = (child ^ 1) << lg  # the sibling's start
-    lo = tl.zeros_like(p)  # x's place among the sibling's ext indices lies in [lo, hi]
+    lo = tl.zeros_like(p)
     hi = tl.minimum(tl.maximum(N - sib, 0), half)  # the sibling's length
-    cut = tl.arange(1, 5)[None, :]  # [1, 4]: four probes a round split [lo, hi] in five
-    for _ in range(lg // 2 + 2):  # spans 2**lg -> ceil(span / 5) -> ... -> 0
-        q = lo[:, None] + ((hi - lo)[:, None] * cut) // 5  # [BLK, 4]
-        act = (pm & (lo < hi))[:, None] & (q < hi[:, None])
-        less = tl.load(ORD + orow + (level + 1) * N + sib[:, None] + q, mask=act, other=0) < x[:, None]
-        lo = tl.maximum(lo, tl.max(tl.where(act & less, q + 1, 0), axis=1))
-        hi = tl.minimum(hi, tl.min(tl.where(act & ~less, q, N), axis=1))
+    for _ in range(lg + 1):  # lower bound of x among the sibling's ext indices
+        act = pm & (lo < hi)
+        mid = (lo + hi) >> 1
+        less = tl.load(ORD + orow + (level + 1) * N + sib + mid, mask=act, other=0) < x
+        lo = tl.where(act & less, mid + 1, lo)
+        hi = tl.where(act & ~less, mid, hi)
     out = ((child >> 1) << (lg + 1)) + i + lo  # the parent's start + place
-    z = tl.where((child & 1) == 0, i + 1, lo)  # left-child items up to and including it
+    is_left = (child & 1) == 0
+    z = tl.where(is_left, i + 1, lo)  # left-child items up to and including it
     sib_m = pm & (lo > 0)
-    sp += tl.load(SS + srow + (level + 1) * N + sib + lo - 1, mask=sib_m, other=0.0)
+    sib_sp = tl.load(SS + srow + (level + 1) * N + sib + lo - 1, mask=sib_m, other=0.0)
+    own = sp
+    sp += sib_sp
     hp += tl.load(HS + srow + (level + 1) * N + sib + lo - 1, mask=sib_m, other=0)
+    rec = LEFT + 2 * (zrow + level * N + out)  # (z, their score sum): one sector per descent step
+    tl.store(rec, z.to(tl.int64), mask=pm)
+    tl.store(rec + 1, tl.where(is_left, own, sib_sp).to(tl.int64, bitcast=True), mask=pm)
     tl.store(ORD + orow + level * N + out, x, mask=pm)
     tl.store(ZER + zrow + level * N + out, z, mask=pm)
     tl.store(SS + srow + level * N + out, sp, mask=pm)
@@ -117,7 +124,7 @@ def _merge_level(ORD, ZER, SS, HS, orow, zrow, srow, p, pm, level, LV, N):
 
 
 @triton.jit
-def _merge_levels_kernel(ORD, ZER, SS, HS, N, LV, TOP, NLEV, BLK: tl.constexpr):
+def _merge_levels_kernel(ORD, ZER, LEFT, SS, HS, N, LV, TOP, NLEV, BLK: tl.constexpr):
     """Levels TOP-1 down to TOP-NLEV for one tile of positions (grid: tiles, rows).
 
     With NLEV > 1 every node built must fit in the tile: the program reads only what it wrote."""
@@ -127,7 +134,7 @@ def _merge_levels_kernel(ORD, ZER, SS, HS, N, LV, TOP, NLEV, BLK: tl.constexpr):
     orow = b * (LV + 1) * N
     zrow = b * LV * N
     for k in range(NLEV):
-        _merge_level(ORD, ZER, SS, HS, orow, zrow, orow, p, pm, TOP - 1 - k, LV, N)
+        _merge_level(ORD, ZER, LEFT, SS, HS, orow, zrow, orow, p, pm, TOP - 1 - k, LV, N)
         tl.debug_barrier()  # the next level reads this one's stores, made by other threads
 
 
@@ -137,6 +144,7 @@ def empty_wavelet_tree(B: int, N: int, device) -> WaveletTree:
     return WaveletTree(
         order=torch.empty(B, LV + 1, N, dtype=torch.int32, device=device),
         zeros=torch.empty(B, LV, N, dtype=torch.int32, device=device),
+        left=torch.empty(B, LV, N, 2, dtype=torch.int64, device=device),
         score_sum=torch.empty(B, LV + 1, N, dtype=torch.float64, device=device),
         hash_sum=torch.empty(B, LV + 1, N, dtype=torch.int64, device=device),
     )
@@ -145,7 +153,7 @@ def empty_wavelet_tree(B: int, N: int, device) -> WaveletTree:
 def merge_levels(tree: WaveletTree) -> WaveletTree:
     """Levels LV-1 .. 0 from the leaves: one launch for the low levels, one per higher level."""
     B, LV, N = tree.zeros.shape
-    args = (tree.order, tree.zeros, tree.score_sum, tree.hash_sum, N, LV)
+    args = (tree.order, tree.zeros, tree.left, tree.score_sum, tree.hash_sum, N, LV)
     low = min(LV, MERGE_TILE.bit_length() - 1)  # levels whose nodes fit in a tile
     _merge_levels_kernel[(triton.cdiv(N, MERGE_TILE), B)](*args, LV, low, BLK=MERGE_TILE)
     for level in range(LV - low - 1, -1, -1):
@@ -175,6 +183,7 @@ def build_wavelet_tree_reference(by_rank: torch.Tensor, score: torch.Tensor, has
     rank = torch.arange(N, device=dev).expand(B, N)
     order_all = torch.empty(B, LV + 1, N, dtype=torch.int32, device=dev)
     zeros = torch.empty(B, LV, N, dtype=torch.int32, device=dev)
+    left = torch.empty(B, LV, N, 2, dtype=torch.int64, device=dev)
     score_sum = torch.empty(B, LV + 1, N, dtype=torch.float64, device=dev)
     hash_sum = torch.empty(B, LV + 1, N, dtype=torch.int64, device=dev)
     for level in range(LV + 1):
@@ -191,5 +200,8 @@ def build_wavelet_tree_reference(by_rank: torch.Tensor, score: torch.Tensor, has
         score_sum[:, level] = in_node(s)
         hash_sum[:, level] = in_node(h)
         if level < LV:
-            zeros[:, level] = in_node(((r >> (LV - 1 - level)) & 1 == 0).long()).int()
-    return WaveletTree(order_all, zeros, score_sum, hash_sum)
+            is_left = (r >> (LV - 1 - level)) & 1 == 0
+            zeros[:, level] = in_node(is_left.long()).int()
+            left[:, level, :, 0] = zeros[:, level]
+            left[:, level, :, 1] = in_node(torch.where(is_left, s, 0.0)).view(torch.int64)
+    return WaveletTree(order_all, zeros, left, score_sum, hash_sum)
