@@ -112,7 +112,7 @@ def main() -> None:
         table.add_row(f"{r['rows']} x {r['tokens']:,}", f"{r['host_ms']:.2f}", f"{r['device_ms']:.2f}",
                       f"{r['device_eager_ms']:.2f}",
                       f"{r['speedup']:.1f}x", "yes" if same else "NO", f"{r['max_abs_tau_diff']:.1e}")
-    Console().print(table)
+    Console(width=160).print(table)  # wide: the table stays one line a row in logs
     a.json.write_text(json.dumps({"k": K, "w": W, "block": BLOCK, "device": torch.cuda.get_device_name(),
                                   "results": rows}, indent=2))
 

@@ -1,26 +1,33 @@
 """The selection scan on the tensors' own device (the GPU): scan.scan_chunk's results without heaps.
 
 The CPU scan (scan.py, compiled in scan_numba.py) walks the candidates one by one. Here every query
-is answered on its own, in parallel, from structures built once per chunk:
+is answered on its own, in parallel, from structures built once per chunk, in a fixed sequence of
+launches (scan_device_kernels.py) and no host synchronisation:
 
-  - Items: the row's extended layout [pool K][tail W-1][chunk L] in order, each with a key
-    (u, position) packed into one int64, so sorting keys is the strict total order of the
-    selection (ties to the larger position). Ranks come from one sort.
-  - theta_i is the k-th best item among the first K + n_i items (pool plus the candidates query i
-    sees): a quantile in a wavelet matrix over the ranks (wavelet.py), O(log N) per query. The top-k
-    set S_i is exactly the items ranked at or above it, so its fingerprint is a hash prefix sum.
+  - Entries: the row's items in the extended layout [pool K][tail W-1][chunk L], then the carried
+    threshold scores. One stable sort of int32 keys (u descending) gives the rank order; ties go to
+    the larger ext index, which is the larger position (the op lays the pool out ascending).
+  - A wavelet tree over the ranks (wavelet.py), built by bottom-up merges of the rank order:
+    theta_i, the k-th best item among the first K + n_i (pool plus the candidates query i sees), is
+    one descent, O(log N); the top-k set S_i is the items ranked at or above it, so its fingerprint
+    is a hash sum read on the way down.
   - tau_i solves f_i(t) = sum_{j in C_i} clamp(u_j - t, 0, 1) = k. f_i is piecewise linear with
-    breakpoints at every u and u - 1; a binary search over all breakpoints of the chunk finds the
-    last t with f_i(t) > k, each f_i(t) being two wavelet prefix sums (the items with u > t and those
-    with u - 1 > t). On that piece tau = (sum of fractional u + #saturated - k) / #fractional, the
-    CPU scan's formula. O(log^2 N) per query.
-  - The carried threshold state (scores above the previous tau, no positions) enters f as
-    per-breakpoint offsets, and the pool at each block start is the items ranked at or above that
-    block's first theta: one interval of blocks per item, expanded without a host sync.
+    breakpoints at every u and u - 1 (items and carried scores): both lists are sorted by rank, so
+    their merge is a binary search per entry, not a float64 sort. A binary search over the
+    breakpoints finds the last t with f_i(t) > k, each f_i(t) being one tree descent of two prefix
+    counts (u > t, u - 1 > t); the carried scores enter (and the pool leaves) f as prefix sums over
+    the ranks. On that piece tau = (sum of fractional u + #saturated - k) / #fractional, the CPU
+    scan's formula. O(log^2 N) per query.
+  - The pools: item s is pooled in one interval of blocks [enter, leave); at each block start the
+    r-th key to enter (ext order) takes the slot of the r-th to leave (worst first), the others
+    fresh slots: stable slots from prefix sums and a few pointer-jumping launches. The threshold
+    state after the chunk is the kept scores in rank order: a compaction, no sort.
 
-Selection (theta, pools, fingerprints) is exact: integer ranks. tau agrees with the CPU scan up to
-rounding (prefix sums instead of running sums), which the tests bound. No host synchronisation.
-Scores must be float32 or narrower: a key holds the float32 bits (float64 scores use the CPU scan).
+Selection (theta, pools, fingerprints, |A|) is exact: integer ranks. tau agrees with the CPU scan up
+to rounding (prefix sums instead of running sums), which the tests bound. Scores must be float32 or
+narrower: a key holds the float32 bits (float64 scores use the CPU scan); the carried scores are
+float32 values. Not reproduced: a carried tau that no breakpoint of the carried state fixes (the
+state holds exactly k saturated scores, ties) - the call has no argument for the previous tau.
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def position_hash_tensor(pos: torch.Tensor) -> torch.Tensor:
-    """scan.position_hash (splitmix64, masked to 63 bits) of an int64 tensor, wrapping arithmetic."""
+    """scan.position_hash (splitmix64, masked to 63 bits) of an int64 tensor, wrapping arithmetic
+    (the torch twin of the kernels' _position_hash)."""
     x = pos.to(torch.int64) + _i64(0x9E3779B97F4A7C15)
     x = (x ^ _shr(x, 30)) * _i64(0xBF58476D1CE4E5B9)
     x = (x ^ _shr(x, 27)) * _i64(0x94D049BB133111EB)
@@ -61,7 +69,9 @@ def position_hash_tensor(pos: torch.Tensor) -> torch.Tensor:
 
 
 def pack_keys(u: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """(u, position) as one int64 whose order is (u, position)'s; invalid (pos < 0) -> INT64_MIN."""
+    """(u, position) as one int64 whose order is (u, position)'s; invalid (pos < 0) -> INT64_MIN.
+
+    The selection's order in one key; sort_keys gets the same order from u alone and a stable sort."""
     u32 = u.to(torch.float32) + 0.0  # -0.0 -> +0.0: the CPU scan compares them as equal
     bits = u32.view(torch.int32).to(torch.int64)
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone in u, still signed
@@ -147,7 +157,7 @@ def _output_views(flat: torch.Tensor | None, B, L, nb, K, cap, device=None) -> D
         threshold=dict(thr_u=t["thr_u"], thr_saturated=t["thr_saturated"], thr_count=t["thr_count"], tau=t["thr_tau"],
                        thr_sum=t["thr_sum"], overflow=t["overflow"]),
     )
-    scan.flat, scan.dims = flat, dict(B=B, L=L, nb=nb, K=K, cap=cap)
+    scan.flat, scan.dims = flat, dict(B=B, L=L, nb=nb, K=K, cap=cap)  # for the graph's one copy
     return scan
 
 
