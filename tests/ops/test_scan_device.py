@@ -82,7 +82,7 @@ def check_device_scan(B, L, k, w, block, chunks, ties, cap):
         got = scan_chunk_device(
             u_ext.to(DEV), pos_ext.to(DEV), thr_u=cache.thr_u.to(DEV), thr_count=cache.thr_count.to(DEV),
             overflow=cache.overflow.to(DEV), seen=cache.seen.to(DEV), lengths=lengths.to(DEV), n_queries=L,
-            topk=k, window=w, block=block,
+            topk=k, window=w, block=block, tau_prev=cache.tau.to(DEV),
         )
         got_cpu = {f: getattr(got, f).cpu() for f in ("theta_u", "theta_pos", "fingerprint", "tau", "n_active",
                                                       "block_pool", "final_pool")}
@@ -120,6 +120,35 @@ def check_device_scan(B, L, k, w, block, chunks, ties, cap):
                 assert torch.equal(thr["thr_u"][b, :n].sort().values, want["thr_u"][b, :n].sort().values)
         # Continue from the reference's state, so every chunk is checked from the same start.
         cache = next_cache(cache, u_ext, pos_ext, lengths, final, want)
+
+
+def test_device_scan_keeps_the_carried_tau_where_it_is_not_unique():
+    """k tied saturated scores carried, then only low candidates: sum clamp(u - t, 0, 1) = k on a whole
+    interval of t. The CPU scan keeps the carried tau there (tau never decreases); so must the device."""
+    B, L, k, w, block = 1, 8, 2, 1, 4
+    cache = SparseKCache.empty(B, k, w, 1, 4)
+    for u in (torch.tensor([[10.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]),  # tau = 0: two saturated, none fractional
+              torch.tensor([[-5.0, -6.0, -5.5, -7.0, -5.0, -6.5, -8.0, -5.2]])):  # all below the carried tau
+        lengths = torch.full((B,), L)
+        u_ext, pos_ext = layout(cache, u, lengths)
+        ref = scan_chunk_numba(
+            u_ext.double().numpy(), pos_ext.numpy(), cache.row_states(), seen=cache.seen.numpy(),
+            lengths=lengths.numpy(), n_queries=L, topk=k, window=w, cap=cache.cap, block=block,
+            ext_of_first_chunk_token=k + cache.tail_slots,
+        )
+        got = scan_chunk_device(
+            u_ext.to(DEV), pos_ext.to(DEV), thr_u=cache.thr_u.to(DEV), thr_count=cache.thr_count.to(DEV),
+            overflow=cache.overflow.to(DEV), seen=cache.seen.to(DEV), lengths=lengths.to(DEV), n_queries=L,
+            topk=k, window=w, block=block, tau_prev=cache.tau.to(DEV),
+        )
+        assert torch.equal(got.tau.cpu(), torch.from_numpy(ref.tau))
+        assert torch.equal(got.n_active.cpu(), torch.from_numpy(ref.n_active))
+        want = cache.threshold_tensors(ref.states)
+        assert torch.equal(got.threshold["tau"].cpu(), want["tau"])
+        final = torch.full((B, k), -1, dtype=torch.int64)
+        final[0, : len(ref.final_pool[0])] = torch.tensor(sorted(ref.final_pool[0]), dtype=torch.int64)
+        cache = next_cache(cache, u_ext, pos_ext, lengths, final, want)
+    assert float(want["tau"][0]) == 0.0  # the second chunk kept the carried tau
 
 
 def test_device_scan_reports_overflow_at_the_cap():

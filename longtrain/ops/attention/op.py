@@ -167,7 +167,7 @@ def sparsek_attention_chunk(
         sel = scan_chunk_device(
             u_ext, pos_ext, thr_u=cache.thr_u.to(dev), thr_count=cache.thr_count.to(dev),
             overflow=cache.overflow.to(dev), seen=seen, lengths=lengths, n_queries=L, topk=topk,
-            window=window, block=block,
+            window=window, block=block, tau_prev=cache.tau.to(dev),
         )
     else:
         sel = _host_scan(u_ext, pos_ext, cache, seen, lengths, L, topk, window, block)

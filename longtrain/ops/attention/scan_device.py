@@ -26,8 +26,9 @@ launches (scan_device_kernels.py) and no host synchronisation:
 Selection (theta, pools, fingerprints, |A|) is exact: integer ranks. tau agrees with the CPU scan up
 to rounding (prefix sums instead of running sums), which the tests bound. Scores must be float32 or
 narrower: a key holds the float32 bits (float64 scores use the CPU scan); the carried scores are
-float32 values. Not reproduced: a carried tau that no breakpoint of the carried state fixes (the
-state holds exactly k saturated scores, ties) - the call has no argument for the previous tau.
+float32 values. Where f_i equals k on a whole interval (no fractional candidates) tau is not unique;
+as the CPU scan, tau never goes below the carried tau (tau_prev), which keeps it non-decreasing
+across chunks after the carried state has dropped the scores below it.
 """
 
 from __future__ import annotations
@@ -99,10 +100,13 @@ def scan_chunk_device(
     topk: int,
     window: int,
     block: int,
+    tau_prev: torch.Tensor | None = None,  # [B] float64: the carried tau (None: -inf, a fresh cache)
 ) -> DeviceScan:
     """scan.scan_chunk for one chunk, on u_ext's device; same results (tau up to rounding)."""
+    if tau_prev is None:
+        tau_prev = torch.full((u_ext.shape[0],), -INF, dtype=torch.float64, device=u_ext.device)
     inputs = dict(u_ext=u_ext.detach(), pos_ext=pos_ext, thr_u=thr_u, thr_count=thr_count, overflow=overflow,
-                  seen=seen, lengths=lengths)
+                  seen=seen, lengths=lengths, tau_prev=tau_prev.to(torch.float64))
     static = dict(n_queries=n_queries, topk=topk, window=window, block=block)
     if not (CUDA_GRAPHS and u_ext.is_cuda):
         return _scan(**inputs, **static)
@@ -214,7 +218,8 @@ def breakpoints_reference(score: torch.Tensor, nvalid: torch.Tensor):
     return bpt, torch.where(pad, 0, rv).int(), torch.where(pad, 0, rw).int()
 
 
-def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, n_queries, topk, window, block) -> DeviceScan:
+def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, tau_prev, n_queries, topk, window,
+          block) -> DeviceScan:
     """scan_chunk_device's work: a fixed sequence of launches, no host synchronisation."""
     B, N = u_ext.shape
     K, L, cap = topk, n_queries, thr_u.shape[1]
@@ -262,7 +267,7 @@ def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, n_queries, 
     bq = 64 if B * (L + 1) >= 64 * 256 else 32  # small rows: more, smaller programs
     kern.queries_kernel[(triton.cdiv(L + 1, bq), B)](
         tree.zeros, tree.left, tree.hash_sum, bpt, bprv, bprw, cc, cs, score, by_rank, pos_ext, nvalid, seen,
-        lengths, theta_u, theta_pos, tau, n_active, fp, qrank, tau_end,
+        lengths, tau_prev, theta_u, theta_pos, tau, n_active, fp, qrank, tau_end,
         N, NM, K, L, LV, _search_rounds(2 * NM, PROBES), delta, lag, BQ=bq, NP=PROBES, num_warps=bq // 32,
     )
 

@@ -210,7 +210,7 @@ def _f_at(LEFT, BPT, BPRV, BPRW, CC, CS, zrow, brow, crow, j, m, P, LV, NM):
 def queries_kernel(
     ZER, LEFT, HS,  # the wavelet tree
     BPT, BPRV, BPRW, CC, CS,  # breakpoints [B, 2 NM] and offsets [B, NM+1]
-    SCORE, BY_RANK, POS, NVALID, SEEN, LENGTHS,
+    SCORE, BY_RANK, POS, NVALID, SEEN, LENGTHS, TAU_PREV,
     THETA_U, THETA_POS, TAU, NACT, FP,  # out [B, L], padded queries: nothing selected
     QRANK, TAU_END,  # out [B, L+1]: theta's rank (NM: everything selected), [B]: tau after the chunk
     N, NM, K, L, LV, NIT, DELTA, LAG,
@@ -282,6 +282,9 @@ def queries_kernel(
     # p = 0; the candidates with u > t_next are the fractional ones then.
     cv_next = tl.sum(tl.where(first, 0, cv), axis=1)
     n_act = tl.where(tau == t_next, cv_next - cw, n_frac)
+    # Never below the carried tau, the CPU scan's start: below it only where f = k on a whole interval
+    # (no fractional candidates: |A| stays) or by rounding.
+    tau = tl.maximum(tau, tl.load(TAU_PREV + b + c * 0))
     tau = tl.where(need, tau, -float("inf"))
     n_act = tl.where(need, n_act, 0)
 
