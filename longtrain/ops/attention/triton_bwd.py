@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from longtrain.ops.attention.triton_fwd import (
-    band_mode, causal_logits, edge_logits, interior_tiles, load_keys, load_pool_keys, load_queries, masked_logits, pool_logits,
+    band_mode, causal_logits, edge_logits, gather_kv, interior_tiles, load_keys, load_pool_keys, load_queries, masked_logits, pool_logits,
 )
 
 
@@ -56,9 +56,7 @@ def _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau,
         z, g, dmask = causal_logits(s, qp, kp)
     elif FIXED == 3:
         z, g, dmask = edge_logits(s, qp, thu, thp, tau, kp, u, WINDOW, VARIANT, HAS_TOPK)
-    elif FIXED >= 0:
-        z, g, dmask = masked_logits(FIXED, s, qp, thu, thp, tau, kp, u, kvalid, WINDOW, VARIANT, HAS_TOPK)
-    else:
+    else:  # (mode is FIXED itself where FIXED is 0 or 1)
         z, g, dmask = masked_logits(mode, s, qp, thu, thp, tau, kp, u, kvalid, WINDOW, VARIANT, HAS_TOPK)
     z2 = z * (scale * 1.4426950408889634)  # log2 units, as the forward's log-sum-exp (fused into exp2's FMA)
     p = tl.exp2(z2 - lse2)
@@ -263,9 +261,7 @@ def _dkv_pool_kernel(
         nxt = tl.load(PI + po + TOPK + s, mask=sm & (s * 0 + blk + 1 < b1), other=-1)
         valid = idx >= 0
         if tl.max(valid.to(tl.int32), 0) > 0:
-            safe = tl.where(valid, idx, 0)
-            k = tl.load(Kb + safe[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(Vb + safe[:, None] * svn + d[None, :], mask=valid[:, None], other=0.0)
+            k, v = gather_kv(idx, valid, Kb, Vb, skn, svn, D)  # the slots' keys (idx is already here)
             u = tl.load(PU + po + s, mask=sm, other=float("inf"))
             cut = tl.load(CUT + po + s, mask=sm, other=0)
             dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, cut, valid, cut,

@@ -172,12 +172,20 @@ def _cut_kernel(SP, U, POS, QPOS, THU, THP, CUT, PI, PU, sspb, sspn, L, N, NBQ, 
 
 
 @triton.jit
-def load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D: tl.constexpr):
-    """Gather BN key rows (k, v [BN, D], u [BN], positions [BN] int32) at ext indices idx."""
+def gather_kv(idx, valid, Kb, Vb, skn, svn, D: tl.constexpr):
+    """k, v rows [BN, D] at ext indices idx (zeros where not valid)."""
     safe = tl.where(valid, idx, 0)
     d = tl.arange(0, D)
     k = tl.load(Kb + safe[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
     v = tl.load(Vb + safe[:, None] * svn + d[None, :], mask=valid[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D: tl.constexpr):
+    """Gather BN key rows (k, v [BN, D], u [BN], positions [BN] int32) at ext indices idx."""
+    k, v = gather_kv(idx, valid, Kb, Vb, skn, svn, D)
+    safe = tl.where(valid, idx, 0)
     u = tl.load(Ub + safe, mask=valid, other=float("-inf"))
     kp = tl.load(Pb + safe, mask=valid, other=-1).to(tl.int32)
     return k, v, u, kp
@@ -189,11 +197,7 @@ def load_pool_keys(PI, PU, CUT, o, jj, TOPK, Kb, Vb, skn, svn, D: tl.constexpr):
     contiguous scores u (float32) and cuts [BN]."""
     m = jj < TOPK
     idx = tl.load(PI + o + jj, mask=m, other=-1)
-    valid = idx >= 0
-    safe = tl.where(valid, idx, 0)
-    d = tl.arange(0, D)
-    k = tl.load(Kb + safe[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(Vb + safe[:, None] * svn + d[None, :], mask=valid[:, None], other=0.0)
+    k, v = gather_kv(idx, idx >= 0, Kb, Vb, skn, svn, D)
     u = tl.load(PU + o + jj, mask=m, other=float("inf"))
     cut = tl.load(CUT + o + jj, mask=m, other=0)
     return k, v, u, cut
