@@ -67,6 +67,21 @@ def test_device_scan_equals_heap_scan(B, L, k, w, block, chunks, ties, cap):
     check_device_scan(B, L, k, w, block, chunks, ties, cap)
 
 
+def both_scans(cache, u_ext, pos_ext, lengths, L, k, w, block):
+    """One chunk through the compiled CPU heap scan (the reference) and the device scan, from `cache`."""
+    ref = scan_chunk_numba(
+        u_ext.double().numpy(), pos_ext.numpy(), cache.row_states(), seen=cache.seen.numpy(),
+        lengths=lengths.numpy(), n_queries=L, topk=k, window=w, cap=cache.cap, block=block,
+        ext_of_first_chunk_token=k + cache.tail_slots,
+    )
+    got = scan_chunk_device(
+        u_ext.to(DEV), pos_ext.to(DEV), thr_u=cache.thr_u.to(DEV), thr_count=cache.thr_count.to(DEV),
+        overflow=cache.overflow.to(DEV), seen=cache.seen.to(DEV), lengths=lengths.to(DEV), n_queries=L,
+        topk=k, window=w, block=block, tau_prev=cache.tau.to(DEV),
+    )
+    return ref, got
+
+
 def check_device_scan(B, L, k, w, block, chunks, ties, cap):
     rng = np.random.default_rng(B * 1000 + L * 10 + k)
     cache = SparseKCache.empty(B, k, w, 1, 4, cap=cap)
@@ -74,16 +89,7 @@ def check_device_scan(B, L, k, w, block, chunks, ties, cap):
         u = scores(rng, B, L, ties)
         lengths = torch.from_numpy(rng.integers(0, L + 1, size=B)) if ci % 2 else torch.full((B,), L)  # ragged, even empty rows
         u_ext, pos_ext = layout(cache, u, lengths)
-        ref = scan_chunk_numba(
-            u_ext.double().numpy(), pos_ext.numpy(), cache.row_states(), seen=cache.seen.numpy(),
-            lengths=lengths.numpy(), n_queries=L, topk=k, window=w, cap=cache.cap, block=block,
-            ext_of_first_chunk_token=k + cache.tail_slots,
-        )
-        got = scan_chunk_device(
-            u_ext.to(DEV), pos_ext.to(DEV), thr_u=cache.thr_u.to(DEV), thr_count=cache.thr_count.to(DEV),
-            overflow=cache.overflow.to(DEV), seen=cache.seen.to(DEV), lengths=lengths.to(DEV), n_queries=L,
-            topk=k, window=w, block=block, tau_prev=cache.tau.to(DEV),
-        )
+        ref, got = both_scans(cache, u_ext, pos_ext, lengths, L, k, w, block)
         got_cpu = {f: getattr(got, f).cpu() for f in ("theta_u", "theta_pos", "fingerprint", "tau", "n_active",
                                                       "block_pool", "final_pool")}
         # Selection is exact.
@@ -131,16 +137,7 @@ def test_device_scan_keeps_the_carried_tau_where_it_is_not_unique():
               torch.tensor([[-5.0, -6.0, -5.5, -7.0, -5.0, -6.5, -8.0, -5.2]])):  # all below the carried tau
         lengths = torch.full((B,), L)
         u_ext, pos_ext = layout(cache, u, lengths)
-        ref = scan_chunk_numba(
-            u_ext.double().numpy(), pos_ext.numpy(), cache.row_states(), seen=cache.seen.numpy(),
-            lengths=lengths.numpy(), n_queries=L, topk=k, window=w, cap=cache.cap, block=block,
-            ext_of_first_chunk_token=k + cache.tail_slots,
-        )
-        got = scan_chunk_device(
-            u_ext.to(DEV), pos_ext.to(DEV), thr_u=cache.thr_u.to(DEV), thr_count=cache.thr_count.to(DEV),
-            overflow=cache.overflow.to(DEV), seen=cache.seen.to(DEV), lengths=lengths.to(DEV), n_queries=L,
-            topk=k, window=w, block=block, tau_prev=cache.tau.to(DEV),
-        )
+        ref, got = both_scans(cache, u_ext, pos_ext, lengths, L, k, w, block)
         assert torch.equal(got.tau.cpu(), torch.from_numpy(ref.tau))
         assert torch.equal(got.n_active.cpu(), torch.from_numpy(ref.n_active))
         want = cache.threshold_tensors(ref.states)
