@@ -295,14 +295,42 @@ def ncu_step(T=16384, D=64):
     torch.cuda.cudart().cudaProfilerStop()
 
 
-def sweep():
+# Alternatives tried one at a time by --sweep, per head dim: "kernel.setting" keys change LAUNCH[D], plain
+# names change triton_core's globals.
+SWEEP = {
+    64: ({"fwd.PREFETCH": False}, {"dkv.KEY_MAJOR": False}, {"dkv.MQ": 32}, dict(POOL_SEGMENT=16),
+         dict(POOL_SEGMENT=64), {"dkv.num_warps": 8}, {"dq.num_stages": 2}, {"fwd.num_stages": 3, "fwd.PREFETCH": False},
+         {"QUERY_TILE": 128, "fwd.num_warps": 8, "fwd.PREFETCH": False, "dq.BN": 32, "dq.num_warps": 8, "dkv.MQ": 32}),
+    # D = 128: the defaults spill in every kernel (Triton 3.6 sm_90); these do not, or less
+    128: ({"fwd.num_warps": 8}, {"fwd.BN": 32}, {"fwd.BN": 32, "fwd.num_warps": 8}, {"dq.BN": 32},
+          {"dq.BN": 32, "dq.num_warps": 8}, {"dkv.num_warps": 8}, {"dkv.MQ": 16}, {"dkv.BN": 32, "dkv.KEY_MAJOR": False},
+          {"dkv.BN": 32, "dkv.MQ": 64, "dkv.KEY_MAJOR": False}),
+}
+
+
+def apply_settings(cfg: dict, D: int) -> dict:
+    """Set cfg's launch settings for head dim D (see SWEEP); returns what to pass back to undo it."""
+    saved = {}
+    for n, x in cfg.items():
+        if "." in n:
+            kern, key = n.split(".")
+            entry = triton_core.LAUNCH[D][kern]
+            saved[n] = entry.get(key)
+            entry[key] = x
+        else:
+            saved[n] = getattr(triton_core, n)
+            setattr(triton_core, n, x)
+    return saved
+
+
+def sweep(D=64):
     """Time launch settings of the kernels one at a time from triton_core's defaults (fwd+bwd at 16k and 64k);
     keep a change only where it is faster at both."""
     inputs = {}
     for T in (16384, 65536):
         B = max(1, TOKENS // T)
         torch.manual_seed(T)
-        q, k, v = (torch.randn(B, T, H, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         args, kw, _ = core_args(q, k, v, torch.randn(B, T, device="cuda"), topk=K, window=W, variant="hard_k_soft_v")
         inputs[T] = (leaves(args), kw, torch.randn_like(q))
 
@@ -312,30 +340,26 @@ def sweep():
         torch.autograd.grad(o, [a[0], a[1], a[2], a[3], a[8]], do)
 
     def run(cfg):
-        saved = {n: getattr(triton_core, n) for n in cfg}
-        for n, x in cfg.items():
-            setattr(triton_core, n, x)
+        saved = apply_settings(cfg, D)
         try:
-            return dict(cfg, fb16k=bench(lambda: fb(16384)), fb64k=bench(lambda: fb(65536)))
+            return dict(cfg, D=D, fb16k=bench(lambda: fb(16384)), fb64k=bench(lambda: fb(65536)))
+        except Exception as e:  # a setting the compiler rejects: report it, go on
+            return dict(cfg, D=D, error=repr(e)[:200], fb16k=float("inf"), fb64k=float("inf"))
         finally:
-            for n, x in saved.items():
-                setattr(triton_core, n, x)
+            apply_settings(saved, D)
 
     out = {"runs": [run({})]}
     print("sweep", out["runs"][-1], flush=True)
     chosen = {}
-    for cfg in (dict(FWD_PREFETCH=False), dict(DKV_KEY_MAJOR=False), dict(DKV_MQ=32), dict(POOL_SEGMENT=16),
-                dict(POOL_SEGMENT=64), dict(DKV_WARPS=8), dict(DQ_STAGES=2), dict(FWD_STAGES=3, FWD_PREFETCH=False),
-                dict(QUERY_TILE=128, FWD_WARPS=8, FWD_PREFETCH=False, DQ_BN=32, DQ_WARPS=8, DKV_MQ=32)):
+    for cfg in SWEEP[D]:
         r = run(dict(chosen, **cfg))
         out["runs"].append(r)
         print("sweep", r, flush=True)
         if r["fb16k"] < out["runs"][0]["fb16k"] and r["fb64k"] < out["runs"][0]["fb64k"]:
             chosen.update(cfg)
-    for n, x in chosen.items():
-        setattr(triton_core, n, x)
+    apply_settings(chosen, D)
     out["chosen"] = chosen
-    print("chosen", chosen, flush=True)
+    print("chosen", D, chosen, flush=True)
     del inputs
     torch.cuda.empty_cache()
     return out
@@ -347,8 +371,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="T <= 16k, D = 64 only")
     ap.add_argument("--cases", default="", help="only these TxD cases, e.g. 2048x64,65536x128 (split a long run)")
     ap.add_argument("--no-check", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="pick the kernels' launch settings first (D = 64)")
+    ap.add_argument("--sweep", default="", help="pick the kernels' launch settings first at these head dims, e.g. 64,128")
     ap.add_argument("--profile", type=int, default=0, help="profile SparseK fwd+bwd at this T and exit")
+    ap.add_argument("--profile-d", type=int, default=64, help="head dim of --profile")
     ap.add_argument("--ncu", type=int, default=0, help="one SparseK and one Flex step at this T in a profiler range (for ncu)")
     ns = ap.parse_args()
     if not torch.cuda.is_available():
@@ -359,7 +384,7 @@ def main():
     res["triton"] = triton.__version__
     print(f"# {res['device']}  torch {res['torch']}  triton {res['triton']}", flush=True)
     if ns.profile:
-        profile(ns.profile)
+        profile(ns.profile, ns.profile_d)
         return
     if ns.ncu:
         ncu_step(ns.ncu)
@@ -372,7 +397,7 @@ def main():
             ok = all(x <= 5e-3 for x in e.values())
             print("check", c, " ".join(f"{n}={x:.1e}" for n, x in e.items()), "OK" if ok else "FAIL", flush=True)
     if ns.sweep:
-        res["sweep"] = sweep()
+        res["sweep"] = {D: sweep(int(D)) for D in ns.sweep.split(",")}
     Ts = [2048, 4096, 8192, 16384] + ([] if ns.quick else [32768, 65536, 131072])
     cases = [(T, 64) for T in Ts] + ([] if ns.quick else [(T, 128) for T in (4096, 16384, 65536)])
     if ns.cases:
@@ -391,7 +416,7 @@ def main():
         "|  T  |  B |  D | SK fwd | SK f+b | SDPA f+b | Flex-SW1024 f+b | naive f+b | SDPA/SK | SK/Flex "
         "| scan ms (GPU) | SK TFLOP/s f+b | extra MiB |"
     )
-    settings = res.get("sweep", {}).get("chosen", "default")
+    settings = {D: s["chosen"] for D, s in res.get("sweep", {}).items()} or "default"
     print(f"\n{res['device']}, bf16, H={H}, k=w={K}, ms (do_bench medians); settings {settings}\n")
     print(hdr)
     print("|---" * (hdr.count("|") - 1) + "|")

@@ -3,11 +3,12 @@
     mkdir -p /tmp/old /tmp/new
     git archive OLD_REV | tar -x -C /tmp/old; git archive NEW_REV | tar -x -C /tmp/new
     (cd /tmp/old && PYTHONPATH=/tmp/old python /tmp/new/benchmarks/kernels_ab.py old /tmp/old)
-    (cd /tmp/new && PYTHONPATH=/tmp/new python /tmp/new/benchmarks/kernels_ab.py new /tmp/new FWD_PREFETCH=0)
+    (cd /tmp/new && PYTHONPATH=/tmp/new python /tmp/new/benchmarks/kernels_ab.py new /tmp/new fwd.PREFETCH=0)
 
 argv: a tag, the checkout whose benchmarks/attention.py and longtrain/ run, then optional
-triton_core settings NAME=int. Same inputs per T (seeded); H = 12, D = 64, k = w = 512, bf16, 16k
-tokens per batch. Run each side twice, alternating, in one device call: compare only within it.
+settings: D=128 (the head dim, 64 by default), triton_core globals NAME=int, launch settings
+kernel.key=int (LAUNCH[D], e.g. fwd.num_warps=8). Same inputs per T (seeded); H = 12,
+k = w = 512, bf16, 16k tokens per batch. Run each side twice, alternating, in one device call: compare only within it.
 """
 import json
 import sys
@@ -18,16 +19,17 @@ sys.path.insert(0, sys.argv[2] + "/benchmarks")
 import attention as A  # noqa: E402
 from longtrain.ops.attention import triton_core  # noqa: E402
 
-for opt in sys.argv[3:]:  # e.g. FWD_PREFETCH=0 DQ_STAGES=2
-    name, val = opt.split("=")
-    setattr(triton_core, name, type(getattr(triton_core, name))(int(val)))
+opts = dict(opt.split("=") for opt in sys.argv[3:])  # e.g. D=128 fwd.num_warps=8 POOL_SEGMENT=16
+D = int(opts.pop("D", 64))
+if opts:  # (commits before the LAUNCH table take no settings)
+    A.apply_settings({n: int(x) for n, x in opts.items()}, D)
 tag = " ".join([sys.argv[1]] + sys.argv[3:])
 
 res = {}
 for T in (4096, 16384, 65536):
     B = max(1, A.TOKENS // T)
     torch.manual_seed(T)
-    q, k, v = (torch.randn(B, T, A.H, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(B, T, A.H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     args, kw, _ = A.core_args(q, k, v, torch.randn(B, T, device="cuda"), topk=A.K, window=A.W, variant="hard_k_soft_v")
     a = A.leaves(args)
     do = torch.randn_like(q)

@@ -80,8 +80,9 @@ def pool_walk(request, monkeypatch):
     if request.param == "segments":
         monkeypatch.setattr(triton_core, "POOL_SEGMENT", 2)
         monkeypatch.setattr(triton_core, "QUERY_TILE", 16)
-        monkeypatch.setattr(triton_core, "DKV_KEY_MAJOR", False)
-        monkeypatch.setattr(triton_core, "FWD_PREFETCH", not triton_core.FWD_PREFETCH)
+        for D, cfg in triton_core.LAUNCH.items():
+            monkeypatch.setitem(triton_core.LAUNCH, D, dict(cfg, dkv=dict(cfg["dkv"], KEY_MAJOR=False),
+                                                            fwd=dict(cfg["fwd"], PREFETCH=not cfg["fwd"]["PREFETCH"])))
     elif request.param == "deterministic":
         monkeypatch.setattr(triton_core, "DETERMINISTIC", True)
         monkeypatch.setattr(triton_core, "QUERY_TILE", 32)

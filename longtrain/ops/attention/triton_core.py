@@ -25,15 +25,19 @@ from longtrain.ops.attention.triton_fwd import LOG2E, VARIANT_CODE, _cut_kernel,
 POISON = False
 # Backward without atomics (bitwise reproducible); also on under torch.use_deterministic_algorithms.
 DETERMINISTIC = False
-# Launch settings (benchmarks/attention.py --sweep measures alternatives; tuned at D = 64 on the H100):
-# the kernels' query tile, a multiple of the op's block (max(block, QUERY_TILE)); key tiles, warps and
-# pipeline stages per kernel; queries per step (DKV_MQ) of the key-major dk/dv kernels; query tiles
-# per program of the pool walk in the fast (atomic) mode. The interpreter (CPU tests) uses small tiles.
+# Launch settings per head dim (benchmarks/attention.py --sweep D measures alternatives on the H100): the
+# kernels' query tile, a multiple of the op's block (max(block, QUERY_TILE)); per kernel the key tile BN,
+# warps and pipeline stages; queries per step (MQ) of the key-major dk/dv kernels; query tiles per program
+# of the pool walk in the fast (atomic) mode. A head dim takes the entry of the largest key <= D (the
+# smallest key when none is). The interpreter (CPU tests) uses small tiles with the same switches.
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 QUERY_TILE = 32 if _INTERP else 64  # 128 measured slower on the H100 (benchmarks/gpu_notes.md)
-FWD_WARPS, FWD_STAGES, FWD_PREFETCH = 4, 2, True
-DQ_BN, DQ_WARPS, DQ_STAGES = 64, 4, 1
-DKV_BN, DKV_MQ, DKV_WARPS, DKV_KEY_MAJOR = 64, (16 if _INTERP else 64), 4, True
+LAUNCH = {
+    64: dict(fwd=dict(BN=64, num_warps=4, num_stages=2, PREFETCH=True), dq=dict(BN=64, num_warps=4, num_stages=1),
+             dkv=dict(BN=64, MQ=64, num_warps=4, KEY_MAJOR=True)),
+    128: dict(fwd=dict(BN=64, num_warps=4, num_stages=2, PREFETCH=True), dq=dict(BN=64, num_warps=4, num_stages=1),
+              dkv=dict(BN=64, MQ=32, num_warps=4, KEY_MAJOR=True)),
+}
 POOL_SEGMENT = 32
 
 
@@ -52,16 +56,22 @@ def unsupported(block: int, D: int, dtype: torch.dtype) -> str | None:
     return None
 
 
+def launch_settings(D: int) -> dict:
+    """LAUNCH's entry for head dim D: {kernel: settings} (copies, safe to change)."""
+    keys = sorted(LAUNCH)
+    key = max([x for x in keys if x <= D], default=keys[0])
+    return {name: dict(cfg) for name, cfg in LAUNCH[key].items()}
+
+
 def _config(D: int, dtype: torch.dtype):
     """Dot precision and per-kernel launch settings (key tile BN, warps, stages; MQ for dk/dv)."""
     prec = "ieee" if dtype == torch.float32 else "tf32"  # float32 checks want exact fp32 dots
-    if _interpreting():
-        return prec, dict(BN=16, num_warps=4, num_stages=1, PREFETCH=FWD_PREFETCH), \
-            dict(BN=16, num_warps=4, num_stages=1), dict(BN=16, MQ=DKV_MQ, num_warps=4, KEY_MAJOR=DKV_KEY_MAJOR)
-    fwd = dict(BN=64, num_warps=FWD_WARPS, num_stages=FWD_STAGES, PREFETCH=FWD_PREFETCH)
-    dq = dict(BN=DQ_BN, num_warps=DQ_WARPS, num_stages=DQ_STAGES)
-    dkv = dict(BN=DKV_BN, MQ=DKV_MQ if D <= 64 else DKV_MQ // 2, num_warps=DKV_WARPS, KEY_MAJOR=DKV_KEY_MAJOR)  # D = 128: fewer spills
-    return prec, fwd, dq, dkv
+    cfg = launch_settings(D)
+    if _interpreting():  # small tiles, the same switches
+        for c in (cfg["fwd"], cfg["dq"]):
+            c.update(BN=16, num_warps=4, num_stages=1)
+        cfg["dkv"].update(BN=16, MQ=16, num_warps=4)
+    return prec, cfg["fwd"], cfg["dq"], cfg["dkv"]
 
 
 def _empty(shape, dtype, device):
