@@ -10,11 +10,10 @@ logits z = x (hard_k_soft_v, straight_through) or g x (soft_kv):
     du_j  += sum_i dm_ij (direct term),     dtau_i -= sum_j dm_ij (tau term, chained by ThresholdFn)
 straight_through uses g = 1 everywhere except dg.
 
-Kernels (after a small one for Delta_i):
-- dq: query-major like the forward (pool tiles then band tiles); also gives dtau per query. Its pool
-  tiles follow the stable slots below (any order of a tile's pool keys gives the same sums) and
-  their per-slot cut. In the fast (atomic) mode the pool walk adds the pool pairs' dq and dtau
-  terms instead, and this kernel visits the band alone.
+Two kernels:
+- dq: query-major like the forward (pool tiles then band tiles); also gives dtau per query and
+  stores Delta for the key-major kernels. Its pool tiles follow the stable slots below (any order of
+  a tile's pool keys gives the same sums) and their per-slot cut.
 - dkv pool: key-major over pool *slots*. Both selection scans keep each key in one slot from entering
   the pool to leaving it (it never returns: irreversibility); a program owns
   BN slots and walks the query blocks in order, so a key's sums stay in registers and are written
@@ -98,31 +97,13 @@ def _dq_band_tile(mode, dq, dtau, idx, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb
 
 
 @triton.jit
-def _delta_kernel(DO, O, DELTA, sdob, sdol, sdoh, L, H, G: tl.constexpr, D: tl.constexpr):
-    """Delta_i = dO_i . o_i per query tile and head [B, H, L] (O has dO's strides: both [B, L, H, D])."""
-    blk = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    i = blk * G + tl.arange(0, G)
-    d = tl.arange(0, D)
-    qm = i < L
-    ptr = b * sdob + i[:, None] * sdol + h * sdoh + d[None, :]
-    do = tl.load(DO + ptr, mask=qm[:, None], other=0.0).to(tl.float32)
-    o = tl.load(O + ptr, mask=qm[:, None], other=0.0).to(tl.float32)
-    tl.store(DELTA + bh * L + i, tl.sum(do * o, 1), mask=qm)
-
-
-@triton.jit
 def _dq_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, DO, LSE, DELTA, DQP, DTAUP, DQ, DTAU,
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, DO, O, LSE, DELTA, DQ, DTAU,
     sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh,
     L, N, H, R, NBQ, TOPK, WINDOW, TAIL, scale,
     G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, POOL_IN_WALK: tl.constexpr,
+    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
 ):
-    """dq and dtau of one query tile: pool tiles then band tiles; or (POOL_IN_WALK) band tiles only,
-    starting from the pool walk's sums DQP [B, L, H, D] (unscaled) and DTAUP [B, H, L]."""
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -138,7 +119,10 @@ def _dq_kernel(
     qp, thu, thp, tau = load_queries(QPOS, THU, THP, TAU, row, qm, U.dtype.element_ty)
     qp_min = tl.min(qp, 0)
     lse2 = tl.load(LSE + bh * L + i, mask=qm, other=float("inf"))
-    delta = tl.load(DELTA + bh * L + i, mask=qm, other=0.0)
+    # Delta_i = dO_i . o_i, stored for the key-major kernels (O has dO's strides: both [B, L, H, D] contiguous)
+    o = tl.load(O + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], mask=qm[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DELTA + bh * L + i, delta, mask=qm)
     Kb = Kx + b * skb + kvh * skh
     Vb = Vx + b * svb + kvh * svh
     Ub = U + b * N
@@ -146,13 +130,9 @@ def _dq_kernel(
     rows2, lse22, delta2 = rows[:, None], lse2[:, None], delta[:, None]
     qp2, thu2, thp2, tau2 = qp[:, None], thu[:, None], thp[:, None], tau[:, None]
 
-    if POOL_IN_WALK:
-        dq = tl.load(DQP + ((b * L + i[:, None]) * H + h) * D + d[None, :], mask=qm[:, None], other=0.0)
-        dtau = tl.load(DTAUP + bh * L + i, mask=qm, other=0.0)
-    else:
-        dq = tl.zeros([G, D], tl.float32)
-        dtau = tl.zeros([G], tl.float32)
-    if HAS_TOPK and not POOL_IN_WALK:  # pool snapshot: gathered rows, selected by the per-slot cut
+    dq = tl.zeros([G, D], tl.float32)
+    dtau = tl.zeros([G], tl.float32)
+    if HAS_TOPK:  # pool snapshot: gathered rows, selected by the per-slot cut
         po = (b * NBQ + blk) * TOPK
         for t in range(0, TOPK, BN):
             k, v, u, cut = load_pool_keys(PI, PU, CUT, po, t + tl.arange(0, BN), TOPK, Kb, Vb, skn, svn, D)
@@ -192,10 +172,9 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
                L, H, R, WINDOW, scale, UTY: tl.constexpr,
                G: tl.constexpr, MQ: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr,
                HAS_TOPK: tl.constexpr, IS_POOL: tl.constexpr, PREC: tl.constexpr, KEY_MAJOR: tl.constexpr,
-               MODE: tl.constexpr = -1, DQP=None, DTAUP=None, DQ_OUT: tl.constexpr = False):
+               MODE: tl.constexpr = -1):
     """Add query tile `blk`'s contributions (all R query heads of kv head kvh) to one key tile, MQ
     queries at a time, as [BN, MQ] tiles (KEY_MAJOR) or [MQ, BN] tiles with transposed dots.
-    DQ_OUT: also add the tile's dq (unscaled) and dtau terms to DQP, DTAUP with atomics.
     Band tiles: MODE -1 picks masked_logits' mode per step (and skips causally empty steps); 0 and 1
     are masked_logits' modes, 2 causal_logits, fixed by the caller for the whole query tile."""
     d = tl.arange(0, D)
@@ -236,11 +215,6 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
                     dv += tl.dot(pg.to(do.dtype), do, input_precision=PREC)
                     dk += tl.dot(dz.to(q.dtype), q, input_precision=PREC)
                     du += tl.sum(dm, 1)
-                    if DQ_OUT:
-                        dq = tl.dot(tl.trans(dz.to(k.dtype)), k, input_precision=PREC)  # [MQ, D]
-                        tl.atomic_add(DQP + ((b * L + i[:, None]) * H + h) * D + d[None, :], dq, mask=qm[:, None],
-                                      sem="relaxed")
-                        tl.atomic_add(DTAUP + bh * L + i, -tl.sum(dm, 0), mask=qm, sem="relaxed")
                 else:
                     pg, dz, dm = _grad_tile(mode, q, do, lse2[:, None], delta[:, None], k, v, u[None, :],
                                             kp[None, :], kvalid[None, :], qp[:, None], thu[:, None], thp[:, None],
@@ -249,27 +223,20 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
                     dv += tl.dot(tl.trans(pg.to(do.dtype)), do, input_precision=PREC)
                     dk += tl.dot(tl.trans(dz.to(q.dtype)), q, input_precision=PREC)
                     du += tl.sum(dm, 0)
-                    if DQ_OUT:
-                        dq = tl.dot(dz.to(k.dtype), k, input_precision=PREC)  # [MQ, D]
-                        tl.atomic_add(DQP + ((b * L + i[:, None]) * H + h) * D + d[None, :], dq, mask=qm[:, None],
-                                      sem="relaxed")
-                        tl.atomic_add(DTAUP + bh * L + i, -tl.sum(dm, 1), mask=qm, sem="relaxed")
     return dk, dv, du
 
 
 @triton.jit
 def _dkv_pool_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, DO, LSE, DELTA, DKP, DVP, DUP, DQP, DTAUP,
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, DO, LSE, DELTA, DKP, DVP, DUP,
     sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh,
     L, N, H, R, NB, TOPK, WINDOW, scale, SEG,
     G: tl.constexpr, MQ: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    VARIANT: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr, KEY_MAJOR: tl.constexpr, DQ_OUT: tl.constexpr,
+    VARIANT: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr, KEY_MAJOR: tl.constexpr,
 ):
     """Pool slots s0..s0+BN over query tiles [seg SEG, (seg+1) SEG): a key's sums are written when it
     leaves its slot or the segment ends. One segment: plain stores (each key once, deterministic);
-    several: atomic adds, a few per key, into the zeroed fp32 buffers DKP, DVP [B, N, Hkv, D], DUP [B, Hkv, N].
-    DQ_OUT (atomic mode): the pool pairs' dq and dtau terms go to the zeroed DQP [B, L, H, D], DTAUP [B, H, L]
-    too, so the dq kernel visits the band alone (one recompute of the pool tiles fewer)."""
+    several: atomic adds, a few per key, into the zeroed fp32 buffers DKP, DVP [B, N, Hkv, D], DUP [B, Hkv, N]."""
     tile = tl.program_id(0)
     seg = tl.program_id(1)
     bk = tl.program_id(2)
@@ -300,7 +267,7 @@ def _dkv_pool_kernel(
             dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, cut, valid, cut,
                                     Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
                                     L, H, R, WINDOW, scale, U.dtype.element_ty, G, MQ, BN, D, VARIANT, True, True, PREC,
-                                    KEY_MAJOR, -1, DQP, DTAUP, DQ_OUT)
+                                    KEY_MAJOR)
             done = valid & (nxt != idx)
             if tl.max(done.to(tl.int32), 0) > 0:  # few keys leave per tile: skip the masked writes
                 safe = tl.where(done, idx, 0)

@@ -18,7 +18,7 @@ import torch
 import triton
 
 from longtrain.ops.attention.naive import sparsek_attention_core_naive
-from longtrain.ops.attention.triton_bwd import _delta_kernel, _dkv_band_kernel, _dkv_pool_kernel, _dq_kernel
+from longtrain.ops.attention.triton_bwd import _dkv_band_kernel, _dkv_pool_kernel, _dq_kernel
 from longtrain.ops.attention.triton_fwd import LOG2E, VARIANT_CODE, _cut_kernel, _fwd_kernel
 
 # Fill every kernel-written buffer with NaN first, so a value never written shows (tests set it).
@@ -39,9 +39,6 @@ LAUNCH = {
               dkv=dict(BN=64, MQ=32, num_warps=4, KEY_MAJOR=True)),
 }
 POOL_SEGMENT = 32
-# Fast mode: the pool walk also adds the pool pairs' dq and dtau terms (atomics), so the dq kernel
-# recomputes the band alone.
-POOL_DQ_IN_WALK = True
 
 
 def _interpreting() -> bool:
@@ -75,11 +72,6 @@ def _config(D: int, dtype: torch.dtype):
             c.update(BN=16, num_warps=4, num_stages=1)
         cfg["dkv"].update(BN=16, MQ=16, num_warps=4)
     return prec, cfg["fwd"], cfg["dq"], cfg["dkv"]
-
-
-def dq_unused(device):
-    """A placeholder for the pool walk's dq buffers when it does not write them."""
-    return torch.empty(1, dtype=torch.float32, device=device)
 
 
 def _empty(shape, dtype, device):
@@ -156,19 +148,22 @@ class _SparseKTriton(torch.autograd.Function):
         dev = q.device
         do = do.contiguous()
         det = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
-        seg = nt if det else POOL_SEGMENT
-        pool_dq = topk > 0 and seg < nt and POOL_DQ_IN_WALK  # dq's pool terms from the walk's atomics
         if topk > 0:
             dkp = torch.zeros((B, N, Hkv, D), dtype=torch.float32, device=dev)
             dvp = torch.zeros_like(dkp)
             dup = torch.zeros((B, Hkv, N), dtype=torch.float32, device=dev)
-        dqp = torch.zeros((B, L, H, D), dtype=torch.float32, device=dev) if pool_dq else dq_unused(dev)
-        dtaup = torch.zeros((B, H, L), dtype=torch.float32, device=dev) if pool_dq else dqp
-        delta = _empty((B, H, L), torch.float32, dev)  # dO_i . o_i
-        _delta_kernel[(nt, B * H)](do, o, delta, do.stride(0), do.stride(1), do.stride(2), L, H, G=G, D=D)
+        delta = _empty((B, H, L), torch.float32, dev)  # dO_i . o_i, written by the dq kernel
+        dq = _empty((B, L, H, D), q.dtype, dev)
+        dtau = _empty((B, H, L), torch.float32, dev)
         strides = (
             q.stride(0), q.stride(1), q.stride(2), k_ext.stride(0), k_ext.stride(1), k_ext.stride(2),
             v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        )
+        _dq_kernel[(nt, B * H)](  # the forward's pool layout and cut
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, do, o, lse, delta, dq, dtau,
+            *strides,
+            L, N, H, H // Hkv, nt, topk, window, tail_slots, scale,
+            **dq_cfg, **common,
         )
         # Key-major passes: pool sums first (zeroed fp32 buffers), then the band pass adds them and
         # writes the final dk, dv, du (every ext row exactly once).
@@ -177,23 +172,15 @@ class _SparseKTriton(torch.autograd.Function):
         dub = _empty((B, Hkv, N), torch.float32, dev)
         bn = dkv_cfg["BN"]
         if topk > 0:  # the pool walk follows the scans' stable slots (a key never moves while pooled)
+            seg = nt if det else POOL_SEGMENT
             _dkv_pool_kernel[(triton.cdiv(topk, bn), triton.cdiv(nt, seg), B * Hkv)](
-                q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, do, lse, delta, dkp, dvp, dup, dqp, dtaup,
+                q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, do, lse, delta, dkp, dvp, dup,
                 *strides,
                 L, N, H, H // Hkv, nt, topk, window, scale, seg,
-                G=G, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nt, DQ_OUT=pool_dq,
-                num_stages=1, **dkv_cfg,
+                G=G, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nt, num_stages=1, **dkv_cfg,
             )
         else:
             dkp = dvp = dup = dub  # unused without a pool
-        dq = _empty((B, L, H, D), q.dtype, dev)
-        dtau = _empty((B, H, L), torch.float32, dev)
-        _dq_kernel[(nt, B * H)](  # the forward's pool layout and cut
-            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, do, lse, delta, dqp, dtaup, dq, dtau,
-            *strides,
-            L, N, H, H // Hkv, nt, topk, window, tail_slots, scale,
-            POOL_IN_WALK=pool_dq, **dq_cfg, **common,
-        )
         _dkv_band_kernel[(triton.cdiv(N, bn), B * Hkv)](
             q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, do, lse, delta, dkp, dvp, dup, dk, dv, dub,
             *strides, dk.stride(0), dk.stride(1), dk.stride(2),
