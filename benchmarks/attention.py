@@ -298,9 +298,9 @@ def ncu_step(T=16384, D=64):
 # Alternatives tried one at a time by --sweep, per head dim: "kernel.setting" keys change LAUNCH[D], plain
 # names change triton_core's globals.
 SWEEP = {
-    64: ({"fwd.PREFETCH": False}, {"dkv.KEY_MAJOR": False}, {"dkv.MQ": 32}, dict(POOL_SEGMENT=16),
-         dict(POOL_SEGMENT=64), {"dkv.num_warps": 8}, {"dq.num_stages": 2}, {"fwd.num_stages": 3, "fwd.PREFETCH": False},
-         {"QUERY_TILE": 128, "fwd.num_warps": 8, "fwd.PREFETCH": False, "dq.BN": 32, "dq.num_warps": 8, "dkv.MQ": 32}),
+    64: ({"fwd.BN": 128}, {"dkv.KEY_MAJOR": False}, {"dkv.MQ": 32}, dict(POOL_SEGMENT=16),
+         dict(POOL_SEGMENT=64), {"dkv.num_warps": 8}, {"dq.num_stages": 2}, {"fwd.num_stages": 3},
+         {"QUERY_TILE": 128, "fwd.num_warps": 8, "dq.BN": 32, "dq.num_warps": 8, "dkv.MQ": 32}),
     # D = 128: the defaults spill in every kernel (Triton 3.6 sm_90); these do not, or less
     128: ({"fwd.num_warps": 8}, {"fwd.BN": 32}, {"fwd.BN": 32, "fwd.num_warps": 8}, {"dq.BN": 32},
           {"dq.BN": 32, "dq.num_warps": 8}, {"dkv.num_warps": 8}, {"dkv.MQ": 16}, {"dkv.BN": 32, "dkv.KEY_MAJOR": False},

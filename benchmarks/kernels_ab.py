@@ -3,7 +3,7 @@
     mkdir -p /tmp/old /tmp/new
     git archive OLD_REV | tar -x -C /tmp/old; git archive NEW_REV | tar -x -C /tmp/new
     (cd /tmp/old && PYTHONPATH=/tmp/old python /tmp/new/benchmarks/kernels_ab.py old /tmp/old)
-    (cd /tmp/new && PYTHONPATH=/tmp/new python /tmp/new/benchmarks/kernels_ab.py new /tmp/new fwd.PREFETCH=0)
+    (cd /tmp/new && PYTHONPATH=/tmp/new python /tmp/new/benchmarks/kernels_ab.py new /tmp/new fwd.num_stages=3)
 
 argv: a tag, the checkout whose benchmarks/attention.py and longtrain/ run, then optional
 settings: D=128 (the head dim, 64 by default), triton_core globals NAME=int, launch settings

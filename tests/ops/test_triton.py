@@ -76,13 +76,12 @@ CASES = [
 def pool_walk(request, monkeypatch):
     """The backward's pool walk: segments of 2 (or 1) query tiles with atomic adds, or one program per slot
     tile; the kernels' query tile is the op's block, twice it, or 64 (4 blocks of 16 share one pool snapshot);
-    dk/dv tiles key-major or query-major; the forward's pool tiles prefetched or not."""
+    dk/dv tiles key-major or query-major."""
     if request.param == "segments":
         monkeypatch.setattr(triton_core, "POOL_SEGMENT", 2)
         monkeypatch.setattr(triton_core, "QUERY_TILE", 16)
         for D, cfg in triton_core.LAUNCH.items():
-            monkeypatch.setitem(triton_core.LAUNCH, D, dict(cfg, dkv=dict(cfg["dkv"], KEY_MAJOR=False),
-                                                            fwd=dict(cfg["fwd"], PREFETCH=not cfg["fwd"]["PREFETCH"])))
+            monkeypatch.setitem(triton_core.LAUNCH, D, dict(cfg, dkv=dict(cfg["dkv"], KEY_MAJOR=False)))
     elif request.param == "deterministic":
         monkeypatch.setattr(triton_core, "DETERMINISTIC", True)
         monkeypatch.setattr(triton_core, "QUERY_TILE", 32)

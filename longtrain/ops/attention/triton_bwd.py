@@ -55,7 +55,10 @@ def _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau,
     elif FIXED == 2:
         z, g, dmask = causal_logits(s, qp, kp)
     elif FIXED == 3:
-        z, g, dmask = edge_logits(s, qp, thu, thp, tau, kp, u, WINDOW, VARIANT, HAS_TOPK)
+        if KEY_MAJOR:  # a key tile holds keys outside the query tile's band (kvalid False)
+            z, g, dmask = edge_logits(s, qp, thu, thp, tau, kp, u, WINDOW, VARIANT, HAS_TOPK, kvalid)
+        else:  # band tiles of the query-major kernels hold band keys alone
+            z, g, dmask = edge_logits(s, qp, thu, thp, tau, kp, u, WINDOW, VARIANT, HAS_TOPK)
     else:  # (mode is FIXED itself where FIXED is 0 or 1)
         z, g, dmask = masked_logits(mode, s, qp, thu, thp, tau, kp, u, kvalid, WINDOW, VARIANT, HAS_TOPK)
     z2 = z * (scale * 1.4426950408889634)  # log2 units, as the forward's log-sum-exp (fused into exp2's FMA)
@@ -91,6 +94,11 @@ def _dq_tile(mode, dq, dtau, k, v, u, kp, valid, q, do, lse2, delta, qp, thu, th
 @triton.jit
 def _dq_band_tile(mode, dq, dtau, idx, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, rows,
                   WINDOW, scale, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
+    """mode 2 (causal_logits): qp is each query's own ext index and nothing but k, v is loaded."""
+    if mode == 2:
+        k, v = gather_kv(idx, valid, Kb, Vb, skn, svn, D)
+        return _dq_tile(mode, dq, dtau, k, v, idx, idx, valid, q, do, lse2, delta, qp, thu, thp, tau, rows, idx,
+                        WINDOW, scale, VARIANT, HAS_TOPK, PREC, False)
     k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
     return _dq_tile(mode, dq, dtau, k, v, u, kp, valid, q, do, lse2, delta, qp, thu, thp, tau, rows, kp, WINDOW, scale,
                     VARIANT, HAS_TOPK, PREC, False)
@@ -156,11 +164,12 @@ def _dq_kernel(
         jj = t * BN + tl.arange(0, BN)
         dq, dtau = _dq_band_tile(1, dq, dtau, start + jj, jj >= 0, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
                                  qp2, thu2, thp2, tau2, rows2, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
+    qe2 = (start + WINDOW - 1 + rows)[:, None]  # each query's own ext index, for the causal tiles
     for t in range(f1, nt):
         jj = t * BN + tl.arange(0, BN)
-        valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
+        valid = (jj < band) & (start + jj < N)
         dq, dtau = _dq_band_tile(2, dq, dtau, start + jj, valid, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
-                                 qp2, thu2, thp2, tau2, rows2, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
+                                 qe2, thu2, thp2, tau2, rows2, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
     tl.store(DQ + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=qm[:, None])
     tl.store(DTAU + bh * L + i, dtau, mask=qm)
@@ -169,14 +178,15 @@ def _dq_kernel(
 @triton.jit
 def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
                Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
-               L, H, R, WINDOW, scale, UTY: tl.constexpr,
+               L, H, R, WINDOW, scale, QE0, UTY: tl.constexpr,
                G: tl.constexpr, MQ: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr,
                HAS_TOPK: tl.constexpr, IS_POOL: tl.constexpr, PREC: tl.constexpr, KEY_MAJOR: tl.constexpr,
                MODE: tl.constexpr = -1):
     """Add query tile `blk`'s contributions (all R query heads of kv head kvh) to one key tile, MQ
     queries at a time, as [BN, MQ] tiles (KEY_MAJOR) or [MQ, BN] tiles with transposed dots.
     Band tiles: MODE -1 picks masked_logits' mode per step (and skips causally empty steps); 0 and 1
-    are masked_logits' modes, 2 causal_logits, fixed by the caller for the whole query tile."""
+    are masked_logits' modes, 2 causal_logits (kp: the keys' ext indices; QE0: query 0's own ext index),
+    fixed by the caller for the whole query tile."""
     d = tl.arange(0, D)
     u2, kp2, kvalid2, cut2 = u[:, None], kp[:, None], kvalid[:, None], cut[:, None]
     for c in range(0, G, MQ):
@@ -190,6 +200,13 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
             thu = tau
             thp = rows
             mode = 3
+            live = c * 0 + 1
+        elif MODE == 2:  # causal_logits by ext index (kp holds the keys' ext indices); no loads
+            qp = QE0 + i
+            thu = tl.zeros([MQ], tl.float32)
+            thp = qp
+            tau = thu
+            mode = MODE
             live = c * 0 + 1
         elif MODE == -1:
             qp, thu, thp, tau = load_queries(QPOS, THU, THP, TAU, row, qm, UTY)
@@ -266,7 +283,7 @@ def _dkv_pool_kernel(
             cut = tl.load(CUT + po + s, mask=sm, other=0)
             dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, cut, valid, cut,
                                     Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
-                                    L, H, R, WINDOW, scale, U.dtype.element_ty, G, MQ, BN, D, VARIANT, True, True, PREC,
+                                    L, H, R, WINDOW, scale, 0, U.dtype.element_ty, G, MQ, BN, D, VARIANT, True, True, PREC,
                                     KEY_MAJOR)
             done = valid & (nxt != idx)
             if tl.max(done.to(tl.int32), 0) > 0:  # few keys leave per tile: skip the masked writes
@@ -320,7 +337,8 @@ def _dkv_band_kernel(
     hi = tl.where(a1 >= 0, tl.minimum(tl.maximum(a1, 0) // G, NB - 1), -1)
     k, v, u, kp = load_keys(e, valid, Kb, Vb, Ub, Pb, skn, svn, D)
     # Query tiles [lo, c1): keys ahead of or on the diagonal, none below any window (causal mask only);
-    # [c1, c2): keys inside every query's window (no mask); [c2, hi]: the window's edge (general rules).
+    # [c1, c2): keys inside every query's window (no mask); [c2, hi]: the window's edge (edge_logits: every
+    # key is at or before every query).
     # Needs a tile of real, consecutive key positions and consecutive queries from a valid first one
     # (query tile t holds positions q0 + t G ...); any other tile takes the general rules throughout.
     kmin = tl.min(kp, 0)
@@ -336,24 +354,31 @@ def _dkv_band_kernel(
     c2 = tl.where(last_q >= 0, c2, c1)  # padded queries (a suffix) in them: the general rules
     c1 = tl.where(regular, c1, lo)
     c2 = tl.where(regular, tl.maximum(c2, c1), lo)
-    for blk in range(lo, c1):
-        off = a - blk * G
-        inb = valid & (off >= 0) & (off < band)
-        dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, tl.where(inb, kp, -1), inb, e,
+    qe0 = TOPK + TAIL  # query 0's own ext index
+    for blk in range(lo, c1):  # (regular tiles: every key of the tile is in the query tile's band or after it)
+        dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, e, valid, e,
                                 Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
-                                L, H, R, WINDOW, scale, U.dtype.element_ty, G, MQ, BN, D, VARIANT, HAS_TOPK, False,
+                                L, H, R, WINDOW, scale, qe0, U.dtype.element_ty, G, MQ, BN, D, VARIANT, HAS_TOPK, False,
                                 PREC, KEY_MAJOR, 2)
     for blk in range(c1, c2):
         dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, valid, e,
                                 Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
-                                L, H, R, WINDOW, scale, U.dtype.element_ty, G, MQ, BN, D, VARIANT, HAS_TOPK, False,
+                                L, H, R, WINDOW, scale, qe0, U.dtype.element_ty, G, MQ, BN, D, VARIANT, HAS_TOPK, False,
                                 PREC, KEY_MAJOR, 1)
-    for blk in range(c2, hi + 1):
+    c3 = tl.where(regular, hi + 1, lo)  # [c2, c3): edge tiles; [c3, hi]: the general rules (irregular tiles)
+    for blk in range(c2, c3):
+        off = a - blk * G
+        inb = off >= 0  # (off < band holds: the keys are at or before the tile's first query)
+        dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, inb, e,
+                                Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
+                                L, H, R, WINDOW, scale, qe0, U.dtype.element_ty, G, MQ, BN, D, VARIANT, HAS_TOPK, False,
+                                PREC, KEY_MAJOR, 3)
+    for blk in range(c3, hi + 1):
         off = a - blk * G
         inb = valid & (off >= 0) & (off < band)
         dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, inb, e,
                                 Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
-                                L, H, R, WINDOW, scale, U.dtype.element_ty, G, MQ, BN, D, VARIANT, HAS_TOPK, False,
+                                L, H, R, WINDOW, scale, qe0, U.dtype.element_ty, G, MQ, BN, D, VARIANT, HAS_TOPK, False,
                                 PREC, KEY_MAJOR, 0)
     em = e < N
     dk = dk * scale

@@ -33,9 +33,9 @@ DETERMINISTIC = False
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 QUERY_TILE = 32 if _INTERP else 64  # 128 measured slower on the H100 (benchmarks/gpu_notes.md)
 LAUNCH = {
-    64: dict(fwd=dict(BN=64, num_warps=4, num_stages=2, PREFETCH=True), dq=dict(BN=64, num_warps=4, num_stages=1),
+    64: dict(fwd=dict(BN=64, num_warps=4, num_stages=2), dq=dict(BN=64, num_warps=4, num_stages=1),
              dkv=dict(BN=64, MQ=64, num_warps=4, KEY_MAJOR=True)),
-    128: dict(fwd=dict(BN=64, num_warps=4, num_stages=2, PREFETCH=True), dq=dict(BN=64, num_warps=4, num_stages=1),
+    128: dict(fwd=dict(BN=64, num_warps=4, num_stages=2), dq=dict(BN=64, num_warps=4, num_stages=1),
               dkv=dict(BN=64, MQ=32, num_warps=4, KEY_MAJOR=True)),
 }
 POOL_SEGMENT = 32

@@ -86,21 +86,26 @@ def masked_logits(mode, s, qp, thu, thp, tau, kp, u, kvalid, WINDOW, VARIANT: tl
 
 
 @triton.jit
-def causal_logits(s, qp, kp):
-    """masked_logits for band tiles past interior_tiles' f1: no key below any query's window, so only
-    the causal mask (invalid keys have position -1); gate 1, no gate gradient."""
-    z = tl.where((kp >= 0) & (kp <= qp), s, float("-inf"))
+def causal_logits(s, qe, ke):
+    """masked_logits for band tiles past interior_tiles' f1 (and the dk/dv band pass's diagonal tiles):
+    no key below any query's window and consecutive positions, so only the causal mask, by ext index:
+    key ke at or before the query's own key qe (ext index TOPK + TAIL + query index); gate 1, no gate
+    gradient. No positions, scores or theta are loaded for these tiles."""
+    z = tl.where(ke <= qe, s, float("-inf"))
     return z, tl.full(s.shape, 1.0, tl.float32), tl.full(s.shape, 0, tl.int1)
 
 
 @triton.jit
-def edge_logits(s, qp, thu, thp, tau, kp, u, WINDOW, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr):
+def edge_logits(s, qp, thu, thp, tau, kp, u, WINDOW, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, inband=None):
     """masked_logits for band tiles of real keys at or before every query (interior_tiles' [e0, f0)):
     a key is in the window or a candidate; a selected candidate has u >= theta > tau, so its gate is
-    min(u - tau, 1) (tau = -inf when everything is selected: g = 1, no gradient)."""
+    min(u - tau, 1) (tau = -inf when everything is selected: g = 1, no gradient). inband (key-major
+    tiles): False on keys outside the query tile's band, below every window (the pool's candidates)."""
     in_win = kp > qp - WINDOW
     if HAS_TOPK:
         sel = (kp <= qp - WINDOW) & ((u > thu) | ((u == thu) & (kp >= thp)))
+        if inband is not None:
+            sel = sel & inband
     else:
         sel = in_win & False
     diff = u.to(tl.float32) - tau
@@ -215,12 +220,15 @@ def load_queries(QPOS, THU, THP, TAU, row, qm, UTY: tl.constexpr):
 @triton.jit
 def _fwd_tile(q, m_i, l_i, acc, idx, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, WINDOW, scale2,
               MODE: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
-    """One band tile (per-query operands expanded to [G, 1]); MODE: masked_logits' 0 or 1, 2 (causal_logits)
-    or 3 (edge_logits)."""
-    k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
+    """One band tile (per-query operands expanded to [G, 1]); MODE: masked_logits' 0 or 1, 2 (causal_logits:
+    qp is then the query's own ext index) or 3 (edge_logits)."""
+    if MODE == 2:
+        k, v = gather_kv(idx, valid, Kb, Vb, skn, svn, D)
+    else:
+        k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
     s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [G, BN] unscaled logits
     if MODE == 2:
-        s, g, _ = causal_logits(s, qp, kp[None, :])
+        s, g, _ = causal_logits(s, qp, idx[None, :])
     elif MODE == 3:
         s, g, _ = edge_logits(s, qp, thu, thp, tau, kp[None, :], u[None, :], WINDOW, VARIANT, HAS_TOPK)
     else:
@@ -251,7 +259,7 @@ def _fwd_kernel(
     sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sob, sol, soh,
     L, N, H, R, NBQ, TOPK, WINDOW, TAIL, scale2,
     G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, PREFETCH: tl.constexpr,
+    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
 ):
     blk = tl.program_id(0)
     bh = tl.program_id(1)
@@ -277,20 +285,11 @@ def _fwd_kernel(
     if HAS_TOPK:  # (1) the pool snapshot at the tile start: gathered rows, selected by the per-slot cut
         po = (b * NBQ + blk) * TOPK  # this tile's row of the cut kernel's outputs
         jj = tl.arange(0, BN)
-        if PREFETCH:  # the next gathered tile is loaded before this one's dots
-            k, v, u, cut = load_pool_keys(PI, PU, CUT, po, jj, TOPK, Kb, Vb, skn, svn, D)
-            for t in range(0, TOPK, BN):
-                kn, vn, un, cutn = load_pool_keys(PI, PU, CUT, po, t + BN + jj, TOPK, Kb, Vb, skn, svn, D)
-                s = tl.dot(q, tl.trans(k), input_precision=PREC)
-                s, g, _ = pool_logits(s, rows[:, None], cut[None, :], u[None, :], tau[:, None], VARIANT)
-                m_i, l_i, acc = _fwd_update(m_i, l_i, acc, s, g, v, scale2, False, VARIANT, PREC)
-                cut, k, v, u = cutn, kn, vn, un
-        else:
-            for t in range(0, TOPK, BN):
-                k, v, u, cut = load_pool_keys(PI, PU, CUT, po, t + jj, TOPK, Kb, Vb, skn, svn, D)
-                s = tl.dot(q, tl.trans(k), input_precision=PREC)
-                s, g, _ = pool_logits(s, rows[:, None], cut[None, :], u[None, :], tau[:, None], VARIANT)
-                m_i, l_i, acc = _fwd_update(m_i, l_i, acc, s, g, v, scale2, False, VARIANT, PREC)
+        for t in range(0, TOPK, BN):  # (loads go through cp.async: a register prefetch measured slower)
+            k, v, u, cut = load_pool_keys(PI, PU, CUT, po, t + jj, TOPK, Kb, Vb, skn, svn, D)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
+            s, g, _ = pool_logits(s, rows[:, None], cut[None, :], u[None, :], tau[:, None], VARIANT)
+            m_i, l_i, acc = _fwd_update(m_i, l_i, acc, s, g, v, scale2, False, VARIANT, PREC)
     # (2) the band (i0 - w, i0 + G - 1]: contiguous ext indices; its interior tiles need no masks
     qp2, thu2, thp2, tau2 = qp[:, None], thu[:, None], thp[:, None], tau[:, None]
     start = TOPK + TAIL - WINDOW + 1 + blk * G
@@ -310,10 +309,11 @@ def _fwd_kernel(
         jj = t * BN + tl.arange(0, BN)
         m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, jj >= 0, Kb, Vb, Ub, Pb, skn, svn, qp2, thu2, thp2, tau2,
                                   WINDOW, scale2, 1, D, VARIANT, HAS_TOPK, PREC)
+    qe2 = (start + WINDOW - 1 + rows)[:, None]  # each query's own ext index, for the causal tiles
     for t in range(f1, nt):
         jj = t * BN + tl.arange(0, BN)
-        valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
-        m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, valid, Kb, Vb, Ub, Pb, skn, svn, qp2, thu2, thp2, tau2,
+        valid = (jj < band) & (start + jj < N)
+        m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, valid, Kb, Vb, Ub, Pb, skn, svn, qe2, thu2, thp2, tau2,
                                   WINDOW, scale2, 2, D, VARIANT, HAS_TOPK, PREC)
 
     has = l_i > 0  # padded queries attend to nothing: o = 0, lse = +inf (p = 0 in the backward)
