@@ -18,6 +18,8 @@ import platform
 import sys
 import time
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
@@ -150,28 +152,34 @@ def useful_flops(B, T, D, span):
     return 4.0 * D * H * B * pairs
 
 
-def time_case(T, D, do_naive):
+def sk_case(T, D, seed):
+    """One benchmark case (bf16, H heads, 16k tokens per batch, k = K, w = W, seeded): its tensors, the
+    core's arguments and the SparseK core's forward (.fwd) and forward+backward (.fwd_bwd) on them."""
     B = max(1, TOKENS // T)
-    dev = "cuda"
-    torch.manual_seed(T + D)
-    q = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
-    k = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
-    v = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
-    u = torch.randn(B, T, device=dev)
-    row = dict(T=T, B=B, D=D)
-
-    args, kw, scan_s = core_args(q, k, v, u, topk=K, window=W, variant="hard_k_soft_v")
-    row["scan_ms"] = scan_s * 1e3  # the op's layout + selection scan (GPU on CUDA), one warm call, synchronised
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))  # [B, T, H, D]
+    args, kw, scan_s = core_args(q, k, v, torch.randn(B, T, device="cuda"), topk=K, window=W, variant="hard_k_soft_v")
     a = leaves(args)
-    do = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
+    do = torch.randn_like(q)
 
-    def sk_f():
+    def fwd():
         with torch.no_grad():
             triton_core.sparsek_attention_core_triton(*a, **kw)
 
-    def sk_fb():
+    def fwd_bwd():
         o = triton_core.sparsek_attention_core_triton(*a, **kw)
         torch.autograd.grad(o, [a[0], a[1], a[2], a[3], a[8]], do)
+
+    return SimpleNamespace(B=B, q=q, k=k, v=v, do=do, args=args, kw=kw, scan_s=scan_s, fwd=fwd, fwd_bwd=fwd_bwd)
+
+
+def time_case(T, D, do_naive):
+    c = sk_case(T, D, seed=T + D)
+    B, q, k, v, do, args, kw = c.B, c.q, c.k, c.v, c.do, c.args, c.kw
+    dev = "cuda"
+    row = dict(T=T, B=B, D=D)
+    row["scan_ms"] = c.scan_s * 1e3  # the op's layout + selection scan (GPU on CUDA), one warm call, synchronised
+    sk_f, sk_fb = c.fwd, c.fwd_bwd
 
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -243,16 +251,7 @@ def time_case(T, D, do_naive):
 
 def profile(T=16384, D=64):
     """Per-kernel device time of one SparseK forward+backward (torch.profiler), to see where time goes."""
-    B = max(1, TOKENS // T)
-    q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    u = torch.randn(B, T, device="cuda")
-    args, kw, _ = core_args(q, k, v, u, topk=K, window=W, variant="hard_k_soft_v")
-    a = leaves(args)
-    do = torch.randn_like(q)
-
-    def step():
-        o = triton_core.sparsek_attention_core_triton(*a, **kw)
-        torch.autograd.grad(o, [a[0], a[1], a[2], a[3], a[8]], do)
+    step = sk_case(T, D, seed=T + D).fwd_bwd
 
     step()
     torch.cuda.synchronize()
@@ -271,21 +270,16 @@ def ncu_step(T=16384, D=64):
     warm-up of each: run under `ncu --profile-from-start off` to read the kernels' hardware counters."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    B = max(1, TOKENS // T)
-    q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    args, kw, _ = core_args(q, k, v, torch.randn(B, T, device="cuda"), topk=K, window=W, variant="hard_k_soft_v")
-    a = leaves(args)
-    do = torch.randn_like(q)
-    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))  # [B, H, T, D]
+    c = sk_case(T, D, seed=T + D)
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (c.q, c.k, c.v))  # [B, H, T, D]
     flex = torch.compile(flex_attention, dynamic=False)
     bm = create_block_mask(lambda b, h, qi, ki: (ki <= qi) & (qi - ki < 2 * W), None, None, T, T, device="cuda",
                            _compile=True)
 
     def step():
-        o = triton_core.sparsek_attention_core_triton(*a, **kw)
-        torch.autograd.grad(o, [a[0], a[1], a[2], a[3], a[8]], do)
+        c.fwd_bwd()
         o = flex(qt, kt, vt, block_mask=bm)
-        torch.autograd.grad(o, [qt, kt, vt], do.transpose(1, 2))
+        torch.autograd.grad(o, [qt, kt, vt], c.do.transpose(1, 2))
 
     step()
     torch.cuda.synchronize()
@@ -308,6 +302,9 @@ SWEEP = {
 }
 
 
+_ABSENT = object()  # a launch setting the table did not have: undoing removes it
+
+
 def apply_settings(cfg: dict, D: int) -> dict:
     """Set cfg's launch settings for head dim D (see SWEEP); returns what to pass back to undo it."""
     saved = {}
@@ -315,8 +312,11 @@ def apply_settings(cfg: dict, D: int) -> dict:
         if "." in n:
             kern, key = n.split(".")
             entry = triton_core.LAUNCH[D][kern]
-            saved[n] = entry.get(key)
-            entry[key] = x
+            saved[n] = entry.get(key, _ABSENT)
+            if x is _ABSENT:
+                entry.pop(key, None)
+            else:
+                entry[key] = x
         else:
             saved[n] = getattr(triton_core, n)
             setattr(triton_core, n, x)
@@ -326,23 +326,12 @@ def apply_settings(cfg: dict, D: int) -> dict:
 def sweep(D=64):
     """Time launch settings of the kernels one at a time from triton_core's defaults (fwd+bwd at 16k and 64k);
     keep a change only where it is faster at both."""
-    inputs = {}
-    for T in (16384, 65536):
-        B = max(1, TOKENS // T)
-        torch.manual_seed(T)
-        q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        args, kw, _ = core_args(q, k, v, torch.randn(B, T, device="cuda"), topk=K, window=W, variant="hard_k_soft_v")
-        inputs[T] = (leaves(args), kw, torch.randn_like(q))
-
-    def fb(T):
-        a, kw, do = inputs[T]
-        o = triton_core.sparsek_attention_core_triton(*a, **kw)
-        torch.autograd.grad(o, [a[0], a[1], a[2], a[3], a[8]], do)
+    cases = {T: sk_case(T, D, seed=T) for T in (16384, 65536)}
 
     def run(cfg):
         saved = apply_settings(cfg, D)
         try:
-            return dict(cfg, D=D, fb16k=bench(lambda: fb(16384)), fb64k=bench(lambda: fb(65536)))
+            return dict(cfg, D=D, fb16k=bench(cases[16384].fwd_bwd), fb64k=bench(cases[65536].fwd_bwd))
         except Exception as e:  # a setting the compiler rejects: report it, go on
             return dict(cfg, D=D, error=repr(e)[:200], fb16k=float("inf"), fb64k=float("inf"))
         finally:
@@ -360,7 +349,7 @@ def sweep(D=64):
     apply_settings(chosen, D)
     out["chosen"] = chosen
     print("chosen", D, chosen, flush=True)
-    del inputs
+    cases.clear()  # free the inputs
     torch.cuda.empty_cache()
     return out
 

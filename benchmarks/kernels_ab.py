@@ -8,40 +8,25 @@
 argv: a tag, the checkout whose benchmarks/attention.py and longtrain/ run, then optional
 settings: D=128 (the head dim, 64 by default), triton_core globals NAME=int, launch settings
 kernel.key=int (LAUNCH[D], e.g. fwd.num_warps=8). Same inputs per T (seeded); H = 12,
-k = w = 512, bf16, 16k tokens per batch. Run each side twice, alternating, in one device call: compare only within it.
+k = w = 512, bf16, 16k tokens per batch (attention.sk_case: checkouts from commit 82d2560 on;
+settings need the LAUNCH table). Run each side twice, alternating, in one device call: compare only within it.
 """
 import json
 import sys
 
-import torch
-
 sys.path.insert(0, sys.argv[2] + "/benchmarks")
 import attention as A  # noqa: E402
-from longtrain.ops.attention import triton_core  # noqa: E402
 
 opts = dict(opt.split("=") for opt in sys.argv[3:])  # e.g. D=128 fwd.num_warps=8 POOL_SEGMENT=16
 D = int(opts.pop("D", 64))
-if opts:  # (commits before the LAUNCH table take no settings)
+if opts:
     A.apply_settings({n: int(x) for n, x in opts.items()}, D)
 tag = " ".join([sys.argv[1]] + sys.argv[3:])
 
 res = {}
 for T in (4096, 16384, 65536):
-    B = max(1, A.TOKENS // T)
-    torch.manual_seed(T)
-    q, k, v = (torch.randn(B, T, A.H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    args, kw, _ = A.core_args(q, k, v, torch.randn(B, T, device="cuda"), topk=A.K, window=A.W, variant="hard_k_soft_v")
-    a = A.leaves(args)
-    do = torch.randn_like(q)
-
-    def f():
-        with torch.no_grad():
-            triton_core.sparsek_attention_core_triton(*a, **kw)
-
-    def fb():
-        o = triton_core.sparsek_attention_core_triton(*a, **kw)
-        torch.autograd.grad(o, [a[0], a[1], a[2], a[3], a[8]], do)
-
-    res[T] = dict(fwd=round(A.bench(f), 4), fb=round(A.bench(fb), 4))
+    c = A.sk_case(T, D, seed=T)
+    res[T] = dict(fwd=round(A.bench(c.fwd), 4), fb=round(A.bench(c.fwd_bwd), 4))
     print(tag, T, res[T], flush=True)
+    del c
 print("AB", tag, json.dumps(res))
