@@ -161,8 +161,14 @@ def test_cut_counts_a_prefix_of_each_tile(G):
     bp = scan.block_pool[:, :: G // 16].contiguous()
     nt = bp.shape[1]
     args = [x.to(DEV) for x in (bp, u_ext.float(), pos_ext, q_pos, scan.theta_u, scan.theta_pos)]
-    cut, pi, pu = (x.cpu() for x in triton_core._cut(*args, T, G, K))  # [B, nt, K] each
+    bw = 4  # the pool walk's slot groups (K = 12: three)
+    cut, pi, pu, flush = (x.cpu() for x in triton_core._cut(*args, T, G, K, bw))  # [B, nt, K] each; flush [B, nt, 3]
     cut = cut.long()
+    # A group's flag: one of its slots holds a key after tile t that is not there after t + 1.
+    nxt = torch.cat([bp[:, 1:], torch.full_like(bp[:, :1], -1)], 1)
+    leave = ((bp >= 0) & (nxt != bp)).view(B, nt, K // bw, bw).any(-1)
+    assert torch.equal(flush, leave.int())
+    assert leave[:, :-1].any() and not leave[:, :-1].all()  # both kinds of steps occur
     # The compacted snapshot: int32 ext indices, float32 scores (+inf on empty slots).
     assert pi.dtype == torch.int32 and torch.equal(pi.long(), bp)
     assert torch.equal(pu, torch.where(bp >= 0, u_ext.float().gather(1, bp.clamp(min=0).flatten(1)).view_as(pu),

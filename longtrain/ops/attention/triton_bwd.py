@@ -51,7 +51,7 @@ def _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau,
     else:
         s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [G, BN]
     if IS_POOL:
-        z, g, dmask = pool_logits(s, rows, cut, u, tau, VARIANT, KEY_MAJOR)
+        z, g, dmask = pool_logits(s, rows, cut, u, tau, VARIANT)
     elif FIXED == 2:
         z, g, dmask = causal_logits(s, qp, kp)
     elif FIXED == 3:
@@ -245,15 +245,18 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
 
 @triton.jit
 def _dkv_pool_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, DO, LSE, DELTA, DKP, DVP, DUP,
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, FLUSH, DO, LSE, DELTA, DKP, DVP, DUP,
     sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh,
-    L, N, H, R, NB, TOPK, WINDOW, scale, SEG,
+    L, N, H, R: tl.constexpr, NB, TOPK, WINDOW, scale, SEG,
     G: tl.constexpr, MQ: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     VARIANT: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr, KEY_MAJOR: tl.constexpr,
 ):
     """Pool slots s0..s0+BN over query tiles [seg SEG, (seg+1) SEG): a key's sums are written when it
     leaves its slot or the segment ends. One segment: plain stores (each key once, deterministic);
-    several: atomic adds, a few per key, into the zeroed fp32 buffers DKP, DVP [B, N, Hkv, D], DUP [B, Hkv, N]."""
+    several: atomic adds, a few per key, into the zeroed fp32 buffers DKP, DVP [B, N, Hkv, D], DUP [B, Hkv, N].
+    The loop body's loads sit at its top level (no block-wide branch around them) so they can be
+    pipelined; whether any of the BN slots changes after a tile is the cut kernel's FLUSH flag (one
+    scalar load instead of a block-wide reduction per step)."""
     tile = tl.program_id(0)
     seg = tl.program_id(1)
     bk = tl.program_id(2)
@@ -270,37 +273,37 @@ def _dkv_pool_kernel(
     du = tl.zeros([BN], tl.float32)
     s = tile * BN + tl.arange(0, BN)
     sm = s < TOPK
+    ng = tl.cdiv(TOPK, BN)
     b0 = seg * SEG
     b1 = tl.minimum(b0 + SEG, NB)
-    idx = tl.load(PI + (b * NB + b0) * TOPK + s, mask=sm, other=-1)
     for blk in range(b0, b1):
         po = (b * NB + blk) * TOPK  # this tile's row of the cut kernel's outputs
-        nxt = tl.load(PI + po + TOPK + s, mask=sm & (s * 0 + blk + 1 < b1), other=-1)
-        valid = idx >= 0
-        if tl.max(valid.to(tl.int32), 0) > 0:
-            k, v = gather_kv(idx, valid, Kb, Vb, skn, svn, D)  # the slots' keys (idx is already here)
-            u = tl.load(PU + po + s, mask=sm, other=float("inf"))
-            cut = tl.load(CUT + po + s, mask=sm, other=0)
-            dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, cut, valid, cut,
-                                    Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
-                                    L, H, R, WINDOW, scale, 0, U.dtype.element_ty, G, MQ, BN, D, VARIANT, True, True, PREC,
-                                    KEY_MAJOR)
+        idx = tl.load(PI + po + s, mask=sm, other=-1)
+        valid = idx >= 0  # (empty slots: zero rows, cut 0, so they add nothing)
+        k, v = gather_kv(idx, valid, Kb, Vb, skn, svn, D)
+        u = tl.load(PU + po + s, mask=sm, other=float("inf"))
+        cut = tl.load(CUT + po + s, mask=sm, other=0)
+        dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, cut, valid, cut,
+                                Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
+                                L, H, R, WINDOW, scale, 0, U.dtype.element_ty, G, MQ, BN, D, VARIANT, True, True, PREC,
+                                KEY_MAJOR)
+        flush = tl.load(FLUSH + (b * NB + blk) * ng + tile)
+        if (flush != 0) | (blk + 1 == b1):  # few keys leave per tile: skip the masked writes
+            nxt = tl.load(PI + po + TOPK + s, mask=sm & (s * 0 + blk + 1 < b1), other=-1)
             done = valid & (nxt != idx)
-            if tl.max(done.to(tl.int32), 0) > 0:  # few keys leave per tile: skip the masked writes
-                safe = tl.where(done, idx, 0)
-                ptr = okv + safe[:, None] * (Hkv * D) + d[None, :]
-                if ATOMIC:
-                    tl.atomic_add(DKP + ptr, dk * scale, mask=done[:, None], sem="relaxed")
-                    tl.atomic_add(DVP + ptr, dv, mask=done[:, None], sem="relaxed")
-                    tl.atomic_add(DUP + ou + safe, du, mask=done, sem="relaxed")
-                else:
-                    tl.store(DKP + ptr, dk * scale, mask=done[:, None])
-                    tl.store(DVP + ptr, dv, mask=done[:, None])
-                    tl.store(DUP + ou + safe, du, mask=done)
-                dk = tl.where(done[:, None], 0.0, dk)
-                dv = tl.where(done[:, None], 0.0, dv)
-                du = tl.where(done, 0.0, du)
-        idx = nxt
+            safe = tl.where(done, idx, 0)
+            ptr = okv + safe[:, None] * (Hkv * D) + d[None, :]
+            if ATOMIC:
+                tl.atomic_add(DKP + ptr, dk * scale, mask=done[:, None], sem="relaxed")
+                tl.atomic_add(DVP + ptr, dv, mask=done[:, None], sem="relaxed")
+                tl.atomic_add(DUP + ou + safe, du, mask=done, sem="relaxed")
+            else:
+                tl.store(DKP + ptr, dk * scale, mask=done[:, None])
+                tl.store(DVP + ptr, dv, mask=done[:, None])
+                tl.store(DUP + ou + safe, du, mask=done)
+            dk = tl.where(done[:, None], 0.0, dk)
+            dv = tl.where(done[:, None], 0.0, dv)
+            du = tl.where(done, 0.0, du)
 
 
 @triton.jit

@@ -39,6 +39,7 @@ LAUNCH = {
               dkv=dict(BN=64, MQ=32, num_warps=4, KEY_MAJOR=True)),
 }
 POOL_SEGMENT = 32
+POOL_STAGES = 2  # the pool walk's pipeline stages (its loads run a step ahead via cp.async)
 
 
 def _interpreting() -> bool:
@@ -81,19 +82,22 @@ def _empty(shape, dtype, device):
     return x
 
 
-def _cut(sp, u, pos, qpos, thu, thp, L, G, topk):
+def _cut(sp, u, pos, qpos, thu, thp, L, G, topk, bw):
     """Per query tile and pool slot [B, nt, K]: how many of the tile's queries select the key (int32),
-    and the snapshot compacted for the kernels: ext index (int32, -1 empty), score (float32, +inf empty)."""
+    and the snapshot compacted for the kernels: ext index (int32, -1 empty), score (float32, +inf empty).
+    Also per query tile and group of bw slots [B, nt, ceil(K / bw)]: 1 where a key leaves its slot
+    after the tile (int32; the pool walk writes its sums then)."""
     B, nt = sp.shape[0], sp.shape[1]
     cut = _empty((B, nt, topk), torch.int32, u.device)
     pi = _empty((B, nt, topk), torch.int32, u.device)
     pu = _empty((B, nt, topk), torch.float32, u.device)
-    bk = 16 if _interpreting() else 128
+    flush = _empty((B, nt, triton.cdiv(topk, bw)), torch.int32, u.device)
+    bk = max(bw, 16 if _interpreting() else 128)
     _cut_kernel[(nt, B, triton.cdiv(topk, bk))](
-        sp, u, pos, qpos, thu, thp, cut, pi, pu, sp.stride(0), sp.stride(1), L, u.shape[1], nt, topk,
-        G=G, BK=bk, QC=min(G, 16 if _interpreting() else 32), num_warps=4,
+        sp, u, pos, qpos, thu, thp, cut, pi, pu, flush, sp.stride(0), sp.stride(1), L, u.shape[1], nt, topk,
+        G=G, BK=bk, QC=min(G, 16 if _interpreting() else 32), BW=bw, num_warps=4,
     )
-    return cut, pi, pu
+    return cut, pi, pu, flush
 
 
 class _SparseKTriton(torch.autograd.Function):
@@ -118,9 +122,9 @@ class _SparseKTriton(torch.autograd.Function):
             bp = block_pool.to(dev)[:, : nt * (G // block) : G // block]  # [B, nt, K] (a strided view)
             if bp.stride(-1) != 1:
                 bp = bp.contiguous()
-            cut, pi, pu = _cut(bp, u, pos, qpos, thu, thp, L, G, topk)
+            cut, pi, pu, flush = _cut(bp, u, pos, qpos, thu, thp, L, G, topk, dkv_cfg["BN"])
         else:
-            cut = pi = torch.full((B, nt, 1), -1, dtype=torch.int32, device=dev)
+            cut = pi = flush = torch.full((B, nt, 1), -1, dtype=torch.int32, device=dev)
             pu = torch.full((B, nt, 1), float("inf"), device=dev)
         o = _empty((B, L, H, D), q.dtype, dev)
         lse = _empty((B, H, L), torch.float32, dev)  # base-2 log-sum-exp
@@ -132,13 +136,13 @@ class _SparseKTriton(torch.autograd.Function):
             L, N, H, H // Hkv, nt, topk, window, tail_slots, scale * LOG2E,
             **fwd, **common,
         )
-        ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, cut, pi, pu, o, lse)
+        ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, cut, pi, pu, flush, o, lse)
         ctx.meta = (topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_ext.dtype, tau.dtype)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, o, lse = ctx.saved_tensors
+        q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, flush, o, lse = ctx.saved_tensors
         topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_dtype, tau_dtype = ctx.meta
         B, L, H, D = q.shape
         N, Hkv = k_ext.shape[1], k_ext.shape[2]
@@ -174,10 +178,11 @@ class _SparseKTriton(torch.autograd.Function):
         if topk > 0:  # the pool walk follows the scans' stable slots (a key never moves while pooled)
             seg = nt if det else POOL_SEGMENT
             _dkv_pool_kernel[(triton.cdiv(topk, bn), triton.cdiv(nt, seg), B * Hkv)](
-                q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, do, lse, delta, dkp, dvp, dup,
+                q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, flush, do, lse, delta, dkp, dvp, dup,
                 *strides,
                 L, N, H, H // Hkv, nt, topk, window, scale, seg,
-                G=G, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nt, num_stages=1, **dkv_cfg,
+                G=G, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nt, num_stages=POOL_STAGES,
+                **dkv_cfg,
             )
         else:
             dkp = dvp = dup = dub  # unused without a pool

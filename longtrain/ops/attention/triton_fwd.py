@@ -145,12 +145,14 @@ def load_theta(THU, THP, row, qm, UTY: tl.constexpr):
 
 
 @triton.jit
-def _cut_kernel(SP, U, POS, QPOS, THU, THP, CUT, PI, PU, sspb, sspn, L, N, NBQ, TOPK,
-                G: tl.constexpr, BK: tl.constexpr, QC: tl.constexpr):
+def _cut_kernel(SP, U, POS, QPOS, THU, THP, CUT, PI, PU, FLUSH, sspb, sspn, L, N, NBQ, TOPK,
+                G: tl.constexpr, BK: tl.constexpr, QC: tl.constexpr, BW: tl.constexpr):
     """CUT[b, t, s] = how many queries of query tile t select pool slot s of snapshot SP[b, t]
     (sel = valid key, valid query, (u, pos) >= theta; pool keys are candidates of every query of the tile).
     Also the snapshot compacted for the kernels' pool tiles: PI = ext index (int32, -1 empty) and
-    PU = its score (float32, +inf empty), so they read contiguous rows instead of gathering u."""
+    PU = its score (float32, +inf empty), so they read contiguous rows instead of gathering u.
+    FLUSH[b, t, g] = 1 when a key of slots [g BW, (g + 1) BW) leaves its slot after tile t (the pool
+    walk's groups of BW slots write their sums then; BK is a multiple of BW)."""
     t = tl.program_id(0)
     b = tl.program_id(1)
     s = tl.program_id(2) * BK + tl.arange(0, BK)
@@ -174,6 +176,11 @@ def _cut_kernel(SP, U, POS, QPOS, THU, THP, CUT, PI, PU, sspb, sspn, L, N, NBQ, 
     tl.store(CUT + o, cnt, mask=sm)
     tl.store(PI + o, idx, mask=sm)
     tl.store(PU + o, tl.where(valid, u.to(tl.float32), float("inf")), mask=sm)
+    nxt = tl.load(SP + b * sspb + (t + 1) * sspn + s, mask=sm & (s * 0 + t + 1 < NBQ), other=-1).to(tl.int32)
+    leave = tl.reshape((valid & (nxt != idx)).to(tl.int32), [BK // BW, BW])
+    grp = tl.program_id(2) * (BK // BW) + tl.arange(0, BK // BW)
+    ng = tl.cdiv(TOPK, BW)
+    tl.store(FLUSH + (b * NBQ + t) * ng + grp, tl.max(leave, 1), mask=grp < ng)
 
 
 @triton.jit
