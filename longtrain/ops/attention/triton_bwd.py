@@ -106,12 +106,15 @@ def _dq_band_tile(mode, dq, dtau, idx, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb
 
 @triton.jit
 def _dq_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, DO, O, LSE, DELTA, DQ, DTAU,
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, DO, O, LSE, DELTA, DQ, DTAU, DKP, DVP, DUP,
     sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh,
-    L, N, H, R, NBQ, TOPK, WINDOW, TAIL, scale,
+    L, N, H, R, NBQ, TOPK, WINDOW, TAIL, scale, ZROWS,
     G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
 ):
+    """Query-major dq and dtau (and Delta) for query tile blk and one head. With a pool it also zeroes
+    the pool walk's fp32 sums (DKP, DVP [B, N, Hkv, D], DUP [B, Hkv, N]; the walk runs after this
+    kernel): ext rows [blk ZROWS, (blk + 1) ZROWS) of its kv head, by the kv head's first query head."""
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -173,6 +176,18 @@ def _dq_kernel(
     tl.store(DQ + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=qm[:, None])
     tl.store(DTAU + bh * L + i, dtau, mask=qm)
+    if HAS_TOPK:
+        if h % R == 0:
+            Hkv = H // R
+            zr = tl.arange(0, 16)
+            zero = tl.zeros([16, D], tl.float32)
+            for r0 in range(blk * ZROWS, tl.minimum((blk + 1) * ZROWS, N), 16):
+                e = r0 + zr
+                em = e < tl.minimum((blk + 1) * ZROWS, N)
+                ptr = ((b * N + e[:, None]) * Hkv + kvh) * D + d[None, :]
+                tl.store(DKP + ptr, zero, mask=em[:, None])
+                tl.store(DVP + ptr, zero, mask=em[:, None])
+                tl.store(DUP + (b * Hkv + kvh) * N + e, tl.zeros([16], tl.float32), mask=em)
 
 
 @triton.jit

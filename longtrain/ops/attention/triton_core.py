@@ -40,6 +40,7 @@ LAUNCH = {
 }
 POOL_SEGMENT = 32
 POOL_STAGES = 2  # the pool walk's pipeline stages (its loads run a step ahead via cp.async)
+BAND_STAGES = 1  # the dk/dv band pass's
 
 
 def _interpreting() -> bool:
@@ -152,10 +153,12 @@ class _SparseKTriton(torch.autograd.Function):
         dev = q.device
         do = do.contiguous()
         det = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
-        if topk > 0:
-            dkp = torch.zeros((B, N, Hkv, D), dtype=torch.float32, device=dev)
-            dvp = torch.zeros_like(dkp)
-            dup = torch.zeros((B, Hkv, N), dtype=torch.float32, device=dev)
+        if topk > 0:  # the pool walk's sums, zeroed by the dq kernel (no memset launches)
+            dkp = _empty((B, N, Hkv, D), torch.float32, dev)
+            dvp = _empty((B, N, Hkv, D), torch.float32, dev)
+            dup = _empty((B, Hkv, N), torch.float32, dev)
+        else:
+            dkp = dvp = dup = lse  # (unused)
         delta = _empty((B, H, L), torch.float32, dev)  # dO_i . o_i, written by the dq kernel
         dq = _empty((B, L, H, D), q.dtype, dev)
         dtau = _empty((B, H, L), torch.float32, dev)
@@ -164,9 +167,9 @@ class _SparseKTriton(torch.autograd.Function):
             v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), do.stride(0), do.stride(1), do.stride(2),
         )
         _dq_kernel[(nt, B * H)](  # the forward's pool layout and cut
-            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, do, o, lse, delta, dq, dtau,
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, do, o, lse, delta, dq, dtau, dkp, dvp, dup,
             *strides,
-            L, N, H, H // Hkv, nt, topk, window, tail_slots, scale,
+            L, N, H, H // Hkv, nt, topk, window, tail_slots, scale, triton.cdiv(N, nt),
             **dq_cfg, **common,
         )
         # Key-major passes: pool sums first (zeroed fp32 buffers), then the band pass adds them and
@@ -184,13 +187,11 @@ class _SparseKTriton(torch.autograd.Function):
                 G=G, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nt, num_stages=POOL_STAGES,
                 **dkv_cfg,
             )
-        else:
-            dkp = dvp = dup = dub  # unused without a pool
         _dkv_band_kernel[(triton.cdiv(N, bn), B * Hkv)](
             q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, do, lse, delta, dkp, dvp, dup, dk, dv, dub,
             *strides, dk.stride(0), dk.stride(1), dk.stride(2),
             L, N, H, H // Hkv, nt, topk, window, tail_slots, scale,
-            num_stages=1, **dkv_cfg, **common,
+            num_stages=BAND_STAGES, **dkv_cfg, **common,
         )
         du = dub.sum(1).to(u_dtype)  # [B, N]: summed over kv heads
         return (dq, dk, dv, du, None, None, None, None,
