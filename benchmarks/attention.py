@@ -289,20 +289,21 @@ def ncu_step(T=16384, D=64):
     torch.cuda.cudart().cudaProfilerStop()
 
 
+_ABSENT = object()  # a launch setting the table did not have: undoing removes it
+
+
 # Alternatives tried one at a time by --sweep, per head dim: "kernel.setting" keys change LAUNCH[D], plain
 # names change triton_core's globals.
 SWEEP = {
-    64: ({"fwd.BN": 128}, {"dkv.KEY_MAJOR": False}, {"dkv.MQ": 32}, dict(POOL_SEGMENT=16),
-         dict(POOL_SEGMENT=64), {"dkv.num_warps": 8}, {"dq.num_stages": 2}, {"fwd.num_stages": 3},
-         {"QUERY_TILE": 128, "fwd.num_warps": 8, "dq.BN": 32, "dq.num_warps": 8, "dkv.MQ": 32}),
+    64: ({"fwd.BN": 128}, {"band.KEY_MAJOR": False, "walk.KEY_MAJOR": False}, {"band.MQ": 32}, {"walk.MQ": 32},
+         dict(POOL_SEGMENT=16), dict(POOL_SEGMENT=64), {"band.num_warps": 8}, {"dq.num_stages": 2},
+         {"fwd.num_stages": 3}, {"walk.num_stages": 3}, {"band.num_stages": 2}, {"fwd.maxnreg": _ABSENT},
+         {"dq.maxnreg": _ABSENT}, {"band.maxnreg": _ABSENT, "band.MQ": 64}, {"fwd.maxnreg": 128}, {"dq.maxnreg": 128}),
     # D = 128: the defaults spill in every kernel (Triton 3.6 sm_90); these do not, or less
     128: ({"fwd.num_warps": 8}, {"fwd.BN": 32}, {"fwd.BN": 32, "fwd.num_warps": 8}, {"dq.BN": 32},
-          {"dq.BN": 32, "dq.num_warps": 8}, {"dkv.num_warps": 8}, {"dkv.MQ": 16}, {"dkv.BN": 32, "dkv.KEY_MAJOR": False},
-          {"dkv.BN": 32, "dkv.MQ": 64, "dkv.KEY_MAJOR": False}),
+          {"dq.BN": 32, "dq.num_warps": 8}, {"band.num_warps": 8}, {"band.MQ": 16},
+          {"band.BN": 32, "band.KEY_MAJOR": False}, {"fwd.num_stages": 1, "fwd.maxnreg": 168}),
 }
-
-
-_ABSENT = object()  # a launch setting the table did not have: undoing removes it
 
 
 def apply_settings(cfg: dict, D: int) -> dict:

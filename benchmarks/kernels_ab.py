@@ -7,7 +7,7 @@
 
 argv: a tag, the checkout whose benchmarks/attention.py and longtrain/ run, then optional
 settings: D=128 (the head dim, 64 by default), triton_core globals NAME=int, launch settings
-kernel.key=int (LAUNCH[D], e.g. fwd.num_warps=8). Same inputs per T (seeded); H = 12,
+kernel.key=int (LAUNCH[D], e.g. fwd.num_warps=8; kernel.key=none removes the setting). Same inputs per T (seeded); H = 12,
 k = w = 512, bf16, 16k tokens per batch (attention.sk_case: checkouts from commit 82d2560 on;
 settings need the LAUNCH table). Run each side twice, alternating, in one device call: compare only within it.
 """
@@ -20,7 +20,7 @@ import attention as A  # noqa: E402
 opts = dict(opt.split("=") for opt in sys.argv[3:])  # e.g. D=128 fwd.num_warps=8 POOL_SEGMENT=16
 D = int(opts.pop("D", 64))
 if opts:
-    A.apply_settings({n: int(x) for n, x in opts.items()}, D)
+    A.apply_settings({n: A._ABSENT if x == "none" else int(x) for n, x in opts.items()}, D)
 tag = " ".join([sys.argv[1]] + sys.argv[3:])
 
 res = {}

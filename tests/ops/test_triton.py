@@ -81,7 +81,8 @@ def pool_walk(request, monkeypatch):
         monkeypatch.setattr(triton_core, "POOL_SEGMENT", 2)
         monkeypatch.setattr(triton_core, "QUERY_TILE", 16)
         for D, cfg in triton_core.LAUNCH.items():
-            monkeypatch.setitem(triton_core.LAUNCH, D, dict(cfg, dkv=dict(cfg["dkv"], KEY_MAJOR=False)))
+            monkeypatch.setitem(triton_core.LAUNCH, D, dict(cfg, walk=dict(cfg["walk"], KEY_MAJOR=False),
+                                                            band=dict(cfg["band"], KEY_MAJOR=False)))
     elif request.param == "deterministic":
         monkeypatch.setattr(triton_core, "DETERMINISTIC", True)
         monkeypatch.setattr(triton_core, "QUERY_TILE", 32)

@@ -27,20 +27,24 @@ POISON = False
 DETERMINISTIC = False
 # Launch settings per head dim (benchmarks/attention.py --sweep D measures alternatives on the H100): the
 # kernels' query tile, a multiple of the op's block (max(block, QUERY_TILE)); per kernel the key tile BN,
-# warps and pipeline stages; queries per step (MQ) of the key-major dk/dv kernels; query tiles per program
-# of the pool walk in the fast (atomic) mode. A head dim takes the entry of the largest key <= D (the
-# smallest key when none is). The interpreter (CPU tests) uses small tiles with the same switches.
+# warps, pipeline stages and a register cap (maxnreg 168 fits 3 programs per SM where shared memory
+# allows: the kernels are latency-bound at 2; measured faster for the D = 64 forward, dq and band pass
+# and the D = 128 forward at 1 stage, slower where it spills in the loops); queries per step (MQ) of the
+# key-major dk/dv kernels (walk: the pool walk over slots; band: the band pass).
+# A head dim takes the entry of the largest key <= D (the smallest key when none is). The interpreter
+# (CPU tests) uses small tiles with the same switches.
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 QUERY_TILE = 32 if _INTERP else 64  # 128 measured slower on the H100 (benchmarks/gpu_notes.md)
 LAUNCH = {
-    64: dict(fwd=dict(BN=64, num_warps=4, num_stages=2), dq=dict(BN=64, num_warps=4, num_stages=1),
-             dkv=dict(BN=64, MQ=64, num_warps=4, KEY_MAJOR=True)),
-    128: dict(fwd=dict(BN=64, num_warps=4, num_stages=2), dq=dict(BN=64, num_warps=4, num_stages=1),
-              dkv=dict(BN=64, MQ=32, num_warps=4, KEY_MAJOR=True)),
+    64: dict(fwd=dict(BN=64, num_warps=4, num_stages=2, maxnreg=168),
+             dq=dict(BN=64, num_warps=4, num_stages=1, maxnreg=168),
+             walk=dict(BN=64, MQ=64, num_warps=4, num_stages=2, KEY_MAJOR=True),
+             band=dict(BN=64, MQ=32, num_warps=4, num_stages=1, maxnreg=168, KEY_MAJOR=True)),
+    128: dict(fwd=dict(BN=64, num_warps=4, num_stages=1, maxnreg=168), dq=dict(BN=64, num_warps=4, num_stages=1),
+              walk=dict(BN=64, MQ=32, num_warps=4, num_stages=2, KEY_MAJOR=True),
+              band=dict(BN=64, MQ=32, num_warps=4, num_stages=1, KEY_MAJOR=True)),
 }
 POOL_SEGMENT = 32
-POOL_STAGES = 2  # the pool walk's pipeline stages (its loads run a step ahead via cp.async)
-BAND_STAGES = 1  # the dk/dv band pass's
 
 
 def _interpreting() -> bool:
@@ -66,14 +70,15 @@ def launch_settings(D: int) -> dict:
 
 
 def _config(D: int, dtype: torch.dtype):
-    """Dot precision and per-kernel launch settings (key tile BN, warps, stages; MQ for dk/dv)."""
+    """Dot precision and per-kernel launch settings (fwd, dq, walk, band: see LAUNCH)."""
     prec = "ieee" if dtype == torch.float32 else "tf32"  # float32 checks want exact fp32 dots
     cfg = launch_settings(D)
     if _interpreting():  # small tiles, the same switches
         for c in (cfg["fwd"], cfg["dq"]):
             c.update(BN=16, num_warps=4, num_stages=1)
-        cfg["dkv"].update(BN=16, MQ=16, num_warps=4)
-    return prec, cfg["fwd"], cfg["dq"], cfg["dkv"]
+        for c in (cfg["walk"], cfg["band"]):
+            c.update(BN=16, MQ=16, num_warps=4)
+    return prec, cfg
 
 
 def _empty(shape, dtype, device):
@@ -109,7 +114,7 @@ class _SparseKTriton(torch.autograd.Function):
         N, Hkv = k_ext.shape[1], k_ext.shape[2]
         G = max(block, QUERY_TILE)  # the kernels' query tile: its pool is the snapshot of its first block
         nt = -(-L // G)
-        prec, fwd, dq_cfg, dkv_cfg = _config(D, q.dtype)
+        prec, cfg = _config(D, q.dtype)
         q, k_ext, v_ext = q.contiguous(), k_ext.contiguous(), v_ext.contiguous()
         dev = q.device
         # Scan outputs go in as they come (int64 / float64): the kernels cast.
@@ -123,7 +128,7 @@ class _SparseKTriton(torch.autograd.Function):
             bp = block_pool.to(dev)[:, : nt * (G // block) : G // block]  # [B, nt, K] (a strided view)
             if bp.stride(-1) != 1:
                 bp = bp.contiguous()
-            cut, pi, pu, flush = _cut(bp, u, pos, qpos, thu, thp, L, G, topk, dkv_cfg["BN"])
+            cut, pi, pu, flush = _cut(bp, u, pos, qpos, thu, thp, L, G, topk, cfg["walk"]["BN"])
         else:
             cut = pi = flush = torch.full((B, nt, 1), -1, dtype=torch.int32, device=dev)
             pu = torch.full((B, nt, 1), float("inf"), device=dev)
@@ -135,21 +140,21 @@ class _SparseKTriton(torch.autograd.Function):
             q.stride(0), q.stride(1), q.stride(2), k_ext.stride(0), k_ext.stride(1), k_ext.stride(2),
             v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), o.stride(0), o.stride(1), o.stride(2),
             L, N, H, H // Hkv, nt, topk, window, tail_slots, scale * LOG2E,
-            **fwd, **common,
+            **cfg["fwd"], **common,
         )
         ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, cut, pi, pu, flush, o, lse)
-        ctx.meta = (topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_ext.dtype, tau.dtype)
+        ctx.meta = (topk, window, tail_slots, scale, common, cfg, u_ext.dtype, tau.dtype)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, flush, o, lse = ctx.saved_tensors
-        topk, window, tail_slots, scale, common, dq_cfg, dkv_cfg, u_dtype, tau_dtype = ctx.meta
+        topk, window, tail_slots, scale, common, cfg, u_dtype, tau_dtype = ctx.meta
         B, L, H, D = q.shape
         N, Hkv = k_ext.shape[1], k_ext.shape[2]
         G = common["G"]
         nt = -(-L // G)
-        dkv_cfg = dict(dkv_cfg, MQ=min(G, dkv_cfg["MQ"]))
+        walk_cfg, band_cfg = (dict(cfg[n], MQ=min(G, cfg[n]["MQ"])) for n in ("walk", "band"))
         dev = q.device
         do = do.contiguous()
         det = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
@@ -170,28 +175,26 @@ class _SparseKTriton(torch.autograd.Function):
             q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, do, o, lse, delta, dq, dtau, dkp, dvp, dup,
             *strides,
             L, N, H, H // Hkv, nt, topk, window, tail_slots, scale, triton.cdiv(N, nt),
-            **dq_cfg, **common,
+            **cfg["dq"], **common,
         )
         # Key-major passes: pool sums first (zeroed fp32 buffers), then the band pass adds them and
         # writes the final dk, dv, du (every ext row exactly once).
         dk = _empty(k_ext.shape, k_ext.dtype, dev)  # [B, N, Hkv, D]
         dv = _empty(v_ext.shape, v_ext.dtype, dev)
         dub = _empty((B, Hkv, N), torch.float32, dev)
-        bn = dkv_cfg["BN"]
         if topk > 0:  # the pool walk follows the scans' stable slots (a key never moves while pooled)
             seg = nt if det else POOL_SEGMENT
-            _dkv_pool_kernel[(triton.cdiv(topk, bn), triton.cdiv(nt, seg), B * Hkv)](
+            _dkv_pool_kernel[(triton.cdiv(topk, walk_cfg["BN"]), triton.cdiv(nt, seg), B * Hkv)](
                 q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, flush, do, lse, delta, dkp, dvp, dup,
                 *strides,
                 L, N, H, H // Hkv, nt, topk, window, scale, seg,
-                G=G, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nt, num_stages=POOL_STAGES,
-                **dkv_cfg,
+                G=G, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nt, **walk_cfg,
             )
-        _dkv_band_kernel[(triton.cdiv(N, bn), B * Hkv)](
+        _dkv_band_kernel[(triton.cdiv(N, band_cfg["BN"]), B * Hkv)](
             q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, do, lse, delta, dkp, dvp, dup, dk, dv, dub,
             *strides, dk.stride(0), dk.stride(1), dk.stride(2),
             L, N, H, H // Hkv, nt, topk, window, tail_slots, scale,
-            num_stages=BAND_STAGES, **dkv_cfg, **common,
+            **band_cfg, **common,
         )
         du = dub.sum(1).to(u_dtype)  # [B, N]: summed over kv heads
         return (dq, dk, dv, du, None, None, None, None,
