@@ -7,9 +7,10 @@
 
 argv: a tag, the checkout whose benchmarks/attention.py and longtrain/ run, then optional
 settings: D=128 (the head dim, 64 by default), triton_core globals NAME=int, launch settings
-kernel.key=int (LAUNCH[D], e.g. fwd.num_warps=8; kernel.key=none removes the setting). Same inputs per T (seeded); H = 12,
-k = w = 512, bf16, 16k tokens per batch (attention.sk_case: checkouts from commit 82d2560 on;
-settings need the LAUNCH table). Run each side twice, alternating, in one device call: compare only within it.
+kernel.key=int (LAUNCH[D], e.g. fwd.num_warps=8; kernel.key=none removes the setting). Same inputs
+per T (seeded); H = 12, k = w = 512, bf16, 16k tokens per batch (attention.sk_case: checkouts from
+commit b916443 on; walk/band settings from cefde89 on). Run each side twice, alternating, in one
+device call: compare only within it.
 """
 import json
 import sys

@@ -220,18 +220,18 @@ def test_wavelet_tree_merges_equal_level_by_level_sorts(B, N):
     score = torch.randn(B, N, dtype=torch.float64, device=DEV)
     hashes = torch.randint(0, 2**62, (B, N), device=DEV)
     a, b = build_wavelet_tree(by_rank, score, hashes), build_wavelet_tree_reference(by_rank, score, hashes)
-    assert torch.equal(a.order, b.order) and torch.equal(a.zeros, b.zeros) and torch.equal(a.hash_sum, b.hash_sum)
+    assert torch.equal(a.order, b.order) and torch.equal(a.hash_sum, b.hash_sum)
     torch.testing.assert_close(a.score_sum, b.score_sum, rtol=0, atol=1e-12)  # summation orders differ
     assert torch.equal(a.left[..., 0], b.left[..., 0])
     torch.testing.assert_close(a.left[..., 1].view(torch.float64), b.left[..., 1].view(torch.float64), rtol=0, atol=1e-12)
 
 
 @triton.jit
-def _tree_probe_kernel(Z, LEFT, HS, P, RHO, R, CNT, SUM, RANK, HSUM, N, LV, BLK: tl.constexpr):
+def _tree_probe_kernel(LEFT, HS, P, RHO, R, CNT, SUM, RANK, HSUM, N, LV, BLK: tl.constexpr):
     i = tl.arange(0, BLK)
     p, rho, r = tl.load(P + i), tl.load(RHO + i), tl.load(R + i)
     cnt, s = tree_count_below(LEFT, 0, p, rho, LV, N)
-    rank, h = tree_quantile(Z, HS, 0, 0, p, r, LV, N)
+    rank, h = tree_quantile(LEFT, HS, 0, 0, p, r, LV, N)
     tl.store(CNT + i, cnt)
     tl.store(SUM + i, s)
     tl.store(RANK + i, rank)
@@ -252,7 +252,7 @@ def test_tree_descents_count_and_select_in_prefixes(N):
     rho = torch.randint(0, N + 1, (BLK,), generator=g, dtype=torch.int32)
     r = (torch.rand(BLK, generator=g) * P).int()  # r < P where P > 0
     outs = [torch.empty(BLK, dtype=d, device=DEV) for d in (torch.int32, torch.float64, torch.int32, torch.int64)]
-    _tree_probe_kernel[(1,)](tree.zeros, tree.left, tree.hash_sum, P.to(DEV), rho.to(DEV), r.to(DEV), *outs, N,
+    _tree_probe_kernel[(1,)](tree.left, tree.hash_sum, P.to(DEV), rho.to(DEV), r.to(DEV), *outs, N,
                              tree.levels, BLK=BLK)
     cnt, ssum, rank, hsum = (o.cpu() for o in outs)
     for q in range(BLK):

@@ -266,7 +266,7 @@ def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, tau_prev, n
     qrank, tau_end = new(B, L + 1), new(B, dtype=torch.float64)
     bq = 64 if B * (L + 1) >= 64 * 256 else 32  # small rows: more, smaller programs
     kern.queries_kernel[(triton.cdiv(L + 1, bq), B)](
-        tree.zeros, tree.left, tree.hash_sum, bpt, bprv, bprw, cc, cs, score, by_rank, pos_ext, nvalid, seen,
+        tree.left, tree.hash_sum, bpt, bprv, bprw, cc, cs, score, by_rank, pos_ext, nvalid, seen,
         lengths, tau_prev, theta_u, theta_pos, tau, n_active, fp, qrank, tau_end,
         N, NM, K, L, LV, _search_rounds(2 * NM, PROBES), delta, lag, BQ=bq, NP=PROBES, num_warps=bq // 32,
     )

@@ -208,7 +208,7 @@ def _f_at(LEFT, BPT, BPRV, BPRW, CC, CS, zrow, brow, crow, j, m, P, LV, NM):
 
 @triton.jit
 def queries_kernel(
-    ZER, LEFT, HS,  # the wavelet tree
+    LEFT, HS,  # the wavelet tree
     BPT, BPRV, BPRW, CC, CS,  # breakpoints [B, 2 NM] and offsets [B, NM+1]
     SCORE, BY_RANK, POS, NVALID, SEEN, LENGTHS, TAU_PREV,
     THETA_U, THETA_POS, TAU, NACT, FP,  # out [B, L], padded queries: nothing selected
@@ -237,7 +237,7 @@ def queries_kernel(
 
     # theta: the K-th best among the first P; the fingerprint sums the hashes at or above it.
     has = qm & (P >= K)  # (K > 0: the host handles k = 0)
-    rank, hbelow = tree_quantile(ZER, HS, zrow, srow, tl.where(has, P, 0), zero + K - 1, LV, NM)
+    rank, hbelow = tree_quantile(LEFT, HS, zrow, srow, tl.where(has, P, 0), zero + K - 1, LV, NM)
     has = has & (rank < nval)  # else fewer than K valid items: all are selected
     rk = tl.where(has, rank, 0)
     theta_u = tl.where(has, tl.load(SCORE + row + rk, mask=has, other=0.0), -float("inf"))

@@ -181,9 +181,10 @@ def _dq_kernel(
             Hkv = H // R
             zr = tl.arange(0, 16)
             zero = tl.zeros([16, D], tl.float32)
-            for r0 in range(blk * ZROWS, tl.minimum((blk + 1) * ZROWS, N), 16):
+            end = tl.minimum((blk + 1) * ZROWS, N)
+            for r0 in range(blk * ZROWS, end, 16):
                 e = r0 + zr
-                em = e < tl.minimum((blk + 1) * ZROWS, N)
+                em = e < end
                 ptr = ((b * N + e[:, None]) * Hkv + kvh) * D + d[None, :]
                 tl.store(DKP + ptr, zero, mask=em[:, None])
                 tl.store(DVP + ptr, zero, mask=em[:, None])

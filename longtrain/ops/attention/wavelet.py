@@ -11,10 +11,11 @@ The ranks are a permutation of 0..N-1, so the tree needs no bookkeeping of node 
 is the rank order itself; level 0 the ext order. Level l is the merge sort of level l + 1's
 children: a bottom-up merge sort of the items by ext index, started from the rank order.
 Per level we keep, in-node and inclusive:
-  - zeros[l, p]: items of the node's left child (rank bit LV-1-l = 0) among its first p - start + 1;
+  - left[l, p] = (z, their score sum): z items of the node's left child (rank bit LV-1-l = 0) among
+    its first p - start + 1, side by side with the sum of those z items' scores;
   - score_sum[l, p], hash_sum[l, p]: the sums of their scores and hashes over the same prefix.
-A descent reads one entry per level: the first m items of a node (ext < P) put zeros[.., m-1] of
-them in the left child, which are its first ones (children are sorted by ext index too).
+A descent reads one record per level: the first m items of a node (ext < P) put left[.., m-1]'s z
+of them in the left child, which are its first ones (children are sorted by ext index too).
 
 Building a level is one merge per child pair: each item's place in its parent is its own index plus
 the number of the sibling's items with a smaller ext index (a binary search), and the parent's
@@ -37,14 +38,14 @@ UPPER_TILE = 128  # positions per program of a high level
 @dataclass
 class WaveletTree:
     order: torch.Tensor  # [B, LV+1, N] int32: each level's items (ext indices); level LV is the rank order
-    zeros: torch.Tensor  # [B, LV, N] int32: left-child items among the node's first p - start + 1
-    left: torch.Tensor  # [B, LV, N, 2] int64: (zeros, float64 bits of those items' score sum), side by side
+    left: torch.Tensor  # [B, LV, N, 2] int64: (left-child items among the node's first p - start + 1,
+    #                     float64 bits of those items' score sum), side by side: one sector per descent step
     score_sum: torch.Tensor  # [B, LV+1, N] float64: their scores' in-node inclusive prefix sum, per level
     hash_sum: torch.Tensor  # [B, LV+1, N] int64: the same for hashes (wrapping)
 
     @property
     def levels(self) -> int:
-        return self.zeros.shape[1]
+        return self.left.shape[1]
 
 
 def wavelet_levels(n: int) -> int:
@@ -71,13 +72,13 @@ def tree_count_below(LEFT, zrow, P, rho, LV, N):
 
 
 @triton.jit
-def tree_quantile(Z, HS, zrow, hrow, P, r, LV, N):
+def tree_quantile(LEFT, HS, zrow, hrow, P, r, LV, N):
     """The rank of the r-th best (0-based) item among the first P, and the hash sum of the better ones."""
     s = tl.zeros_like(P)
     m = P
     hsum = tl.zeros(P.shape, tl.int64)
     for level in range(LV):
-        z = tl.load(Z + zrow + level * N + s + m - 1, mask=m > 0, other=0)
+        z = tl.load(LEFT + 2 * (zrow + level * N + s + m - 1), mask=m > 0, other=0).to(tl.int32)
         right = r >= z  # not among the left child's: skip them
         r = tl.where(right, r - z, r)
         hsum += tl.load(HS + hrow + (level + 1) * N + s + z - 1, mask=right & (z > 0), other=0)
@@ -87,7 +88,7 @@ def tree_quantile(Z, HS, zrow, hrow, P, r, LV, N):
 
 
 @triton.jit
-def _merge_level(ORD, ZER, LEFT, SS, HS, orow, zrow, srow, p, pm, level, LV, N):
+def _merge_level(ORD, LEFT, SS, HS, orow, zrow, srow, p, pm, level, LV, N):
     """Build level `level` from level + 1 at positions p: each item's place in the merged parent."""
     lg = LV - 1 - level  # children hold 2**lg ranks
     half = 1 << lg
@@ -118,13 +119,12 @@ def _merge_level(ORD, ZER, LEFT, SS, HS, orow, zrow, srow, p, pm, level, LV, N):
     tl.store(rec, z.to(tl.int64), mask=pm)
     tl.store(rec + 1, tl.where(is_left, own, sib_sp).to(tl.int64, bitcast=True), mask=pm)
     tl.store(ORD + orow + level * N + out, x, mask=pm)
-    tl.store(ZER + zrow + level * N + out, z, mask=pm)
     tl.store(SS + srow + level * N + out, sp, mask=pm)
     tl.store(HS + srow + level * N + out, hp, mask=pm)
 
 
 @triton.jit
-def _merge_levels_kernel(ORD, ZER, LEFT, SS, HS, N, LV, TOP, NLEV, BLK: tl.constexpr):
+def _merge_levels_kernel(ORD, LEFT, SS, HS, N, LV, TOP, NLEV, BLK: tl.constexpr):
     """Levels TOP-1 down to TOP-NLEV for one tile of positions (grid: tiles, rows).
 
     With NLEV > 1 every node built must fit in the tile: the program reads only what it wrote."""
@@ -134,7 +134,7 @@ def _merge_levels_kernel(ORD, ZER, LEFT, SS, HS, N, LV, TOP, NLEV, BLK: tl.const
     orow = b * (LV + 1) * N
     zrow = b * LV * N
     for k in range(NLEV):
-        _merge_level(ORD, ZER, LEFT, SS, HS, orow, zrow, orow, p, pm, TOP - 1 - k, LV, N)
+        _merge_level(ORD, LEFT, SS, HS, orow, zrow, orow, p, pm, TOP - 1 - k, LV, N)
         tl.debug_barrier()  # the next level reads this one's stores, made by other threads
 
 
@@ -143,7 +143,6 @@ def empty_wavelet_tree(B: int, N: int, device) -> WaveletTree:
     LV = wavelet_levels(N)
     return WaveletTree(
         order=torch.empty(B, LV + 1, N, dtype=torch.int32, device=device),
-        zeros=torch.empty(B, LV, N, dtype=torch.int32, device=device),
         left=torch.empty(B, LV, N, 2, dtype=torch.int64, device=device),
         score_sum=torch.empty(B, LV + 1, N, dtype=torch.float64, device=device),
         hash_sum=torch.empty(B, LV + 1, N, dtype=torch.int64, device=device),
@@ -152,8 +151,8 @@ def empty_wavelet_tree(B: int, N: int, device) -> WaveletTree:
 
 def merge_levels(tree: WaveletTree) -> WaveletTree:
     """Levels LV-1 .. 0 from the leaves: one launch for the low levels, one per higher level."""
-    B, LV, N = tree.zeros.shape
-    args = (tree.order, tree.zeros, tree.left, tree.score_sum, tree.hash_sum, N, LV)
+    B, LV, N = tree.left.shape[:3]
+    args = (tree.order, tree.left, tree.score_sum, tree.hash_sum, N, LV)
     low = min(LV, MERGE_TILE.bit_length() - 1)  # levels whose nodes fit in a tile
     _merge_levels_kernel[(triton.cdiv(N, MERGE_TILE), B)](*args, LV, low, BLK=MERGE_TILE)
     for level in range(LV - low - 1, -1, -1):
@@ -182,7 +181,6 @@ def build_wavelet_tree_reference(by_rank: torch.Tensor, score: torch.Tensor, has
     dev = by_rank.device
     rank = torch.arange(N, device=dev).expand(B, N)
     order_all = torch.empty(B, LV + 1, N, dtype=torch.int32, device=dev)
-    zeros = torch.empty(B, LV, N, dtype=torch.int32, device=dev)
     left = torch.empty(B, LV, N, 2, dtype=torch.int64, device=dev)
     score_sum = torch.empty(B, LV + 1, N, dtype=torch.float64, device=dev)
     hash_sum = torch.empty(B, LV + 1, N, dtype=torch.int64, device=dev)
@@ -201,7 +199,6 @@ def build_wavelet_tree_reference(by_rank: torch.Tensor, score: torch.Tensor, has
         hash_sum[:, level] = in_node(h)
         if level < LV:
             is_left = (r >> (LV - 1 - level)) & 1 == 0
-            zeros[:, level] = in_node(is_left.long()).int()
-            left[:, level, :, 0] = zeros[:, level]
+            left[:, level, :, 0] = in_node(is_left.long())
             left[:, level, :, 1] = in_node(torch.where(is_left, s, 0.0)).view(torch.int64)
-    return WaveletTree(order_all, zeros, left, score_sum, hash_sum)
+    return WaveletTree(order_all, left, score_sum, hash_sum)
