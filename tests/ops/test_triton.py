@@ -163,7 +163,8 @@ def test_cut_counts_a_prefix_of_each_tile(G):
     nt = bp.shape[1]
     args = [x.to(DEV) for x in (bp, u_ext.float(), pos_ext, q_pos, scan.theta_u, scan.theta_pos)]
     bw = 4  # the pool walk's slot groups (K = 12: three)
-    cut, pi, pu, flush = (x.cpu() for x in triton_core._cut(*args, T, G, K, bw))  # [B, nt, K] each; flush [B, nt, 3]
+    out = triton_core._cut(*args, T, G, K, bw, w - 1, w)
+    cut, pi, pu, flush, reach = (x.cpu() for x in out)  # [B, nt, K] each; flush [B, nt, 3]; reach [B, nt, G]
     cut = cut.long()
     # A group's flag: one of its slots holds a key after tile t that is not there after t + 1.
     nxt = torch.cat([bp[:, 1:], torch.full_like(bp[:, :1], -1)], 1)
@@ -186,6 +187,17 @@ def test_cut_counts_a_prefix_of_each_tile(G):
     assert torch.equal(cut, sel.sum(2))
     assert torch.equal(sel, torch.arange(G)[None, None, :, None] < cut[:, :, None, :])  # a prefix
     assert (cut > 0).any() and ((cut > 0) & (cut < G)).any()  # keys leave mid-tile: the prefix is exercised
+    # The tile's band keys j < G (ext rows K + t G + j here): queries r < max(j + 1, count) attend them.
+    e = (K + torch.arange(nt * G)).clamp(max=n0 + T - 1).reshape(nt, G)
+    ek = (K + torch.arange(nt * G) < n0 + T).reshape(nt, G)
+    ue, pe = u_ext[:, e][:, :, None, :], pos_ext[:, e][:, :, None, :]  # [B, nt, 1, G]: keys
+    above = (ue > tu) | ((ue == tu) & (pe >= tp))
+    above &= ek[None, :, None, :] & (pe >= 0) & (q_pos[:, qi][..., None] >= 0) & ok[None, :, :, None]
+    count = above.sum(2)  # [B, nt, G]
+    assert torch.equal(above, torch.arange(G)[None, None, :, None] < count[:, :, None, :])  # a prefix
+    j = torch.arange(G)
+    assert torch.equal(reach.long(), torch.maximum(count, j + 1))
+    assert (count > j + 1).any()  # candidates selected past the window: reach beyond it
 
 
 def test_unsupported_head_dim_falls_back_to_naive():

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from longtrain.ops.attention.triton_fwd import (
-    band_mode, causal_logits, edge_logits, gather_kv, interior_tiles, load_keys, load_pool_keys, load_queries, masked_logits, pool_logits,
+    band_mode, causal_logits, gather_kv, interior_tiles, load_keys, load_pool_keys, load_queries, load_reach, masked_logits,
+    pool_logits, reach_logits,
 )
 
 
@@ -45,7 +46,8 @@ def _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau,
     feed the next dots without a transpose). The per-query (lse2, delta, qp, thu, thp, tau, rows) and
     per-key (u, kp, kvalid, cut) operands come expanded to broadcast against the tile. Pool tiles
     (IS_POOL) select by the per-key cut, band tiles by masked_logits' runtime mode (FIXED -1) or by a
-    mode fixed at compile time: masked_logits' 0 or 1, causal_logits (2), edge_logits (3)."""
+    mode fixed at compile time: masked_logits' 0 or 1, causal_logits (2), reach_logits (3: kp holds the
+    keys' band index in the query tile, cut their reach)."""
     if KEY_MAJOR:
         s = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BN, G] unscaled logits
     else:
@@ -55,10 +57,7 @@ def _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau,
     elif FIXED == 2:
         z, g, dmask = causal_logits(s, qp, kp)
     elif FIXED == 3:
-        if KEY_MAJOR:  # a key tile holds keys outside the query tile's band (kvalid False)
-            z, g, dmask = edge_logits(s, qp, thu, thp, tau, kp, u, WINDOW, VARIANT, HAS_TOPK, kvalid)
-        else:  # band tiles of the query-major kernels hold band keys alone
-            z, g, dmask = edge_logits(s, qp, thu, thp, tau, kp, u, WINDOW, VARIANT, HAS_TOPK)
+        z, g, dmask = reach_logits(s, rows, kp, cut, u, tau, VARIANT, HAS_TOPK)
     else:  # (mode is FIXED itself where FIXED is 0 or 1)
         z, g, dmask = masked_logits(mode, s, qp, thu, thp, tau, kp, u, kvalid, WINDOW, VARIANT, HAS_TOPK)
     z2 = z * (scale * 1.4426950408889634)  # log2 units, as the forward's log-sum-exp (fused into exp2's FMA)
@@ -93,20 +92,25 @@ def _dq_tile(mode, dq, dtau, k, v, u, kp, valid, q, do, lse2, delta, qp, thu, th
 
 @triton.jit
 def _dq_band_tile(mode, dq, dtau, idx, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, rows,
-                  WINDOW, scale, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
-    """mode 2 (causal_logits): qp is each query's own ext index and nothing but k, v is loaded."""
+                  jj, reach, WINDOW, scale, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr,
+                  PREC: tl.constexpr):
+    """mode 2 (causal_logits): qp is each query's own ext index and nothing but k, v is loaded; mode 3
+    (reach_logits): the keys' band index jj and reach select."""
     if mode == 2:
         k, v = gather_kv(idx, valid, Kb, Vb, skn, svn, D)
         return _dq_tile(mode, dq, dtau, k, v, idx, idx, valid, q, do, lse2, delta, qp, thu, thp, tau, rows, idx,
                         WINDOW, scale, VARIANT, HAS_TOPK, PREC, False)
     k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
+    if mode == 3:
+        return _dq_tile(mode, dq, dtau, k, v, u, jj, valid, q, do, lse2, delta, qp, thu, thp, tau, rows, reach, WINDOW,
+                        scale, VARIANT, HAS_TOPK, PREC, False)
     return _dq_tile(mode, dq, dtau, k, v, u, kp, valid, q, do, lse2, delta, qp, thu, thp, tau, rows, kp, WINDOW, scale,
                     VARIANT, HAS_TOPK, PREC, False)
 
 
 @triton.jit
 def _dq_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, DO, O, LSE, DELTA, DQ, DTAU, DKP, DVP, DUP,
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, REACH, DO, O, LSE, DELTA, DQ, DTAU, DKP, DVP, DUP,
     sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh,
     L, N, H, R, NBQ, TOPK, WINDOW, TAIL, scale, ZROWS,
     G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
@@ -154,25 +158,27 @@ def _dq_kernel(
     band = WINDOW + G - 1
     nt = tl.cdiv(band, BN)
     e0, f0, f1 = interior_tiles(qp_min, nt, WINDOW, G, BN)
+    ro = (b * NBQ + blk) * G  # this tile's row of REACH
     for t in range(0, e0):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
         dq, dtau = _dq_band_tile(0, dq, dtau, start + jj, valid, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
-                                 qp2, thu2, thp2, tau2, rows2, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
+                                 qp2, thu2, thp2, tau2, rows2, jj, jj, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
     for t in range(e0, f0):
         jj = t * BN + tl.arange(0, BN)
+        reach = load_reach(REACH, ro, jj, G, HAS_TOPK)
         dq, dtau = _dq_band_tile(3, dq, dtau, start + jj, jj >= 0, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
-                                 qp2, thu2, thp2, tau2, rows2, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
+                                 qp2, thu2, thp2, tau2, rows2, jj, reach, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
     for t in range(f0, f1):
         jj = t * BN + tl.arange(0, BN)
         dq, dtau = _dq_band_tile(1, dq, dtau, start + jj, jj >= 0, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
-                                 qp2, thu2, thp2, tau2, rows2, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
+                                 qp2, thu2, thp2, tau2, rows2, jj, jj, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
     qe2 = (start + WINDOW - 1 + rows)[:, None]  # each query's own ext index, for the causal tiles
     for t in range(f1, nt):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj < N)
         dq, dtau = _dq_band_tile(2, dq, dtau, start + jj, valid, q, do, lse22, delta2, Kb, Vb, Ub, Pb, skn, svn,
-                                 qe2, thu2, thp2, tau2, rows2, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
+                                 qe2, thu2, thp2, tau2, rows2, jj, jj, WINDOW, scale, D, VARIANT, HAS_TOPK, PREC)
     tl.store(DQ + b * sdob + i[:, None] * sdol + h * sdoh + d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=qm[:, None])
     tl.store(DTAU + bh * L + i, dtau, mask=qm)
@@ -202,7 +208,8 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
     queries at a time, as [BN, MQ] tiles (KEY_MAJOR) or [MQ, BN] tiles with transposed dots.
     Band tiles: MODE -1 picks masked_logits' mode per step (and skips causally empty steps); 0 and 1
     are masked_logits' modes, 2 causal_logits (kp: the keys' ext indices; QE0: query 0's own ext index),
-    fixed by the caller for the whole query tile."""
+    3 reach_logits (kp: the keys' band index in the query tile, cut: their reach), fixed by the caller
+    for the whole query tile."""
     d = tl.arange(0, D)
     u2, kp2, kvalid2, cut2 = u[:, None], kp[:, None], kvalid[:, None], cut[:, None]
     for c in range(0, G, MQ):
@@ -210,7 +217,7 @@ def _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, kvalid, cut,
         i = blk * G + rows
         qm = i < L
         row = b * L + i
-        if IS_POOL:  # the selection is in cut; positions and theta are not needed
+        if IS_POOL or (MODE == 3):  # the selection is in cut; positions and theta are not needed
             tau = tl.load(TAU + row, mask=qm, other=0.0).to(tl.float32)
             qp = rows
             thu = tau
@@ -324,7 +331,7 @@ def _dkv_pool_kernel(
 
 @triton.jit
 def _dkv_band_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, DO, LSE, DELTA, DKP, DVP, DUP, DK, DV, DU,
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, REACH, DO, LSE, DELTA, DKP, DVP, DUP, DK, DV, DU,
     sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sdob, sdol, sdoh, sdkb, sdkn, sdkh,
     L, N, H, R, NB, TOPK, WINDOW, TAIL, scale,
     G: tl.constexpr, MQ: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
@@ -356,7 +363,7 @@ def _dkv_band_kernel(
     hi = tl.where(a1 >= 0, tl.minimum(tl.maximum(a1, 0) // G, NB - 1), -1)
     k, v, u, kp = load_keys(e, valid, Kb, Vb, Ub, Pb, skn, svn, D)
     # Query tiles [lo, c1): keys ahead of or on the diagonal, none below any window (causal mask only);
-    # [c1, c2): keys inside every query's window (no mask); [c2, hi]: the window's edge (edge_logits: every
+    # [c1, c2): keys inside every query's window (no mask); [c2, hi]: the window's edge (reach_logits: every
     # key is at or before every query).
     # Needs a tile of real, consecutive key positions and consecutive queries from a valid first one
     # (query tile t holds positions q0 + t G ...); any other tile takes the general rules throughout.
@@ -386,9 +393,9 @@ def _dkv_band_kernel(
                                 PREC, KEY_MAJOR, 1)
     c3 = tl.where(regular, hi + 1, lo)  # [c2, c3): edge tiles; [c3, hi]: the general rules (irregular tiles)
     for blk in range(c2, c3):
-        off = a - blk * G
-        inb = off >= 0  # (off < band holds: the keys are at or before the tile's first query)
-        dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, kp, inb, e,
+        off = a - blk * G  # the keys' band index in query tile blk (< 0: below its band, the pool's candidates)
+        reach = load_reach(REACH, (b * NB + blk) * G, off, G, HAS_TOPK)
+        dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, off, valid, reach,
                                 Q, QPOS, THU, THP, TAU, DO, LSE, DELTA, sqb, sql, sqh, sdob, sdol, sdoh,
                                 L, H, R, WINDOW, scale, qe0, U.dtype.element_ty, G, MQ, BN, D, VARIANT, HAS_TOPK, False,
                                 PREC, KEY_MAJOR, 3)

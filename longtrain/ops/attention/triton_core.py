@@ -88,22 +88,24 @@ def _empty(shape, dtype, device):
     return x
 
 
-def _cut(sp, u, pos, qpos, thu, thp, L, G, topk, bw):
+def _cut(sp, u, pos, qpos, thu, thp, L, G, topk, bw, tail, window):
     """Per query tile and pool slot [B, nt, K]: how many of the tile's queries select the key (int32),
     and the snapshot compacted for the kernels: ext index (int32, -1 empty), score (float32, +inf empty).
     Also per query tile and group of bw slots [B, nt, ceil(K / bw)]: 1 where a key leaves its slot
-    after the tile (int32; the pool walk writes its sums then)."""
+    after the tile (int32; the pool walk writes its sums then); and per query tile and band key j < G
+    [B, nt, G]: the reach of the keys at the window's edge (int32, triton_fwd.reach_logits)."""
     B, nt = sp.shape[0], sp.shape[1]
     cut = _empty((B, nt, topk), torch.int32, u.device)
     pi = _empty((B, nt, topk), torch.int32, u.device)
     pu = _empty((B, nt, topk), torch.float32, u.device)
     flush = _empty((B, nt, triton.cdiv(topk, bw)), torch.int32, u.device)
+    reach = _empty((B, nt, G), torch.int32, u.device)
     bk = max(bw, 16 if _interpreting() else 128)
-    _cut_kernel[(nt, B, triton.cdiv(topk, bk))](
-        sp, u, pos, qpos, thu, thp, cut, pi, pu, flush, sp.stride(0), sp.stride(1), L, u.shape[1], nt, topk,
-        G=G, BK=bk, QC=min(G, 16 if _interpreting() else 32), BW=bw, num_warps=4,
+    _cut_kernel[(nt, B, triton.cdiv(topk, bk) + 1)](  # (the last program of each tile: its reach row)
+        sp, u, pos, qpos, thu, thp, cut, pi, pu, flush, reach, sp.stride(0), sp.stride(1), L, u.shape[1], nt, topk,
+        tail, window, G=G, BK=bk, BW=bw, num_warps=4,
     )
-    return cut, pi, pu, flush
+    return cut, pi, pu, flush, reach
 
 
 class _SparseKTriton(torch.autograd.Function):
@@ -128,27 +130,28 @@ class _SparseKTriton(torch.autograd.Function):
             bp = block_pool.to(dev)[:, : nt * (G // block) : G // block]  # [B, nt, K] (a strided view)
             if bp.stride(-1) != 1:
                 bp = bp.contiguous()
-            cut, pi, pu, flush = _cut(bp, u, pos, qpos, thu, thp, L, G, topk, cfg["walk"]["BN"])
+            cut, pi, pu, flush, reach = _cut(bp, u, pos, qpos, thu, thp, L, G, topk, cfg["walk"]["BN"], tail_slots,
+                                             window)
         else:
-            cut = pi = flush = torch.full((B, nt, 1), -1, dtype=torch.int32, device=dev)
+            cut = pi = flush = reach = torch.full((B, nt, 1), -1, dtype=torch.int32, device=dev)
             pu = torch.full((B, nt, 1), float("inf"), device=dev)
         o = _empty((B, L, H, D), q.dtype, dev)
         lse = _empty((B, H, L), torch.float32, dev)  # base-2 log-sum-exp
         common = dict(G=G, D=D, VARIANT=VARIANT_CODE[variant], HAS_TOPK=topk > 0, PREC=prec)
         _fwd_kernel[(nt, B * H)](
-            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, cut, pi, pu, o, lse,
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, cut, pi, pu, reach, o, lse,
             q.stride(0), q.stride(1), q.stride(2), k_ext.stride(0), k_ext.stride(1), k_ext.stride(2),
             v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), o.stride(0), o.stride(1), o.stride(2),
             L, N, H, H // Hkv, nt, topk, window, tail_slots, scale * LOG2E,
             **cfg["fwd"], **common,
         )
-        ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, cut, pi, pu, flush, o, lse)
+        ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, cut, pi, pu, flush, reach, o, lse)
         ctx.meta = (topk, window, tail_slots, scale, common, cfg, u_ext.dtype, tau.dtype)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, flush, o, lse = ctx.saved_tensors
+        q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, flush, reach, o, lse = ctx.saved_tensors
         topk, window, tail_slots, scale, common, cfg, u_dtype, tau_dtype = ctx.meta
         B, L, H, D = q.shape
         N, Hkv = k_ext.shape[1], k_ext.shape[2]
@@ -172,7 +175,7 @@ class _SparseKTriton(torch.autograd.Function):
             v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), do.stride(0), do.stride(1), do.stride(2),
         )
         _dq_kernel[(nt, B * H)](  # the forward's pool layout and cut
-            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, do, o, lse, delta, dq, dtau, dkp, dvp, dup,
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, reach, do, o, lse, delta, dq, dtau, dkp, dvp, dup,
             *strides,
             L, N, H, H // Hkv, nt, topk, window, tail_slots, scale, triton.cdiv(N, nt),
             **cfg["dq"], **common,
@@ -191,7 +194,7 @@ class _SparseKTriton(torch.autograd.Function):
                 G=G, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nt, **walk_cfg,
             )
         _dkv_band_kernel[(triton.cdiv(N, band_cfg["BN"]), B * Hkv)](
-            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, do, lse, delta, dkp, dvp, dup, dk, dv, dub,
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, reach, do, lse, delta, dkp, dvp, dup, dk, dv, dub,
             *strides, dk.stride(0), dk.stride(1), dk.stride(2),
             L, N, H, H // Hkv, nt, topk, window, tail_slots, scale,
             **band_cfg, **common,

@@ -28,7 +28,7 @@ VARIANT_CODE = {"hard_k_soft_v": HARD_K_SOFT_V, "soft_kv": SOFT_KV, "straight_th
 @triton.jit
 def interior_tiles(qp_min, n_tiles, WINDOW, G: tl.constexpr, BN: tl.constexpr):
     """Band tiles [0, e0): the general rules; [e0, f0): the window's edge (real keys at or before every
-    query: edge_logits); [f0, f1): inside every query's window (no masks); [f1, n_tiles): the causal
+    query: reach_logits); [f0, f1): inside every query's window (no masks); [f1, n_tiles): the causal
     mask alone. All general when a query of the tile is padding.
 
     With every query of the block valid (positions i0..i0+G-1), band key j has position
@@ -96,23 +96,37 @@ def causal_logits(s, qe, ke):
 
 
 @triton.jit
-def edge_logits(s, qp, thu, thp, tau, kp, u, WINDOW, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, inband=None):
-    """masked_logits for band tiles of real keys at or before every query (interior_tiles' [e0, f0)):
-    a key is in the window or a candidate; a selected candidate has u >= theta > tau, so its gate is
-    min(u - tau, 1) (tau = -inf when everything is selected: g = 1, no gradient). inband (key-major
-    tiles): False on keys outside the query tile's band, below every window (the pool's candidates)."""
-    in_win = kp > qp - WINDOW
+def reach_logits(s, rows, jj, reach, u, tau, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr):
+    """masked_logits for band tiles at the window's edge (interior_tiles' [e0, f0): real keys at or before
+    every query). With the tile's queries at positions i0 + r, band key jj (position i0 - w + 1 + jj) is in
+    the window of queries r <= jj and a candidate of the later ones, which select it while r < the cut
+    kernel's count of the tile's queries with u at or above theta (a prefix: theta never decreases). So
+    queries r < reach = max(jj + 1, count) attend it (load_reach). Gate 1 in the window; on a selected
+    candidate u >= theta > tau, so min(u - tau, 1) with gradient mask u - tau <= 1 (p = 0 on the other
+    pairs: neither needs the selection). Operands expanded as in masked_logits (rows per query, jj and
+    reach per key)."""
     if HAS_TOPK:
-        sel = (kp <= qp - WINDOW) & ((u > thu) | ((u == thu) & (kp >= thp)))
-        if inband is not None:
-            sel = sel & inband
+        inwin = rows <= jj
+        diff = u - tau
+        g = tl.where(inwin, 1.0, tl.minimum(diff, 1.0))
+        z = s * g if VARIANT == 1 else s
+        dmask = (~inwin) & (diff <= 1.0)
+    else:  # the window alone: reach = jj + 1
+        g = tl.full(s.shape, 1.0, tl.float32)
+        z = s
+        dmask = tl.full(s.shape, 0, tl.int1)
+    return tl.where(rows < reach, z, float("-inf")), g, dmask
+
+
+@triton.jit
+def load_reach(REACH, ro, jj, G: tl.constexpr, HAS_TOPK: tl.constexpr):
+    """reach_logits' reach of band keys jj of one query tile (REACH row ro, from the cut kernel): jj < 0
+    (keys below the tile's band, the pool's candidates): 0; jj >= G - 1 (in every query's window): G."""
+    if HAS_TOPK:
+        r = tl.load(REACH + ro + jj, mask=(jj >= 0) & (jj < G), other=G)
     else:
-        sel = in_win & False
-    diff = u.to(tl.float32) - tau
-    g = tl.where(sel, tl.minimum(diff, 1.0), 1.0)
-    z = s * g if VARIANT == 1 else s
-    z = tl.where(in_win | sel, z, float("-inf"))
-    return z, g, sel & (diff <= 1.0)
+        r = tl.minimum(jj + 1, G)
+    return tl.where(jj < 0, 0, r)
 
 
 @triton.jit
@@ -145,42 +159,72 @@ def load_theta(THU, THP, row, qm, UTY: tl.constexpr):
 
 
 @triton.jit
-def _cut_kernel(SP, U, POS, QPOS, THU, THP, CUT, PI, PU, FLUSH, sspb, sspn, L, N, NBQ, TOPK,
-                G: tl.constexpr, BK: tl.constexpr, QC: tl.constexpr, BW: tl.constexpr):
-    """CUT[b, t, s] = how many queries of query tile t select pool slot s of snapshot SP[b, t]
-    (sel = valid key, valid query, (u, pos) >= theta; pool keys are candidates of every query of the tile).
-    Also the snapshot compacted for the kernels' pool tiles: PI = ext index (int32, -1 empty) and
-    PU = its score (float32, +inf empty), so they read contiguous rows instead of gathering u.
-    FLUSH[b, t, g] = 1 when a key of slots [g BW, (g + 1) BW) leaves its slot after tile t (the pool
-    walk's groups of BW slots write their sums then; BK is a multiple of BW)."""
-    t = tl.program_id(0)
-    b = tl.program_id(1)
-    s = tl.program_id(2) * BK + tl.arange(0, BK)
-    sm = s < TOPK
-    idx = tl.load(SP + b * sspb + t * sspn + s, mask=sm, other=-1).to(tl.int32)
-    valid = idx >= 0
-    safe = tl.where(valid, idx, 0)
-    u = tl.load(U + b * N + safe, mask=valid, other=float("-inf"))
-    kp = tl.load(POS + b * N + safe, mask=valid, other=-1).to(tl.int32)
-    cnt = tl.zeros([BK], tl.int32)
-    for c in range(0, G, QC):
-        i = t * G + c + tl.arange(0, QC)
-        qm = i < L
+def count_selecting(u, kp, valid, QPOS, THU, THP, b, t, L, G: tl.constexpr, NK: tl.constexpr):
+    """Per key [NK] (score u, position kp): how many valid queries of query tile t have (u, kp) at or above
+    their theta (for valid keys; 0 otherwise). Those queries are a prefix of the tile (theta never
+    decreases, DESIGN.md fact 1; padding is a suffix), so a binary search finds the count: G.bit_length()
+    steps of one theta gather per key (from L1: the tile's G thetas) instead of G compares."""
+    lo = tl.zeros([NK], tl.int32)  # queries [0, lo) select the key, [hi, G) do not
+    hi = tl.full([NK], G, tl.int32)
+    for _ in tl.static_range(G.bit_length()):
+        mid = (lo + hi) // 2
+        i = t * G + mid
+        qm = (mid < hi) & (i < L)
         row = b * L + i
         qp = tl.load(QPOS + row, mask=qm, other=-1)
-        thu, thp = load_theta(THU, THP, row, qm, U.dtype.element_ty)
-        above = (u[None, :] > thu[:, None]) | ((u[None, :] == thu[:, None]) & (kp[None, :] >= thp[:, None]))
-        sel = above & valid[None, :] & (qp[:, None] >= 0)
-        cnt += tl.sum(sel.to(tl.int32), 0)
-    o = (b * NBQ + t) * TOPK + s
-    tl.store(CUT + o, cnt, mask=sm)
-    tl.store(PI + o, idx, mask=sm)
-    tl.store(PU + o, tl.where(valid, u.to(tl.float32), float("inf")), mask=sm)
-    nxt = tl.load(SP + b * sspb + (t + 1) * sspn + s, mask=sm & (s * 0 + t + 1 < NBQ), other=-1).to(tl.int32)
-    leave = tl.reshape((valid & (nxt != idx)).to(tl.int32), [BK // BW, BW])
-    grp = tl.program_id(2) * (BK // BW) + tl.arange(0, BK // BW)
-    ng = tl.cdiv(TOPK, BW)
-    tl.store(FLUSH + (b * NBQ + t) * ng + grp, tl.max(leave, 1), mask=grp < ng)
+        thu, thp = load_theta(THU, THP, row, qm, u.dtype)
+        sel = qm & (qp >= 0) & ((u > thu) | ((u == thu) & (kp >= thp)))
+        lo = tl.where(sel, mid + 1, lo)
+        hi = tl.where(sel | (mid >= hi), hi, mid)
+    return tl.where(valid, lo, 0)
+
+
+@triton.jit
+def _edge_reach(U, POS, QPOS, THU, THP, REACH, b, t, L, N, NBQ, TOPK, TAIL, WINDOW, G: tl.constexpr):
+    """REACH[b, t, j] = max(j + 1, count) for query tile t's band keys j < G (reach_logits)."""
+    j = tl.arange(0, G)
+    e = TOPK + TAIL - WINDOW + 1 + t * G + j  # band key j's ext row
+    ev = (e >= TOPK) & (e < N)
+    safe = tl.where(ev, e, 0)
+    u = tl.load(U + b * N + safe, mask=ev, other=float("-inf"))
+    kp = tl.load(POS + b * N + safe, mask=ev, other=-1).to(tl.int32)
+    cnt = count_selecting(u, kp, ev & (kp >= 0), QPOS, THU, THP, b, t, L, G, G)
+    tl.store(REACH + (b * NBQ + t) * G + j, tl.maximum(cnt, j + 1))
+
+
+@triton.jit
+def _cut_kernel(SP, U, POS, QPOS, THU, THP, CUT, PI, PU, FLUSH, REACH, sspb, sspn, L, N, NBQ, TOPK, TAIL, WINDOW,
+                G: tl.constexpr, BK: tl.constexpr, BW: tl.constexpr):
+    """Programs s < cdiv(TOPK, BK) of query tile t: CUT[b, t, s] = how many queries of the tile select
+    pool slot s of snapshot SP[b, t] (sel = valid key, valid query, (u, pos) >= theta; pool keys are
+    candidates of every query of the tile). Also the snapshot compacted for the kernels' pool tiles:
+    PI = ext index (int32, -1 empty) and PU = its score (float32, +inf empty), so they read contiguous
+    rows instead of gathering u. FLUSH[b, t, g] = 1 when a key of slots [g BW, (g + 1) BW) leaves its slot
+    after tile t (the pool walk's groups of BW slots write their sums then; BK is a multiple of BW).
+    The last program: REACH[b, t, j] = max(j + 1, count) for the tile's band keys j < G, the keys at the
+    window's edge (reach_logits)."""
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    if tl.program_id(2) == tl.num_programs(2) - 1:
+        _edge_reach(U, POS, QPOS, THU, THP, REACH, b, t, L, N, NBQ, TOPK, TAIL, WINDOW, G)
+    else:
+        s = tl.program_id(2) * BK + tl.arange(0, BK)
+        sm = s < TOPK
+        idx = tl.load(SP + b * sspb + t * sspn + s, mask=sm, other=-1).to(tl.int32)
+        valid = idx >= 0
+        safe = tl.where(valid, idx, 0)
+        u = tl.load(U + b * N + safe, mask=valid, other=float("-inf"))
+        kp = tl.load(POS + b * N + safe, mask=valid, other=-1).to(tl.int32)
+        cnt = count_selecting(u, kp, valid, QPOS, THU, THP, b, t, L, G, BK)
+        o = (b * NBQ + t) * TOPK + s
+        tl.store(CUT + o, cnt, mask=sm)
+        tl.store(PI + o, idx, mask=sm)
+        tl.store(PU + o, tl.where(valid, u.to(tl.float32), float("inf")), mask=sm)
+        nxt = tl.load(SP + b * sspb + (t + 1) * sspn + s, mask=sm & (s * 0 + t + 1 < NBQ), other=-1).to(tl.int32)
+        leave = tl.reshape((valid & (nxt != idx)).to(tl.int32), [BK // BW, BW])
+        grp = tl.program_id(2) * (BK // BW) + tl.arange(0, BK // BW)
+        ng = tl.cdiv(TOPK, BW)
+        tl.store(FLUSH + (b * NBQ + t) * ng + grp, tl.max(leave, 1), mask=grp < ng)
 
 
 @triton.jit
@@ -225,10 +269,11 @@ def load_queries(QPOS, THU, THP, TAU, row, qm, UTY: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tile(q, m_i, l_i, acc, idx, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, WINDOW, scale2,
-              MODE: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
+def _fwd_tile(q, m_i, l_i, acc, idx, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, thp, tau, rows, jj, reach, WINDOW,
+              scale2, MODE: tl.constexpr, D: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr,
+              PREC: tl.constexpr):
     """One band tile (per-query operands expanded to [G, 1]); MODE: masked_logits' 0 or 1, 2 (causal_logits:
-    qp is then the query's own ext index) or 3 (edge_logits)."""
+    qp is then the query's own ext index) or 3 (reach_logits: band keys jj, their reach)."""
     if MODE == 2:
         k, v = gather_kv(idx, valid, Kb, Vb, skn, svn, D)
     else:
@@ -237,7 +282,7 @@ def _fwd_tile(q, m_i, l_i, acc, idx, valid, Kb, Vb, Ub, Pb, skn, svn, qp, thu, t
     if MODE == 2:
         s, g, _ = causal_logits(s, qp, idx[None, :])
     elif MODE == 3:
-        s, g, _ = edge_logits(s, qp, thu, thp, tau, kp[None, :], u[None, :], WINDOW, VARIANT, HAS_TOPK)
+        s, g, _ = reach_logits(s, rows, jj[None, :], reach[None, :], u[None, :], tau, VARIANT, HAS_TOPK)
     else:
         s, g, _ = masked_logits(MODE, s, qp, thu, thp, tau, kp[None, :], u[None, :], valid[None, :], WINDOW,
                                 VARIANT, HAS_TOPK)
@@ -262,7 +307,7 @@ def _fwd_update(m_i, l_i, acc, s, g, v, scale2, NO_GATE: tl.constexpr, VARIANT: 
 
 @triton.jit
 def _fwd_kernel(
-    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, O, LSE,
+    Q, Kx, Vx, U, POS, QPOS, THU, THP, TAU, CUT, PI, PU, REACH, O, LSE,
     sqb, sql, sqh, skb, skn, skh, svb, svn, svh, sob, sol, soh,
     L, N, H, R, NBQ, TOPK, WINDOW, TAIL, scale2,
     G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
@@ -303,25 +348,28 @@ def _fwd_kernel(
     band = WINDOW + G - 1
     nt = tl.cdiv(band, BN)
     e0, f0, f1 = interior_tiles(qp_min, nt, WINDOW, G, BN)
+    rows2 = rows[:, None]
+    ro = (b * NBQ + blk) * G  # this tile's row of REACH
     for t in range(0, e0):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj >= TOPK) & (start + jj < N)
         m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, valid, Kb, Vb, Ub, Pb, skn, svn, qp2, thu2, thp2, tau2,
-                                  WINDOW, scale2, 0, D, VARIANT, HAS_TOPK, PREC)
+                                  rows2, jj, jj, WINDOW, scale2, 0, D, VARIANT, HAS_TOPK, PREC)
     for t in range(e0, f0):
         jj = t * BN + tl.arange(0, BN)
+        reach = load_reach(REACH, ro, jj, G, HAS_TOPK)
         m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, jj >= 0, Kb, Vb, Ub, Pb, skn, svn, qp2, thu2, thp2, tau2,
-                                  WINDOW, scale2, 3, D, VARIANT, HAS_TOPK, PREC)
+                                  rows2, jj, reach, WINDOW, scale2, 3, D, VARIANT, HAS_TOPK, PREC)
     for t in range(f0, f1):
         jj = t * BN + tl.arange(0, BN)
         m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, jj >= 0, Kb, Vb, Ub, Pb, skn, svn, qp2, thu2, thp2, tau2,
-                                  WINDOW, scale2, 1, D, VARIANT, HAS_TOPK, PREC)
+                                  rows2, jj, jj, WINDOW, scale2, 1, D, VARIANT, HAS_TOPK, PREC)
     qe2 = (start + WINDOW - 1 + rows)[:, None]  # each query's own ext index, for the causal tiles
     for t in range(f1, nt):
         jj = t * BN + tl.arange(0, BN)
         valid = (jj < band) & (start + jj < N)
         m_i, l_i, acc = _fwd_tile(q, m_i, l_i, acc, start + jj, valid, Kb, Vb, Ub, Pb, skn, svn, qe2, thu2, thp2, tau2,
-                                  WINDOW, scale2, 2, D, VARIANT, HAS_TOPK, PREC)
+                                  rows2, jj, jj, WINDOW, scale2, 2, D, VARIANT, HAS_TOPK, PREC)
 
     has = l_i > 0  # padded queries attend to nothing: o = 0, lse = +inf (p = 0 in the backward)
     o = acc / tl.where(has, l_i, 1.0)[:, None]
