@@ -57,7 +57,7 @@ def _grad_tile(mode, q, do, lse2, delta, k, v, u, kp, kvalid, qp, thu, thp, tau,
     elif FIXED == 2:
         z, g, dmask = causal_logits(s, qp, kp)
     elif FIXED == 3:
-        z, g, dmask = reach_logits(s, rows, kp, cut, u, tau, VARIANT, HAS_TOPK)
+        z, g, dmask = reach_logits(s, rows, kp, cut, u, tau, VARIANT, HAS_TOPK, KEY_MAJOR)
     else:  # (mode is FIXED itself where FIXED is 0 or 1)
         z, g, dmask = masked_logits(mode, s, qp, thu, thp, tau, kp, u, kvalid, WINDOW, VARIANT, HAS_TOPK)
     z2 = z * (scale * 1.4426950408889634)  # log2 units, as the forward's log-sum-exp (fused into exp2's FMA)

@@ -96,7 +96,7 @@ def causal_logits(s, qe, ke):
 
 
 @triton.jit
-def reach_logits(s, rows, jj, reach, u, tau, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr):
+def reach_logits(s, rows, jj, reach, u, tau, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, WIN_MASK: tl.constexpr = False):
     """masked_logits for band tiles at the window's edge (interior_tiles' [e0, f0): real keys at or before
     every query). With the tile's queries at positions i0 + r, band key jj (position i0 - w + 1 + jj) is in
     the window of queries r <= jj and a candidate of the later ones, which select it while r < the cut
@@ -104,13 +104,19 @@ def reach_logits(s, rows, jj, reach, u, tau, VARIANT: tl.constexpr, HAS_TOPK: tl
     queries r < reach = max(jj + 1, count) attend it (load_reach). Gate 1 in the window; on a selected
     candidate u >= theta > tau, so min(u - tau, 1) with gradient mask u - tau <= 1 (p = 0 on the other
     pairs: neither needs the selection). Operands expanded as in masked_logits (rows per query, jj and
-    reach per key)."""
-    if HAS_TOPK:
+    reach per key). WIN_MASK: the same values with the in-window mask kept as a mask (the key-major dk/dv
+    pass spills less so; the query-major dq kernel spills less with a gate of 2 standing for the window)."""
+    if HAS_TOPK and WIN_MASK:
         inwin = rows <= jj
         diff = u - tau
         g = tl.where(inwin, 1.0, tl.minimum(diff, 1.0))
         z = s * g if VARIANT == 1 else s
         dmask = (~inwin) & (diff <= 1.0)
+    elif HAS_TOPK:
+        diff = tl.where(rows <= jj, 2.0, u - tau)  # in the window: as a gate of 1 with no gradient
+        g = tl.minimum(diff, 1.0)
+        z = s * g if VARIANT == 1 else s
+        dmask = diff <= 1.0
     else:  # the window alone: reach = jj + 1
         g = tl.full(s.shape, 1.0, tl.float32)
         z = s
