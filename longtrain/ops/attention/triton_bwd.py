@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from longtrain.ops.attention.triton_fwd import (
-    band_mode, causal_logits, gather_kv, interior_tiles, load_keys, load_pool_keys, load_queries, load_reach, masked_logits,
-    pool_logits, reach_logits,
+    band_mode, band_origin, causal_logits, gather_kv, interior_tiles, load_keys, load_pool_keys, load_queries, load_reach,
+    masked_logits, pool_logits, reach_logits,
 )
 
 
@@ -101,10 +101,12 @@ def _dq_band_tile(mode, dq, dtau, idx, valid, q, do, lse2, delta, Kb, Vb, Ub, Pb
         return _dq_tile(mode, dq, dtau, k, v, idx, idx, valid, q, do, lse2, delta, qp, thu, thp, tau, rows, idx,
                         WINDOW, scale, VARIANT, HAS_TOPK, PREC, False)
     k, v, u, kp = load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D)
-    if mode == 3:
-        return _dq_tile(mode, dq, dtau, k, v, u, jj, valid, q, do, lse2, delta, qp, thu, thp, tau, rows, reach, WINDOW,
-                        scale, VARIANT, HAS_TOPK, PREC, False)
-    return _dq_tile(mode, dq, dtau, k, v, u, kp, valid, q, do, lse2, delta, qp, thu, thp, tau, rows, kp, WINDOW, scale,
+    if mode == 3:  # reach_logits reads the band index and reach where the others read positions
+        kp = jj
+        sel = reach
+    else:
+        sel = kp
+    return _dq_tile(mode, dq, dtau, k, v, u, kp, valid, q, do, lse2, delta, qp, thu, thp, tau, rows, sel, WINDOW, scale,
                     VARIANT, HAS_TOPK, PREC, False)
 
 
@@ -154,7 +156,7 @@ def _dq_kernel(
             dq, dtau = _dq_tile(3, dq, dtau, k, v, u, cut, cut >= 0, q, do, lse22, delta2, qp2, thu2, thp2, tau2, rows2,
                                 cut, WINDOW, scale, VARIANT, HAS_TOPK, PREC, True)
     # band: contiguous ext indices; its interior tiles need no masks
-    start = TOPK + TAIL - WINDOW + 1 + blk * G
+    start = band_origin(TOPK, TAIL, WINDOW) + blk * G
     band = WINDOW + G - 1
     nt = tl.cdiv(band, BN)
     e0, f0, f1 = interior_tiles(qp_min, nt, WINDOW, G, BN)
@@ -355,9 +357,9 @@ def _dkv_band_kernel(
     du = tl.zeros([BN], tl.float32)
     e = pid * BN + tl.arange(0, BN)
     valid = (e >= TOPK) & (e < N)
-    a = e - (TOPK + TAIL - WINDOW + 1)  # tile blk's band holds a in [blk G, blk G + w + G - 1)
+    a = e - band_origin(TOPK, TAIL, WINDOW)  # tile blk's band holds a in [blk G, blk G + w + G - 1)
     band = WINDOW + G - 1
-    a0 = pid * BN - (TOPK + TAIL - WINDOW + 1)
+    a0 = pid * BN - band_origin(TOPK, TAIL, WINDOW)
     lo = (tl.maximum(a0 - band + 1, 0) + G - 1) // G
     a1 = a0 + BN - 1
     hi = tl.where(a1 >= 0, tl.minimum(tl.maximum(a1, 0) // G, NB - 1), -1)

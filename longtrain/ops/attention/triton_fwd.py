@@ -165,6 +165,22 @@ def load_theta(THU, THP, row, qm, UTY: tl.constexpr):
 
 
 @triton.jit
+def band_origin(TOPK, TAIL, WINDOW):
+    """Ext row of query tile 0's band key 0 (position 1 - w): the ext layout is the cache pool (TOPK
+    slots), its tail (TAIL = w - 1 rows) and the chunk, so query tile t's band starts t G rows later."""
+    return TOPK + TAIL - WINDOW + 1
+
+
+@triton.jit
+def load_scores(idx, valid, Ub, Pb):
+    """Scores u and positions (int32) of the keys at ext indices idx (-inf and -1 where not valid)."""
+    safe = tl.where(valid, idx, 0)
+    u = tl.load(Ub + safe, mask=valid, other=float("-inf"))
+    kp = tl.load(Pb + safe, mask=valid, other=-1).to(tl.int32)
+    return u, kp
+
+
+@triton.jit
 def count_selecting(u, kp, valid, QPOS, THU, THP, b, t, L, G: tl.constexpr, NK: tl.constexpr):
     """Per key [NK] (score u, position kp): how many valid queries of query tile t have (u, kp) at or above
     their theta (for valid keys; 0 otherwise). Those queries are a prefix of the tile (theta never
@@ -189,11 +205,9 @@ def count_selecting(u, kp, valid, QPOS, THU, THP, b, t, L, G: tl.constexpr, NK: 
 def _edge_reach(U, POS, QPOS, THU, THP, REACH, b, t, L, N, NBQ, TOPK, TAIL, WINDOW, G: tl.constexpr):
     """REACH[b, t, j] = max(j + 1, count) for query tile t's band keys j < G (reach_logits)."""
     j = tl.arange(0, G)
-    e = TOPK + TAIL - WINDOW + 1 + t * G + j  # band key j's ext row
+    e = band_origin(TOPK, TAIL, WINDOW) + t * G + j  # band key j's ext row
     ev = (e >= TOPK) & (e < N)
-    safe = tl.where(ev, e, 0)
-    u = tl.load(U + b * N + safe, mask=ev, other=float("-inf"))
-    kp = tl.load(POS + b * N + safe, mask=ev, other=-1).to(tl.int32)
+    u, kp = load_scores(e, ev, U + b * N, POS + b * N)
     cnt = count_selecting(u, kp, ev & (kp >= 0), QPOS, THU, THP, b, t, L, G, G)
     tl.store(REACH + (b * NBQ + t) * G + j, tl.maximum(cnt, j + 1))
 
@@ -218,9 +232,7 @@ def _cut_kernel(SP, U, POS, QPOS, THU, THP, CUT, PI, PU, FLUSH, REACH, sspb, ssp
         sm = s < TOPK
         idx = tl.load(SP + b * sspb + t * sspn + s, mask=sm, other=-1).to(tl.int32)
         valid = idx >= 0
-        safe = tl.where(valid, idx, 0)
-        u = tl.load(U + b * N + safe, mask=valid, other=float("-inf"))
-        kp = tl.load(POS + b * N + safe, mask=valid, other=-1).to(tl.int32)
+        u, kp = load_scores(idx, valid, U + b * N, POS + b * N)
         cnt = count_selecting(u, kp, valid, QPOS, THU, THP, b, t, L, G, BK)
         o = (b * NBQ + t) * TOPK + s
         tl.store(CUT + o, cnt, mask=sm)
@@ -247,9 +259,7 @@ def gather_kv(idx, valid, Kb, Vb, skn, svn, D: tl.constexpr):
 def load_keys(idx, valid, Kb, Vb, Ub, Pb, skn, svn, D: tl.constexpr):
     """Gather BN key rows (k, v [BN, D], u [BN], positions [BN] int32) at ext indices idx."""
     k, v = gather_kv(idx, valid, Kb, Vb, skn, svn, D)
-    safe = tl.where(valid, idx, 0)
-    u = tl.load(Ub + safe, mask=valid, other=float("-inf"))
-    kp = tl.load(Pb + safe, mask=valid, other=-1).to(tl.int32)
+    u, kp = load_scores(idx, valid, Ub, Pb)
     return k, v, u, kp
 
 
@@ -350,7 +360,7 @@ def _fwd_kernel(
             m_i, l_i, acc = _fwd_update(m_i, l_i, acc, s, g, v, scale2, False, VARIANT, PREC)
     # (2) the band (i0 - w, i0 + G - 1]: contiguous ext indices; its interior tiles need no masks
     qp2, thu2, thp2, tau2 = qp[:, None], thu[:, None], thp[:, None], tau[:, None]
-    start = TOPK + TAIL - WINDOW + 1 + blk * G
+    start = band_origin(TOPK, TAIL, WINDOW) + blk * G
     band = WINDOW + G - 1
     nt = tl.cdiv(band, BN)
     e0, f0, f1 = interior_tiles(qp_min, nt, WINDOW, G, BN)
