@@ -40,8 +40,9 @@ LAUNCH = {
              dq=dict(BN=64, num_warps=4, num_stages=1, maxnreg=168),
              walk=dict(BN=64, MQ=64, num_warps=4, num_stages=2, KEY_MAJOR=True),
              band=dict(BN=64, MQ=32, num_warps=4, num_stages=1, maxnreg=168, KEY_MAJOR=True)),
-    128: dict(fwd=dict(BN=64, num_warps=4, num_stages=1, maxnreg=168), dq=dict(BN=64, num_warps=4, num_stages=1),
-              walk=dict(BN=64, MQ=32, num_warps=4, num_stages=2, KEY_MAJOR=True),
+    128: dict(fwd=dict(BN=64, num_warps=4, num_stages=1, maxnreg=168),
+              dq=dict(BN=32, num_warps=4, num_stages=2, maxnreg=168),
+              walk=dict(BN=64, MQ=32, num_warps=4, num_stages=1, KEY_MAJOR=True),
               band=dict(BN=64, MQ=32, num_warps=4, num_stages=1, KEY_MAJOR=True)),
 }
 POOL_SEGMENT = 32
