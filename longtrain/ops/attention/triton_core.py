@@ -29,8 +29,8 @@ DETERMINISTIC = False
 # kernels' query tile, a multiple of the op's block (max(block, QUERY_TILE)); per kernel the key tile BN,
 # warps, pipeline stages and a register cap (maxnreg 168 fits 3 programs per SM where shared memory
 # allows: the kernels are latency-bound at 2; measured faster for the D = 64 forward, dq and band pass
-# and the D = 128 forward at 1 stage, slower where it spills in the loops); queries per step (MQ) of the
-# key-major dk/dv kernels (walk: the pool walk over slots; band: the band pass).
+# and the D = 128 forward and dq (32-key tiles), slower where it spills in the loops); queries per step
+# (MQ) of the key-major dk/dv kernels (walk: the pool walk over slots; band: the band pass).
 # A head dim takes the entry of the largest key <= D (the smallest key when none is). The interpreter
 # (CPU tests) uses small tiles with the same switches.
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
