@@ -265,6 +265,29 @@ def profile(T=16384, D=64):
     print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
 
 
+def kernel_resources(D=64):
+    """Registers, local memory (Triton's n_spills: 4-byte words) and shared memory of each compiled kernel
+    after one SparseK fwd+bwd at head dim D, and the programs per SM they allow on a Hopper SM
+    (64k registers, 228 KB of shared memory, 1 KB reserved per program)."""
+    from longtrain.ops.attention import triton_bwd, triton_fwd
+
+    sk_case(4096, D, seed=D).fwd_bwd()
+    torch.cuda.synchronize()
+    kernels = dict(fwd=triton_fwd._fwd_kernel, dq=triton_bwd._dq_kernel, walk=triton_bwd._dkv_pool_kernel,
+                   band=triton_bwd._dkv_band_kernel)
+    for name, fn in kernels.items():
+        for cache in fn.device_caches.values():  # Triton 3.6: (kernel cache, ...) per device
+            for k in cache[0].values():
+                k._init_handles()
+                md = k.metadata
+                by_regs = 65536 // (-(-k.n_regs * 32 // 256) * 256 * md.num_warps)
+                by_smem = 228 * 1024 // (md.shared + 1024)
+                print(f"resources D={D} {name}: {k.n_regs} registers, n_spills {k.n_spills}, {md.shared} B shared, "
+                      f"{md.num_stages} stages; programs per SM: {by_regs} by registers, {by_smem} by shared memory",
+                      flush=True)
+            cache[0].clear()  # the next head dim's kernels alone
+
+
 def ncu_step(T=16384, D=64):
     """One SparseK fwd+bwd and one FlexAttention SW-1024 fwd+bwd inside a CUDA profiler range, after a
     warm-up of each: run under `ncu --profile-from-start off` to read the kernels' hardware counters."""
@@ -364,6 +387,8 @@ def main():
     ap.add_argument("--sweep", default="", help="pick the kernels' launch settings first at these head dims, e.g. 64,128")
     ap.add_argument("--profile", type=int, default=0, help="profile SparseK fwd+bwd at this T and exit")
     ap.add_argument("--profile-d", type=int, default=64, help="head dim of --profile")
+    ap.add_argument("--resources", default="", help="registers, shared memory and programs per SM of the kernels "
+                    "at these head dims, e.g. 64,128, and exit")
     ap.add_argument("--ncu", type=int, default=0, help="one SparseK and one Flex step at this T in a profiler range (for ncu)")
     ns = ap.parse_args()
     if not torch.cuda.is_available():
@@ -375,6 +400,10 @@ def main():
     print(f"# {res['device']}  torch {res['torch']}  triton {res['triton']}", flush=True)
     if ns.profile:
         profile(ns.profile, ns.profile_d)
+        return
+    if ns.resources:
+        for D in ns.resources.split(","):
+            kernel_resources(int(D))
         return
     if ns.ncu:
         ncu_step(ns.ncu)
