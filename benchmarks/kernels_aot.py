@@ -1,0 +1,127 @@
+"""Compile the SparseK kernels for the H100 (sm_90) on a machine without a GPU and report, per kernel, what
+ptxas made of them: registers, local memory (spills), shared memory, static SASS instructions, tensor-core
+instructions and the programs per SM those allow. For launch-setting and kernel work between device calls
+(benchmarks/gpu_notes.md): a setting that spills or drops to fewer programs per SM shows here in seconds.
+
+    python benchmarks/kernels_aot.py [D=128] [T=4096] [kernel.key=value ...] [--dump DIR]
+
+Settings as in kernels_ab.py (LAUNCH[D] entries, e.g. walk.num_stages=2 band.maxnreg=168; =none removes
+one). --dump writes each kernel's TTGIR, PTX and SASS under DIR. The shapes are sk_case's (bf16, H = 12,
+k = w = 512, 16k tokens per batch); the selection scan runs on the CPU, the kernels are compiled, not run.
+Codegen depends on the Triton version: for numbers that match `attention.py --resources` on the device,
+run it with the device image's Triton (3.6.0; `pip install triton==3.6.0` into a side venv).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU even where the CPU tests interpret
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # attention.py beside it, longtrain above (installed or not)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+ARCH = 90
+REGS_PER_SM, SMEM_PER_SM, SMEM_PER_BLOCK_RESERVED = 65536, 228 * 1024, 1024  # H100 / H200
+KERNELS = ("_fwd_kernel", "_dq_kernel", "_dkv_pool_kernel", "_dkv_band_kernel")
+
+
+class _CompileOnlyDriver:
+    """Stands in for the CUDA driver: names the target; kernels are compiled, never launched."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", ARCH, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def compile_all(D: int, T: int, settings: dict) -> list:
+    """(kernel name, launch settings, compiled kernel) for each kernel launch of one fwd+bwd."""
+    import attention as A
+
+    triton.runtime.driver.set_active(_CompileOnlyDriver())
+    compiled = []
+
+    def launcher(self, grid):
+        def launch(*args, **kw):
+            kernel = self.run(*args, grid=grid, warmup=True, **kw)  # compiles (or takes the cache), no launch
+            compiled.append((self.fn.__name__, kw, kernel))
+        return launch
+
+    JITFunction.__getitem__ = launcher
+    A.apply_settings(settings, D)
+    B = max(1, A.TOKENS // T)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, T, A.H, D, dtype=torch.bfloat16) for _ in range(3))  # [B, T, H, D]
+    args, kw, _ = A._core_args_once(q, k, v, torch.randn(B, T), topk=A.K, window=A.W, variant="hard_k_soft_v")
+    a = A.leaves(args)
+    o = A.triton_core.sparsek_attention_core_triton(*a, **kw)
+    o.backward(torch.randn_like(o))  # the backward kernels see unwritten buffers: nothing runs
+    return compiled
+
+
+def report(name: str, kw: dict, kernel, dump: str | None) -> str:
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([f"{tools}/cuobjdump", "--dump-resource-usage", cubin], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([f"{tools}/cuobjdump", "--dump-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            with open(os.path.join(dump, f"{name}.{ext}"), "w") as f:
+                f.write(kernel.asm[ext])
+        with open(os.path.join(dump, f"{name}.sass"), "w") as f:
+            f.write(sass)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    md = kernel.metadata
+    by_regs = REGS_PER_SM // ((regs * 32 + 255) // 256 * 256 * md.num_warps)  # (allocated per warp in 256s)
+    by_smem = SMEM_PER_SM // (md.shared + SMEM_PER_BLOCK_RESERVED)
+    n = {key: len(re.findall(pat, sass, re.M)) for key, pat in
+         dict(ldl=r"\bLDL", stl=r"\bSTL", sass=r"^\s+/\*[0-9a-f]{4,}\*/", hgmma=r"\bHGMMA", hmma=r"\bHMMA").items()}
+    settings = " ".join(f"{x}={kw[x]}" for x in ("BN", "MQ", "num_warps", "num_stages", "maxnreg") if x in kw)
+    return (f"{name:18s} {settings:44s} regs {regs:3d}  stack {stack:4d} B  spill ld/st {n['ldl']:3d}/{n['stl']:3d}  "
+            f"shared {md.shared:6d} B  SASS {n['sass']:5d}  HGMMA {n['hgmma']:3d}  HMMA {n['hmma']:3d}  "
+            f"programs/SM {min(by_regs, by_smem)}")
+
+
+def main(argv: list[str]) -> None:
+    dump = None
+    if "--dump" in argv:
+        i = argv.index("--dump")
+        dump, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    opts = dict(a.split("=", 1) for a in argv)
+    D, T = int(opts.pop("D", 64)), int(opts.pop("T", 4096))
+    import attention as A
+
+    settings = {n: A._ABSENT if x == "none" else int(x) for n, x in opts.items()}
+    print(f"# Triton {triton.__version__}, sm_{ARCH}, D = {D}, T = {T}; LAUNCH[{D}] with {opts or 'no changes'}")
+    seen = set()
+    for name, kw, kernel in compile_all(D, T, settings):
+        if name in KERNELS and name not in seen:  # (one line per kernel: every launch shares its settings)
+            seen.add(name)
+            print(report(name, kw, kernel, dump), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
