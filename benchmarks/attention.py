@@ -265,10 +265,15 @@ def profile(T=16384, D=64):
     print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
 
 
+def programs_per_sm(regs: int, num_warps: int, shared: int) -> tuple[int, int]:
+    """Programs of one kernel that fit on a Hopper SM (64k registers, allocated per warp in units of 256;
+    228 KB of shared memory, 1 KB reserved per program): (by registers, by shared memory)."""
+    return 65536 // (-(-regs * 32 // 256) * 256 * num_warps), 228 * 1024 // (shared + 1024)
+
+
 def kernel_resources(D=64):
     """Registers, local memory (Triton's n_spills: 4-byte words) and shared memory of each compiled kernel
-    after one SparseK fwd+bwd at head dim D, and the programs per SM they allow on a Hopper SM
-    (64k registers, 228 KB of shared memory, 1 KB reserved per program)."""
+    after one SparseK fwd+bwd at head dim D, and the programs per SM they allow (programs_per_sm)."""
     from longtrain.ops.attention import triton_bwd, triton_fwd
 
     sk_case(4096, D, seed=D).fwd_bwd()
@@ -280,8 +285,7 @@ def kernel_resources(D=64):
             for k in cache[0].values():
                 k._init_handles()
                 md = k.metadata
-                by_regs = 65536 // (-(-k.n_regs * 32 // 256) * 256 * md.num_warps)
-                by_smem = 228 * 1024 // (md.shared + 1024)
+                by_regs, by_smem = programs_per_sm(k.n_regs, md.num_warps, md.shared)
                 print(f"resources D={D} {name}: {k.n_regs} registers, n_spills {k.n_spills}, {md.shared} B shared, "
                       f"{md.num_stages} stages; programs per SM: {by_regs} by registers, {by_smem} by shared memory",
                       flush=True)

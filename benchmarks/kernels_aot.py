@@ -29,8 +29,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-ARCH = 90
-REGS_PER_SM, SMEM_PER_SM, SMEM_PER_BLOCK_RESERVED = 65536, 228 * 1024, 1024  # H100 / H200
+import attention as A  # noqa: E402
+
+ARCH = 90  # H100 / H200
 KERNELS = ("_fwd_kernel", "_dq_kernel", "_dkv_pool_kernel", "_dkv_band_kernel")
 
 
@@ -52,8 +53,6 @@ class _CompileOnlyDriver:
 
 def compile_all(D: int, T: int, settings: dict) -> list:
     """(kernel name, launch settings, compiled kernel) for each kernel launch of one fwd+bwd."""
-    import attention as A
-
     triton.runtime.driver.set_active(_CompileOnlyDriver())
     compiled = []
 
@@ -95,14 +94,13 @@ def report(name: str, kw: dict, kernel, dump: str | None) -> str:
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     md = kernel.metadata
-    by_regs = REGS_PER_SM // ((regs * 32 + 255) // 256 * 256 * md.num_warps)  # (allocated per warp in 256s)
-    by_smem = SMEM_PER_SM // (md.shared + SMEM_PER_BLOCK_RESERVED)
+    programs = min(A.programs_per_sm(regs, md.num_warps, md.shared))
     n = {key: len(re.findall(pat, sass, re.M)) for key, pat in
          dict(ldl=r"\bLDL", stl=r"\bSTL", sass=r"^\s+/\*[0-9a-f]{4,}\*/", hgmma=r"\bHGMMA", hmma=r"\bHMMA").items()}
     settings = " ".join(f"{x}={kw[x]}" for x in ("BN", "MQ", "num_warps", "num_stages", "maxnreg") if x in kw)
     return (f"{name:18s} {settings:44s} regs {regs:3d}  stack {stack:4d} B  spill ld/st {n['ldl']:3d}/{n['stl']:3d}  "
             f"shared {md.shared:6d} B  SASS {n['sass']:5d}  HGMMA {n['hgmma']:3d}  HMMA {n['hmma']:3d}  "
-            f"programs/SM {min(by_regs, by_smem)}")
+            f"programs/SM {programs}")
 
 
 def main(argv: list[str]) -> None:
@@ -112,8 +110,6 @@ def main(argv: list[str]) -> None:
         dump, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     opts = dict(a.split("=", 1) for a in argv)
     D, T = int(opts.pop("D", 64)), int(opts.pop("T", 4096))
-    import attention as A
-
     settings = {n: A._ABSENT if x == "none" else int(x) for n, x in opts.items()}
     print(f"# Triton {triton.__version__}, sm_{ARCH}, D = {D}, T = {T}; LAUNCH[{D}] with {opts or 'no changes'}")
     seen = set()
