@@ -39,7 +39,7 @@ except ImportError:
     print("# numba missing: the plain-Python selection scan stands in (scan ms are its times)", flush=True)
 
 from longtrain.ops.attention import SparseKCache, op as op_mod, sparsek_attention_chunk
-from longtrain.ops.attention import triton_core
+from longtrain.ops.attention import triton_bwd, triton_core, triton_fwd
 from longtrain.ops.attention.naive import sparsek_attention_core_naive
 
 H, K, W, G = 12, 512, 512, 64
@@ -265,6 +265,11 @@ def profile(T=16384, D=64):
     print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
 
 
+# The SparseK core's kernels by their short names (fwd, dq, pool walk, band pass), as LAUNCH names them.
+SK_KERNELS = dict(fwd=triton_fwd._fwd_kernel, dq=triton_bwd._dq_kernel, walk=triton_bwd._dkv_pool_kernel,
+                  band=triton_bwd._dkv_band_kernel)
+
+
 def programs_per_sm(regs: int, num_warps: int, shared: int) -> tuple[int, int]:
     """Programs of one kernel that fit on a Hopper SM (64k registers, allocated per warp in units of 256;
     228 KB of shared memory, 1 KB reserved per program): (by registers, by shared memory)."""
@@ -274,13 +279,9 @@ def programs_per_sm(regs: int, num_warps: int, shared: int) -> tuple[int, int]:
 def kernel_resources(D=64):
     """Registers, local memory (Triton's n_spills: 4-byte words) and shared memory of each compiled kernel
     after one SparseK fwd+bwd at head dim D, and the programs per SM they allow (programs_per_sm)."""
-    from longtrain.ops.attention import triton_bwd, triton_fwd
-
     sk_case(4096, D, seed=D).fwd_bwd()
     torch.cuda.synchronize()
-    kernels = dict(fwd=triton_fwd._fwd_kernel, dq=triton_bwd._dq_kernel, walk=triton_bwd._dkv_pool_kernel,
-                   band=triton_bwd._dkv_band_kernel)
-    for name, fn in kernels.items():
+    for name, fn in SK_KERNELS.items():
         for cache in fn.device_caches.values():  # Triton 3.6: (kernel cache, ...) per device
             for k in cache[0].values():
                 k._init_handles()

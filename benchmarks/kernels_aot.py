@@ -32,7 +32,6 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 import attention as A  # noqa: E402
 
 ARCH = 90  # H100 / H200
-KERNELS = ("_fwd_kernel", "_dq_kernel", "_dkv_pool_kernel", "_dkv_band_kernel")
 
 
 class _CompileOnlyDriver:
@@ -52,14 +51,14 @@ class _CompileOnlyDriver:
 
 
 def compile_all(D: int, T: int, settings: dict) -> list:
-    """(kernel name, launch settings, compiled kernel) for each kernel launch of one fwd+bwd."""
+    """(JIT function, launch settings, compiled kernel) for each kernel launch of one fwd+bwd."""
     triton.runtime.driver.set_active(_CompileOnlyDriver())
     compiled = []
 
     def launcher(self, grid):
         def launch(*args, **kw):
             kernel = self.run(*args, grid=grid, warmup=True, **kw)  # compiles (or takes the cache), no launch
-            compiled.append((self.fn.__name__, kw, kernel))
+            compiled.append((self, kw, kernel))
         return launch
 
     JITFunction.__getitem__ = launcher
@@ -98,7 +97,7 @@ def report(name: str, kw: dict, kernel, dump: str | None) -> str:
     n = {key: len(re.findall(pat, sass, re.M)) for key, pat in
          dict(ldl=r"\bLDL", stl=r"\bSTL", sass=r"^\s+/\*[0-9a-f]{4,}\*/", hgmma=r"\bHGMMA", hmma=r"\bHMMA").items()}
     settings = " ".join(f"{x}={kw[x]}" for x in ("BN", "MQ", "num_warps", "num_stages", "maxnreg") if x in kw)
-    return (f"{name:18s} {settings:44s} regs {regs:3d}  stack {stack:4d} B  spill ld/st {n['ldl']:3d}/{n['stl']:3d}  "
+    return (f"{name:5s} {settings:44s} regs {regs:3d}  stack {stack:4d} B  spill ld/st {n['ldl']:3d}/{n['stl']:3d}  "
             f"shared {md.shared:6d} B  SASS {n['sass']:5d}  HGMMA {n['hgmma']:3d}  HMMA {n['hmma']:3d}  "
             f"programs/SM {programs}")
 
@@ -112,11 +111,12 @@ def main(argv: list[str]) -> None:
     D, T = int(opts.pop("D", 64)), int(opts.pop("T", 4096))
     settings = {n: A._ABSENT if x == "none" else int(x) for n, x in opts.items()}
     print(f"# Triton {triton.__version__}, sm_{ARCH}, D = {D}, T = {T}; LAUNCH[{D}] with {opts or 'no changes'}")
+    names = {fn: name for name, fn in A.SK_KERNELS.items()}  # (the cut kernel is not reported)
     seen = set()
-    for name, kw, kernel in compile_all(D, T, settings):
-        if name in KERNELS and name not in seen:  # (one line per kernel: every launch shares its settings)
-            seen.add(name)
-            print(report(name, kw, kernel, dump), flush=True)
+    for fn, kw, kernel in compile_all(D, T, settings):
+        if fn in names and fn not in seen:  # (one line per kernel: every launch shares its settings)
+            seen.add(fn)
+            print(report(names[fn], kw, kernel, dump), flush=True)
 
 
 if __name__ == "__main__":
