@@ -30,17 +30,17 @@ except ImportError:
     import types
 
     def _from_scan(name):
-        scan = importlib.import_module("longtrain.ops.attention.scan")
+        scan = importlib.import_module("longtrain.ops.selection.scan")
         return scan.scan_chunk if name == "scan_chunk_numba" else getattr(scan, name)
 
-    _stub = types.ModuleType("longtrain.ops.attention.scan_numba")
+    _stub = types.ModuleType("longtrain.ops.selection.scan_numba")
     _stub.__getattr__ = _from_scan  # resolved when op.py imports it, inside the package's own import
-    sys.modules["longtrain.ops.attention.scan_numba"] = _stub
+    sys.modules["longtrain.ops.selection.scan_numba"] = _stub
     print("# numba missing: the plain-Python selection scan stands in (scan ms are its times)", flush=True)
 
-from longtrain.ops.attention import SparseKCache, op as op_mod, sparsek_attention_chunk
-from longtrain.ops.attention import triton_bwd, triton_core, triton_fwd
-from longtrain.ops.attention.naive import sparsek_attention_core_naive
+from longtrain.ops.sparsek_attention import SparseKCache, op as op_mod, sparsek_attention_chunk
+from longtrain.ops.sparsek_attention import triton_bwd, triton_core, triton_fwd
+from longtrain.ops.sparsek_attention.naive import sparsek_attention_core_naive
 
 H, K, W, G = 12, 512, 512, 64
 TOKENS = 16384

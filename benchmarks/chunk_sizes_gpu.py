@@ -12,7 +12,7 @@ import time
 import torch
 
 from longtrain.model import LM, LMConfig
-from longtrain.ops.attention import triton_bwd, triton_fwd
+from longtrain.ops.sparsek_attention import triton_bwd, triton_fwd
 
 
 def variants() -> dict:

@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from longtrain.eval.equivalence import PeakMemory
-from longtrain.ops.attention import prefix_thresholds, sparsek_attention
+from longtrain.ops.selection import prefix_thresholds
+from longtrain.ops.sparsek_attention import sparsek_attention
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from longtrain.ops.attention.scan import RowState, default_threshold_cap, scan_chunk
-from longtrain.ops.attention.scan_numba import scan_chunk_numba
+from longtrain.ops.selection.scan import RowState, default_threshold_cap, scan_chunk
+from longtrain.ops.selection.scan_numba import scan_chunk_numba
 
 
 def time_scan(scan, u, k, w, repeats=3) -> float:

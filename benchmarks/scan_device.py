@@ -22,10 +22,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from longtrain.ops.attention.cache import SparseKCache
-from longtrain.ops.attention.op import _host_scan
-from longtrain.ops.attention import scan_device
-from longtrain.ops.attention.scan_device import scan_chunk_device
+from longtrain.ops.sparsek_attention.cache import SparseKCache
+from longtrain.ops.sparsek_attention.op import _host_scan
+from longtrain.ops.selection import scan_device
+from longtrain.ops.selection.scan_device import scan_chunk_device
 
 K = W = 512
 BLOCK = 64

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from longtrain.ops.attention import SparseKCache
+from longtrain.ops.sparsek_attention import SparseKCache
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from longtrain.model.cache import FullKVCache, LayerCache, ModelCache
 from longtrain.model.scoring import Scorer, mimic_score_weight, score_dtype
-from longtrain.ops.attention import ChunkSelection, SparseKCache, sparsek_attention_chunk
+from longtrain.ops.sparsek_attention import ChunkSelection, SparseKCache, sparsek_attention_chunk
 
 
 class ThresholdOverflowWarning(UserWarning):

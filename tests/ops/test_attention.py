@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longtrain.ops.attention import SparseKCache, sparsek_attention, sparsek_attention_chunk
+from longtrain.ops.sparsek_attention import SparseKCache, sparsek_attention, sparsek_attention_chunk
 from tests.ops.dense_reference import dense_sparsek_attention
 
 CASES = [

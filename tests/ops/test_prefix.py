@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from longtrain.ops import sparsek_threshold
-from longtrain.ops.attention import prefix_thresholds
+from longtrain.ops.selection import prefix_thresholds
 
 
 def from_scratch(u, k, w):

@@ -9,15 +9,16 @@ import torch
 import triton
 import triton.language as tl
 
-from longtrain.ops.attention import scan_device, sparsek_attention_chunk
-from longtrain.ops.attention import scan_device_kernels as kern
-from longtrain.ops.attention.cache import SparseKCache
-from longtrain.ops.attention.scan import position_hash
-from longtrain.ops.attention.scan_device import (
+from longtrain.ops.selection import scan_device
+from longtrain.ops.sparsek_attention import sparsek_attention_chunk
+from longtrain.ops.selection import scan_device_kernels as kern
+from longtrain.ops.sparsek_attention.cache import SparseKCache
+from longtrain.ops.selection.scan import position_hash
+from longtrain.ops.selection.scan_device import (
     breakpoints_reference, pack_keys, position_hash_tensor, scan_chunk_device, sort_keys, sort_keys_reference,
 )
-from longtrain.ops.attention.scan_numba import scan_chunk_numba
-from longtrain.ops.attention.wavelet import (
+from longtrain.ops.selection.scan_numba import scan_chunk_numba
+from longtrain.ops.selection.wavelet import (
     build_wavelet_tree, build_wavelet_tree_reference, tree_count_below, tree_quantile,
 )
 
@@ -321,7 +322,7 @@ def test_breakpoints_kernel_equals_sort_and_search(B, NM, N, K):
 @pytest.mark.parametrize("w,k,L,block", [(5, 6, 37, 16), (0, 4, 30, 16), (3, 20, 45, 16)])
 def test_kernels_on_the_device_scans_stable_pools(w, k, L, block):
     """The Triton core trusts the device scan's stable slots (no relabelling): same o and gradients."""
-    from longtrain.ops.attention import triton_core  # noqa: F401  (the kernels exist: interpreter or CUDA)
+    from longtrain.ops.sparsek_attention import triton_core  # noqa: F401  (the kernels exist: interpreter or CUDA)
 
     torch.manual_seed(1)
     B, H, D = 2, 2, 16

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from longtrain.ops.attention.scan import RowState, scan_chunk
-from longtrain.ops.attention.scan_numba import scan_chunk_numba
+from longtrain.ops.selection.scan import RowState, scan_chunk
+from longtrain.ops.selection.scan_numba import scan_chunk_numba
 
 
 def fresh(B):

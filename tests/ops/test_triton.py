@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from longtrain.ops.attention import SparseKCache, sparsek_attention, sparsek_attention_chunk  # noqa: E402
-from longtrain.ops.attention import triton_core  # noqa: E402
-from longtrain.ops.attention.scan import scan_chunk  # noqa: E402
+from longtrain.ops.sparsek_attention import SparseKCache, sparsek_attention, sparsek_attention_chunk  # noqa: E402
+from longtrain.ops.sparsek_attention import triton_core  # noqa: E402
+from longtrain.ops.selection.scan import scan_chunk  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longtrain.ops.attention.triton_fwd import (
+from longtrain.ops.sparsek_attention.triton_fwd import (
     band_mode, band_origin, causal_logits, gather_kv, interior_tiles, load_keys, load_pool_keys, load_queries, load_reach,
     masked_logits, pool_logits, reach_logits,
 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from longtrain.ops.attention.scan import INF, RowState, ScanOutputs, ScanResult
+from longtrain.ops.selection.scan import INF, RowState, ScanOutputs, ScanResult
 
 _MASK63 = np.uint64((1 << 63) - 1)
 

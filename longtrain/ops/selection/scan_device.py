@@ -38,9 +38,9 @@ import math
 import torch
 import triton
 
-from longtrain.ops.attention import scan_device_kernels as kern
-from longtrain.ops.attention.scan import DeviceScan
-from longtrain.ops.attention.wavelet import empty_wavelet_tree, merge_levels
+from longtrain.ops.selection import scan_device_kernels as kern
+from longtrain.ops.selection.scan import DeviceScan
+from longtrain.ops.selection.wavelet import empty_wavelet_tree, merge_levels
 
 TILE = 128  # entries (ranks, items) per program of the per-entry kernels: programs for every SM
 PROBES = 1  # f evaluations per round of tau's search (a power of two; 1: binary, the least work)

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from longtrain.ops.attention.cache import SparseKCache
-from longtrain.ops.attention.naive import VARIANTS, sparsek_attention_core_naive
-from longtrain.ops.attention.scan import DeviceScan, ThresholdFn
-from longtrain.ops.attention.scan_numba import scan_chunk_numba as scan_chunk
+from longtrain.ops.sparsek_attention.cache import SparseKCache
+from longtrain.ops.sparsek_attention.naive import VARIANTS, sparsek_attention_core_naive
+from longtrain.ops.selection.scan import DeviceScan, ThresholdFn
+from longtrain.ops.selection.scan_numba import scan_chunk_numba as scan_chunk
 
 BACKENDS = ("auto", "naive", "triton")
 SCANS = ("auto", "host", "device")
@@ -109,7 +109,7 @@ def _host_scan(u_ext, pos_ext, cache, seen, lengths, L, topk, window, block) -> 
 
 def _triton_available() -> bool:
     try:
-        from longtrain.ops.attention import triton_core  # noqa: F401
+        from longtrain.ops.sparsek_attention import triton_core  # noqa: F401
     except ImportError:
         return False
     return True
@@ -162,7 +162,7 @@ def sparsek_attention_chunk(
 
     # 2. The selection scan, continuing from the cache's state: on the tensors' device, or CPU heaps.
     if _pick_scan(scan, u_ext) == "device":
-        from longtrain.ops.attention.scan_device import scan_chunk_device  # needs Triton
+        from longtrain.ops.selection.scan_device import scan_chunk_device  # needs Triton
 
         sel = scan_chunk_device(
             u_ext, pos_ext, thr_u=cache.thr_u.to(dev), thr_count=cache.thr_count.to(dev),
@@ -177,7 +177,7 @@ def sparsek_attention_chunk(
     core_args = (q, k_ext, v_ext, u_ext, pos_ext, chunk_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool)
     core_kw = dict(topk=topk, window=window, tail_slots=Wt, variant=variant, scale=scale, block=block)
     if _pick_backend(backend, q) == "triton":
-        from longtrain.ops.attention.triton_core import sparsek_attention_core_triton
+        from longtrain.ops.sparsek_attention.triton_core import sparsek_attention_core_triton
 
         o = sparsek_attention_core_triton(*core_args, **core_kw)
     else:

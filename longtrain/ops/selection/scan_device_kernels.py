@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from longtrain.ops.attention.wavelet import tree_count_below, tree_quantile
+from longtrain.ops.selection.wavelet import tree_count_below, tree_quantile
 
 # Quantities with per-tile totals: TOT [B, N_TOT, NT] int32 (and TOTS [B, NT] float64 for T_OFFSET's scores).
 T_OFFSET, T_POOLED, T_COUNT, T_MEMBER, T_POOLED_R, T_KEEP = 0, 1, 2, 3, 4, 5

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from longtrain.ops.attention.scan import RowState, default_threshold_cap
-from longtrain.ops.attention.scan_numba import scan_chunk_numba as scan_chunk
+from longtrain.ops.selection.scan import RowState, default_threshold_cap
+from longtrain.ops.selection.scan_numba import scan_chunk_numba as scan_chunk
 
 
 @dataclass

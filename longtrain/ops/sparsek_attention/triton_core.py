@@ -17,9 +17,9 @@ import warnings
 import torch
 import triton
 
-from longtrain.ops.attention.naive import sparsek_attention_core_naive
-from longtrain.ops.attention.triton_bwd import _dkv_band_kernel, _dkv_pool_kernel, _dq_kernel
-from longtrain.ops.attention.triton_fwd import LOG2E, VARIANT_CODE, _cut_kernel, _fwd_kernel
+from longtrain.ops.sparsek_attention.naive import sparsek_attention_core_naive
+from longtrain.ops.sparsek_attention.triton_bwd import _dkv_band_kernel, _dkv_pool_kernel, _dq_kernel
+from longtrain.ops.sparsek_attention.triton_fwd import LOG2E, VARIANT_CODE, _cut_kernel, _fwd_kernel
 
 # Fill every kernel-written buffer with NaN first, so a value never written shows (tests set it).
 POISON = False

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from longtrain.ops.attention.scan import RowState, default_threshold_cap, position_hash
+from longtrain.ops.selection.scan import RowState, default_threshold_cap, position_hash
 
 
 @dataclass
