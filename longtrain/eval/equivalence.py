@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from longtrain.model import LM, LMConfig, ModelCache
-from longtrain.ops.attention import SparseKCache
+from longtrain.ops.sparsek_attention import SparseKCache
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # (max |logit difference|, min selection agreement) per dtype. One rounding flip at the k-th score
@@ -253,55 +253,39 @@ def verify(
 
 
 def load_model(recipe: Path | None, checkpoint: Path | None, seed: int):
-    """(model, tokenizer or None) from a recipe (random init), a checkpoint, or the small default."""
+    """(model, tokenizer or None) from a recipe (random init), a checkpoint or run dir, or the small default."""
     if recipe is not None and checkpoint is not None:
         raise UsageError("give --recipe or --checkpoint, not both")
     torch.manual_seed(seed)
     if recipe is None and checkpoint is None:
         return LM(LMConfig(**DEFAULT_MODEL)), None
+    if checkpoint is not None:
+        from longtrain.train.checkpoint import CheckpointError
+        from longtrain.train.checkpointer import load_checkpoint
+
+        try:
+            loaded = load_checkpoint(checkpoint)
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
+        return loaded.model, loaded.tokenizer
+
     from longtrain.data import DataError
     from longtrain.data.tokenizer import load_tokenizer
     from longtrain.train.recipe import RecipeError, load_recipe
 
-    state = None
-    if checkpoint is not None:
-        weights = checkpoint / "model.safetensors"
-        if not weights.is_file():
-            raise UsageError(f"no checkpoint at {checkpoint}: expected {weights} (a RUN_DIR/checkpoints/step-XXXXXXXX folder)")
-        recipe = checkpoint.parent.parent / "recipe.yaml"
-        if not recipe.is_file():
-            raise UsageError(f"checkpoint {checkpoint} has no recipe: expected {recipe}")
-        from safetensors.torch import load_file
-
-        try:
-            state = load_file(str(weights))
-        except Exception as e:  # safetensors raises its own error types for a bad header
-            raise UsageError(f"cannot read {weights}: {e}") from None
     try:
         r = load_recipe(recipe)
     except RecipeError as e:
         raise UsageError(str(e)) from None
-
-    tok_path = checkpoint.parent.parent / "tokenizer.json" if checkpoint is not None else None
-    tok_path = tok_path if tok_path is not None and tok_path.is_file() else r.tokenizer.path
     try:
-        tokenizer = load_tokenizer(tok_path) if tok_path else None
+        tokenizer = load_tokenizer(r.tokenizer.path) if r.tokenizer.path else None
     except DataError as e:
         raise UsageError(str(e)) from None
-    if state is not None:
-        vocab = state["embed.weight"].shape[0] if "embed.weight" in state else None
-    else:
-        vocab = tokenizer.get_vocab_size() if tokenizer is not None else r.tokenizer.vocab_size
+    vocab = tokenizer.get_vocab_size() if tokenizer is not None else r.tokenizer.vocab_size
     try:
         model = LM(LMConfig.from_recipe(r.model, r.attention, vocab_size=vocab))
     except ValueError as e:
         raise UsageError(f"recipe {recipe}: {e}") from None
-    if state is not None:
-        try:
-            model.load_state_dict(state)
-        except RuntimeError as e:
-            first = str(e).strip().splitlines()
-            raise UsageError(f"checkpoint {checkpoint} does not fit its recipe's model: {' '.join(first[:3])}") from None
     return model, tokenizer
 
 

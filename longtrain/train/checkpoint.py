@@ -1,8 +1,10 @@
 """Atomic, self-checking checkpoints and what goes into them.
 
 Layout: `<dir>/step-XXXXXXXX/` holds one `<group>.safetensors` per tensor
-group (model, optimizer, cache, ...) and `meta.json` (step, data stream
-state, RNG states, hashes, ... plus the size and sha256 of every file).
+group (model, optimizer, cache, ...), the files that make it self-contained
+(`recipe.yaml`, `tokenizer.json`: `longtrain.train.checkpointer` loads a model
+from them) and `meta.json` (step, data stream state, RNG states, hashes, ...
+plus the size and sha256 of every file).
 
 A checkpoint is written into `.tmp-step-XXXXXXXX-<pid>/` in the same folder,
 fsynced, then renamed: a directory carries its final name only when it is
@@ -51,18 +53,30 @@ class CheckpointManager:
     def path_for(self, step: int) -> Path:
         return self.dir / f"step-{step:08d}"
 
-    def save(self, step: int, *, tensors: Mapping[str, Mapping[str, torch.Tensor]], meta: Mapping[str, Any]) -> Path:
-        """Write checkpoint `step` atomically, then prune to the newest `keep`."""
+    def save(
+        self,
+        step: int,
+        *,
+        tensors: Mapping[str, Mapping[str, torch.Tensor]],
+        meta: Mapping[str, Any],
+        files: Mapping[str, bytes] | None = None,
+    ) -> Path:
+        """Write checkpoint `step` atomically, then prune to the newest `keep`.
+
+        `files` are extra files by name (the recipe, the tokenizer), checked like the tensors.
+        """
         self.dir.mkdir(parents=True, exist_ok=True)
         self.clean_stale()
         final = self.path_for(step)
         tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
         try:
             tmp.mkdir()
-            files = {}
+            written = {}
             for group, state in tensors.items():
-                files[f"{group}.safetensors"] = _write_file(tmp / f"{group}.safetensors", st_save(_storable(state)))
-            record = {**meta, "step": step, "format": FORMAT, "files": files}
+                written[f"{group}.safetensors"] = _write_file(tmp / f"{group}.safetensors", st_save(_storable(state)))
+            for name, data in (files or {}).items():
+                written[name] = _write_file(tmp / name, data)
+            record = {**meta, "step": step, "format": FORMAT, "files": written}
             _write_file(tmp / META, json.dumps(record, indent=1).encode())
             _fsync_dir(tmp)
             if final.exists():  # saving the same step twice (e.g. final == periodic)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from longtrain.data import IGNORE, DocumentStream, PreparedCorpus, iter_valid_chunks, prepare_corpus
 from longtrain.model import LM, LMConfig, ModelCache
 from longtrain.train import checkpoint as ckpt
+from longtrain.train.checkpointer import checkpoint_files
 from longtrain.train.metrics import MetricsLogger, ProgressDisplay, RowProgress, StepStats, peak_memory_bytes
 from longtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from longtrain.train.recipe import Recipe, recipe_hash, recipe_to_yaml
@@ -168,7 +169,7 @@ def fit(recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", co
             ))
 
             if step % recipe.checkpoint.every == 0 or step == cfg.steps or stop.requested:
-                saved = _save(manager, model, optimizer, cache, stream, state, hashes, corpus)
+                saved = _save(manager, model, optimizer, cache, stream, state, hashes, corpus, recipe)
                 display.message(f"saved checkpoint {saved}")
                 _test_only_kill_after(step)
 
@@ -231,7 +232,7 @@ def _checkpoint_to_resume(manager: ckpt.CheckpointManager, resume: str) -> Path 
     return path
 
 
-def _save(manager, model, optimizer, cache: ModelCache, stream, state: TrainState, hashes, corpus) -> Path:
+def _save(manager, model, optimizer, cache: ModelCache, stream, state: TrainState, hashes, corpus, recipe) -> Path:
     opt_tensors, opt_info = ckpt.optimizer_to_checkpoint(optimizer.state_dict())
     meta = {
         "step": state.step,
@@ -244,7 +245,8 @@ def _save(manager, model, optimizer, cache: ModelCache, stream, state: TrainStat
         "hashes": hashes,
     }
     tensors = {"model": model.state_dict(), "optimizer": opt_tensors, "cache": cache.state_dict()}
-    return manager.save(state.step, tensors=tensors, meta=meta)
+    files = checkpoint_files(recipe, corpus.tokenizer)  # self-contained
+    return manager.save(state.step, tensors=tensors, meta=meta, files=files)
 
 
 def _restore(path: Path, model, optimizer, stream, state: TrainState, hashes, device) -> ModelCache:

@@ -1,15 +1,15 @@
 """`longtrain verify-equivalence`: passes on a correct cache, fails (exit 1) on a broken one, exit 2 on bad usage."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from longtrain.cli import app
 from longtrain.model import LM, LMConfig
-from longtrain.train.recipe import load_recipe, recipe_to_yaml
+from longtrain.train.recipe import load_recipe
 
 runner = CliRunner()
 SMALL_RECIPE = ["model.layers=1", "model.d_model=32", "model.heads=2", "attention.topk=8", "attention.window=8", "tokenizer.vocab_size=300"]
@@ -47,22 +47,45 @@ def test_float32_thresholds_can_be_set():
     assert res.exit_code == 1, res.output
 
 
-def test_recipe_checkpoint_and_text(tmp_path):
+def _tiny_checkpoint(run: Path, *, self_contained: bool):
+    """A real checkpoint of a random model: self-contained, or an older one (recipe and tokenizer in the run dir)."""
+    from longtrain.data.tokenizer import train_bpe
+    from longtrain.train.checkpoint import CheckpointManager
+    from longtrain.train.checkpointer import checkpoint_files
+
     recipe = load_recipe("quickstart", SMALL_RECIPE)
-    step = tmp_path / "run" / "checkpoints" / "step-00000007"
-    step.mkdir(parents=True)
-    (tmp_path / "run" / "recipe.yaml").write_text(recipe_to_yaml(recipe))
+    tok = train_bpe(["It was the best of times, it was the worst of times. " * 40], 300)
     torch.manual_seed(3)
-    model = LM(LMConfig.from_recipe(recipe.model, recipe.attention, vocab_size=300))
-    save_file(model.state_dict(), step / "model.safetensors")
+    model = LM(LMConfig.from_recipe(recipe.model, recipe.attention, vocab_size=tok.get_vocab_size()))
+    files = checkpoint_files(recipe, tok)
+    if not self_contained:
+        run.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (run / name).write_bytes(data)
+    manager = CheckpointManager(run, keep=2)
+    return manager.save(7, tensors={"model": model.state_dict()}, meta={}, files=files if self_contained else None)
+
+
+@pytest.mark.parametrize("self_contained", [True, False])
+def test_recipe_checkpoint_and_text(tmp_path, self_contained):
+    step = _tiny_checkpoint(tmp_path / "run", self_contained=self_contained)
     text = tmp_path / "doc.txt"
-    text.write_text("It was the best of times, it was the worst of times. " * 40)
+    g = torch.Generator().manual_seed(0)  # varied text: a BPE cannot fold it into a few tokens
+    text.write_text(" ".join("".join(chr(97 + int(c)) for c in torch.randint(0, 26, (5,), generator=g)) for _ in range(1500)))
 
     res = verify("--checkpoint", str(step), "--text", str(text), "--tokens", "900", "--chunk-size", "100")
     assert res.exit_code == 0, res.output
     assert "900 tokens" in res.output.replace(",", "")
-    res = verify("--recipe", str(tmp_path / "run" / "recipe.yaml"), "--tokens", "600", "--chunk-size", "250")
-    assert res.exit_code == 0, res.output
+    if self_contained:  # a run dir means its newest checkpoint; a copied checkpoint loads on its own
+        moved = tmp_path / "elsewhere"
+        step.rename(moved)
+        res = verify("--checkpoint", str(moved), "--text", str(text), "--tokens", "300", "--chunk-size", "100")
+        assert res.exit_code == 0, res.output
+    else:
+        res = verify("--checkpoint", str(tmp_path / "run"), "--text", str(text), "--tokens", "300", "--chunk-size", "100")
+        assert res.exit_code == 0, res.output
+        res = verify("--recipe", str(tmp_path / "run" / "recipe.yaml"), "--tokens", "600", "--chunk-size", "250")
+        assert res.exit_code == 0, res.output
 
 
 @pytest.mark.parametrize(
@@ -74,7 +97,7 @@ def test_recipe_checkpoint_and_text(tmp_path):
         (["--device", "tpu"], "--device"),
         (["--text", "/nonexistent/doc.txt"], "no such file"),
         (["--recipe", "/nonexistent/r.yaml"], "not found"),
-        (["--checkpoint", "/nonexistent/step-1"], "model.safetensors"),
+        (["--checkpoint", "/nonexistent/step-1"], "does not exist"),
         (["--recipe", "quickstart", "--checkpoint", "x"], "not both"),
         (["--json", "/nonexistent/dir/out.json"], "does not exist"),
         (["--tokens", "many"], "Invalid value"),

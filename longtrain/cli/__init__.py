@@ -1,0 +1,10 @@
+"""The `longtrain` command line: one module per verb (litgpt's layout), each a thin function.
+
+A verb module imports `app` from `longtrain.cli.app`, registers itself with `@app.command(...)`
+and keeps its heavy imports inside the function, so `longtrain -h` stays fast.
+"""
+
+from longtrain.cli import fit, verify_equivalence, version  # noqa: F401  (registers the verbs)
+from longtrain.cli.app import app
+
+__all__ = ["app"]

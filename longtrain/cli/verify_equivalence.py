@@ -1,0 +1,38 @@
+"""`longtrain verify-equivalence`: chunked against unchunked passes over one document."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from longtrain.cli.app import app, fail
+
+
+@app.command("verify-equivalence")
+def verify_equivalence(
+    recipe: Path = typer.Option(None, "--recipe", help="build the model from this recipe (random init)"),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="a checkpoint folder, or a run dir (its newest complete checkpoint)"),
+    text: Path = typer.Option(None, "--text", help="a text file as the document (default: random tokens)"),
+    tokens: int = typer.Option(65536, "--tokens", help="document length in tokens (truncates --text)"),
+    chunk_size: list[int] = typer.Option(None, "--chunk-size", help="chunk size (repeatable; default 1024, 4096, 3001)"),
+    dtype: str = typer.Option(None, "--dtype", help="float64 | float32 | bfloat16 (default: float64 on cpu, float32 on cuda)"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
+    seed: int = typer.Option(0, "--seed", help="seed of the random model and tokens"),
+    json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
+    max_logit_diff: float = typer.Option(None, "--max-logit-diff", help="pass threshold (default: 1e-9 float64, 1e-2 float32, 0.5 bfloat16)"),
+    min_agreement: float = typer.Option(None, "--min-agreement", help="pass threshold on selection agreement (default: 1 float64, 0.99 float32, 0.8 bfloat16)"),
+) -> None:
+    """Check that reading a document in chunks gives what one unchunked pass gives (exit 0 pass, 1 fail, 2 usage)."""
+    from longtrain.eval.equivalence import UsageError, run_command
+
+    try:
+        code = run_command(
+            recipe=recipe, checkpoint=checkpoint, text=text, tokens=tokens, chunk_sizes=chunk_size, dtype=dtype,
+            device=device, seed=seed, json_path=json_path, max_logit_diff=max_logit_diff,
+            min_agreement=min_agreement, console=Console(),
+        )
+    except UsageError as e:
+        raise fail(str(e), 2)
+    raise typer.Exit(code)
