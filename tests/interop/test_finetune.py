@@ -128,6 +128,8 @@ def test_init_from_a_checkpoint_of_another_shape_names_the_key(imported, tmp_pat
     msg = " ".join(result.output.split())
     assert "blocks.0.mlp.gate.weight: checkpoint (40, 32) vs model (44, 32)" in msg and "train.init_from" in msg
     assert not (tmp_path / "run/checkpoints").exists()
+    into_source = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(imported / "base"), *overrides(imported)])
+    assert into_source.exit_code == 1 and "holds imported weights only" in " ".join(into_source.output.split())
     bad_freeze = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(tmp_path / "r2"), *overrides(imported, "attention.type=full", "attention.topk=0", "attention.window=0", "train.freeze={steps: 1}")])
     assert bad_freeze.exit_code == 2 and "has no scoring vectors" in " ".join(bad_freeze.output.split())
 
@@ -167,3 +169,12 @@ def test_default_optimizer_groups_and_schedule_are_unchanged():
     cfg = TrainConfig(steps=10, lr=1e-3, warmup_steps=4, warmup_start_ratio=0.1)
     assert lr_at(1, cfg) == pytest.approx(1e-4 + 9e-4 / 4) and lr_at(4, cfg) == pytest.approx(1e-3)
     assert lr_at(1, TrainConfig(steps=10, lr=1e-3, warmup_steps=4)) == 1e-3 * 1 / 4
+
+
+def test_model_hash_of_existing_recipes_is_unchanged():
+    """The new model fields stay out of the hash at their defaults: runs saved before them still resume."""
+    from longtrain.train.recipe import recipe_hash
+
+    assert recipe_hash(load_recipe("quickstart"), ("model",)) == "de235a4e9353dc803d7026594d8f19b583552679e27b8d6a5d33e3e7a735049c"
+    assert recipe_hash(load_recipe("gutenberg-sparsek"), ("model",)) == "6109fdbec2cca71b197a3b9a88d8748de24aa506a7e11606a025a2570d3d8ad7"
+    assert recipe_hash(load_recipe("quickstart", ["model.norm_eps=1e-6"]), ("model",)) != "de235a4e9353dc803d7026594d8f19b583552679e27b8d6a5d33e3e7a735049c"
