@@ -128,6 +128,8 @@ def test_init_from_a_checkpoint_of_another_shape_names_the_key(imported, tmp_pat
     msg = " ".join(result.output.split())
     assert "blocks.0.mlp.gate.weight: checkpoint (40, 32) vs model (44, 32)" in msg and "train.init_from" in msg
     assert not (tmp_path / "run/checkpoints").exists()
+    small = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(tmp_path / "r3"), *overrides(imported, "model.vocab_size=100")])
+    assert small.exit_code == 1 and "tokens but model.vocab_size is 100" in " ".join(small.output.split())
     into_source = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(imported / "base"), *overrides(imported)])
     assert into_source.exit_code == 1 and "holds imported weights only" in " ".join(into_source.output.split())
     bad_freeze = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(tmp_path / "r2"), *overrides(imported, "attention.type=full", "attention.topk=0", "attention.window=0", "train.freeze={steps: 1}")])
