@@ -7,7 +7,7 @@ GPT-NeoX fuses q, k and v into one `query_key_value` projection whose output row
 (`split_qkv`, `fuse_qkv`).
 
 Both the config formats of transformers 4 (`rope_theta`, `rotary_pct`, `rotary_emb_base`,
-`rope_scaling`, `torch_dtype`) and 5 (`rope_parameters`, `dtype`) are read; export writes both.
+`rope_scaling`) and 5 (`rope_parameters`) are read; export writes both.
 """
 
 from __future__ import annotations
@@ -156,11 +156,6 @@ def model_section(family: Family, config: dict[str, Any]) -> dict[str, Any]:
             "parallel_residual": bool(config.get("use_parallel_residual", True)),
         }
     return section
-
-
-def torch_dtype(config: dict[str, Any]) -> torch.dtype:
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(name, torch.float32)
 
 
 # ----------------------------------------------------------------------------- model: -> config.json
