@@ -1,10 +1,12 @@
 """A decoder-only Transformer with SparseK attention that reads a document chunk by chunk.
 
 One flat file in the nanoGPT manner: config, RoPE, attention, MLPs, blocks, the LM. Block styles:
-  gpt2   LayerNorm, GELU MLP, biases, tied embeddings, RoPE (the paper's from-scratch model)
-  llama  RMSNorm, SwiGLU MLP, no biases, untied head, RoPE, grouped-query attention
-A style is one entry of STYLES; GPT-NeoX/Pythia (parallel residual, partial rotary) would add an
-entry, a `parallel_residual` branch in Block.forward and a rotary width in `apply_rope`.
+  gpt2     LayerNorm, GELU MLP, biases, tied embeddings, RoPE (the paper's from-scratch model)
+  llama    RMSNorm, SwiGLU MLP, no biases, untied head, RoPE, grouped-query attention (TinyLlama)
+  gptneox  LayerNorm, GELU MLP, biases, untied head, parallel residual, partial RoPE (Pythia)
+A style is one entry of STYLES; LMConfig can override what real checkpoints vary (MLP width, norm
+eps, tied head, rotary fraction, parallel residual). Hugging Face layouts (GPT-NeoX's fused QKV) are
+converted in longtrain.interop: this file keeps separate q/k/v projections for every style.
 
 `model(tokens, cache=cache)` processes one chunk at absolute positions cache.seen .. and returns
 the logits and the next cache (Algorithm 3 of the paper). `cache=None` is one unchunked pass from
@@ -37,8 +39,13 @@ class LMConfig:
     d_model: int
     heads: int
     kv_heads: int | None = None  # None: heads
-    style: Literal["gpt2", "llama"] = "gpt2"
+    style: Literal["gpt2", "llama", "gptneox"] = "gpt2"
     mlp_ratio: float = 4.0  # MLP hidden = mlp_ratio * d_model (SwiGLU: each of its three matrices)
+    intermediate_size: int | None = None  # MLP hidden size; None: int(mlp_ratio * d_model)
+    norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
+    tied_embeddings: bool | None = None  # head reuses the embedding; None: the style's default
+    rotary_pct: float = 1.0  # fraction of each head's dims that RoPE rotates (Pythia: 0.25)
+    parallel_residual: bool | None = None  # x + attn(n1(x)) + mlp(n2(x)); None: the style's default
     dropout: float = 0.0
     rope_theta: float = 10000.0
     init_std: float = 0.02
@@ -58,10 +65,14 @@ class LMConfig:
         self.kv_heads = self.kv_heads or self.heads
         if self.d_model % self.heads or self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must divide d_model ({self.d_model}) and be a multiple of kv_heads ({self.kv_heads})")
-        if (self.d_model // self.heads) % 2:
-            raise ValueError(f"RoPE needs an even head size; got {self.d_model // self.heads}")
         if self.style not in STYLES:
             raise ValueError(f"style must be one of {sorted(STYLES)}; got {self.style!r}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_pct <= 1:
+            raise ValueError(f"RoPE needs an even number of rotary dims; got {self.rotary_dim} (head size {self.head_dim}, rotary_pct {self.rotary_pct})")
+        st = STYLES[self.style]
+        self.intermediate_size = self.intermediate_size or int(self.mlp_ratio * self.d_model)
+        self.tied_embeddings = st.tied if self.tied_embeddings is None else self.tied_embeddings
+        self.parallel_residual = st.parallel_residual if self.parallel_residual is None else self.parallel_residual
         need = {"sparsek+sw": (True, True), "sparsek": (True, False), "sw": (False, True), "full": (False, False)}
         if self.attention not in need:
             raise ValueError(f"attention must be one of {sorted(need)}; got {self.attention!r}")
@@ -78,6 +89,8 @@ class LMConfig:
         return cls(
             vocab_size=vocab, layers=model.layers, d_model=model.d_model, heads=model.heads,
             kv_heads=model.kv_heads, style=model.style, mlp_ratio=model.mlp_ratio, dropout=model.dropout,
+            intermediate_size=model.intermediate_size, norm_eps=model.norm_eps, tied_embeddings=model.tied_embeddings,
+            rotary_pct=model.rotary_pct, parallel_residual=model.parallel_residual,
             rope_theta=model.rope_theta, init_std=model.init_std, attention=attention.type,
             topk=attention.topk or 0, window=attention.window or 0, variant=attention.variant,
             score_groups=attention.score_groups, timestep_norm=attention.timestep_norm,
@@ -88,6 +101,11 @@ class LMConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that RoPE rotates (GPT-NeoX: int(head_dim * rotary_pct))."""
+        return int(self.head_dim * self.rotary_pct)
 
     @property
     def score_group_count(self) -> int:
@@ -103,18 +121,20 @@ class LMConfig:
 # ----------------------------------------------------------------------------- RoPE
 
 
-def rope_angles(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, L, D/2] (float64) at absolute positions pos [B, L]: exact for any chunking."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=pos.device) / head_dim)
-    ang = pos.to(torch.float64)[..., None] * inv_freq  # [B, L, D/2]
+def rope_angles(pos: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, L, R/2] (float64) at absolute positions pos [B, L]: exact for any chunking."""
+    inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=pos.device) / rotary_dim)
+    ang = pos.to(torch.float64)[..., None] * inv_freq  # [B, L, R/2]
     return ang.cos(), ang.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (GPT-NeoX / Llama layout) on x [B, L, H, D]."""
-    c, s = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)  # [B, L, 1, D/2]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    """Rotate-half RoPE (GPT-NeoX / Llama layout) on the first R = 2·cos.shape[-1] dims of x [B, L, H, D]."""
+    c, s = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)  # [B, L, 1, R/2]
+    R = 2 * c.shape[-1]
+    x1, x2 = x[..., : R // 2], x[..., R // 2 : R]
+    rotated = [x1 * c - x2 * s, x2 * c + x1 * s]
+    return torch.cat(rotated if R == x.shape[-1] else [*rotated, x[..., R:]], dim=-1)  # partial: the rest passes
 
 
 # ----------------------------------------------------------------------------- attention
@@ -248,12 +268,14 @@ class Style:
     norm: type
     mlp: type
     bias: bool
-    tied: bool
+    tied: bool  # default of LMConfig.tied_embeddings
+    parallel_residual: bool = False  # default of LMConfig.parallel_residual
 
 
 STYLES = {
     "gpt2": Style(norm=nn.LayerNorm, mlp=GeluMLP, bias=True, tied=True),
     "llama": Style(norm=nn.RMSNorm, mlp=SwiGLU, bias=False, tied=False),
+    "gptneox": Style(norm=nn.LayerNorm, mlp=GeluMLP, bias=True, tied=False, parallel_residual=True),
 }
 
 
@@ -261,14 +283,17 @@ class Block(nn.Module):
     def __init__(self, cfg: LMConfig):
         super().__init__()
         st = STYLES[cfg.style]
-        self.norm1 = st.norm(cfg.d_model, eps=1e-5)
+        self.norm1 = st.norm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg, st.bias)
-        self.norm2 = st.norm(cfg.d_model, eps=1e-5)
-        self.mlp = st.mlp(cfg.d_model, int(cfg.mlp_ratio * cfg.d_model), st.bias)
+        self.norm2 = st.norm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = st.mlp(cfg.d_model, cfg.intermediate_size, st.bias)
         self.drop = nn.Dropout(cfg.dropout)
+        self.parallel = cfg.parallel_residual
 
     def forward(self, x, rope, pos, valid, seen, lengths, cache: LayerCache):
         a, cache, sel = self.attn(self.norm1(x), rope, pos, valid, seen, lengths, cache)
+        if self.parallel:  # GPT-NeoX: attention and MLP both read the block's input
+            return x + self.drop(a) + self.drop(self.mlp(self.norm2(x))), cache, sel
         x = x + self.drop(a)  # [B, L, d]
         x = x + self.drop(self.mlp(self.norm2(x)))
         return x, cache, sel
@@ -294,9 +319,9 @@ class LM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.norm_f = st.norm(cfg.d_model, eps=1e-5)
+        self.norm_f = st.norm(cfg.d_model, eps=cfg.norm_eps)
         # Tied: the head reuses embed.weight (no second parameter, so safetensors needs no copy).
-        self.unembed = None if st.tied else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.unembed = None if cfg.tied_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -353,7 +378,7 @@ class LM(nn.Module):
         ar = torch.arange(L, device=dev)
         pos = seen[:, None] + ar[None]  # [B, L] absolute document positions
         valid = ar[None] < lengths[:, None]  # [B, L]
-        rope = rope_angles(pos, self.cfg.head_dim, self.cfg.rope_theta)
+        rope = rope_angles(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
 
         x = self.drop(self.embed(tokens))  # [B, L, d]
         layers, selections = [], []

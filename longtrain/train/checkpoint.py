@@ -179,6 +179,12 @@ def check_compatible(meta: Mapping[str, Any], hashes: Mapping[str, str], *, path
     `hashes` maps a part (model, attention, tokenizer, ...) to the hash of the
     current run's version of it; meta["hashes"] holds the checkpoint's.
     """
+    if "hashes" not in meta and "imported_from" in meta:
+        run = Path(path).parent.parent
+        raise CheckpointError(
+            f"checkpoint {path} holds imported weights only (`longtrain import`): there is no run to resume. "
+            f"Fine-tune it in another run dir: --set train.init_from={run} --run-dir SOMEWHERE_ELSE"
+        )
     saved = meta.get("hashes", {})
     differ = [key for key, value in hashes.items() if saved.get(key) != value]
     if differ:

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from fnmatch import fnmatchcase
 
 import torch
 from torch import nn
 
 from longtrain.train.recipe import TrainConfig
+
+
+SCORE_PARAMS = "*scorer.weight"  # the SparseK scoring vectors (train.score_lr_scale)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -22,29 +26,57 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     Weights with 2+ dimensions (linear layers, embeddings) decay; biases,
     norm gains and scoring vectors do not. The for-each implementation is
     used everywhere so a resumed run takes bitwise the same steps.
+
+    Fine-tuning adds groups, only when asked (so older checkpoints resume): the scoring vectors
+    under `train.score_lr_scale` (`lr_scale`), and the parameters that `train.freeze` holds
+    still for its first steps (`frozen_until`; see set_lr for how they thaw).
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    freeze = cfg.freeze if cfg.freeze is not None and cfg.freeze.steps > 0 else None
+    groups: dict[tuple, dict] = {
+        (True, 1.0, 0): {"params": [], "weight_decay": cfg.weight_decay},
+        (False, 1.0, 0): {"params": [], "weight_decay": 0.0},
+    }
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        decay = p.dim() >= 2
+        scale = cfg.score_lr_scale if fnmatchcase(name, SCORE_PARAMS) else 1.0
+        frozen_until = freeze.steps if freeze and not any(fnmatchcase(name, g) for g in freeze.trainable) else 0
+        group = groups.setdefault((decay, scale, frozen_until), {
+            "params": [], "weight_decay": cfg.weight_decay if decay else 0.0, "lr_scale": scale, "frozen_until": frozen_until,
+        })
+        group["params"].append(p)
+    groups = [g for key, g in groups.items() if g["params"] or key[1:] == (1.0, 0)]
     return torch.optim.AdamW(
         groups, lr=lr_at(1, cfg), betas=tuple(cfg.betas), foreach=True, fused=False
     )
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to `lr` over `warmup_steps`, then a cosine down to lr·min_lr_ratio."""
+    """Linear warmup from lr·warmup_start_ratio to `lr` over `warmup_steps`, then a cosine down to lr·min_lr_ratio."""
     if step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
+        start = cfg.lr * cfg.warmup_start_ratio  # the paper's fine-tuning warms up from 10% of the peak
+        return start + (cfg.lr - start) * step / cfg.warmup_steps
     min_lr = cfg.lr * cfg.min_lr_ratio
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer: torch.optim.Optimizer, lr: float, *, step: int | None = None, cfg: TrainConfig | None = None) -> None:
+    """Every group at `lr` times its `lr_scale`.
+
+    A group that `train.freeze` held still until step N has no AdamW moments when it thaws (AdamW
+    skips parameters without a gradient: no update, no decay, no state), so its first steps would
+    take full-size, sign-like updates at whatever rate the schedule has reached. It warms up again
+    instead: over `warmup_steps` after N, from lr·warmup_start_ratio, as the whole run did.
+    """
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        scale = group.get("lr_scale", 1.0)
+        thaw = group.get("frozen_until", 0)
+        if thaw and step is not None and cfg is not None and cfg.warmup_steps:
+            r = cfg.warmup_start_ratio
+            scale *= r + (1 - r) * min(1.0, max(step - thaw, 0) / cfg.warmup_steps)
+        group["lr"] = lr * scale
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float:

@@ -35,8 +35,9 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    style: Literal["gpt2", "llama"] = Field(
-        "gpt2", description="block style: gpt2 (LayerNorm, GELU MLP) or llama (RMSNorm, SwiGLU MLP)"
+    style: Literal["gpt2", "llama", "gptneox"] = Field(
+        "gpt2", description="block style: gpt2 (LayerNorm, GELU MLP), llama (RMSNorm, SwiGLU MLP) or "
+        "gptneox (Pythia: LayerNorm, GELU MLP, parallel residual)"
     )
     layers: int = Field(ge=1, le=1024, description="number of transformer blocks")
     d_model: int = Field(ge=8, description="hidden size; a multiple of `heads`")
@@ -51,6 +52,20 @@ class ModelConfig(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability, in [0, 1)")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency")
     init_std: float = Field(0.02, gt=0, le=1, description="standard deviation of the weight init")
+    # What imported checkpoints vary; the defaults give the models longtrain always built.
+    intermediate_size: int | None = Field(
+        None, ge=1, description="MLP hidden size; null means mlp_ratio × d_model"
+    )
+    norm_eps: float = Field(1e-5, gt=0, lt=1, description="epsilon of the LayerNorm / RMSNorm layers")
+    tied_embeddings: bool | None = Field(
+        None, description="the output head reuses the embedding; null takes the style's default (gpt2 tied)"
+    )
+    rotary_pct: float = Field(
+        1.0, gt=0, le=1, description="fraction of each head's dims that RoPE rotates (Pythia: 0.25)"
+    )
+    parallel_residual: bool | None = Field(
+        None, description="attention and MLP read the same block input (GPT-NeoX); null takes the style's default"
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
@@ -133,6 +148,17 @@ class AttentionConfig(_Section):
         return self
 
 
+class FreezeConfig(_Section):
+    """For the first `steps` optimizer steps only the parameters matching `trainable` learn."""
+
+    steps: int = Field(ge=0, description="optimizer steps during which everything else is frozen")
+    trainable: list[str] = Field(
+        ["*.scorer.weight"], min_length=1,
+        description="fnmatch globs of parameter names that train during the frozen steps "
+        "(default: the SparseK scoring vectors)",
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(ge=1, description="optimizer steps to train")
     chunk_size: int = Field(512, ge=1, description="tokens per chunk (one forward/backward)")
@@ -154,6 +180,21 @@ class TrainConfig(_Section):
     valid_every: int = Field(0, ge=0, description="steps between validation passes; 0 turns it off")
     valid_docs: int = Field(4, ge=1, description="held-out documents per validation pass (at most)")
     valid_tokens: int = Field(16384, ge=1, description="tokens read per validation document (at most)")
+    # Fine-tuning (longtrain.train.init).
+    init_from: str | None = Field(
+        None, description="start from the weights of this checkpoint or run dir (e.g. one made by "
+        "`longtrain import`), with a fresh optimizer, schedule and data stream; a recipe without a "
+        "`model:` section takes the source's, and one without tokenizer.path its tokenizer"
+    )
+    warmup_start_ratio: float = Field(
+        0.0, ge=0, le=1, description="warmup starts at this fraction of lr (the paper's fine-tuning: 0.1)"
+    )
+    score_lr_scale: float = Field(
+        1.0, gt=0, description="learning rate of the SparseK scoring vectors as a multiple of lr"
+    )
+    freeze: FreezeConfig | None = Field(
+        None, description="train only some parameters for the first steps (scorer-first warm-up)"
+    )
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> TrainConfig:
@@ -181,7 +222,10 @@ class Recipe(_Section):
     name: str | None = Field(
         None, min_length=1, description="run name; null takes the recipe file's name"
     )
-    model: ModelConfig
+    model: ModelConfig = Field(
+        description="the model's shape; a fine-tuning recipe may leave it out and set train.init_from "
+        "(e.g. a run dir from `longtrain import`)"
+    )
     attention: AttentionConfig
     data: DataConfig = Field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
@@ -233,6 +277,7 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
     raw = _read_yaml(path)
     override_paths = _apply_overrides(raw, overrides)
     raw.setdefault("name", path.stem)
+    _fill_from_init_source(raw, path)
     try:
         return Recipe.model_validate(raw)
     except ValidationError as e:
@@ -247,6 +292,11 @@ def recipe_to_yaml(recipe: Recipe) -> str:
     return "# resolved recipe: every default filled in; `longtrain fit` can read it back\n" + body
 
 
+_MODEL_FIELDS_ADDED_LATER = {
+    "intermediate_size": None, "norm_eps": 1e-5, "tied_embeddings": None, "rotary_pct": 1.0, "parallel_residual": None,
+}
+
+
 def recipe_hash(recipe: Recipe, sections: Iterable[str] = ("model", "attention", "tokenizer")) -> str:
     """Stable hash of the sections that decide what a checkpoint can be loaded into.
 
@@ -254,10 +304,38 @@ def recipe_hash(recipe: Recipe, sections: Iterable[str] = ("model", "attention",
     results, so a run started on the CPU may resume on a GPU.
     """
     dump = recipe.model_dump(mode="json", include=set(sections))
+    for key, default in _MODEL_FIELDS_ADDED_LATER.items():  # so runs saved before them still resume
+        if key in dump.get("model", {}) and dump["model"][key] == default:
+            dump["model"].pop(key)
     dump.get("attention", {}).pop("backend", None)
     dump.get("attention", {}).pop("scan", None)
     canonical = json.dumps(dump, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _fill_from_init_source(raw: dict[str, Any], path: Path) -> None:
+    """A fine-tuning recipe (train.init_from set) may leave out `model:` and tokenizer.path: they come
+    from the source checkpoint, so nobody copies a model's shape by hand. Keys the recipe's `model:`
+    does set win (e.g. `--set model.rope_theta=...`). A complete recipe (as saved in a run) never
+    reads the source, so a fine-tuned checkpoint loads after its source is gone."""
+    train, model, tok = raw.get("train"), raw.get("model"), raw.get("tokenizer")
+    source = train.get("init_from") if isinstance(train, dict) else None
+    model_complete = isinstance(model, dict) and all(k in model for k in ("layers", "d_model", "heads"))
+    if not source and not model_complete and isinstance(train, dict) and "init_from" in train:
+        raise RecipeError(
+            f"recipe {path}: train.init_from is not set, and this fine-tuning recipe takes its model from it; "
+            "add --set train.init_from=RUN_DIR (a run dir from `longtrain import`, or any longtrain checkpoint or run)"
+        )
+    if not source or (model_complete and isinstance(tok, dict) and tok.get("path")):
+        return
+    from longtrain.train.init import source_model_and_tokenizer
+
+    source_model, tokenizer_path = source_model_and_tokenizer(source)  # RecipeError if it cannot be read
+    if not model_complete:
+        raw["model"] = {**source_model, **(model if isinstance(model, dict) else {})}
+    tok = raw.setdefault("tokenizer", {})
+    if isinstance(tok, dict) and not tok.get("path"):
+        tok["path"] = str(tokenizer_path)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

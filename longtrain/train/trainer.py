@@ -29,6 +29,7 @@ from longtrain.data import IGNORE, DocumentStream, PreparedCorpus, iter_valid_ch
 from longtrain.model import LM, LMConfig, ModelCache
 from longtrain.train import checkpoint as ckpt
 from longtrain.train.checkpointer import checkpoint_files
+from longtrain.train.init import apply_freeze, init_from_checkpoint
 from longtrain.train.metrics import MetricsLogger, ProgressDisplay, RowProgress, StepStats, peak_memory_bytes
 from longtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from longtrain.train.recipe import Recipe, recipe_hash, recipe_to_yaml
@@ -83,7 +84,13 @@ def fit(recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", co
     (run_dir / "recipe.yaml").write_text(recipe_to_yaml(recipe))
 
     model_cfg = LMConfig.from_recipe(recipe.model, recipe.attention, vocab_size=recipe.model.vocab_size or corpus.vocab_size)
+    if model_cfg.vocab_size < corpus.vocab_size:
+        raise TrainingError(
+            f"the tokenizer has {corpus.vocab_size} tokens but model.vocab_size is {model_cfg.vocab_size}: "
+            "token ids would index past the embedding. Use the model's own tokenizer, or a larger model.vocab_size"
+        )
     model = LM(model_cfg).to(device)
+    init_notes = init_from_checkpoint(model, cfg.init_from, recipe) if cfg.init_from and resume_from is None else []
     optimizer = build_optimizer(model, cfg)
     stream = DocumentStream(corpus.train, batch_rows=cfg.batch_docs, chunk_size=cfg.chunk_size, seed=cfg.seed)
     cache = model.empty_cache(cfg.batch_docs, device=device, dtype=torch.float32)
@@ -104,6 +111,8 @@ def fit(recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", co
         live=recipe.logging.progress, console=console,
     )
     _print_summary(display, recipe, model, corpus, run_dir, resume_from, state)
+    for note in init_notes:
+        display.message(note)
     if aside is not None:
         display.message(f"warning: no complete checkpoint to resume from; moved the unusable ones to {aside}")
 
@@ -116,7 +125,8 @@ def fit(recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", co
         while state.step < cfg.steps and not stop.requested:
             step = state.step + 1
             lr = lr_at(step, cfg)
-            set_lr(optimizer, lr)
+            set_lr(optimizer, lr, step=step, cfg=cfg)
+            apply_freeze(model, cfg.freeze, step)
             model.train()
             loss_sum, step_tokens = torch.zeros((), device=device), 0
             for _ in range(cfg.grad_accum):

@@ -19,6 +19,7 @@ CASES = [
     ("full", dict(attention="full"), 90, 31),
     ("llama gqa per-kv-head", dict(style="llama", kv_heads=2, score_groups="per_kv_head", attention="sparsek+sw", topk=5, window=8), 170, 64),
     ("no tsn, soft_kv, mimic", dict(attention="sparsek+sw", topk=5, window=6, timestep_norm=False, variant="soft_kv", score_init="mimic"), 140, 45),
+    ("gptneox partial rotary", dict(style="gptneox", rotary_pct=0.5, intermediate_size=40, attention="sparsek+sw", topk=5, window=8), 150, 40),
 ]
 
 
@@ -165,5 +166,9 @@ def test_styles_and_recipe_config():
     assert gpt2.unembed is None and llama.unembed is not None  # tied vs untied head
     assert gpt2.num_params() == sum(p.numel() for p in gpt2.parameters())
     assert isinstance(llama.blocks[0].norm1, torch.nn.RMSNorm)
+    neox = LM(LMConfig(**SMALL, style="gptneox", rotary_pct=0.25, norm_eps=1e-6, intermediate_size=24, attention="full"))
+    assert neox.unembed is not None and neox.blocks[0].parallel and neox.cfg.rotary_dim == 2
+    assert neox.blocks[0].mlp.up.weight.shape == (24, 32) and neox.blocks[0].attn.q_proj.bias is not None
+    assert neox.norm_f.eps == 1e-6 and LM(LMConfig(**SMALL, style="gptneox", tied_embeddings=True, attention="full")).unembed is None
     with pytest.raises(ValueError):
         LMConfig(**SMALL, attention="sparsek+sw", topk=4)  # no window

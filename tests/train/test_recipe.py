@@ -36,6 +36,9 @@ def error_of(*args) -> str:
 def test_all_shipped_recipes_load():
     assert {"quickstart", "gutenberg-sparsek", "gutenberg-sw", "pg19"} <= set(builtin_recipes())
     for name in builtin_recipes():
+        if name.startswith("finetune-"):  # the model comes from train.init_from (tests/interop loads them)
+            assert "train.init_from is not set" in error_of(name)
+            continue
         assert load_recipe(name).name == name
 
 

@@ -1,0 +1,98 @@
+"""`longtrain export CHECKPOINT --out HF_DIR`: a longtrain checkpoint as a Hugging Face model folder.
+
+Writes `config.json`, `model.safetensors` and `tokenizer.json` (plus a small `tokenizer_config.json`
+so `AutoTokenizer` finds it). The llama style becomes `LlamaForCausalLM`; gptneox becomes
+`GPTNeoXForCausalLM` (q, k and v fused back into query_key_value), and so does gpt2 (a GPT-NeoX
+without parallel residual, with tied embeddings and full rotary). Weights are written in `--dtype`
+(default float32, longtrain's own); an import exported in its source dtype gives back bitwise the
+same tensors.
+
+A SparseK model's scoring vectors are written as extra tensors (`...sparsek_score.weight`, one
+[G, d] per layer) and its k, w and variant go into config.json under `longtrain_sparsek`. Plain
+`transformers` ignores both and runs full attention; `longtrain import` reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from longtrain.interop.hf_families import LLAMA, STYLE_FAMILY, HFFormatError, fuse_qkv, hf_config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPARSEK_NOTE = (
+    "Written by longtrain: the model was trained with SparseK attention (scoring vectors in the "
+    "*.sparsek_score.weight tensors). Plain transformers ignores this key and those tensors and runs "
+    "full causal attention; `longtrain import` reads them back."
+)
+
+
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """The HF tensors of a longtrain LM (its family follows the style), scoring vectors included."""
+    cfg = model.cfg
+    fam = STYLE_FAMILY[cfg.style]
+    if fam is not LLAMA and cfg.kv_heads != cfg.heads:
+        raise HFFormatError(f"GPT-NeoX has no grouped-query attention: this {cfg.style} model has kv_heads {cfg.kv_heads} ≠ heads {cfg.heads}")
+    state = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        m = re.match(r"blocks\.(\d+)\.", key)
+        i = int(m.group(1)) if m else None
+        pattern = re.sub(r"^blocks\.\d+\.", "blocks.{i}.", key)
+        if key.endswith("scorer.weight"):
+            out[fam.score.format(i=i)] = t
+        elif fam.fused_qkv and re.match(r"blocks\.\{i\}\.attn\.[qkv]_proj\.", pattern):
+            if ".q_proj." in key:  # fuse once per layer and kind, from the q key
+                kind = key.rsplit(".", 1)[1]
+                qkv = [state[key.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+                out[f"{fam.fused_qkv.format(i=i)}.{kind}"] = fuse_qkv(*qkv, cfg.heads)
+        else:
+            out[fam.names[pattern].format(i=i)] = t
+    return out
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32", max_positions: int | None = None) -> Path:
+    """Write the HF folder `out` for a checkpoint (or run dir); returns `out`."""
+    from longtrain.data.tokenizer import eod_id
+    from longtrain.train.checkpointer import TOKENIZER_FILE, _beside, load_checkpoint
+
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HFFormatError(f"{out} exists and is not an empty folder; choose another --out (nothing was written)")
+    if dtype not in DTYPES:
+        raise HFFormatError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    loaded = load_checkpoint(checkpoint, dtype=torch.float32)
+    model, tok = loaded.model, loaded.tokenizer
+    cfg = model.cfg
+    fam = STYLE_FAMILY[cfg.style]
+    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state_dict(model).items()}
+
+    source = loaded.meta.get("imported_from", {}).get("config", {})
+    eos = eod_id(tok)
+    bos = next((tok.token_to_id(t) for t in ("<s>", "<|begin_of_text|>") if tok.token_to_id(t) is not None), eos)
+    config = hf_config(fam, cfg, bos=bos, eos=eos, dtype=dtype, max_positions=max_positions or source.get("max_position_embeddings", 2048))
+    if cfg.attention != "full":
+        config["longtrain_sparsek"] = {
+            "attention": cfg.attention, "topk": cfg.topk, "window": cfg.window, "variant": cfg.variant,
+            "score_groups": cfg.score_groups, "timestep_norm": cfg.timestep_norm, "eps_slope": cfg.eps_slope,
+            "note": SPARSEK_NOTE,
+        }
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": tok.id_to_token(eos) if eos is not None else None,
+        "bos_token": tok.id_to_token(bos) if bos is not None else None,
+        "model_max_length": config["max_position_embeddings"],
+    }
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # The checkpoint's file as it is (the loaded tokenizer may carry an added end-of-document token).
+    raw = _beside(loaded.path, TOKENIZER_FILE)
+    (out / "tokenizer.json").write_bytes(raw.read_bytes() if raw is not None else tok.to_str().encode())
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    return out

@@ -1,0 +1,214 @@
+"""The two Hugging Face families longtrain reads and writes: one small table each.
+
+A family says which `config.json` keys make longtrain's `model:` recipe section (and which settings it
+cannot represent), and how tensor names map between the layouts. `{i}` stands for the layer index.
+GPT-NeoX fuses q, k and v into one `query_key_value` projection whose output rows are ordered
+[head, (q|k|v), head_dim]; longtrain keeps three projections, so the converter splits and fuses it
+(`split_qkv`, `fuse_qkv`).
+
+Both the config formats of transformers 4 (`rope_theta`, `rotary_pct`, `rotary_emb_base`,
+`rope_scaling`) and 5 (`rope_parameters`) are read; export writes both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class HFFormatError(Exception):
+    """A Hugging Face folder or config that longtrain cannot convert; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # config.json's model_type
+    architecture: str  # config.json's architectures[0]
+    style: str  # longtrain block style
+    names: dict[str, str]  # longtrain name -> HF name, for tensors that map one to one
+    fused_qkv: str | None = None  # HF name of the fused q/k/v projection (without .weight/.bias)
+    score: str = ""  # HF name of the extra SparseK scoring tensor that export writes
+    aliases: dict[str, str] = field(default_factory=dict)  # other HF names of a tensor (newer transformers)
+    ignored: tuple[str, ...] = ()  # HF tensors that are buffers, not weights (old checkpoints carry them)
+
+
+LLAMA = Family(
+    model_type="llama",
+    architecture="LlamaForCausalLM",
+    style="llama",
+    names={
+        "embed.weight": "model.embed_tokens.weight",
+        "blocks.{i}.norm1.weight": "model.layers.{i}.input_layernorm.weight",
+        "blocks.{i}.attn.q_proj.weight": "model.layers.{i}.self_attn.q_proj.weight",
+        "blocks.{i}.attn.k_proj.weight": "model.layers.{i}.self_attn.k_proj.weight",
+        "blocks.{i}.attn.v_proj.weight": "model.layers.{i}.self_attn.v_proj.weight",
+        "blocks.{i}.attn.o_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+        "blocks.{i}.norm2.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "blocks.{i}.mlp.gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+        "blocks.{i}.mlp.up.weight": "model.layers.{i}.mlp.up_proj.weight",
+        "blocks.{i}.mlp.down.weight": "model.layers.{i}.mlp.down_proj.weight",
+        "norm_f.weight": "model.norm.weight",
+        "unembed.weight": "lm_head.weight",
+    },
+    score="model.layers.{i}.self_attn.sparsek_score.weight",
+    ignored=("rotary_emb.inv_freq",),
+)
+
+GPT_NEOX = Family(
+    model_type="gpt_neox",
+    architecture="GPTNeoXForCausalLM",
+    style="gptneox",
+    names={
+        "embed.weight": "gpt_neox.embed_in.weight",
+        "blocks.{i}.norm1.weight": "gpt_neox.layers.{i}.input_layernorm.weight",
+        "blocks.{i}.norm1.bias": "gpt_neox.layers.{i}.input_layernorm.bias",
+        "blocks.{i}.attn.o_proj.weight": "gpt_neox.layers.{i}.attention.dense.weight",
+        "blocks.{i}.attn.o_proj.bias": "gpt_neox.layers.{i}.attention.dense.bias",
+        "blocks.{i}.norm2.weight": "gpt_neox.layers.{i}.post_attention_layernorm.weight",
+        "blocks.{i}.norm2.bias": "gpt_neox.layers.{i}.post_attention_layernorm.bias",
+        "blocks.{i}.mlp.up.weight": "gpt_neox.layers.{i}.mlp.dense_h_to_4h.weight",
+        "blocks.{i}.mlp.up.bias": "gpt_neox.layers.{i}.mlp.dense_h_to_4h.bias",
+        "blocks.{i}.mlp.down.weight": "gpt_neox.layers.{i}.mlp.dense_4h_to_h.weight",
+        "blocks.{i}.mlp.down.bias": "gpt_neox.layers.{i}.mlp.dense_4h_to_h.bias",
+        "norm_f.weight": "gpt_neox.final_layer_norm.weight",
+        "norm_f.bias": "gpt_neox.final_layer_norm.bias",
+        "unembed.weight": "embed_out.weight",
+    },
+    fused_qkv="gpt_neox.layers.{i}.attention.query_key_value",
+    score="gpt_neox.layers.{i}.attention.sparsek_score.weight",
+    aliases={"embed_out.weight": "lm_head.weight"},
+    ignored=("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq"),
+)
+
+FAMILIES = {f.model_type: f for f in (LLAMA, GPT_NEOX)}
+STYLE_FAMILY = {"llama": LLAMA, "gptneox": GPT_NEOX, "gpt2": GPT_NEOX}  # gpt2 style = non-parallel, tied NeoX
+
+
+def family_of(config: dict[str, Any]) -> Family:
+    kind = config.get("model_type")
+    if kind not in FAMILIES:
+        raise HFFormatError(f"model_type {kind!r} is not supported (supported: {', '.join(FAMILIES)})")
+    return FAMILIES[kind]
+
+
+# ----------------------------------------------------------------------------- config.json -> model:
+
+
+def _rope(config: dict[str, Any], default_partial: float) -> tuple[float, float]:
+    """(rope_theta, partial rotary fraction) from either config format; refuses scaled RoPE."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", None):
+        raise HFFormatError(f"RoPE scaling {kind!r} is not supported (only plain RoPE); the model's config has {params}")
+    theta = params.get("rope_theta", config.get("rope_theta", config.get("rotary_emb_base", 10000.0)))
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", config.get("rotary_pct", default_partial)))
+    return float(theta), float(partial)
+
+
+def _need(config: dict[str, Any], *keys: str) -> None:
+    missing = [k for k in keys if config.get(k) is None]
+    if missing:
+        raise HFFormatError(f"config.json lacks {', '.join(missing)}")
+
+
+def model_section(family: Family, config: dict[str, Any]) -> dict[str, Any]:
+    """longtrain's recipe `model:` section for this config; HFFormatError for what it cannot represent."""
+    _need(config, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    d, heads = config["hidden_size"], config["num_attention_heads"]
+    if d % heads:
+        raise HFFormatError(f"hidden_size {d} is not a multiple of num_attention_heads {heads}")
+    act = config.get("hidden_act", "silu" if family is LLAMA else "gelu")
+    want_act = "silu" if family is LLAMA else "gelu"
+    if act != want_act:
+        raise HFFormatError(f"hidden_act {act!r} is not supported for {family.model_type} (only {want_act!r})")
+    section = {
+        "style": family.style,
+        "layers": config["num_hidden_layers"],
+        "d_model": d,
+        "heads": heads,
+        "vocab_size": config["vocab_size"],
+        "intermediate_size": config["intermediate_size"],
+        "tied_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "init_std": config.get("initializer_range", 0.02),
+    }
+    if family is LLAMA:
+        theta, partial = _rope(config, 1.0)
+        kv = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or d // heads
+        unsupported = [
+            f"{k} = {config[k]}" for k, ok in (("attention_bias", False), ("mlp_bias", False)) if config.get(k, ok) != ok
+        ]
+        if head_dim != d // heads:
+            unsupported.append(f"head_dim = {head_dim} (≠ hidden_size / num_attention_heads = {d // heads})")
+        if partial != 1.0:
+            unsupported.append(f"partial_rotary_factor = {partial}")
+        if unsupported:
+            raise HFFormatError(f"this Llama config is not supported: {'; '.join(unsupported)}")
+        section |= {"kv_heads": kv, "rope_theta": theta, "norm_eps": config.get("rms_norm_eps", 1e-6)}
+    else:
+        theta, partial = _rope(config, 0.25)
+        if not config.get("attention_bias", True):
+            raise HFFormatError("this GPT-NeoX config is not supported: attention_bias = false")
+        section |= {
+            "rope_theta": theta, "rotary_pct": partial, "norm_eps": config.get("layer_norm_eps", 1e-5),
+            "parallel_residual": bool(config.get("use_parallel_residual", True)),
+        }
+    return section
+
+
+# ----------------------------------------------------------------------------- model: -> config.json
+
+
+def hf_config(family: Family, model, *, bos: int | None, eos: int | None, dtype: str, max_positions: int) -> dict[str, Any]:
+    """config.json for an LMConfig `model`, in the keys of transformers 4 and 5 alike."""
+    c = model
+    config: dict[str, Any] = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model,
+        "num_hidden_layers": c.layers,
+        "num_attention_heads": c.heads,
+        "intermediate_size": c.intermediate_size,
+        "max_position_embeddings": max_positions,
+        "initializer_range": c.init_std,
+        "tie_word_embeddings": c.tied_embeddings,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+        "rope_theta": c.rope_theta,
+        "use_cache": True,
+    }
+    if family is LLAMA:
+        config |= {
+            "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+            "rms_norm_eps": c.norm_eps, "attention_bias": False, "mlp_bias": False, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        }
+    else:
+        config |= {
+            "hidden_act": "gelu", "layer_norm_eps": c.norm_eps, "use_parallel_residual": c.parallel_residual,
+            "rotary_pct": c.rotary_pct, "rotary_emb_base": c.rope_theta, "attention_bias": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta, "partial_rotary_factor": c.rotary_pct},
+        }
+    return config
+
+
+# ----------------------------------------------------------------------------- fused q/k/v
+
+
+def split_qkv(fused: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPT-NeoX query_key_value weight [3·H·D, d] (or bias [3·H·D]) -> q, k, v [H·D, ...] each."""
+    rest = fused.shape[1:]
+    per_head = fused.reshape(heads, 3, -1, *rest)  # [H, (q|k|v), D, ...]
+    return tuple(per_head[:, j].reshape(-1, *rest).contiguous() for j in range(3))
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of split_qkv."""
+    rest = q.shape[1:]
+    parts = [t.reshape(heads, 1, -1, *rest) for t in (q, k, v)]  # [H, 1, D, ...]
+    return torch.cat(parts, 1).reshape(-1, *rest).contiguous()

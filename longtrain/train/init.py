@@ -1,0 +1,120 @@
+"""Fine-tuning: start a run from existing weights (`train.init_from`) and warm the scorer up first
+(`train.freeze`).
+
+`init_from` copies only the model weights of a checkpoint or run dir (one `longtrain import` wrote, or
+any longtrain run): the new run has a fresh optimizer, schedule and data stream. `--resume` keeps its
+meaning (continue this run from its own checkpoints), and a resumed run never reads the source again.
+
+Scoring vectors the source does not have (it used full or sliding-window attention, or was imported
+from Hugging Face) keep the new model's initialisation, per `attention.score_init`: `random`, or
+`mimic`, recomputed from the loaded W_Q and W_K (longtrain.model.scoring.mimic_score_weight).
+
+`train.freeze: {steps: N, trainable: [globs]}` holds every parameter whose name matches none of the
+globs still for optimizer steps 1..N (default globs: the scoring vectors, so the new scorer learns to
+imitate the pretrained attention before the rest of the model adapts to it). A frozen parameter has
+`requires_grad = False`: no gradient, so AdamW gives it no update, no weight decay and no moments;
+when it thaws it warms up again (longtrain.train.optim.set_lr).
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+
+from longtrain.model.scoring import mimic_score_weight
+from longtrain.train import checkpoint as ckpt
+from longtrain.train.checkpoint import CheckpointError
+
+
+def source_model_and_tokenizer(source: str | Path) -> tuple[dict, Path]:
+    """The `model:` section and tokenizer.json of a checkpoint or run dir (for a recipe that leaves them out)."""
+    from longtrain.train.checkpointer import RECIPE_FILE, TOKENIZER_FILE, _beside, resolve_checkpoint
+    from longtrain.train.recipe import RecipeError
+
+    try:
+        path = resolve_checkpoint(source)
+    except CheckpointError as e:
+        raise RecipeError(f"train.init_from: {e}") from None
+    recipe_path, tok_path = _beside(path, RECIPE_FILE), _beside(path, TOKENIZER_FILE)
+    if recipe_path is None or tok_path is None:
+        missing = RECIPE_FILE if recipe_path is None else TOKENIZER_FILE
+        raise RecipeError(f"train.init_from: checkpoint {path} has no {missing}; give the recipe a `model:` section and tokenizer.path")
+    model = (yaml.safe_load(recipe_path.read_text()) or {}).get("model")
+    if not isinstance(model, dict):
+        raise RecipeError(f"train.init_from: {recipe_path} has no `model:` section")
+    return model, tok_path
+
+
+@torch.no_grad()
+def init_from_checkpoint(model: nn.Module, source: str | Path, recipe) -> list[str]:
+    """Load the source's weights into `model` (a longtrain LM); returns lines that say what happened.
+
+    Refuses (CheckpointError naming the tensors) a source whose tensors disagree with the model.
+    """
+    from longtrain.train.checkpointer import resolve_checkpoint
+
+    path = resolve_checkpoint(source)
+    tensors, _ = ckpt.load(path)
+    if "model" not in tensors:
+        raise CheckpointError(f"train.init_from: checkpoint {path} holds no model.safetensors")
+    state = dict(tensors["model"])
+    own = model.state_dict()
+    is_score = lambda k: k.endswith("scorer.weight")  # noqa: E731
+    new_scores = [k for k in own if is_score(k) and k not in state]
+    dropped = [k for k in state if is_score(k) and k not in own]  # a SparseK source fine-tuned as sw/full
+    for k in dropped:
+        del state[k]
+    try:
+        ckpt.check_shapes(state, {k: v for k, v in own.items() if k not in new_scores})
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"train.init_from {source}: {e}. Hint: leave out the recipe's `model:` section to take the source's shape"
+        ) from None
+    model.load_state_dict(state, strict=False)
+
+    notes = [f"initialised from {path} (weights only: fresh optimizer, schedule and data stream)"]
+    if new_scores:
+        how = recipe.attention.score_init
+        if how == "mimic":
+            _mimic_scores(model, new_scores)
+        notes.append(f"{len(new_scores)} scoring vectors are new (not in the source): initialised {how}")
+    if dropped:
+        notes.append(f"{len(dropped)} scoring vectors of the source are unused by attention {recipe.attention.type}")
+    return notes
+
+
+def _mimic_scores(model: nn.Module, keys: list[str]) -> None:
+    cfg = model.cfg
+    for i, blk in enumerate(model.blocks):
+        a = blk.attn
+        if f"blocks.{i}.attn.scorer.weight" in keys:
+            a.scorer.weight.copy_(mimic_score_weight(a.q_proj.weight, a.k_proj.weight, cfg.heads, cfg.kv_heads, a.scorer.weight.shape[0]))
+
+
+def apply_freeze(model: nn.Module, freeze, step: int) -> int:
+    """Set requires_grad for optimizer step `step` under `train.freeze`; returns how many tensors are frozen.
+
+    Call before every step's forward (cheap): the state follows from the step alone, so a run resumed
+    in the middle of the warm-up freezes exactly what an uninterrupted one would.
+    """
+    if freeze is None or freeze.steps == 0:
+        return 0
+    from longtrain.train.recipe import RecipeError
+
+    names = [n for n, _ in model.named_parameters()]
+    trainable = {n for n in names if any(fnmatchcase(n, g) for g in freeze.trainable)}
+    if not trainable:
+        why = f" (attention {model.cfg.attention} has no scoring vectors)" if model.cfg.score_group_count == 0 else ""
+        raise RecipeError(
+            f"train.freeze.trainable {freeze.trainable} matches no parameter of this model{why}; "
+            "names look like blocks.0.attn.scorer.weight, blocks.0.attn.q_proj.weight, embed.weight"
+        )
+    frozen = 0
+    for name, p in model.named_parameters():
+        p.requires_grad_(step > freeze.steps or name in trainable)
+        frozen += not p.requires_grad
+    return frozen
