@@ -10,7 +10,7 @@ converted in longtrain.interop: this file keeps separate q/k/v projections for e
 
 `model(tokens, cache=cache)` processes one chunk at absolute positions cache.seen .. and returns
 the logits and the next cache (Algorithm 3 of the paper). `cache=None` is one unchunked pass from
-position 0; chunked and unchunked give the same results (DESIGN.md section 3).
+position 0; chunked and unchunked give the same results (docs/DESIGN.md section 3).
 """
 
 from __future__ import annotations
