@@ -28,8 +28,7 @@ def fit(
 ) -> None:
     """Train or fine-tune on long documents, chunk by chunk, resumable from checkpoints.
 
-    Exit codes: 0 finished, 1 failed, 2 bad recipe or flags, 130/143 stopped by SIGINT/SIGTERM
-    (after saving a checkpoint; the same command resumes).
+    Exit codes: 0 finished, 1 failed, 2 bad recipe or flags, 130/143 stopped by SIGINT/SIGTERM after saving (the same command resumes).
     """
     from longtrain.console import make_console
     from longtrain.data import DataError

@@ -42,6 +42,11 @@ class TrainState:
     tokens: int = 0  # trained on since step 0
     best_valid_loss: float | None = None
 
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> TrainState:
+        """The state a checkpoint's meta.json records."""
+        return cls(step=meta["step"], tokens=meta["tokens"], best_valid_loss=meta.get("best_valid_loss"))
+
 
 class Checkpointer:
     """The checkpoints of one run: choose the one to resume, save, restore, set old ones aside."""
@@ -125,8 +130,7 @@ class Checkpointer:
         model.load_state_dict(tensors["model"])
         optimizer.load_state_dict(ckpt.optimizer_from_checkpoint(tensors["optimizer"], meta["optimizer"]))
         restore_rng(meta["rng"])
-        state = TrainState(step=meta["step"], tokens=meta["tokens"], best_valid_loss=meta.get("best_valid_loss"))
-        return state, ModelCache.from_state_dict({k: v.to(device) for k, v in tensors["cache"].items()})
+        return TrainState.from_meta(meta), ModelCache.from_state_dict({k: v.to(device) for k, v in tensors["cache"].items()})
 
     @staticmethod
     def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):

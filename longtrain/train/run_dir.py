@@ -32,8 +32,10 @@ class RunLock:
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
         self._fd: int | None = None
+        self._created = False
 
     def __enter__(self) -> RunLock:
+        self._created = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -54,6 +56,8 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)  # releases the flock
             self._fd = None
+        if self._created and not any(self.run_dir.iterdir()):  # a run that never started leaves no trace
+            self.run_dir.rmdir()
 
     def _holder(self) -> str:
         try:

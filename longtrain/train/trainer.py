@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -145,7 +145,7 @@ class Trainer:
             raise TrainingError(missing)
         meta = self.read_inputs()
         if meta is not None and meta["step"] >= self.cfg.steps:  # finished: no need to build anything
-            self.state = self.start = TrainState(meta["step"], meta["tokens"], meta.get("best_valid_loss"))
+            self.state = self.start = TrainState.from_meta(meta)
             return
         self.model = self.build_model(self.device)
         if self.cfg.init_from and self.resume_from is None:  # fine-tuning: weights only, the rest starts fresh
@@ -158,7 +158,7 @@ class Trainer:
                 self.resume_from, model=self.model, optimizer=self.optimizer, stream=self.stream,
                 hashes=self.hashes, device=self.device,
             )
-        self.start = TrainState(self.state.step, self.state.tokens, self.state.best_valid_loss)
+        self.start = replace(self.state)  # a copy: the state changes every step
 
     def read_inputs(self) -> dict | None:
         """The corpus, and the checkpoint to resume with its meta checked against this recipe (or None)."""
@@ -174,7 +174,7 @@ class Trainer:
         """
         meta = self.read_inputs()
         if meta is not None:
-            self.state = TrainState(meta["step"], meta["tokens"], meta.get("best_valid_loss"))
+            self.state = TrainState.from_meta(meta)
         self.model = self.build_model(torch.device("meta"))  # sizes only: no memory, any machine
         self.stream = self.build_stream()
         if self.state.step >= self.cfg.steps:
@@ -237,19 +237,30 @@ class Trainer:
             self.display.message(line)
 
     def set_aside_previous(self) -> list[str]:
-        """A fresh start over existing checkpoints moves them (and their metrics) aside; returns what it says."""
+        """Move aside what the run would otherwise overwrite or mix with; returns what it says about it.
+
+        A fresh start over existing checkpoints moves them (with `--resume never`, their metrics too);
+        a resume moves the checkpoints after its step, which belong to the future it rewrites.
+        """
         old = self.checkpointer.existing()
-        if self.resume_from is not None or not old:
+        if self.resume_from is not None:
+            later = [p for p in old if _step_of(p) > self.state.step]
+            if not later:
+                return []
+            tag = "unusable" if self.resume == "auto" else "superseded"  # auto: the newer ones failed their checks
+            moved = move_aside(later, tag)
+            return [f"moved the checkpoints after step {self.state.step} ({_steps(later)}) aside, as "
+                    f"{', '.join(new.name for _, new in moved)} in {self.checkpointer.dir}"]
+        if not old:
             return []
-        steps = f"steps {int(old[0].name[5:])}–{int(old[-1].name[5:])}" if len(old) > 1 else f"step {int(old[0].name[5:])}"
         if self.resume == "never":
             paths = [self.checkpointer.dir, self.run_dir / METRICS_FILE, self.run_dir / TENSORBOARD_DIR]
             moved = move_aside(paths, "replaced")
             where = ", ".join(str(new) for _, new in moved)
-            return [f"--resume never: moved the previous run ({_n(len(old), 'checkpoint')}, {steps}) aside to {where}; "
-                    "delete them when you no longer need them"]
+            return [f"--resume never: moved the previous run ({_n(len(old), 'checkpoint')}, {_steps(old)}) aside to "
+                    f"{where}; delete them when you no longer need them"]
         moved = move_aside([self.checkpointer.dir], "unusable")  # auto, and none of them is complete
-        return [f"warning: no complete checkpoint to resume from; moved the unusable ones ({steps}) to {moved[0][1]}"]
+        return [f"warning: no complete checkpoint to resume from; moved the unusable ones ({_steps(old)}) to {moved[0][1]}"]
 
     def summary(self) -> list[str]:
         """What is about to run: model, attention and KV budget, batch, data, resume point, notes."""
@@ -383,6 +394,15 @@ class Trainer:
             last_loss=self.last_loss, final_valid_loss=self.final_valid_loss,
             best_valid_loss=self.state.best_valid_loss, checkpoint=self.last_saved, stopped_by=self.stop.signum,
         )
+
+
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("step-"))
+
+
+def _steps(checkpoints: list[Path]) -> str:
+    first, last = _step_of(checkpoints[0]), _step_of(checkpoints[-1])
+    return f"steps {first}–{last}" if len(checkpoints) > 1 else f"step {first}"
 
 
 def _n(count: int, noun: str) -> str:

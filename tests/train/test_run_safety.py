@@ -29,6 +29,25 @@ def test_a_refused_resume_leaves_the_run_dir_byte_identical(workspace):
         assert snapshot(tmp / "r") == before, change
     # The untouched run still loads as a model.
     assert cli("verify-equivalence", "--checkpoint", tmp / "r", "--tokens", "64", "--chunk-size", "16").exit_code == 0
+    # A run that fails before it starts leaves no run dir behind.
+    r = cli("fit", path, "--run-dir", tmp / "new", "--set", f"data.path={tmp / 'no-such-corpus'}")
+    assert r.exit_code == 1 and "no-such-corpus" in r.output and not (tmp / "new").exists()
+
+
+def test_resuming_an_earlier_checkpoint_moves_the_later_ones_aside(workspace):
+    tmp, recipe = workspace
+    path = recipe(steps=6, every=2)
+    assert cli("fit", path, "--run-dir", tmp / "r").exit_code == 0
+    later = snapshot(tmp / "r/checkpoints/step-00000006")
+    r = cli("fit", path, "--run-dir", tmp / "r", "--set", "train.steps=3", "--resume", tmp / "r/checkpoints/step-00000002")
+    assert r.exit_code == 0, r.output
+    assert "moved the checkpoints after step 2 (steps 4–6) aside" in r.output
+    ckpts = tmp / "r/checkpoints"
+    [aside] = ckpts.glob("step-00000006.superseded-*")
+    assert snapshot(aside) == later and len(list(ckpts.glob("step-00000004.superseded-*"))) == 1
+    assert sorted(p.name for p in ckpts.iterdir() if "." not in p.name) == ["step-00000002", "step-00000003"]
+    r = cli("fit", path, "--run-dir", tmp / "r", "--set", "train.steps=3")  # auto now finds step 3, not the old 6
+    assert "already finished at step 3" in r.output
 
 
 def test_an_already_finished_run_says_so_and_writes_nothing(workspace):
@@ -128,8 +147,9 @@ def test_rates_and_eta_leave_validation_out(workspace, monkeypatch):
     for i, rec in enumerate(records):  # every step lies in the 30 s window: tokens over training time only
         train_time = sum(x["step_s"] for x in records[: i + 1])
         assert rec["tokens_per_s"] == pytest.approx(rec["tokens"] / train_time, rel=0.02)
-        if i >= 2:
-            assert rec["tokens"] / rec["elapsed_s"] < 0.9 * rec["tokens_per_s"]  # the wall clock would be lower
+    # The validation time is in the wall clock, not in the steps' own times.
+    valid_time = sum(rec["valid_s"] for rec in records if "valid_s" in rec)
+    assert records[-1]["elapsed_s"] >= sum(rec["step_s"] for rec in records) + valid_time - 0.01
 
 
 def test_a_short_run_skips_the_final_validation_unless_asked(workspace):
