@@ -109,21 +109,26 @@ def test_resume_refuses_another_model_and_skips_a_corrupt_checkpoint(workspace):
     assert list(tmp.glob("r/checkpoints.unusable-*/step-00000006"))
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_saves_a_checkpoint_then_exits_128_plus_signal(workspace, monkeypatch, sig, code):
-    tmp, recipe = workspace
+def signal_at_step_3(monkeypatch, *signals):
+    """Deliver real signals to this process in the middle of step 3 (after its backward)."""
     import longtrain.train.trainer as trainer
 
-    real = trainer.clip_grad_norm
-    calls = {"n": 0}
+    real, calls = trainer.clip_grad_norm, {"n": 0}
 
     def clip_then_signal(params, max_norm):
         calls["n"] += 1
         if calls["n"] == 3:
-            signal.raise_signal(sig)  # a real signal, delivered to this process mid-step
+            for sig in signals:
+                signal.raise_signal(sig)
         return real(params, max_norm)
 
     monkeypatch.setattr(trainer, "clip_grad_norm", clip_then_signal)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_saves_a_checkpoint_then_exits_128_plus_signal(workspace, monkeypatch, sig, code):
+    tmp, recipe = workspace
+    signal_at_step_3(monkeypatch, sig)
     r = cli("fit", recipe(steps=10, every=100), "--run-dir", tmp / "t")
     assert r.exit_code == code, r.output
     assert f"stopped by {signal.Signals(sig).name} after saving: steps 1–3" in r.output
@@ -133,19 +138,7 @@ def test_a_signal_saves_a_checkpoint_then_exits_128_plus_signal(workspace, monke
 
 def test_a_second_ctrl_c_stops_at_once_without_saving(workspace, monkeypatch):
     tmp, recipe = workspace
-    import longtrain.train.trainer as trainer
-
-    real = trainer.clip_grad_norm
-    calls = {"n": 0}
-
-    def clip_then_two_signals(params, max_norm):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            signal.raise_signal(signal.SIGINT)
-            signal.raise_signal(signal.SIGINT)
-        return real(params, max_norm)
-
-    monkeypatch.setattr(trainer, "clip_grad_norm", clip_then_two_signals)
+    signal_at_step_3(monkeypatch, signal.SIGINT, signal.SIGINT)
     r = cli("fit", recipe(steps=10, every=100), "--run-dir", tmp / "t")
     assert r.exit_code == 130 and "stopped without saving" in r.output, r.output
     assert not (tmp / "t/checkpoints").exists()
