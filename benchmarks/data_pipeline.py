@@ -31,7 +31,6 @@ def phase(folder: str, cache: str, vocab_size: int, min_doc_tokens: int) -> dict
     corpus = prepare_corpus(
         DataConfig(source="files", path=folder, min_doc_tokens=min_doc_tokens),
         TokenizerConfig(vocab_size=vocab_size),
-        run_dir=Path(cache) / "run",
         cache_dir=Path(cache) / "tokens",
     )
     seconds = time.perf_counter() - t0

@@ -4,7 +4,15 @@ A verb module imports `app` from `longtrain.cli.app`, registers itself with `@ap
 and keeps its heavy imports inside the function, so `longtrain -h` stays fast.
 """
 
-from longtrain.cli import export, fit, import_hf, verify_equivalence, version  # noqa: F401  (registers the verbs)
+from longtrain.cli import (  # noqa: F401  (registers the verbs)
+    export,
+    fit,
+    import_hf,
+    plot,
+    recipes,
+    verify_equivalence,
+    version,
+)
 from longtrain.cli.app import app
 
 __all__ = ["app"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from longtrain.cli.app import app, fail
 
@@ -13,30 +12,74 @@ from longtrain.cli.app import app, fail
 @app.command("fit")
 def fit(
     recipe: str = typer.Argument(
-        None, help="recipe YAML file or built-in name (default: quickstart)", show_default=False
+        None, help="recipe YAML file or built-in name (default: quickstart; see `longtrain recipes`)", show_default=False
     ),
     run_dir: Path = typer.Option(None, "--run-dir", help="run directory (default: runs/<recipe name>)"),
     overrides: list[str] = typer.Option([], "--set", help="override a recipe key: --set train.lr=3e-4 (repeatable)"),
-    resume: str = typer.Option("auto", "--resume", help="auto (newest complete checkpoint, if any) | never (start over; deletes this run's checkpoints) | PATH to a checkpoint directory"),
+    resume: str = typer.Option(
+        "auto", "--resume",
+        help="auto (newest complete checkpoint, if any) | never (start over; the old checkpoints and metrics are "
+        "moved aside, not deleted) | PATH to a checkpoint directory",
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="print the resolved recipe, model size, KV budget, tokens per step, data and what "
+        "fit would do, then exit without writing to the run dir",
+    ),
 ) -> None:
-    """Train or fine-tune on long documents, chunk by chunk, resumable from checkpoints."""
+    """Train or fine-tune on long documents, chunk by chunk, resumable from checkpoints.
+
+    Exit codes: 0 finished, 1 failed, 2 bad recipe or flags, 130/143 stopped by SIGINT/SIGTERM after saving (the same command resumes).
+    """
+    from longtrain.console import make_console
     from longtrain.data import DataError
     from longtrain.train.checkpoint import CheckpointError
     from longtrain.train.recipe import RecipeError, load_recipe
-    from longtrain.train.trainer import TrainingError, fit as run_fit
+    from longtrain.train.run_dir import RunDirBusy
+    from longtrain.train.trainer import Trainer, TrainingError
 
+    out = make_console()
     try:
-        r = load_recipe(recipe, overrides)
-        result = run_fit(r, run_dir=run_dir, resume=resume)
-    except (RecipeError, DataError, CheckpointError, TrainingError) as e:
+        trainer = Trainer(load_recipe(recipe, overrides), run_dir=run_dir, resume=resume, console=out)
+        if dry_run:
+            for line in trainer.dry_run():
+                out.print(line, markup=False)
+            return
+        result = trainer.train()
+    except (RecipeError, DataError, CheckpointError, TrainingError, RunDirBusy) as e:
         raise fail(str(e), 2 if isinstance(e, RecipeError) else 1)
-    out = Console(soft_wrap=True)
-    done = "stopped early (signal)" if result.interrupted else "done"
-    best = f", best validation loss {result.best_valid_loss:.4f}" if result.best_valid_loss is not None else ""
+    except KeyboardInterrupt:  # a second Ctrl-C: stop at once, no save
+        raise fail("interrupted again: stopped without saving; the last checkpoint is unchanged", 130)
+
+    for line in summary_lines(result):
+        out.print(line, markup=False)
+    raise typer.Exit(result.exit_code)
+
+
+def summary_lines(result) -> list[str]:
+    """The closing lines: what this session did (not the whole run's tokens over this session's time)."""
+    import signal
+
+    if result.session_steps == 0 and result.stopped_by is None:
+        return [
+            f"already finished at step {result.steps} (train.steps is {result.steps}): nothing to do. "
+            f"Raise it to train further (--set train.steps=N), or start over with --resume never.",
+            f"checkpoint: {result.checkpoint}",
+        ]
+    rate = result.session_tokens / result.train_seconds if result.train_seconds > 0 else 0.0
+    other = result.seconds - result.train_seconds
+    how = f"stopped by {signal.Signals(result.stopped_by).name} after saving" if result.stopped_by else "done"
+    span = f"steps {result.start_step + 1}–{result.steps}" if result.session_steps > 1 else f"step {result.steps}"
+    resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
+    loss = f"; last loss {result.last_loss:.4f}" if result.last_loss is not None else ""
     final = f", final validation loss {result.final_valid_loss:.4f}" if result.final_valid_loss is not None else ""
-    out.print(
-        f"{done}: {result.steps} steps, {result.tokens:,} tokens in {result.seconds:.1f} s "
-        f"({result.tokens / max(result.seconds, 1e-9):,.0f} tokens/s); last loss {result.last_loss:.4f}{final}{best}"
-    )
+    best = f", best {result.best_valid_loss:.4f}" if result.best_valid_loss is not None else ""
+    lines = [
+        f"{how}: {span}{resumed}, {result.session_tokens:,} tokens in {result.seconds:.1f} s "
+        f"({rate:,.0f} tokens/s over {result.train_seconds:.1f} s of training; {other:.1f} s in validation, "
+        f"checkpoints and logging){loss}{final}{best}"
+    ]
     if result.checkpoint:
-        out.print(f"checkpoint: {result.checkpoint}")
+        lines.append(f"checkpoint: {result.checkpoint}")
+    if result.stopped_by:
+        lines.append(f"exit {result.exit_code}: the run is not finished; the same command resumes it")
+    return lines

@@ -24,14 +24,15 @@ def import_hf(
     """Convert a Hugging Face model folder into a longtrain run dir that fit/eval/generate take (no network)."""
     from longtrain.interop.hf_families import HFFormatError
     from longtrain.interop.hf_import import import_hf as run_import
+    from longtrain.model.attention_types import USES
     from longtrain.train.checkpoint import CheckpointError
 
-    choices = {"--attention": (attention, ("sparsek+sw", "sparsek", "sw", "full")), "--score-init": (score_init, ("mimic", "random")),
+    choices = {"--attention": (attention, tuple(USES)), "--score-init": (score_init, ("mimic", "random")),
                "--score-groups": (score_groups, ("shared", "per_kv_head"))}
     for flag, (value, allowed) in choices.items():
         if value not in allowed:
             raise fail(f"{flag} {value!r}: choose one of {', '.join(allowed)}", 2)
-    for flag, value, used in (("--topk", topk, attention in ("sparsek+sw", "sparsek")), ("--window", window, attention in ("sparsek+sw", "sw"))):
+    for flag, value, used in (("--topk", topk, "topk" in USES[attention]), ("--window", window, "window" in USES[attention])):
         if value is not None and (value < 1 or not used):
             raise fail(f"{flag} {value}: " + ("must be at least 1" if used else f"attention {attention} has no {flag[2:]}"), 2)
     try:

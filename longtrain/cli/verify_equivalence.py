@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from longtrain.cli.app import app, fail
+from longtrain.console import make_console
 
 
 @app.command("verify-equivalence")
@@ -31,7 +31,7 @@ def verify_equivalence(
         code = run_command(
             recipe=recipe, checkpoint=checkpoint, text=text, tokens=tokens, chunk_sizes=chunk_size, dtype=dtype,
             device=device, seed=seed, json_path=json_path, max_logit_diff=max_logit_diff,
-            min_agreement=min_agreement, console=Console(),
+            min_agreement=min_agreement, console=make_console(),
         )
     except UsageError as e:
         raise fail(str(e), 2)

@@ -2,9 +2,10 @@
 memory-mapped token documents ready for `DocumentStream`.
 
 Steps: read the source, load or train the tokenizer (trained on training
-documents only; the trained file is cached by corpus), save it as
-`run_dir/tokenizer.json`, tokenize through the token cache with a progress
-bar, drop documents shorter than `min_doc_tokens`, split train/valid.
+documents only; the trained file is cached by corpus), tokenize through the
+token cache with a progress bar, drop documents shorter than
+`min_doc_tokens`, split train/valid. Nothing is written outside the cache: the
+trainer writes the run's `tokenizer.json` once it has decided to run.
 
 The validation fraction takes evenly spaced documents of the source order
 (every 1/f-th), chosen before tokenizing, so the tokenizer never sees them
@@ -59,7 +60,6 @@ def prepare_corpus(
     data: DataConfig,
     tokenizer: TokenizerConfig,
     *,
-    run_dir: Path,
     cache_dir: Path | None = None,
     seed: int = 0,  # noqa: ARG001  accepted from the trainer; the corpus and split never depend on it
     progress: bool = True,
@@ -71,9 +71,6 @@ def prepare_corpus(
 
     tok = _get_tokenizer(tokenizer, source, fraction, cache_dir)
     eod = eod_id(tok)
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(run_dir / "tokenizer.json"))
     tok_hash = hashlib.blake2b(tok.to_str().encode(), digest_size=16).hexdigest()
 
     docs, train_stats = tokenize_source(source, tok, data.min_doc_tokens, cache_dir, tok_hash, "train", progress)
@@ -177,8 +174,8 @@ def tokenize_source(
     stats.update(key=key, kept=len(docs), tokens=docs.n_tokens, cache_hit=hit, seconds=time.perf_counter() - t0)
     if source.invalid_utf8:
         Console(stderr=True).print(
-            f"[yellow]{label}: {source.invalid_utf8} bytes of invalid UTF-8 in {source.description} "
-            "were replaced by U+FFFD.[/]"
+            f"{label}: {source.invalid_utf8} bytes of invalid UTF-8 in {source.description} were replaced by U+FFFD.",
+            style="yellow", markup=False, soft_wrap=True,
         )
     return docs, stats
 

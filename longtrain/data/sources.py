@@ -20,6 +20,10 @@ from .errors import DataError
 
 # datasets builder per file extension; one document per .txt file, one per row otherwise.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# A .txt file with more than this fraction of bytes that are not UTF-8 text is refused: it is most
+# likely binary data (about 43% of random bytes are invalid), and training on U+FFFD teaches
+# nothing. Text in a legacy encoding (Latin-1 accents, a few percent of the bytes) stays below it.
+MAX_INVALID_FRACTION = 0.10
 
 
 @dataclass
@@ -88,7 +92,14 @@ def files_source(path: str, text_field: str = "text", setting: str = "data.path"
         raw = f.read_bytes()
         total += len(raw)
         if f.suffix.lower() == ".txt":
-            invalid += invalid_utf8_bytes(raw)
+            bad = invalid_utf8_bytes(raw)
+            if bad > MAX_INVALID_FRACTION * len(raw):
+                raise DataError(
+                    f"{f} is mostly not text: {bad:,} of its {len(raw):,} bytes ({bad / len(raw):.0%}) are not "
+                    f"UTF-8 (at most {MAX_INVALID_FRACTION:.0%} is accepted). Remove it from {setting}, "
+                    "or convert it to UTF-8 text first."
+                )
+            invalid += bad
         # Relative names, so a moved corpus keeps its cache.
         name = str(f.relative_to(root)) if root.is_dir() else f.name
         h.update(f"{name}\0{len(raw)}\0".encode())

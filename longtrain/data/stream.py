@@ -95,6 +95,21 @@ class DocumentStream:
         self._order = self._epoch_order(0)
         self.rows = [[-1, 0] for _ in range(batch_rows)]  # per row: document index, next offset
 
+    def too_few_documents(self) -> str | None:
+        """A warning when this rank has fewer documents than batch rows, else None.
+
+        Rows then read the same documents side by side (one document: every row the same
+        tokens), so a step holds fewer distinct tokens than it counts.
+        """
+        n, rows = len(self.shard), self.batch_rows
+        if n >= rows:
+            return None
+        where = f" on rank {self.rank} of {self.world_size}" if self.world_size > 1 else ""
+        return (
+            f"the corpus has {n} training document{'s' if n != 1 else ''}{where} for {rows} batch rows, so rows "
+            f"read the same documents side by side; lower train.batch_docs to {n} or add documents"
+        )
+
     def _epoch_order(self, epoch: int) -> np.ndarray:
         return self.shard[np.random.default_rng([self.seed, epoch]).permutation(len(self.shard))]
 

@@ -6,7 +6,7 @@ selection fingerprints. Each chunked pass then streams the document chunk by chu
 fixed-size cache and compares, chunk by chunk, its logits against the reference hidden states
 projected through the head piece by piece: [T, V] logits never exist at once.
 
-Pass criteria (DESIGN.md section 3): float64 needs identical selected sets at every layer and query
+Pass criteria (docs/DESIGN.md section 3): float64 needs identical selected sets at every layer and query
 and logits within 1e-9; float32 and bf16 round differently in the two passes, so their thresholds
 are defaults the user can change. A threshold state that overflowed its cap always fails.
 

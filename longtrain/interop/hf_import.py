@@ -215,6 +215,7 @@ def import_hf(
     """Convert `hf_dir` into the run dir `out`; returns (checkpoint path, notes)."""
     from longtrain.data import DataError
     from longtrain.data.tokenizer import load_tokenizer
+    from longtrain.model.attention_types import USES
     from longtrain.train.checkpoint import CheckpointManager
     from longtrain.train.checkpointer import TOKENIZER_FILE, checkpoint_files
     from longtrain.train.recipe import Recipe, recipe_to_yaml
@@ -223,7 +224,8 @@ def import_hf(
     manager = CheckpointManager(out, keep=1)
     if manager.steps() or (out / "recipe.yaml").exists():
         raise HFFormatError(f"{out} already holds a run (recipe.yaml or checkpoints); choose another --out or remove it")
-    uses_k, uses_w = attention in ("sparsek+sw", "sparsek"), attention in ("sparsek+sw", "sw")
+    uses = USES[attention]  # longtrain.model.attention_types: which of k, w the type has
+    uses_k, uses_w = "topk" in uses, "window" in uses
     topk = (topk if topk is not None else DEFAULT_K) if uses_k else 0
     window = (window if window is not None else DEFAULT_W) if uses_w else 0
 

@@ -10,7 +10,7 @@ converted in longtrain.interop: this file keeps separate q/k/v projections for e
 
 `model(tokens, cache=cache)` processes one chunk at absolute positions cache.seen .. and returns
 the logits and the next cache (Algorithm 3 of the paper). `cache=None` is one unchunked pass from
-position 0; chunked and unchunked give the same results (DESIGN.md section 3).
+position 0; chunked and unchunked give the same results (docs/DESIGN.md section 3).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from longtrain.model.attention_types import AttentionType, selects, size_problems
 from longtrain.model.cache import FullKVCache, LayerCache, ModelCache
 from longtrain.model.scoring import Scorer, mimic_score_weight, score_dtype
 from longtrain.ops.sparsek_attention import ChunkSelection, SparseKCache, sparsek_attention_chunk
@@ -49,7 +50,7 @@ class LMConfig:
     dropout: float = 0.0
     rope_theta: float = 10000.0
     init_std: float = 0.02
-    attention: Literal["sparsek+sw", "sparsek", "sw", "full"] = "sparsek+sw"
+    attention: AttentionType = "sparsek+sw"
     topk: int = 0
     window: int = 0
     variant: str = "hard_k_soft_v"
@@ -73,12 +74,9 @@ class LMConfig:
         self.intermediate_size = self.intermediate_size or int(self.mlp_ratio * self.d_model)
         self.tied_embeddings = st.tied if self.tied_embeddings is None else self.tied_embeddings
         self.parallel_residual = st.parallel_residual if self.parallel_residual is None else self.parallel_residual
-        need = {"sparsek+sw": (True, True), "sparsek": (True, False), "sw": (False, True), "full": (False, False)}
-        if self.attention not in need:
-            raise ValueError(f"attention must be one of {sorted(need)}; got {self.attention!r}")
-        uses_k, uses_w = need[self.attention]
-        if (self.topk > 0) != uses_k or (self.window > 0) != uses_w:
-            raise ValueError(f"attention {self.attention} needs topk > 0: {uses_k}, window > 0: {uses_w}; got topk={self.topk}, window={self.window}")
+        problems = size_problems(self.attention, self.topk, self.window)
+        if problems:
+            raise ValueError("; ".join(problems))
 
     @classmethod
     def from_recipe(cls, model, attention, vocab_size: int | None = None) -> "LMConfig":
@@ -110,7 +108,7 @@ class LMConfig:
     @property
     def score_group_count(self) -> int:
         """Scoring vectors per layer: 0 when nothing is selected (sw, full)."""
-        if self.attention not in ("sparsek+sw", "sparsek"):
+        if not selects(self.attention):
             return 0
         return self.kv_heads if self.score_groups == "per_kv_head" else 1
 
@@ -153,9 +151,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, d, bias=bias)
         G = cfg.score_group_count
         self.scorer = Scorer(d, G, timestep_norm=cfg.timestep_norm, eps_slope=cfg.eps_slope) if G else None
-        # What the op is called with: sw is SparseK with k = 0, sparsek has no window.
-        self.topk = cfg.topk if cfg.attention in ("sparsek+sw", "sparsek") else 0
-        self.window = cfg.window if cfg.attention in ("sparsek+sw", "sw") else 0
+        # What the op is called with (sw is SparseK with k = 0); LMConfig holds 0 for an unused size.
+        self.topk, self.window = cfg.topk, cfg.window
 
     def empty_cache(self, batch: int, *, dtype, device) -> LayerCache:
         cfg = self.cfg

@@ -1,4 +1,4 @@
-"""SparseK importance scores (DESIGN.md section 2): u_j = TimestepNorm(x_j · w_score) + eps_slope · j.
+"""SparseK importance scores (docs/DESIGN.md section 2): u_j = TimestepNorm(x_j · w_score) + eps_slope · j.
 
 Scores are float32 (float64 in a float64 model) even under bf16 autocast: selection compares them,
 and a rounding flip changes which keys a query sees. TimestepNorm uses causal running statistics

@@ -1,4 +1,11 @@
-"""Finding and loading a trained model: what every verb that takes a checkpoint uses.
+"""Checkpoints of a run, as every verb uses them: the one `Checkpointer`.
+
+`Checkpointer` is what `fit` saves and restores: which checkpoint a run resumes from, the
+training state that goes into one (model, optimizer, per-row caches, data-stream position, RNG,
+counters) and the hashes that refuse a resume into a different model, attention or tokenizer.
+`load_checkpoint` (also `Checkpointer.load_model`) is what `eval`, `generate` and
+`verify-equivalence` use: a model ready for inference, with its recipe and tokenizer.
+Storage itself (atomic writes, checksums, pruning) is `longtrain.train.checkpoint`.
 
 A checkpoint (`RUN_DIR/checkpoints/step-XXXXXXXX/`) is self-contained: besides its safetensors and
 `meta.json` it holds the resolved `recipe.yaml` and the `tokenizer.json` it was trained with (the
@@ -10,6 +17,8 @@ Verbs accept either a checkpoint dir or a run dir; a run dir means its newest co
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,9 +28,114 @@ from tokenizers import Tokenizer
 
 from longtrain.train import checkpoint as ckpt
 from longtrain.train.checkpoint import META, CheckpointError, CheckpointManager
+from longtrain.train.rng import capture_rng, restore_rng
 
 RECIPE_FILE = "recipe.yaml"
 TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class TrainState:
+    """What changes every step besides the model, optimizer, caches and data stream."""
+
+    step: int = 0  # last completed optimizer step
+    tokens: int = 0  # trained on since step 0
+    best_valid_loss: float | None = None
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> TrainState:
+        """The state a checkpoint's meta.json records."""
+        return cls(step=meta["step"], tokens=meta["tokens"], best_valid_loss=meta.get("best_valid_loss"))
+
+
+class Checkpointer:
+    """The checkpoints of one run: choose the one to resume, save, restore, set old ones aside."""
+
+    def __init__(self, run_dir: str | Path, cfg) -> None:  # cfg: the recipe's CheckpointConfig
+        self.manager = CheckpointManager(run_dir, cfg.keep, directory=cfg.dir)
+        self.every = cfg.every
+
+    @property
+    def dir(self) -> Path:
+        return self.manager.dir
+
+    def to_resume(self, resume: str) -> Path | None:
+        """The checkpoint `--resume` means: auto (newest complete one, if any), never (none) or a PATH."""
+        if resume == "never":
+            return None
+        if resume == "auto":
+            return self.manager.latest_complete()
+        path = Path(resume)
+        problem = ckpt.validate(path) if path.is_dir() else f"no checkpoint directory at {path}"
+        if problem:
+            raise CheckpointError(f"--resume {resume}: {problem}")
+        return path
+
+    def existing(self) -> list[Path]:
+        """Checkpoint folders already in the run's checkpoint dir (complete or not)."""
+        return self.manager.steps()
+
+    @staticmethod
+    def read_meta(path: Path) -> dict[str, Any]:
+        """A validated checkpoint's meta.json (step, tokens, hashes, ...) without loading tensors."""
+        return json.loads((Path(path) / META).read_text())
+
+    @staticmethod
+    def hashes(recipe, tokenizer: Tokenizer) -> dict[str, str]:
+        """What a checkpoint must match to be resumed: model shape, attention, tokenizer."""
+        from longtrain.train.recipe import recipe_hash
+
+        return {
+            "model": recipe_hash(recipe, ("model",)),
+            "attention": recipe_hash(recipe, ("attention",)),
+            # the bytes of RUN_DIR/tokenizer.json, as runs before the Checkpointer hashed them
+            "tokenizer": hashlib.sha256(tokenizer.to_str(pretty=True).encode()).hexdigest(),
+        }
+
+    def check(self, path: Path, hashes: dict[str, str]) -> dict[str, Any]:
+        """The checkpoint's meta, after refusing one written for another model, attention or tokenizer."""
+        meta = self.read_meta(path)
+        ckpt.check_compatible(meta, hashes, path=path)
+        return meta
+
+    def save(self, state: TrainState, *, model, optimizer, cache, stream, hashes, recipe, corpus) -> Path:
+        """Checkpoint `state.step` atomically (and prune to `keep`)."""
+        opt_tensors, opt_info = ckpt.optimizer_to_checkpoint(optimizer.state_dict())
+        meta = {
+            "step": state.step,
+            "tokens": state.tokens,
+            "best_valid_loss": state.best_valid_loss,
+            "data_stream": stream.state_dict(),
+            "corpus": corpus.fingerprint,
+            "rng": capture_rng(),
+            "optimizer": opt_info,
+            "hashes": hashes,
+        }
+        tensors = {"model": model.state_dict(), "optimizer": opt_tensors, "cache": cache.state_dict()}
+        files = checkpoint_files(recipe, corpus.tokenizer)  # self-contained
+        return self.manager.save(state.step, tensors=tensors, meta=meta, files=files)
+
+    def restore(self, path: Path, *, model, optimizer, stream, hashes, device) -> tuple[TrainState, Any]:
+        """Load a checkpoint into the live objects; returns its TrainState and the per-row caches.
+
+        Everything is checked (hashes, shapes, the data stream) before the model or optimizer
+        changes, and nothing is written: a refused resume leaves the run as it was.
+        """
+        from longtrain.model import ModelCache
+
+        tensors, meta = ckpt.load(path)
+        ckpt.check_compatible(meta, hashes, path=path)
+        ckpt.check_shapes(tensors["model"], model.state_dict())
+        stream.load_state_dict(meta["data_stream"])
+        model.load_state_dict(tensors["model"])
+        optimizer.load_state_dict(ckpt.optimizer_from_checkpoint(tensors["optimizer"], meta["optimizer"]))
+        restore_rng(meta["rng"])
+        return TrainState.from_meta(meta), ModelCache.from_state_dict({k: v.to(device) for k, v in tensors["cache"].items()})
+
+    @staticmethod
+    def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+        """A trained model for inference (eval, generate, verify-equivalence): see `load_checkpoint`."""
+        return load_checkpoint(path, device=device, dtype=dtype)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """What a run reports: `metrics.jsonl` on disk and the console display.
 
-`MetricsLogger` appends one JSON object per step to RUN_DIR/metrics.jsonl.
+`MetricsLogger` appends one JSON object per step to RUN_DIR/metrics.jsonl (and, with
+`logging.tensorboard`, the same scalars as TensorBoard events in RUN_DIR/tensorboard).
 `ProgressDisplay` shows the run live (rich) on a terminal, or prints plain
 lines every `logging.every` steps when the output is a file or a pipe.
 """
@@ -10,8 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
-import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +25,22 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from longtrain.console import make_console
+
 METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+# Record keys drawn as TensorBoard scalars (lists and counters stay in metrics.jsonl only).
+TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "memory_bytes", "valid_loss", "valid_ppl")
+RATE_WINDOW_S = 30.0  # tokens/s and the ETA are measured over the last this-many seconds of training
+
+
+def tensorboard_missing() -> str | None:
+    """None when TensorBoard event files can be written, else what to install."""
+    try:
+        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
+    except ImportError:
+        return "logging.tensorboard needs the tensorboard package: pip install 'longtrain[tensorboard]'"
+    return None
 
 
 class MetricsLogger:
@@ -33,23 +48,36 @@ class MetricsLogger:
 
     Opening it with `start_step=N` keeps only the records of steps ≤ N (and
     drops a line torn by a kill), so after a resume the file holds each step
-    once, exactly as a run straight through would have written it.
+    once, exactly as a run straight through would have written it; TensorBoard
+    events after step N are purged the same way.
     """
 
-    def __init__(self, run_dir: str | Path, *, start_step: int = 0):
+    def __init__(self, run_dir: str | Path, *, start_step: int = 0, tensorboard: bool = False):
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
         self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR), purge_step=start_step + 1)
 
     def log(self, record: dict[str, Any]) -> None:
         if "step" not in record:
             raise ValueError("a metrics record needs a `step`")
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()  # a killed run keeps every step it finished
+        if self._tb is not None:
+            for key in TENSORBOARD_SCALARS:
+                if isinstance(record.get(key), (int, float)):
+                    self._tb.add_scalar(key, record[key], global_step=record["step"])
+            self._tb.flush()
 
     def close(self) -> None:
         self._file.close()
+        if self._tb is not None:
+            self._tb.close()
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -109,6 +137,7 @@ class StepStats:
     lr: float
     grad_norm: float
     tokens: int  # tokens trained on since step 0, cumulative
+    seconds: float = 0.0  # time this step trained (validation and checkpoint saves left out)
     rows: Sequence[RowProgress] = field(default_factory=list)
     cache_fill: float | None = None  # used fraction of the per-layer KV cache, 0..1
     memory_bytes: int | None = None
@@ -118,35 +147,32 @@ class ProgressDisplay:
     """Live rich display on a terminal; plain lines every `every` steps otherwise.
 
     Use as a context manager around the loop and call `update` after each
-    optimizer step. Rates and ETA are measured from this process's start
-    (`start_step`, `start_tokens` are where a resumed run begins), so a
-    resumed run reports its own speed.
+    optimizer step. Tokens/s and the ETA come from the steps of the last
+    RATE_WINDOW_S seconds of training, each step timed on its own (`StepStats.seconds`),
+    so a slow start, a validation pass or a checkpoint save does not skew them.
     """
 
     def __init__(
         self,
         total_steps: int,
         *,
-        start_step: int = 0,
         start_tokens: int = 0,
         every: int = 10,
         live: bool = True,
         console: Console | None = None,
     ):
-        self.console = console or Console(file=sys.stdout, highlight=False)
+        self.console = console or make_console()
         self.total = total_steps
         self.every = every
         self.live_enabled = live and self.console.is_terminal
-        self._start_step = start_step
-        self._start_tokens = start_tokens
-        self._t0 = time.monotonic()
+        self._last_tokens = start_tokens
+        self._window: deque[tuple[float, int]] = deque()  # (seconds, tokens) of recent steps
         self._live: Live | None = None
 
     def __enter__(self) -> ProgressDisplay:
         if self.live_enabled:
             self._live = Live(Text("starting…"), console=self.console, refresh_per_second=4, transient=False)
             self._live.start()
-        self._t0 = time.monotonic()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -159,6 +185,10 @@ class ProgressDisplay:
         self.console.print(text, soft_wrap=True, markup=False)
 
     def update(self, s: StepStats) -> None:
+        self._window.append((s.seconds, s.tokens - self._last_tokens))
+        self._last_tokens = s.tokens
+        while len(self._window) > 1 and sum(t for t, _ in self._window) - self._window[0][0] >= RATE_WINDOW_S:
+            self._window.popleft()
         if self._live is not None:
             self._live.update(self._render(s), refresh=True)
         if s.step % self.every == 0 or s.step == self.total:
@@ -172,7 +202,7 @@ class ProgressDisplay:
             f"ppl {_ppl(s.loss):.2f}",
             f"lr {s.lr:.2e}",
             f"gnorm {s.grad_norm:.3f}",
-            f"{_si(self._tokens_per_s(s))} tok/s",
+            f"{_si(self.tokens_per_s())} tok/s",
         ]
         if s.cache_fill is not None:
             parts.append(f"cache {100 * s.cache_fill:.0f}%")
@@ -189,26 +219,29 @@ class ProgressDisplay:
             Text(f"eta {_duration(self._eta(s))}"),
         )
         stats = Table.grid(padding=(0, 2))
+        # Text cells, never markup strings: a value can never be read as a style tag.
         stats.add_row(
-            f"loss [bold]{s.loss:.4f}[/]",
-            f"ppl {_ppl(s.loss):.2f}",
-            f"lr {s.lr:.2e}",
-            f"gnorm {s.grad_norm:.3f}",
-            f"{_si(self._tokens_per_s(s))} tok/s",
-            f"cache {100 * s.cache_fill:.0f}%" if s.cache_fill is not None else "",
-            f"mem {_bytes(s.memory_bytes)}" if s.memory_bytes is not None else "",
+            Text.assemble("loss ", (f"{s.loss:.4f}", "bold")),
+            Text(f"ppl {_ppl(s.loss):.2f}"),
+            Text(f"lr {s.lr:.2e}"),
+            Text(f"gnorm {s.grad_norm:.3f}"),
+            Text(f"{_si(self.tokens_per_s())} tok/s"),
+            Text(f"cache {100 * s.cache_fill:.0f}%" if s.cache_fill is not None else ""),
+            Text(f"mem {_bytes(s.memory_bytes)}" if s.memory_bytes is not None else ""),
         )
         rows = Text("  ".join(f"row {i}: {r.describe()}" for i, r in enumerate(s.rows)), style="dim")
         return Group(bar, stats, rows)
 
-    def _tokens_per_s(self, s: StepStats) -> float:
-        elapsed = time.monotonic() - self._t0
-        return (s.tokens - self._start_tokens) / elapsed if elapsed > 0 else 0.0
+    def tokens_per_s(self) -> float:
+        """Training throughput over the recent window."""
+        seconds = sum(t for t, _ in self._window)
+        return sum(n for _, n in self._window) / seconds if seconds > 0 else 0.0
 
     def _eta(self, s: StepStats) -> float:
-        done = s.step - self._start_step
-        elapsed = time.monotonic() - self._t0
-        return (self.total - s.step) * elapsed / done if done > 0 else float("inf")
+        seconds = sum(t for t, _ in self._window)
+        if not self._window or seconds <= 0:
+            return float("inf")
+        return (self.total - s.step) * seconds / len(self._window)
 
 
 def _ppl(loss: float) -> float:

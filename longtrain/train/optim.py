@@ -53,12 +53,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup from lr·warmup_start_ratio to `lr` over `warmup_steps`, then a cosine down to lr·min_lr_ratio."""
-    if step <= cfg.warmup_steps:
+    """Linear warmup from lr·warmup_start_ratio to `lr` over `cfg.warmup()` steps, then a cosine down to lr·min_lr_ratio."""
+    warmup = cfg.warmup()
+    if step <= warmup:
         start = cfg.lr * cfg.warmup_start_ratio  # the paper's fine-tuning warms up from 10% of the peak
-        return start + (cfg.lr - start) * step / cfg.warmup_steps
+        return start + (cfg.lr - start) * step / warmup
     min_lr = cfg.lr * cfg.min_lr_ratio
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
@@ -73,9 +74,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float, *, step: int | None = No
     for group in optimizer.param_groups:
         scale = group.get("lr_scale", 1.0)
         thaw = group.get("frozen_until", 0)
-        if thaw and step is not None and cfg is not None and cfg.warmup_steps:
+        if thaw and step is not None and cfg is not None and cfg.warmup():
             r = cfg.warmup_start_ratio
-            scale *= r + (1 - r) * min(1.0, max(step - thaw, 0) / cfg.warmup_steps)
+            scale *= r + (1 - r) * min(1.0, max(step - thaw, 0) / cfg.warmup())
         group["lr"] = lr * scale
 
 

@@ -20,9 +20,18 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from longtrain.data.config import DataConfig, TokenizerConfig
+from longtrain.model.attention_types import USES, AttentionType, size_problems
 
-# Built-in recipes live in the top-level `recipes/` folder of the checkout.
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+
+def _builtin_recipes_dir() -> Path:
+    """The top-level `recipes/` folder is the one source: an installed wheel carries it as
+    `longtrain/recipes/` (setup.py maps it there); a checkout reads it where it is."""
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "recipes"
+    return installed if installed.is_dir() else package.parent / "recipes"
+
+
+RECIPES_DIR = _builtin_recipes_dir()
 DEFAULT_RECIPE = "quickstart"
 
 
@@ -85,7 +94,7 @@ class ModelConfig(_Section):
 
 
 class AttentionConfig(_Section):
-    type: Literal["sparsek+sw", "sparsek", "sw", "full"] = Field(
+    type: AttentionType = Field(
         "sparsek+sw",
         description="sparsek+sw (SparseK pool plus sliding window), sparsek only, sw "
         "(sliding window only) or full causal attention",
@@ -121,30 +130,14 @@ class AttentionConfig(_Section):
 
     @model_validator(mode="after")
     def _type_matches_sizes(self) -> AttentionConfig:
-        # Each type uses some of (topk, window); the used ones are required and
-        # positive, the unused ones must be absent or 0 and become 0, so the
-        # model always reads two ints.
-        uses = {
-            "sparsek+sw": ("topk", "window"),
-            "sparsek": ("topk",),
-            "sw": ("window",),
-            "full": (),
-        }[self.type]
-        problems = []
-        for name in ("topk", "window"):
-            value = getattr(self, name)
-            if name in uses and not value:
-                problems.append(f"attention type {self.type} needs `{name}` > 0 (got {value})")
-            elif name not in uses and value:
-                other = "sparsek+sw" if self.type in ("sw", "sparsek") else "sparsek+sw or sw"
-                problems.append(
-                    f"attention type {self.type} has no `{name}` (got {value}); "
-                    f"hint: remove `{name}` or use type {other}"
-                )
-            elif name not in uses:
-                setattr(self, name, 0)
+        # The used sizes are required and positive; the unused ones must be absent or 0 and
+        # become 0, so the model always reads two ints.
+        problems = size_problems(self.type, self.topk, self.window)
         if problems:
             raise ValueError("; ".join(problems))
+        for name in ("topk", "window"):
+            if name not in USES[self.type]:
+                setattr(self, name, 0)
         return self
 
 
@@ -168,7 +161,10 @@ class TrainConfig(_Section):
     min_lr_ratio: float = Field(
         0.1, ge=0, le=1, description="final learning rate of the cosine as a fraction of lr"
     )
-    warmup_steps: int = Field(100, ge=0, description="steps of linear warmup from 0 to lr")
+    warmup_steps: int = Field(
+        100, ge=0, description="steps of linear warmup to lr; a run shorter than this warms up "
+        "over its first tenth instead (so `--set train.steps=20` works on any recipe)"
+    )
     weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (≥2-D weights)")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
         (0.9, 0.95), description="AdamW betas, two numbers in [0, 1)"
@@ -177,7 +173,10 @@ class TrainConfig(_Section):
     seed: int = Field(0, ge=0, description="seed of every random generator")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto uses CUDA when present")
     compile: bool = Field(False, description="torch.compile the model")
-    valid_every: int = Field(0, ge=0, description="steps between validation passes; 0 turns it off")
+    valid_every: int = Field(
+        0, ge=0, description="steps between validation passes, plus one at the last step of a run at "
+        "least this long (a shorter run is not validated); 0 turns it off"
+    )
     valid_docs: int = Field(4, ge=1, description="held-out documents per validation pass (at most)")
     valid_tokens: int = Field(16384, ge=1, description="tokens read per validation document (at most)")
     # Fine-tuning (longtrain.train.init).
@@ -196,14 +195,15 @@ class TrainConfig(_Section):
         None, description="train only some parameters for the first steps (scorer-first warm-up)"
     )
 
-    @model_validator(mode="after")
-    def _warmup_fits(self) -> TrainConfig:
-        if self.warmup_steps > self.steps:
-            raise ValueError(
-                f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps}); "
-                "hint: lower warmup_steps to at most steps"
-            )
-        return self
+    def warmup(self) -> int:
+        """The warmup actually used: warmup_steps, or a tenth of a run shorter than it."""
+        return self.warmup_steps if self.warmup_steps <= self.steps else self.steps // 10
+
+    def validates_at(self, step: int) -> bool:
+        """Validation every `valid_every` steps and at the end of a run at least that long."""
+        if not self.valid_every:
+            return False
+        return step % self.valid_every == 0 or (step == self.steps and self.steps >= self.valid_every)
 
 
 class CheckpointConfig(_Section):
@@ -215,6 +215,10 @@ class CheckpointConfig(_Section):
 class LoggingConfig(_Section):
     every: int = Field(10, ge=1, description="steps between printed log lines")
     progress: bool = Field(True, description="rich live display when the output is a terminal")
+    tensorboard: bool = Field(
+        False, description="also write TensorBoard event files to RUN_DIR/tensorboard "
+        "(needs the extra: pip install 'longtrain[tensorboard]')"
+    )
     run_dir: str | None = Field(None, description="run directory; null means runs/<recipe name>")
 
 
@@ -259,6 +263,18 @@ _SECTIONS = {
 
 def builtin_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def recipe_description(path: Path) -> str:
+    """A recipe file's one-line description: its first comment line, `# name: description`."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            text = line.lstrip("# ").strip()
+            name, sep, rest = text.partition(": ")
+            return rest if sep and name == path.stem else text
+        if line.strip():
+            break
+    return ""
 
 
 def resolve_recipe_path(name_or_path: str | Path | None) -> Path:

@@ -1,39 +1,57 @@
 """`longtrain fit`: chunk-recurrent training (the paper's Algorithm 3), resumable exactly.
 
-The loop reads top-down and delegates: data (longtrain.data), the model and its per-row cache
-(longtrain.model), checkpoints, optimizer, RNG and metrics (longtrain.train.*).
+`Trainer.train()` is the outline, torchtitan's shape: hold the run dir, set up (data, model,
+optimizer, the checkpoint to resume), start the run, then step: `train_step`, `validate` when due,
+`log_step`, `save` when due. Each part is one method, so a feature (another precision, frozen
+layers, data-parallel ranks) changes the method it concerns. Data, the model and its cache,
+checkpoints, the optimizer, RNG and metrics live in their own modules (longtrain.data,
+longtrain.model, longtrain.train.*).
 
 Per optimizer step, `grad_accum` chunks: each row of the batch reads its document chunk by chunk;
 a row that starts a new document has its cache reset; the forward continues from the cache, the
 loss backpropagates into this chunk only (the cache is detached), and the new cache carries on.
 Everything that decides the next step (weights, optimizer, caches, data position, RNG) is in the
 checkpoint, so a resumed run continues bitwise where it stopped.
+
+The run dir is safe to point at: one `fit` holds it at a time (`RunLock`), setup decides whether
+and from where to resume before anything is written (a refused resume leaves the directory as
+it was), and files a fresh start would replace are moved aside with a message, never deleted.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
-import shutil
-import signal
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from longtrain.console import make_console
 from longtrain.data import IGNORE, DocumentStream, PreparedCorpus, iter_valid_chunks, prepare_corpus
-from longtrain.model import LM, LMConfig, ModelCache
-from longtrain.train import checkpoint as ckpt
-from longtrain.train.checkpointer import checkpoint_files
+from longtrain.model import LM, LMConfig
+from longtrain.model.attention_types import kv_entries
+from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainState
 from longtrain.train.init import apply_freeze, init_from_checkpoint
-from longtrain.train.metrics import MetricsLogger, ProgressDisplay, RowProgress, StepStats, peak_memory_bytes
+from longtrain.train.metrics import (
+    METRICS_FILE,
+    TENSORBOARD_DIR,
+    MetricsLogger,
+    ProgressDisplay,
+    RowProgress,
+    StepStats,
+    peak_memory_bytes,
+    tensorboard_missing,
+)
 from longtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
-from longtrain.train.recipe import Recipe, recipe_hash, recipe_to_yaml
-from longtrain.train.rng import capture_rng, restore_rng, seed_everything
+from longtrain.train.recipe import Recipe, recipe_to_yaml
+from longtrain.train.rng import seed_everything
+from longtrain.train.run_dir import RunLock, move_aside
+from longtrain.train.signals import StopSignal, kill_for_tests_after
+
+RECIPE_FILE = "recipe.yaml"
 
 
 class TrainingError(Exception):
@@ -43,23 +61,26 @@ class TrainingError(Exception):
 @dataclass
 class FitResult:
     run_dir: Path
+    start_step: int  # the step this session started from (0, or the checkpoint's)
     steps: int  # last completed step
-    tokens: int
-    seconds: float
-    last_loss: float
+    tokens: int  # trained on since step 0
+    session_tokens: int  # trained on in this session
+    seconds: float  # wall clock of this session's training loop
+    train_seconds: float  # of which training steps: validation and checkpoint saves left out
+    last_loss: float | None  # None when this session ran no step
     final_valid_loss: float | None
     best_valid_loss: float | None
     checkpoint: Path | None
-    interrupted: bool = False
+    stopped_by: int | None = None  # the signal that stopped the run early (SIGINT, SIGTERM)
 
+    @property
+    def session_steps(self) -> int:
+        return self.steps - self.start_step
 
-@dataclass
-class TrainState:
-    """What changes every step, besides the model and optimizer."""
-
-    step: int = 0
-    tokens: int = 0
-    best_valid_loss: float | None = None
+    @property
+    def exit_code(self) -> int:
+        """0 for a run that finished, 128 + signal for one a signal stopped (130 SIGINT, 143 SIGTERM)."""
+        return 128 + self.stopped_by if self.stopped_by is not None else 0
 
 
 def pick_device(choice: str) -> torch.device:
@@ -71,123 +92,321 @@ def pick_device(choice: str) -> torch.device:
 
 
 def fit(recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", console=None) -> FitResult:
-    run_dir = Path(run_dir) if run_dir else recipe.run_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = recipe.train
-    device = pick_device(cfg.device)
-    seed_everything(cfg.seed)
-    manager = ckpt.CheckpointManager(run_dir, recipe.checkpoint.keep, directory=recipe.checkpoint.dir)
-    resume_from = _checkpoint_to_resume(manager, resume)
+    """Train `recipe` into `run_dir` (what `longtrain fit` runs)."""
+    return Trainer(recipe, run_dir=run_dir, resume=resume, console=console).train()
 
-    # Data first: it trains or loads the tokenizer, which fixes the vocabulary.
-    corpus = prepare_corpus(recipe.data, recipe.tokenizer, run_dir=run_dir, seed=cfg.seed, progress=recipe.logging.progress)
-    (run_dir / "recipe.yaml").write_text(recipe_to_yaml(recipe))
 
-    model_cfg = LMConfig.from_recipe(recipe.model, recipe.attention, vocab_size=recipe.model.vocab_size or corpus.vocab_size)
-    if model_cfg.vocab_size < corpus.vocab_size:
-        raise TrainingError(
-            f"the tokenizer has {corpus.vocab_size} tokens but model.vocab_size is {model_cfg.vocab_size}: "
-            "token ids would index past the embedding. Use the model's own tokenizer, or a larger model.vocab_size"
+class Trainer:
+    """One training run: a recipe, its run dir and a resume choice (auto | never | a checkpoint path)."""
+
+    def __init__(self, recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", console=None):
+        self.recipe, self.cfg = recipe, recipe.train
+        self.run_dir = Path(run_dir) if run_dir else recipe.run_dir()
+        self.resume = resume
+        self.console = console or make_console()
+        self.checkpointer = Checkpointer(self.run_dir, recipe.checkpoint)
+        self.state = TrainState()
+        self.stop = StopSignal()
+        self.start = TrainState()  # where this session starts (the resumed checkpoint's state)
+        self.resume_from: Path | None = None
+        self.last_saved: Path | None = None
+        self.last_loss: float | None = None
+        self.final_valid_loss: float | None = None
+        self.train_seconds = 0.0
+        self.init_notes: list[str] = []  # what train.init_from loaded
+        self._warned_overflow = False
+
+    # ------------------------------------------------------------------ the outline
+
+    def train(self) -> FitResult:
+        with RunLock(self.run_dir):
+            self.setup()  # nothing is written to the run dir before this returns
+            if self.state.step >= self.cfg.steps:  # already finished: nothing to do, nothing to write
+                return self.result(seconds=0.0)
+            self.start_run()
+            t_start = time.monotonic()
+            with self.stop, self.display, self.metrics:
+                while self.state.step < self.cfg.steps and not self.stop.requested:
+                    record = self.train_step()
+                    if self.validation_due():
+                        record |= self.validate()
+                    self.log_step(record, elapsed=time.monotonic() - t_start)
+                    if self.save_due():
+                        self.save()
+            return self.result(seconds=time.monotonic() - t_start)
+
+    # ------------------------------------------------------------------ setup: reads only
+
+    def setup(self) -> None:
+        """Data, model, optimizer, stream and the checkpoint to resume, all checked before the run starts."""
+        self.device = pick_device(self.cfg.device)
+        seed_everything(self.cfg.seed)
+        if self.recipe.logging.tensorboard and (missing := tensorboard_missing()):
+            raise TrainingError(missing)
+        meta = self.read_inputs()
+        if meta is not None and meta["step"] >= self.cfg.steps:  # finished: no need to build anything
+            self.state = self.start = TrainState.from_meta(meta)
+            return
+        self.model = self.build_model(self.device)
+        if self.cfg.init_from and self.resume_from is None:  # fine-tuning: weights only, the rest starts fresh
+            self.init_notes = init_from_checkpoint(self.model, self.cfg.init_from, self.recipe)
+        self.optimizer = self.build_optimizer()
+        self.stream = self.build_stream()
+        self.cache = self.model.empty_cache(self.cfg.batch_docs, device=self.device, dtype=torch.float32)
+        if self.resume_from is not None:
+            self.state, self.cache = self.checkpointer.restore(
+                self.resume_from, model=self.model, optimizer=self.optimizer, stream=self.stream,
+                hashes=self.hashes, device=self.device,
+            )
+        self.start = replace(self.state)  # a copy: the state changes every step
+
+    def read_inputs(self) -> dict | None:
+        """The corpus, and the checkpoint to resume with its meta checked against this recipe (or None)."""
+        self.resume_from = self.last_saved = self.checkpointer.to_resume(self.resume)
+        self.corpus = self.prepare_data()
+        self.hashes = Checkpointer.hashes(self.recipe, self.corpus.tokenizer)
+        return self.checkpointer.check(self.resume_from, self.hashes) if self.resume_from is not None else None
+
+    def dry_run(self) -> list[str]:
+        """What `fit` would do, without doing it: the resolved recipe, the summary and the plan.
+
+        It writes nothing to the run dir (the token cache may fill: tokenizing is part of the check).
+        """
+        meta = self.read_inputs()
+        if meta is not None:
+            self.state = TrainState.from_meta(meta)
+        self.model = self.build_model(torch.device("meta"))  # sizes only: no memory, any machine
+        self.stream = self.build_stream()
+        if self.state.step >= self.cfg.steps:
+            plan = f"already finished at step {self.state.step}: fit would do nothing"
+        elif self.resume_from is not None:
+            plan = f"would resume from {self.resume_from} and train steps {self.state.step + 1}–{self.cfg.steps}"
+        elif old := self.checkpointer.existing():
+            how = "moving them aside" if self.resume == "never" else "moving the unusable ones aside"
+            plan = f"would start over, {how}: {_n(len(old), 'checkpoint')} in {self.checkpointer.dir}"
+        else:
+            plan = f"would start a fresh run of {_n(self.cfg.steps, 'step')}"
+        if self.cfg.init_from and self.resume_from is None and self.state.step < self.cfg.steps:
+            plan += f", starting from the weights of {self.cfg.init_from}"
+        if self.cfg.device == "cuda" and not torch.cuda.is_available():
+            plan += "; note: train.device is cuda but no CUDA device is visible here"
+        return [*recipe_to_yaml(self.recipe).splitlines(), "", *self.summary(), f"dry run: {plan}; nothing was written"]
+
+    def prepare_data(self) -> PreparedCorpus:
+        """Tokenizer and token documents (it trains or loads the tokenizer, which fixes the vocabulary)."""
+        r = self.recipe
+        return prepare_corpus(r.data, r.tokenizer, seed=self.cfg.seed, progress=r.logging.progress)
+
+    def build_model(self, device: torch.device) -> LM:
+        cfg = LMConfig.from_recipe(
+            self.recipe.model, self.recipe.attention, vocab_size=self.recipe.model.vocab_size or self.corpus.vocab_size
         )
-    model = LM(model_cfg).to(device)
-    init_notes = init_from_checkpoint(model, cfg.init_from, recipe) if cfg.init_from and resume_from is None else []
-    optimizer = build_optimizer(model, cfg)
-    stream = DocumentStream(corpus.train, batch_rows=cfg.batch_docs, chunk_size=cfg.chunk_size, seed=cfg.seed)
-    cache = model.empty_cache(cfg.batch_docs, device=device, dtype=torch.float32)
-    hashes = _hashes(recipe, run_dir)
-    state = TrainState()
+        if cfg.vocab_size < self.corpus.vocab_size:
+            raise TrainingError(
+                f"the tokenizer has {self.corpus.vocab_size} tokens but model.vocab_size is {cfg.vocab_size}: "
+                "token ids would index past the embedding. Use the model's own tokenizer, or a larger model.vocab_size"
+            )
+        if device.type == "meta":  # sizes only (dry run): no memory, no init
+            with torch.device("meta"):
+                return LM(cfg)
+        return LM(cfg).to(device)
 
-    aside = None
-    if resume_from is not None:
-        cache = _restore(resume_from, model, optimizer, stream, state, hashes, device)
-    elif manager.steps() and resume == "never":
-        shutil.rmtree(manager.dir)  # asked to start over: old checkpoints would mix with new ones
-    elif manager.steps():  # none of them is complete: keep them for inspection, start clean
-        aside = manager.dir.with_name(f"{manager.dir.name}.unusable-{time.strftime('%Y%m%d-%H%M%S')}")
-        manager.dir.rename(aside)
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return build_optimizer(self.model, self.cfg)
 
-    display = ProgressDisplay(
-        cfg.steps, start_step=state.step, start_tokens=state.tokens, every=recipe.logging.every,
-        live=recipe.logging.progress, console=console,
-    )
-    _print_summary(display, recipe, model, corpus, run_dir, resume_from, state)
-    for note in init_notes:
-        display.message(note)
-    if aside is not None:
-        display.message(f"warning: no complete checkpoint to resume from; moved the unusable ones to {aside}")
+    def build_stream(self) -> DocumentStream:
+        cfg = self.cfg
+        return DocumentStream(self.corpus.train, batch_rows=cfg.batch_docs, chunk_size=cfg.chunk_size, seed=cfg.seed)
 
-    stop = _StopSignal()
-    t_start = time.monotonic()
-    last_loss, valid_loss, saved = float("nan"), None, resume_from
-    warned_overflow = False
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    with stop, display, MetricsLogger(run_dir, start_step=state.step) as metrics:
-        while state.step < cfg.steps and not stop.requested:
-            step = state.step + 1
-            lr = lr_at(step, cfg)
-            set_lr(optimizer, lr, step=step, cfg=cfg)
-            apply_freeze(model, cfg.freeze, step)
-            model.train()
-            loss_sum, step_tokens = torch.zeros((), device=device), 0
-            for _ in range(cfg.grad_accum):
-                chunk = stream.next_chunk()
-                step_tokens += int(chunk.lengths.sum())  # counted on the CPU, before the copy
-                chunk = chunk.to(device)
-                cache = cache.reset_rows(chunk.reset)  # a new document starts with an empty cache
-                with autocast:
-                    out = model(chunk.tokens, cache=cache, lengths=chunk.lengths)
-                loss = lm_loss(out.logits, chunk.targets)
-                (loss / cfg.grad_accum).backward()  # gradients stop at the (detached) cache
-                cache = out.cache
-                loss_sum += loss.detach()  # summed on the device: one host sync per step, below
-                if out.overflowed and not warned_overflow:
-                    warned_overflow = True
-                    display.message(
-                        "warning: a layer's SparseK threshold state hit its cap (attention.threshold_cap); "
-                        "thresholds are approximate from here. Raise attention.threshold_cap to keep them exact."
-                    )
-            last_loss = loss_sum.item() / cfg.grad_accum
-            if not math.isfinite(last_loss):
-                where = f"; the last good checkpoint is {saved}" if saved else ""
-                raise TrainingError(
-                    f"loss is {last_loss} at step {step}: stopping without saving{where}. "
-                    "Lower train.lr or raise train.warmup_steps, then resume."
-                )
-            grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            state.step, state.tokens = step, state.tokens + step_tokens
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
 
-            rows = stream.progress()["rows"]
-            memory = peak_memory_bytes(device)
-            record = {
-                "step": step, "loss": last_loss, "tokens": state.tokens, "lr": lr, "grad_norm": grad_norm,
-                "memory_bytes": memory, "doc_positions": [r["offset"] for r in rows],
-                "elapsed_s": round(time.monotonic() - t_start, 4),  # since this process started the loop
-            }
-            if cfg.valid_every and (step % cfg.valid_every == 0 or step == cfg.steps) and len(corpus.valid):
-                valid_loss = evaluate(model, corpus, cfg, device)
-                if state.best_valid_loss is None or valid_loss < state.best_valid_loss:
-                    state.best_valid_loss = valid_loss
-                record |= {"valid_loss": valid_loss, "valid_ppl": math.exp(min(valid_loss, 700))}
-                display.message(f"step {step}: validation loss {valid_loss:.4f} (ppl {math.exp(min(valid_loss, 700)):.2f})")
-            metrics.log(record)
-            display.update(StepStats(
-                step=step, loss=last_loss, lr=lr, grad_norm=grad_norm, tokens=state.tokens,
-                rows=[RowProgress(r["doc"], r["offset"], r["len"]) for r in rows],
-                cache_fill=cache.fill(), memory_bytes=memory,
-            ))
+    # ------------------------------------------------------------------ the run starts: writes
 
-            if step % recipe.checkpoint.every == 0 or step == cfg.steps or stop.requested:
-                saved = _save(manager, model, optimizer, cache, stream, state, hashes, corpus, recipe)
-                display.message(f"saved checkpoint {saved}")
-                _test_only_kill_after(step)
+    def start_run(self) -> None:
+        """Set aside what a fresh start replaces, write the run's files, open metrics and display."""
+        moved = self.set_aside_previous()
+        (self.run_dir / RECIPE_FILE).write_text(recipe_to_yaml(self.recipe))
+        (self.run_dir / TOKENIZER_FILE).write_text(self.corpus.tokenizer.to_str(pretty=True))
+        self.metrics = MetricsLogger(self.run_dir, start_step=self.state.step, tensorboard=self.recipe.logging.tensorboard)
+        self.display = ProgressDisplay(
+            self.cfg.steps, start_tokens=self.state.tokens, every=self.recipe.logging.every,
+            live=self.recipe.logging.progress, console=self.console,
+        )
+        for line in self.summary() + self.init_notes + moved:
+            self.display.message(line)
 
-    return FitResult(
-        run_dir=run_dir, steps=state.step, tokens=state.tokens, seconds=time.monotonic() - t_start,
-        last_loss=last_loss, final_valid_loss=valid_loss, best_valid_loss=state.best_valid_loss,
-        checkpoint=saved, interrupted=stop.requested,
-    )
+    def set_aside_previous(self) -> list[str]:
+        """Move aside what the run would otherwise overwrite or mix with; returns what it says about it.
+
+        A fresh start over existing checkpoints moves them (with `--resume never`, their metrics too);
+        a resume moves the checkpoints after its step, which belong to the future it rewrites.
+        """
+        old = self.checkpointer.existing()
+        if self.resume_from is not None:
+            later = [p for p in old if _step_of(p) > self.state.step]
+            if not later:
+                return []
+            tag = "unusable" if self.resume == "auto" else "superseded"  # auto: the newer ones failed their checks
+            moved = move_aside(later, tag)
+            return [f"moved the checkpoints after step {self.state.step} ({_steps(later)}) aside, as "
+                    f"{', '.join(new.name for _, new in moved)} in {self.checkpointer.dir}"]
+        if not old:
+            return []
+        if self.resume == "never":
+            paths = [self.checkpointer.dir, self.run_dir / METRICS_FILE, self.run_dir / TENSORBOARD_DIR]
+            moved = move_aside(paths, "replaced")
+            where = ", ".join(str(new) for _, new in moved)
+            return [f"--resume never: moved the previous run ({_n(len(old), 'checkpoint')}, {_steps(old)}) aside to "
+                    f"{where}; delete them when you no longer need them"]
+        moved = move_aside([self.checkpointer.dir], "unusable")  # auto, and none of them is complete
+        return [f"warning: no complete checkpoint to resume from; moved the unusable ones ({_steps(old)}) to {moved[0][1]}"]
+
+    def summary(self) -> list[str]:
+        """What is about to run: model, attention and KV budget, batch, data, resume point, notes."""
+        r, cfg, att, model = self.recipe, self.cfg, self.recipe.attention, self.model
+        kv = kv_entries(att.type, att.topk, att.window)
+        lines = [
+            f"longtrain fit {r.name} → {self.run_dir}",
+            f"model: {r.model.style}, {r.model.layers} layers × {r.model.d_model}, "
+            f"{model.num_params() / 1e6:.2f}M parameters, vocab {model.cfg.vocab_size}",
+            f"attention: {att.type} (k={att.topk}, w={att.window}, {att.variant}); KV cache "
+            + (f"{kv} entries per layer per row" if kv is not None else "grows with the document"),
+            f"batch: {_n(cfg.batch_docs, 'document')} × {cfg.chunk_size} tokens × {_n(cfg.grad_accum, 'chunk')} = "
+            f"{cfg.batch_docs * cfg.chunk_size * cfg.grad_accum:,} tokens per step, {_n(cfg.steps, 'step')}",
+            f"data: {_n(len(self.corpus.train), 'training document')} ({self.corpus.train.n_tokens:,} tokens), "
+            f"{_n(len(self.corpus.valid), 'validation document')}",
+        ]
+        if self.resume_from is not None:
+            lines.append(f"resuming from {self.resume_from} (step {self.state.step}, {self.state.tokens:,} tokens)")
+        return lines + self.notes()
+
+    def notes(self) -> list[str]:
+        """Settings the run adjusted, or that deserve a second look."""
+        cfg, out = self.cfg, []
+        if cfg.warmup() != cfg.warmup_steps:
+            instead = f"the first {_n(cfg.warmup(), 'step')} (a tenth of the run)" if cfg.warmup() else "no warmup"
+            out.append(f"note: train.warmup_steps ({cfg.warmup_steps}) exceeds train.steps ({cfg.steps}): {instead} instead")
+        if cfg.valid_every and cfg.steps < cfg.valid_every and len(self.corpus.valid):
+            out.append(f"note: no validation: the run is shorter than train.valid_every ({cfg.valid_every}); "
+                       f"--set train.valid_every={cfg.steps} validates at its end")
+        if warning := self.stream.too_few_documents():
+            out.append(f"warning: {warning}")
+        return out
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self) -> dict:
+        """One optimizer step over `grad_accum` chunks; returns its metrics record."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        step = self.state.step + 1
+        lr = lr_at(step, cfg)
+        set_lr(self.optimizer, lr, step=step, cfg=cfg)
+        apply_freeze(self.model, cfg.freeze, step)  # train.freeze: which parameters learn at this step
+        self.model.train()
+        loss_sum, step_tokens = torch.zeros((), device=self.device), 0
+        for _ in range(cfg.grad_accum):
+            chunk = self.stream.next_chunk()
+            step_tokens += int(chunk.lengths.sum())  # counted on the CPU, before the copy
+            chunk = chunk.to(self.device)
+            self.cache = self.cache.reset_rows(chunk.reset)  # a new document starts with an empty cache
+            with self.autocast():
+                out = self.model(chunk.tokens, cache=self.cache, lengths=chunk.lengths)
+            loss = lm_loss(out.logits, chunk.targets)
+            (loss / cfg.grad_accum).backward()  # gradients stop at the (detached) cache
+            self.cache = out.cache
+            loss_sum += loss.detach()  # summed on the device: one host sync per step, below
+            if out.overflowed:
+                self.warn_overflow()
+        loss = loss_sum.item() / cfg.grad_accum
+        if not math.isfinite(loss):
+            where = f"; the last good checkpoint is {self.last_saved}" if self.last_saved else ""
+            raise TrainingError(
+                f"loss is {loss} at step {step}: stopping without saving{where}. "
+                "Lower train.lr or raise train.warmup_steps, then resume."
+            )
+        grad_norm = clip_grad_norm(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step, self.state.tokens = step, self.state.tokens + step_tokens
+        self.last_loss = loss
+        seconds = time.perf_counter() - t0
+        self.train_seconds += seconds
+        return {
+            "step": step, "loss": loss, "tokens": self.state.tokens, "lr": lr, "grad_norm": grad_norm,
+            "memory_bytes": peak_memory_bytes(self.device),
+            "doc_positions": [r["offset"] for r in self.stream.progress()["rows"]],
+            "step_s": round(seconds, 4),
+        }
+
+    def warn_overflow(self) -> None:
+        if not self._warned_overflow:
+            self._warned_overflow = True
+            self.display.message(
+                "warning: a layer's SparseK threshold state hit its cap (attention.threshold_cap); "
+                "thresholds are approximate from here. Raise attention.threshold_cap to keep them exact."
+            )
+
+    def validation_due(self) -> bool:
+        return self.cfg.validates_at(self.state.step) and len(self.corpus.valid) > 0
+
+    def validate(self) -> dict:
+        """A validation pass; returns its part of the step's record."""
+        t0 = time.perf_counter()
+        loss = evaluate(self.model, self.corpus, self.cfg, self.device)
+        self.final_valid_loss = loss
+        if self.state.best_valid_loss is None or loss < self.state.best_valid_loss:
+            self.state.best_valid_loss = loss
+        ppl = math.exp(min(loss, 700))
+        self.display.message(f"step {self.state.step}: validation loss {loss:.4f} (ppl {ppl:.2f})")
+        return {"valid_loss": loss, "valid_ppl": ppl, "valid_s": round(time.perf_counter() - t0, 4)}
+
+    def log_step(self, record: dict, *, elapsed: float) -> None:
+        """metrics.jsonl (and TensorBoard), then the console."""
+        rows = self.stream.progress()["rows"]
+        stats = StepStats(
+            step=record["step"], loss=record["loss"], lr=record["lr"], grad_norm=record["grad_norm"],
+            tokens=record["tokens"], seconds=record["step_s"], rows=[RowProgress(r["doc"], r["offset"], r["len"]) for r in rows],
+            cache_fill=self.cache.fill(), memory_bytes=record["memory_bytes"],
+        )
+        self.display.update(stats)
+        record["tokens_per_s"] = round(self.display.tokens_per_s(), 1)  # over the display's recent window
+        record["elapsed_s"] = round(elapsed, 4)  # since this session's loop started
+        self.metrics.log(record)
+
+    def save_due(self) -> bool:
+        step = self.state.step
+        return step % self.checkpointer.every == 0 or step == self.cfg.steps or self.stop.requested
+
+    def save(self) -> None:
+        self.last_saved = self.checkpointer.save(
+            self.state, model=self.model, optimizer=self.optimizer, cache=self.cache, stream=self.stream,
+            hashes=self.hashes, recipe=self.recipe, corpus=self.corpus,
+        )
+        self.display.message(f"saved checkpoint {self.last_saved}")
+        kill_for_tests_after(self.state.step)
+
+    def result(self, *, seconds: float) -> FitResult:
+        return FitResult(
+            run_dir=self.run_dir, start_step=self.start.step, steps=self.state.step, tokens=self.state.tokens,
+            session_tokens=self.state.tokens - self.start.tokens, seconds=seconds, train_seconds=self.train_seconds,
+            last_loss=self.last_loss, final_valid_loss=self.final_valid_loss,
+            best_valid_loss=self.state.best_valid_loss, checkpoint=self.last_saved, stopped_by=self.stop.signum,
+        )
+
+
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("step-"))
+
+
+def _steps(checkpoints: list[Path]) -> str:
+    first, last = _step_of(checkpoints[0]), _step_of(checkpoints[-1])
+    return f"steps {first}–{last}" if len(checkpoints) > 1 else f"step {first}"
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -216,105 +435,3 @@ def evaluate(model: LM, corpus: PreparedCorpus, cfg, device: torch.device) -> fl
             count += n
     model.train()
     return total / max(count, 1)
-
-
-# ------------------------------------------------------------------ checkpoints
-
-
-def _hashes(recipe: Recipe, run_dir: Path) -> dict[str, str]:
-    """What a checkpoint must match to be resumed: model shape, attention, tokenizer."""
-    return {
-        "model": recipe_hash(recipe, ("model",)),
-        "attention": recipe_hash(recipe, ("attention",)),
-        "tokenizer": hashlib.sha256((run_dir / "tokenizer.json").read_bytes()).hexdigest(),
-    }
-
-
-def _checkpoint_to_resume(manager: ckpt.CheckpointManager, resume: str) -> Path | None:
-    if resume == "never":
-        return None
-    if resume == "auto":
-        return manager.latest_complete()
-    path = Path(resume)
-    problem = ckpt.validate(path) if path.is_dir() else f"no checkpoint directory at {path}"
-    if problem:
-        raise TrainingError(f"--resume {resume}: {problem}")
-    return path
-
-
-def _save(manager, model, optimizer, cache: ModelCache, stream, state: TrainState, hashes, corpus, recipe) -> Path:
-    opt_tensors, opt_info = ckpt.optimizer_to_checkpoint(optimizer.state_dict())
-    meta = {
-        "step": state.step,
-        "tokens": state.tokens,
-        "best_valid_loss": state.best_valid_loss,
-        "data_stream": stream.state_dict(),
-        "corpus": corpus.fingerprint,
-        "rng": capture_rng(),
-        "optimizer": opt_info,
-        "hashes": hashes,
-    }
-    tensors = {"model": model.state_dict(), "optimizer": opt_tensors, "cache": cache.state_dict()}
-    files = checkpoint_files(recipe, corpus.tokenizer)  # self-contained
-    return manager.save(state.step, tensors=tensors, meta=meta, files=files)
-
-
-def _restore(path: Path, model, optimizer, stream, state: TrainState, hashes, device) -> ModelCache:
-    tensors, meta = ckpt.load(path)
-    ckpt.check_compatible(meta, hashes, path=path)
-    ckpt.check_shapes(tensors["model"], model.state_dict())
-    model.load_state_dict(tensors["model"])
-    optimizer.load_state_dict(ckpt.optimizer_from_checkpoint(tensors["optimizer"], meta["optimizer"]))
-    stream.load_state_dict(meta["data_stream"])
-    restore_rng(meta["rng"])
-    state.step, state.tokens, state.best_valid_loss = meta["step"], meta["tokens"], meta.get("best_valid_loss")
-    return ModelCache.from_state_dict({k: v.to(device) for k, v in tensors["cache"].items()})
-
-
-def _test_only_kill_after(step: int) -> None:
-    """Tests simulate a crash: SIGKILL right after checkpoint `LONGTRAIN_TEST_KILL_AFTER` is saved."""
-    if os.environ.get("LONGTRAIN_TEST_KILL_AFTER") == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-class _StopSignal:
-    """SIGINT/SIGTERM ask the loop to finish its step, save a checkpoint and return."""
-
-    requested = False
-
-    def __enter__(self):
-        self._old = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:  # a second Ctrl-C stops at once
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-def _print_summary(display, recipe: Recipe, model: LM, corpus: PreparedCorpus, run_dir, resume_from, state) -> None:
-    cfg, att = recipe.train, recipe.attention
-    lines = [
-        f"longtrain fit {recipe.name} → {run_dir}",
-        f"model: {recipe.model.style}, {recipe.model.layers} layers × {recipe.model.d_model}, "
-        f"{model.num_params() / 1e6:.2f}M parameters, vocab {model.cfg.vocab_size}",
-        f"attention: {att.type} (k={att.topk}, w={att.window}, {att.variant}); KV cache "
-        + (f"{att.topk + max(att.window - 1, 0)} entries per layer per row" if att.type != "full" else "grows with the document"),
-        f"batch: {cfg.batch_docs} documents × {cfg.chunk_size} tokens × {cfg.grad_accum} chunks = "
-        f"{cfg.batch_docs * cfg.chunk_size * cfg.grad_accum:,} tokens per step, {cfg.steps} steps",
-        f"data: {len(corpus.train)} training documents ({corpus.train.n_tokens:,} tokens), "
-        f"{len(corpus.valid)} validation documents",
-    ]
-    if resume_from is not None:
-        lines.append(f"resuming from {resume_from} (step {state.step}, {state.tokens:,} tokens)")
-    for line in lines:
-        display.message(line)

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from longtrain.data import DataConfig, DataError, TokenizerConfig, prepare_corpus
@@ -13,7 +14,7 @@ from .corpora import make_text
 def prepare(tmp_path, **data):
     tok = data.pop("tokenizer", TokenizerConfig(vocab_size=300))
     cfg = DataConfig(**{"source": "files", "min_doc_tokens": 10, **data})
-    return prepare_corpus(cfg, tok, run_dir=tmp_path / "run", cache_dir=tmp_path / "cache", progress=False)
+    return prepare_corpus(cfg, tok, cache_dir=tmp_path / "cache", progress=False)
 
 
 def test_missing_path_is_named(tmp_path):
@@ -83,3 +84,17 @@ def test_hub_data_set_that_cannot_be_reached(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # never touch the network in tests
     with pytest.raises(DataError, match="no-such-user/no-such-set.*Without a network"):
         prepare(tmp_path, source="hub", name="no-such-user/no-such-set")
+
+
+def test_a_file_that_is_mostly_not_text_is_refused(tmp_path):
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "book.txt").write_text(make_text(1, 300))
+    noise = np.random.default_rng(0).integers(0, 256, 20_000, dtype=np.uint8).tobytes()
+    (folder / "random.txt").write_bytes(noise)  # random bytes named .txt
+    with pytest.raises(DataError, match=r"random.txt is mostly not text: .* \(4\d%\) are not UTF-8 \(at most 10%"):
+        prepare(tmp_path, path=str(folder))
+    # Just under the threshold still trains (with the count reported): Latin-1 accents, say.
+    text = make_text(2, 300).encode()
+    (folder / "random.txt").write_bytes(text + b"\xe9" * int(0.1 * len(text)))
+    assert prepare(tmp_path, path=str(folder)).stats["train"]["invalid_utf8_bytes"] == int(0.1 * len(text))

@@ -131,3 +131,14 @@ def test_valid_chunks_stop_at_max_tokens():
         for d, inputs, _ in row_reads(chunks, b):
             assert inputs == docs.doc(d).tolist()[: min(len(docs.doc(d)), 32)]
     assert len(chunks) == 2 + 2 + 2  # three groups (3 + 3 + 2 documents), each cut after two chunks
+
+
+def test_fewer_documents_than_rows_is_reported():
+    one = DocumentStream(synthetic_docs([200]), batch_rows=3, chunk_size=16, seed=0)
+    chunk = one.next_chunk()
+    assert torch.equal(chunk.tokens[0], chunk.tokens[1])  # what the warning is about: rows read the same tokens
+    assert "1 training document for 3 batch rows" in one.too_few_documents()
+    assert "lower train.batch_docs to 1" in one.too_few_documents()
+    sharded = DocumentStream(synthetic_docs([200] * 5), batch_rows=3, chunk_size=16, seed=0, rank=1, world_size=2)
+    assert "2 training documents on rank 1 of 2 for 3 batch rows" in sharded.too_few_documents()
+    assert DocumentStream(synthetic_docs([200] * 3), batch_rows=3, chunk_size=16, seed=0).too_few_documents() is None

@@ -1,68 +1,16 @@
 """End-to-end `longtrain fit` on a tiny generated corpus: resume exactness, signals, bad input."""
 
 import json
-import os
-import random
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from longtrain.cli import app
 from longtrain.train.metrics import read_metrics
 
-WORDS = (
-    "the of and to in a is that for it as was with be by on not he this are or his from at which but have "
-    "an they you were her all she there would their we him been has when who will more no if out so said "
-    "river house letter morning captain garden window silence evening mountain quiet ship coffee wander"
-).split()
-
-
-def write_corpus(folder: Path, n_docs: int = 5, words: int = 3500) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    for d in range(n_docs):
-        rng = random.Random(d)
-        text = " ".join(rng.choice(WORDS) + ("." if rng.random() < 0.08 else "") for _ in range(words))
-        (folder / f"doc{d}.txt").write_text(text)
-
-
-RECIPE = """
-model: {{style: gpt2, layers: 2, d_model: 32, heads: 2, mlp_ratio: 2.0}}
-attention: {{type: sparsek+sw, topk: 8, window: 8}}
-data: {{source: files, path: {corpus}, min_doc_tokens: 300, valid: 0.2}}
-tokenizer: {{vocab_size: 320}}
-train: {{steps: {steps}, chunk_size: 48, batch_docs: 2, lr: 3.0e-3, warmup_steps: 2, seed: 3, device: cpu,
-         valid_every: 4, valid_docs: 1, valid_tokens: 96}}
-checkpoint: {{every: {every}, keep: 3}}
-logging: {{every: 1, progress: false}}
-"""
-
-
-@pytest.fixture
-def workspace(tmp_path, monkeypatch):
-    write_corpus(tmp_path / "corpus")
-    monkeypatch.setenv("LONGTRAIN_CACHE", str(tmp_path / "cache"))
-
-    def recipe(steps=10, every=4, name="tiny"):
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(RECIPE.format(corpus=tmp_path / "corpus", steps=steps, every=every))
-        return path
-
-    return tmp_path, recipe
-
-
-def run_cli(*args, env_extra=None):
-    env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "longtrain.cli", *map(str, args)], env=env, capture_output=True, text=True, timeout=600)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
+from .tiny import cli, losses, run_cli
 
 
 def final_model(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -95,10 +43,6 @@ def test_resume_after_sigkill_is_bitwise_identical(workspace):
     # every record carries the loop's wall-clock time, for throughput between any two steps
     times = [r["elapsed_s"] for r in read_metrics(tmp / "straight" / "metrics.jsonl")]
     assert len(times) == 10 and times == sorted(times) and times[0] > 0
-
-
-def cli(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 def test_missing_recipe_and_bad_keys_are_named(workspace):
@@ -165,21 +109,36 @@ def test_resume_refuses_another_model_and_skips_a_corrupt_checkpoint(workspace):
     assert list(tmp.glob("r/checkpoints.unusable-*/step-00000006"))
 
 
-def test_sigterm_saves_a_checkpoint_before_exiting(workspace, monkeypatch):
-    tmp, recipe = workspace
+def signal_at_step_3(monkeypatch, *signals):
+    """Deliver real signals to this process in the middle of step 3 (after its backward)."""
     import longtrain.train.trainer as trainer
 
-    real = trainer.clip_grad_norm
-    calls = {"n": 0}
+    real, calls = trainer.clip_grad_norm, {"n": 0}
 
     def clip_then_signal(params, max_norm):
         calls["n"] += 1
         if calls["n"] == 3:
-            signal.raise_signal(signal.SIGTERM)
+            for sig in signals:
+                signal.raise_signal(sig)
         return real(params, max_norm)
 
     monkeypatch.setattr(trainer, "clip_grad_norm", clip_then_signal)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_saves_a_checkpoint_then_exits_128_plus_signal(workspace, monkeypatch, sig, code):
+    tmp, recipe = workspace
+    signal_at_step_3(monkeypatch, sig)
     r = cli("fit", recipe(steps=10, every=100), "--run-dir", tmp / "t")
-    assert r.exit_code == 0, r.output
-    assert "stopped early" in r.output
+    assert r.exit_code == code, r.output
+    assert f"stopped by {signal.Signals(sig).name} after saving: steps 1–3" in r.output
     assert (tmp / "t/checkpoints/step-00000003").is_dir()
+    assert sorted(losses(tmp / "t")) == [1, 2, 3]
+
+
+def test_a_second_ctrl_c_stops_at_once_without_saving(workspace, monkeypatch):
+    tmp, recipe = workspace
+    signal_at_step_3(monkeypatch, signal.SIGINT, signal.SIGINT)
+    r = cli("fit", recipe(steps=10, every=100), "--run-dir", tmp / "t")
+    assert r.exit_code == 130 and "stopped without saving" in r.output, r.output
+    assert not (tmp / "t/checkpoints").exists()

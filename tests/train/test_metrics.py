@@ -85,3 +85,26 @@ def test_progress_false_disables_live():
 
 def test_peak_memory_is_positive():
     assert peak_memory_bytes("cpu") > 0
+
+
+def test_rate_and_eta_come_from_the_recent_window_of_training_time():
+    display = ProgressDisplay(100, every=1000, console=Console(file=io.StringIO(), force_terminal=False))
+    tokens = 0
+    with display:
+        for step in range(1, 51):
+            step_tokens = 100 if step <= 40 else 1000  # a slow start, then ten times faster
+            tokens += step_tokens
+            display.update(StepStats(step=step, loss=2.0, lr=1e-3, grad_norm=1.0, tokens=tokens, seconds=1.0))
+    # Only the last 30 s of training count: 20 slow steps and 10 fast ones.
+    assert display.tokens_per_s() == (20 * 100 + 10 * 1000) / 30
+    line = display.line(StepStats(step=50, loss=2.0, lr=1e-3, grad_norm=1.0, tokens=tokens, seconds=1.0))
+    assert "400 tok/s" in line and "eta 0m50s" in line  # 50 steps left at 1 s per step
+
+
+def test_the_live_panel_never_shows_markup():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=160, color_system=None, markup=False)
+    with ProgressDisplay(5, every=100, console=console) as display:
+        display.update(stats(1))
+    text = out.getvalue()
+    assert "loss 2.0000" in text and "[bold" not in text and "[/]" not in text

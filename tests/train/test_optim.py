@@ -45,3 +45,13 @@ def test_clip_grad_norm_reports_the_norm_before_clipping():
     assert torch.equal(p.grad, torch.full((4,), 2.0))  # 0 = off
     assert clip_grad_norm([p], 1.0) == pytest.approx(4.0)
     assert p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_a_warmup_longer_than_the_run_warms_up_over_its_first_tenth():
+    cfg = TrainConfig(steps=20, lr=1e-3, warmup_steps=100)
+    assert cfg.warmup() == 2
+    assert [lr_at(s, cfg) for s in (1, 2)] == pytest.approx([5e-4, 1e-3])
+    assert lr_at(20, cfg) == pytest.approx(1e-4)
+    assert TrainConfig(steps=5, warmup_steps=100).warmup() == 0  # shorter than 10 steps: none
+    assert lr_at(1, TrainConfig(steps=5, lr=1e-3, warmup_steps=100)) > 0
+    assert TrainConfig(steps=200, warmup_steps=100).warmup() == 100  # a warmup that fits is kept

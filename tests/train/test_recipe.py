@@ -111,7 +111,8 @@ def test_cross_field_checks(tmp_path):
     assert "multiple of heads" in error_of(write(tmp_path, MINIMAL.replace("d_model: 64", "d_model: 66")))
     msg = error_of(write(tmp_path, MINIMAL), ["model.vocab_size=1000", "tokenizer.vocab_size=4096"])
     assert "  - model.vocab_size (1000) is smaller than tokenizer.vocab_size (4096)" in msg
-    assert "warmup_steps (20) exceeds steps" in error_of(write(tmp_path, MINIMAL.replace("warmup_steps: 2", "warmup_steps: 20")))
+    # A warmup longer than the run is not an error: the run warms up over its first tenth (see test_optim).
+    assert load_recipe(write(tmp_path, MINIMAL.replace("warmup_steps: 2", "warmup_steps: 20"))).train.warmup() == 1
 
 
 def test_empty_section_takes_the_defaults(tmp_path):
@@ -156,3 +157,44 @@ def test_hash_tracks_model_but_not_training_or_backend(tmp_path):
     assert recipe_hash(load_recipe(path, ["model.layers=3"])) != base
     assert recipe_hash(load_recipe(path, ["attention.topk=16"])) != base
     assert recipe_hash(load_recipe(path, ["tokenizer.vocab_size=4096"])) != base
+
+
+# The fine-tuning recipes take their model from train.init_from (tests/interop runs them).
+SCRATCH_RECIPES = [name for name in builtin_recipes() if not name.startswith("finetune-")]
+
+
+@pytest.mark.parametrize("name", SCRATCH_RECIPES)
+def test_one_override_makes_a_smoke_run_of_any_builtin(name):
+    r = load_recipe(name, ["train.steps=20"])
+    assert r.train.steps == 20 and r.train.warmup() == 2  # warmup_steps (40 to 500) exceeds the run: a tenth
+    assert not any(r.train.validates_at(s) for s in range(1, 21))  # no full validation pass in a smoke run
+    full = load_recipe(name)
+    if full.train.valid_every:  # the real run validates on schedule and at its end
+        assert full.train.validates_at(full.train.valid_every) and full.train.validates_at(full.train.steps)
+
+
+@pytest.mark.parametrize("name", SCRATCH_RECIPES)
+def test_recipe_comments_state_the_parameter_count_a_run_prints(name):
+    """The header's "N.NM parameters" is what `fit` prints for that recipe (vocab = tokenizer.vocab_size)."""
+    import re
+
+    import torch
+
+    from longtrain.model import LM, LMConfig
+
+    r = load_recipe(name)
+    header = "".join(line for line in (RECIPES_DIR / f"{name}.yaml").read_text().splitlines(True) if line.startswith("#"))
+    stated = [float(x) for x in re.findall(r"(\d+(?:\.\d+)?)M(?:-parameter| parameters)", header)]
+    assert stated, f"{name}.yaml does not state its parameter count"
+    with torch.device("meta"):
+        model = LM(LMConfig.from_recipe(r.model, r.attention, vocab_size=r.tokenizer.vocab_size))
+    for millions in stated:
+        assert millions == pytest.approx(model.num_params() / 1e6, rel=0.01), (name, millions)
+
+
+def test_recipe_description_is_the_first_comment_line(tmp_path):
+    from longtrain.train.recipe import recipe_description
+
+    assert recipe_description(write(tmp_path, "# r: a small test recipe\n" + MINIMAL)) == "a small test recipe"
+    assert recipe_description(write(tmp_path, "# just words\n" + MINIMAL)) == "just words"
+    assert recipe_description(write(tmp_path, MINIMAL)) == ""

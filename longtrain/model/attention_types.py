@@ -1,0 +1,48 @@
+"""The four attention types and which of (topk, window) each uses: the one place this rule lives.
+
+    sparsek+sw  the SparseK pool of k keys plus a sliding window of w (the default)
+    sparsek     the pool only (w = 0)
+    sw          the window only (k = 0): the op with nothing selected
+    full        causal attention over the whole document (the baseline; its cache grows)
+
+The recipe validates against it (`size_problems`), the model builds its layers from it
+(`selects`) and the trainer reports the KV budget from it (`kv_entries`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+AttentionType = Literal["sparsek+sw", "sparsek", "sw", "full"]
+USES: dict[str, tuple[str, ...]] = {
+    "sparsek+sw": ("topk", "window"),
+    "sparsek": ("topk",),
+    "sw": ("window",),
+    "full": (),
+}
+
+
+def selects(type: str) -> bool:
+    """Whether the type keeps a SparseK pool (and so has scoring vectors)."""
+    return "topk" in USES[type]
+
+
+def size_problems(type: str, topk: int | None, window: int | None) -> list[str]:
+    """What is wrong with (topk, window) for `type`: the used sizes must be > 0, the others 0 or unset."""
+    if type not in USES:
+        return [f"attention type must be one of {', '.join(USES)}; got {type!r}"]
+    problems = []
+    for name, value in (("topk", topk), ("window", window)):
+        if name in USES[type] and not value:
+            problems.append(f"attention type {type} needs `{name}` > 0 (got {value})")
+        elif name not in USES[type] and value:
+            other = "sparsek+sw" if type in ("sw", "sparsek") else "sparsek+sw or sw"
+            problems.append(f"attention type {type} has no `{name}` (got {value}); hint: remove `{name}` or use type {other}")
+    return problems
+
+
+def kv_entries(type: str, topk: int, window: int) -> int | None:
+    """Cached keys per layer per row (k pooled + w − 1 in the window's tail); None for full (it grows)."""
+    if type == "full":
+        return None
+    return topk + max(window - 1, 0)

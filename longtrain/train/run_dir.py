@@ -1,0 +1,79 @@
+"""The run directory's safety: one `fit` at a time, and nothing deleted without a word.
+
+`RunLock` takes an exclusive `flock` on the run directory itself (not on a file in it, which a
+holder could delete under a waiting process) and writes `RUN_DIR/.lock` naming its process, for
+the message a second `fit` prints. The kernel drops a flock when its process dies, SIGKILL
+included, so a killed run never leaves the directory locked; a stale `.lock` file left behind
+is only information and is overwritten by the next holder (and removed when a holder exits).
+
+`move_aside` renames files a run would otherwise overwrite or delete (old checkpoints, old
+metrics) to `<name>.<tag>-<time>`, beside themselves.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+LOCK_FILE = ".lock"
+
+
+class RunDirBusy(Exception):
+    """Another process holds the run directory; the message names it."""
+
+
+class RunLock:
+    """`with RunLock(run_dir):` holds the run directory (creating it) or raises RunDirBusy."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self._fd: int | None = None
+        self._created = False
+
+    def __enter__(self) -> RunLock:
+        self._created = not self.run_dir.exists()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunDirBusy(
+                f"run dir {self.run_dir} is in use by {self._holder()}; wait for it to finish "
+                "(or stop it: Ctrl-C saves a checkpoint), or choose another --run-dir"
+            ) from None
+        self._fd = fd
+        info = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)}\n"
+        (self.run_dir / LOCK_FILE).write_text(info)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        (self.run_dir / LOCK_FILE).unlink(missing_ok=True)
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
+        if self._created and not any(self.run_dir.iterdir()):  # a run that never started leaves no trace
+            self.run_dir.rmdir()
+
+    def _holder(self) -> str:
+        try:
+            text = (self.run_dir / LOCK_FILE).read_text().strip()
+        except OSError:
+            text = ""
+        return f"process {text}" if text else "another process (it has not written its pid yet)"
+
+
+def move_aside(paths: list[Path], tag: str) -> list[tuple[Path, Path]]:
+    """Rename each existing path to `<name>.<tag>-<time>` beside it; returns (old, new) pairs."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for path in paths:
+        if path.exists():
+            new = path.with_name(f"{path.name}.{tag}-{stamp}")
+            path.rename(new)
+            moved.append((path, new))
+    return moved

@@ -1,0 +1,60 @@
+"""What a user types first: -h, --version, shell completion, `longtrain recipes`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from longtrain import __version__
+from longtrain.cli import app
+from longtrain.train.recipe import RECIPES_DIR, builtin_recipes
+
+
+def invoke(*args, **kwargs):
+    return CliRunner().invoke(app, list(args), prog_name="longtrain", **kwargs)
+
+
+def test_short_and_long_help_list_every_verb():
+    for flag in ("-h", "--help"):
+        r = invoke(flag)
+        assert r.exit_code == 0, r.output
+        for verb in ("fit", "recipes", "plot", "verify-equivalence", "version"):
+            assert verb in r.output
+    r = invoke("fit", "-h")
+    assert r.exit_code == 0 and "--dry-run" in r.output and "--resume" in r.output
+
+
+def test_version_flag_and_verb():
+    for args in (["--version"], ["-V"]):
+        r = invoke(*args)
+        assert r.exit_code == 0 and r.output.strip() == f"longtrain {__version__}"
+    assert invoke("version").output.strip() == __version__
+
+
+def test_shell_completion_is_enabled_and_completes_verbs():
+    r = invoke("--show-completion", "bash")
+    assert r.exit_code == 0 and "_LONGTRAIN_COMPLETE=complete_bash" in r.output
+    env = {"_LONGTRAIN_COMPLETE": "complete_bash", "COMP_WORDS": "longtrain re", "COMP_CWORD": "1"}
+    r = invoke(env=env)
+    assert r.output.split() == ["recipes"]
+
+
+def test_recipes_lists_every_builtin_with_its_description():
+    r = invoke("recipes")
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    for name in builtin_recipes():
+        [line] = [x for x in lines if x.startswith(name + " ")]
+        first = (RECIPES_DIR / f"{name}.yaml").read_text().splitlines()[0]
+        assert first.endswith(line[len(name):].strip()) and len(line) > len(name) + 20
+    assert "quickstart" in r.output and "(the default)" in r.output
+
+
+def test_help_is_quick_to_start():
+    """Verb modules import their heavy parts lazily: `longtrain -h` does not load torch."""
+    code = "import sys; from longtrain.cli import app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
