@@ -121,7 +121,8 @@ class Decoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = self.model.decode(self._tokens, static)
-            torch._foreach_copy_(cache_tensors(static), cache_tensors(out.cache))  # the next cache, in place
+            pairs = [(a, b) for a, b in zip(cache_tensors(static), cache_tensors(out.cache)) if a is not b]
+            torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])  # the next cache, in place
         self.graph, self._logits = graph, out.logits[:, 0]
 
 

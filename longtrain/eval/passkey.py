@@ -169,6 +169,9 @@ def plot(fig, spec, entries: list[tuple[str, list]]) -> None:
         depths = sorted({c["depth"] for c in cells})
         acc = [[next(c["accuracy"] for c in cells if c["length"] == n and c["depth"] == d) for n in lengths] for d in depths]
         im = ax.imshow(acc, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
+        for y, row in enumerate(acc):
+            for x, a in enumerate(row):
+                ax.text(x, y, f"{a:.2f}", ha="center", va="center", fontsize="x-small", color="white" if a < 0.6 else "black")
         ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths], fontsize="small")
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize="small")
         ax.set_xlabel("context length (tokens)")

@@ -146,8 +146,11 @@ def plot(fig, spec, entries: list[tuple[str, dict]]) -> None:
         b = res["buckets"]
         x = [max((r["start"] + r["end"]) / 2, 1) for r in b]
         ax.plot(x, [r["loss"] for r in b], marker="o", label=label)
+    from matplotlib.ticker import FuncFormatter
+
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("position in the document (bucket middle)")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1024:g}k" if x >= 1024 else f"{x:g}"))
+    ax.set_xlabel("position in the document (middle of each bucket)")
     ax.set_ylabel("next-token loss (nats)")
     ax.set_title("loss by position")
     ax.grid(True, which="both", alpha=0.3)

@@ -14,13 +14,13 @@ from longtrain.ops.sparsek_attention.decode import position_hash
 
 CASES = [
     # topk, window, H, Hkv, variant, cap, prefill, steps, u_spread
-    (5, 4, 4, 2, "hard_k_soft_v", None, 23, 60, 0.7),  # GQA, a prefill that is no multiple of anything
-    (6, 0, 2, 2, "soft_kv", None, 9, 50, 0.7),  # SparseK only: a token is its own candidate
-    (0, 7, 2, 1, "hard_k_soft_v", None, 5, 30, 0.7),  # sliding window only, MQA
-    (3, 1, 2, 2, "straight_through", None, 0, 40, 0.7),  # w = 1 (no tail), from an empty cache
-    (40, 3, 2, 2, "hard_k_soft_v", None, 11, 25, 0.7),  # k larger than every candidate set
-    (4, 3, 3, 1, "hard_k_soft_v", 6, 30, 80, 0.02),  # scores within 0.05: many fractional, the cap overflows
-    (7, 5, 2, 2, "soft_kv", None, 2, 70, 3.0),  # widely spread scores: mostly saturated
+    (5, 4, 4, 2, "hard_k_soft_v", None, 23, 40, 0.7),  # GQA, a prefill that is no multiple of anything
+    (6, 0, 2, 2, "soft_kv", None, 9, 35, 0.7),  # SparseK only: a token is its own candidate
+    (0, 7, 2, 1, "hard_k_soft_v", None, 5, 20, 0.7),  # sliding window only, MQA
+    (3, 1, 2, 2, "straight_through", None, 0, 30, 0.7),  # w = 1 (no tail), from an empty cache
+    (40, 3, 2, 2, "hard_k_soft_v", None, 11, 15, 0.7),  # k larger than every candidate set
+    (4, 3, 3, 1, "hard_k_soft_v", 6, 30, 50, 0.02),  # scores within 0.05: many fractional, the cap overflows
+    (7, 5, 2, 2, "soft_kv", None, 2, 50, 3.0),  # widely spread scores: mostly saturated
 ]
 
 
@@ -106,7 +106,7 @@ def test_float32_and_bfloat16_follow_the_reference():
         _, cache, _ = sparsek_attention_chunk(q.to(dtype), k.to(dtype), v.to(dtype), u, cache, topk=topk, window=window,
                                               backend="naive", scan="host")
         fast, ref = cache, cache
-        for step in range(30):
+        for step in range(20):
             q, k, v, u = [x[:, 0] for x in _rand(B, 1, H, Hkv, D, torch.float32, 0.7, t0=20 + step)]
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
             o1, fast, _ = sparsek_attention_decode(q, k, v, u, fast, topk=topk, window=window)

@@ -180,6 +180,10 @@ def _admit(cache: SparseKCache, ck, cv, cu, cpos, *, topk: int) -> SparseKCache:
     if topk == 0:  # a sliding window selects nothing: no pool, no threshold
         return cache
     ok = cpos >= 0  # [B]
+    if cu.device.type == "cpu" and not bool((ok & (cu.to(torch.float64) > cache.tau)).any()):
+        # Nothing to update: the candidate is at or below tau, so below the pool's worst key too (a
+        # host branch, free on the CPU; on a GPU every step runs the same ops, so a graph can hold it).
+        return cache
     return replace(cache, **_admit_pool(cache, ck, cv, cu, cpos, ok), **_admit_threshold(cache, cu, cpos, ok, topk))
 
 
