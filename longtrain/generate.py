@@ -342,9 +342,9 @@ def run_command(
     with _prefill_bar(err, len(ids), chunk) as on_prefill:
         result = generate(
             model, ids, max_new_tokens=max_new_tokens, sampling=sampling, chunk_size=chunk, eod_id=eod_id(tok),
-            on_token=lambda t: console.print(stream.push(t), end="", markup=False), on_prefill=on_prefill,
+            on_token=lambda t: _write(console.file, stream.push(t)), on_prefill=on_prefill,
         )
-    console.print()
+    _write(console.file, "\n")
     mib = 2**20
     stop = "end of document" if result.stopped == "end_of_document" else f"{len(result.tokens)} tokens"
     err.print(
@@ -378,6 +378,13 @@ def to_json(result: Generation, tok, ckpt, sampling: Sampling, device: str, dtyp
         "device": device,
         "dtype": dtype,
     }
+
+
+def _write(out, text: str) -> None:
+    """Streamed text goes to the terminal as it is: no markup, no wrapping of its own."""
+    if text:
+        out.write(text)
+        out.flush()
 
 
 @contextmanager

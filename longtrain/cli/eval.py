@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from longtrain.cli.app import app, fail
 
@@ -27,6 +26,7 @@ def eval_(
     dtype: str = typer.Option(None, "--dtype", help="float32 | bfloat16 | float64 (default: float32 on cpu, bfloat16 on cuda)"),
 ) -> None:
     """Measure checkpoints: loss by position in the document (does the model use far context?) and passkey retrieval."""
+    from longtrain.console import make_console
     from longtrain.eval.runner import run_eval
     from longtrain.eval.tasks import EvalError, EvalOptions, EvalUsageError
     from longtrain.train.checkpoint import CheckpointError
@@ -34,7 +34,7 @@ def eval_(
     opts = EvalOptions(data=data, docs=docs, tokens=tokens, chunk_size=chunk_size, max_len=max_len, trials=trials,
                        seed=seed, device=device, dtype=dtype)
     try:
-        run_eval(checkpoints, opts, task=task, json_path=json_path, plot_path=plot_path, console=Console(soft_wrap=True))
+        run_eval(checkpoints, opts, task=task, json_path=json_path, plot_path=plot_path, console=make_console())
     except (EvalUsageError, CheckpointError) as e:
         raise fail(str(e), 2)
     except EvalError as e:

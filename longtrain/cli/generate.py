@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from longtrain.cli.app import app, fail
 
@@ -26,6 +25,7 @@ def generate(
     dtype: str = typer.Option(None, "--dtype", help="float32 | bfloat16 | float64 (default: float32 on cpu, bfloat16 on cuda)"),
 ) -> None:
     """Prefill the prompt in chunks, then decode token by token; memory stays fixed with SparseK+SW or SW."""
+    from longtrain.console import make_console
     from longtrain.generate import GenerateUsageError, run_command
     from longtrain.train.checkpoint import CheckpointError
 
@@ -33,8 +33,7 @@ def generate(
         run_command(
             checkpoint=checkpoint, prompt=prompt, prompt_file=prompt_file, max_new_tokens=max_new_tokens,
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chunk_size=chunk_size, json_path=json_path,
-            device=device, dtype=dtype, console=Console(soft_wrap=True, highlight=False),
-            err=Console(stderr=True, soft_wrap=True, highlight=False),
+            device=device, dtype=dtype, console=make_console(), err=make_console(stderr=True),
         )
     except (GenerateUsageError, CheckpointError) as e:
         raise fail(str(e), 2)

@@ -59,6 +59,7 @@ class Task:
     in_all: bool = True  # part of --task all
     plot: Callable[..., None] | None = None  # (fig, subplot spec, [(label, json)]): its panel(s) of --plot
     check: Callable[..., None] | None = None  # (recipe, opts): raises EvalUsageError before any model loads
+    order: int = 100  # place in the table and in --task's choices (then by name)
 
 
 @dataclass
@@ -98,10 +99,10 @@ def register(task: Task) -> Task:
 
 
 def load_tasks() -> dict[str, Task]:
-    """Import the task modules (each registers itself) and return the registry."""
-    from longtrain.eval import perplexity, passkey  # noqa: F401  (the table shows them in this order)
+    """Import the task modules (each registers itself) and return the registry, in table order."""
+    from longtrain.eval import passkey, perplexity  # noqa: F401
 
-    return TASKS
+    return dict(sorted(TASKS.items(), key=lambda item: (item[1].order, item[0])))
 
 
 class Progress:

@@ -50,7 +50,7 @@ def test_default_documents_are_the_runs_validation_split_from_fits_token_cache(r
     recipe, tok = load_recipe_and_tokenizer(path)
     tok_file = tmp_path / "tok.json"
     tok_file.write_text(tok.to_str())
-    corpus = prepare_corpus(recipe.data, TokenizerConfig(path=str(tok_file)), run_dir=tmp_path / "fit", progress=False)
+    corpus = prepare_corpus(recipe.data, TokenizerConfig(path=str(tok_file)), progress=False)
     entries = {p.name for p in default_cache_dir().iterdir() if p.is_dir()}
     docs = eval_documents(recipe, tok, None, progress=False)
     assert {p.name for p in default_cache_dir().iterdir() if p.is_dir()} == entries  # nothing new written
