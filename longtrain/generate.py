@@ -398,4 +398,10 @@ def _prefill_bar(err, total: int, chunk: int):
     with Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"), TimeRemainingColumn(),
                   console=err, transient=True) as bar:
         task = bar.add_task("prefill", total=total)
-        yield lambda done: bar.update(task, completed=done)
+
+        def on_chunk(done: int) -> None:
+            bar.update(task, completed=done)
+            if done >= total:
+                bar.stop()  # before the text streams out
+
+        yield on_chunk

@@ -76,9 +76,14 @@ class EvalContext:
         if self._documents is None:
             from longtrain.eval.documents import eval_documents
 
-            self._documents = eval_documents(
-                self.ckpt.recipe, self.ckpt.tokenizer, self.opts.data, progress=self.progress.bar is not None
-            )
+            bar = self.progress.bar
+            if bar is not None:
+                bar.stop()  # tokenizing (on a cache miss) shows a bar of its own
+            try:
+                self._documents = eval_documents(self.ckpt.recipe, self.ckpt.tokenizer, self.opts.data, progress=bar is not None)
+            finally:
+                if bar is not None:
+                    bar.start()
         return self._documents
 
 
