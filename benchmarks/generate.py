@@ -64,11 +64,11 @@ def peak_bytes(dev: torch.device) -> int:
 
 
 @torch.no_grad()
-def decode_rate(model: LM, cache, first: torch.Tensor, steps: int, *, cuda_graph: bool) -> tuple[float, float]:
-    """(tokens/s, seconds to set up) of `steps` greedy decode steps from `cache`, tokens fed back on the device."""
+def decode_rate(model: LM, cache, first: torch.Tensor, steps: int, *, cuda_graph: bool) -> tuple[float, float, str | None]:
+    """(tokens/s, seconds to set up, why no graph) of `steps` greedy decode steps from `cache`, tokens fed back on the device."""
     dev = first.device
     t0 = time.perf_counter()
-    dec = Decoder(model, cache, cuda_graph=cuda_graph)
+    dec = Decoder(model, cache, cuda_graph=None if cuda_graph else False)  # a failed capture: eager, and says why
     token = first
     for _ in range(2):  # warm: allocator, first launches
         token = dec.step(token).argmax(-1)
@@ -78,7 +78,7 @@ def decode_rate(model: LM, cache, first: torch.Tensor, steps: int, *, cuda_graph
     for _ in range(steps):
         token = dec.step(token).argmax(-1)
     _sync(dev)
-    return steps / (time.perf_counter() - t0), setup
+    return steps / (time.perf_counter() - t0), setup, dec.graph_error
 
 
 @torch.no_grad()
@@ -114,8 +114,11 @@ def run_row(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, legacy
     row["prefill_tokens_per_s"] = n_prompt / row["prefill_s"]
     first = logits.argmax(-1)
     graph = dev.type == "cuda" and name != "full"
-    rate, setup = decode_rate(model, cache, first, new, cuda_graph=graph)
-    row |= {"decode_tokens": new, "decode_tokens_per_s": rate, "cuda_graph": graph, "decode_setup_s": setup}
+    rate, setup, graph_error = decode_rate(model, cache, first, new, cuda_graph=graph)
+    row |= {"decode_tokens": new, "decode_tokens_per_s": rate, "cuda_graph": graph and graph_error is None,
+            "decode_setup_s": setup}
+    if graph_error:
+        row["cuda_graph_error"] = graph_error
     if graph:
         row["decode_tokens_per_s_eager"] = decode_rate(model, cache, first, max(new // 4, 8), cuda_graph=False)[0]
     if legacy and name != "full":

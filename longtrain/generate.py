@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import resource
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
@@ -71,21 +72,27 @@ def cache_tensors(cache: ModelCache) -> list[torch.Tensor]:
 class Decoder:
     """Decodes one token per row per step from a prefilled cache.
 
-    cuda_graph (default: on CUDA unless the model uses full attention) captures `LM.decode` once
-    and replays it; the cache then lives in fixed buffers that each replay updates in place.
+    cuda_graph captures `LM.decode` once and replays it; the cache then lives in fixed buffers that
+    each replay updates in place. None (the default): on CUDA unless the model uses full attention,
+    and if the capture fails, eager decoding with the reason in `graph_error` (True: fail).
     """
 
     def __init__(self, model: LM, cache: ModelCache, *, cuda_graph: bool | None = None):
         self.model = model
         self._cache = cache
+        self.graph, self.graph_error = None, None
         on_cuda = model.embed.weight.is_cuda
-        if cuda_graph is None:
-            cuda_graph = on_cuda and model.cfg.attention != "full"
-        if cuda_graph and (not on_cuda or model.cfg.attention == "full"):
+        fixed = model.cfg.attention != "full"
+        if cuda_graph and not (on_cuda and fixed):
             raise ValueError("a CUDA graph needs a CUDA model whose cache has a fixed size (not full attention)")
-        self.graph = None
-        if cuda_graph:
-            self._capture()
+        if cuda_graph or (cuda_graph is None and on_cuda and fixed):
+            try:
+                self._capture()
+            except RuntimeError as e:  # e.g. an op that cannot be captured: decoding still works, eagerly
+                if cuda_graph:
+                    raise
+                self.graph, self.graph_error = None, f"{type(e).__name__}: {e}"
+                warnings.warn(f"decoding without a CUDA graph, its capture failed: {self.graph_error}", stacklevel=2)
 
     @property
     def cache(self) -> ModelCache:
@@ -265,7 +272,8 @@ def generate(
     return Generation(
         prompt_tokens=len(prompt), tokens=out, stopped=stopped, prefill_seconds=t1 - t0, decode_seconds=t3 - t2,
         capture_seconds=t2 - t1, peak_memory_bytes=peak_memory(dev), kv_entries_per_layer=cache.kv_entries_per_layer,
-        cache_bytes=cache.nbytes(), cache_grows=decoder.cache_grows, extra={"overflowed": cache.overflowed()},
+        cache_bytes=cache.nbytes(), cache_grows=decoder.cache_grows,
+        extra={"overflowed": cache.overflowed(), "cuda_graph": decoder.graph is not None, "cuda_graph_error": decoder.graph_error},
     )
 
 
@@ -370,7 +378,8 @@ def to_json(result: Generation, tok, ckpt, sampling: Sampling, device: str, dtyp
         "prefill": {"tokens": result.prompt_tokens, "seconds": result.prefill_seconds,
                     "tokens_per_s": result.prefill_tokens_per_s, "chunk_size": chunk},
         "decode": {"tokens": len(result.tokens), "seconds": result.decode_seconds,
-                   "tokens_per_s": result.decode_tokens_per_s, "cuda_graph_capture_seconds": result.capture_seconds},
+                   "tokens_per_s": result.decode_tokens_per_s, "cuda_graph": result.extra.get("cuda_graph", False),
+                   "cuda_graph_capture_seconds": result.capture_seconds},
         "peak_memory_bytes": result.peak_memory_bytes,
         "kv_cache": {"entries_per_layer": result.kv_entries_per_layer, "bytes": result.cache_bytes, "grows": result.cache_grows},
         "overflowed": result.extra.get("overflowed", False),
