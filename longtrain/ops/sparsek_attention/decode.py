@@ -73,18 +73,25 @@ def sparsek_attention_decode(
     variant: str = "hard_k_soft_v",
     scale: float | None = None,
     with_selection: bool = False,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, SparseKCache, ChunkSelection | None]:
     """SparseK attention of one token per row at position cache.seen: (o [B, H, D], next cache, selection).
 
     Equals sparsek_attention_chunk on the same token (the reference below). `with_selection`
     also returns the query's ChunkSelection ([B, 1] fields) for comparisons; it costs a few ops.
+    backend: how a candidate is admitted: "torch" (tensor ops), "triton" (one kernel,
+    decode_triton.py) or "auto" (Triton for CUDA tensors).
     """
     _check(q, k, v, u, cache, topk, window, variant)
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be auto, torch or triton; got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if q.is_cuda and _triton_available() else "torch"
     B, H, D = q.shape
     Hkv = k.shape[1]
     t = cache.seen  # [B] this token's position
     if window == 0:  # SparseK only: the token is its own candidate, admitted before its query
-        cache = _admit(cache, k, v, u, t, topk=topk)
+        cache = _admit(cache, k, v, u, t, topk=topk, backend=backend)
 
     # 1. The query against [pool K][tail W-1][itself].
     K, Wt = cache.topk, cache.tail_slots
@@ -119,7 +126,7 @@ def sparsek_attention_decode(
             ck, cv, cu = cache.tail_k[:, 0], cache.tail_v[:, 0], cache.tail_u[:, 0]
         else:  # w = 1: the new token itself
             ck, cv, cu = k.to(cache.pool_k.dtype), v.to(cache.pool_v.dtype), u
-        cache = _admit(cache, ck, cv, cu, t - window + 1, topk=topk)
+        cache = _admit(cache, ck, cv, cu, t - window + 1, topk=topk, backend=backend)
     if Wt > 0:
         cache = replace(
             cache,
@@ -175,10 +182,28 @@ def _worst(pool_u: torch.Tensor, pool_pos: torch.Tensor) -> tuple[torch.Tensor, 
 # ----------------------------------------------------------------------------- admitting a candidate
 
 
-def _admit(cache: SparseKCache, ck, cv, cu, cpos, *, topk: int) -> SparseKCache:
+def _triton_available() -> bool:
+    try:
+        from longtrain.ops.sparsek_attention import decode_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _admit(cache: SparseKCache, ck, cv, cu, cpos, *, topk: int, backend: str = "torch") -> SparseKCache:
     """The cache after candidate (ck, cv [B, Hkv, D], cu [B], cpos [B]) joins; rows with cpos < 0 unchanged."""
     if topk == 0:  # a sliding window selects nothing: no pool, no threshold
         return cache
+    if backend == "triton":
+        from longtrain.ops.sparsek_attention.decode_triton import admit_triton
+
+        fields, src = admit_triton(cache, cu, cpos)  # pool scores and positions, threshold state; K/V below
+        rows = torch.arange(cu.shape[0], device=cu.device)[:, None]
+        return replace(
+            cache, **fields,
+            pool_k=torch.cat([cache.pool_k, ck[:, None].to(cache.pool_k.dtype)], 1)[rows, src],
+            pool_v=torch.cat([cache.pool_v, cv[:, None].to(cache.pool_v.dtype)], 1)[rows, src],
+        )
     ok = cpos >= 0  # [B]
     if cu.device.type == "cpu" and not bool((ok & (cu.to(torch.float64) > cache.tau)).any()):
         # Nothing to update: the candidate is at or below tau, so below the pool's worst key too (a
