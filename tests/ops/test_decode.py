@@ -99,7 +99,7 @@ def test_decode_equals_the_chunk_op(topk, window, H, Hkv, variant, cap, prefill,
         assert torch.allclose(s1.tau, s2.tau, atol=1e-12, rtol=0), step
         _sets_equal(fast, ref, topk, 1e-12)
     if topk:
-        assert pooled_changes > 5  # the pool really turned over
+        assert pooled_changes >= 3  # the pool really turned over
     if spread < 0.1:
         assert (fast.overflow > 0).all()  # the overflow path ran (and matched the scan's count)
 
