@@ -19,8 +19,10 @@ w = 0, where a token is its own candidate). Admitting updates, on the cache's te
     (u and u - 1) is two binary searches and a prefix sum away: O(cap log cap) per step, never a
     rescan of the history.
 
-Every step is a fixed sequence of tensor operations with static shapes and no host
-synchronisation, so a caller may capture it in a CUDA graph. The result equals the chunk op's
+On CUDA the admission runs as one Triton kernel (decode_triton.py: the same steps, and the scan's
+own walk over the breakpoints); the torch version here is its reference and the CPU path. Every
+step is a fixed sequence of operations with static shapes and no host synchronisation on the GPU,
+so a caller may capture it in a CUDA graph. The result equals the chunk op's
 (the reference) in selection and output, and in the cache's pool, tail and threshold state as
 sets, with tau up to rounding; tests compare the two over many steps. A decode step takes any
 cache the chunk op writes, and the chunk op takes any cache a decode step writes.
