@@ -5,8 +5,10 @@ and keeps its heavy imports inside the function, so `longtrain -h` stays fast.
 """
 
 from longtrain.cli import (  # noqa: F401  (registers the verbs)
+    eval,
     export,
     fit,
+    generate,
     import_hf,
     plot,
     recipes,

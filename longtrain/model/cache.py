@@ -95,6 +95,11 @@ class ModelCache:
                 total += a.full_pos.numel()
         return float(torch.stack(used).sum()) / total if total else 0.0
 
+    def overflowed(self) -> bool:
+        """Some layer's SparseK threshold state hit its cap (selection no longer exact); a host sync."""
+        flags = [layer.attn.overflow for layer in self.layers if isinstance(layer.attn, SparseKCache)]
+        return bool(torch.stack(flags).gt(0).any()) if flags else False
+
     def reset_rows(self, mask: torch.Tensor) -> "ModelCache":
         """A cache where the rows in `mask` [B] bool start a new document."""
         mask = mask.to(torch.bool)

@@ -10,7 +10,9 @@ converted in longtrain.interop: this file keeps separate q/k/v projections for e
 
 `model(tokens, cache=cache)` processes one chunk at absolute positions cache.seen .. and returns
 the logits and the next cache (Algorithm 3 of the paper). `cache=None` is one unchunked pass from
-position 0; chunked and unchunked give the same results (docs/DESIGN.md section 3).
+position 0; chunked and unchunked give the same results (docs/DESIGN.md section 3). `model.decode(tokens,
+cache)` is one token per row through the attention's decode step (one query against the cache, no
+chunk scan): the same results as a chunk of one token, for generation.
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ import torch.nn.functional as F
 from longtrain.model.attention_types import AttentionType, selects, size_problems
 from longtrain.model.cache import FullKVCache, LayerCache, ModelCache
 from longtrain.model.scoring import Scorer, mimic_score_weight, score_dtype
-from longtrain.ops.sparsek_attention import ChunkSelection, SparseKCache, sparsek_attention_chunk
+from longtrain.ops.sparsek_attention import (
+    ChunkSelection,
+    SparseKCache,
+    sparsek_attention_chunk,
+    sparsek_attention_decode,
+)
 
 
 class ThresholdOverflowWarning(UserWarning):
@@ -177,6 +184,8 @@ class Attention(nn.Module):
         seen: torch.Tensor,  # [B] int64
         lengths: torch.Tensor,  # [B] int64
         cache: LayerCache,
+        decode: bool = False,  # L = 1, every row valid: the op's decode step instead of a chunk
+        with_selection: bool = True,  # decode: also report what was selected (a few ops per layer)
     ) -> tuple[torch.Tensor, LayerCache, ChunkSelection | None]:
         cfg = self.cfg
         B, L, _ = x.shape
@@ -204,10 +213,17 @@ class Attention(nn.Module):
                 uf, lf = u.transpose(1, 2).reshape(B * G, L), lengths.repeat_interleave(G)
             else:
                 qf, kf, vf, uf, lf = q, k, v, u[..., 0], lengths
-            o, attn_cache, sel = sparsek_attention_chunk(
-                qf, kf, vf, uf, cache.attn, topk=self.topk, window=self.window, variant=cfg.variant,
-                lengths=lf, backend=cfg.backend, scan=cfg.scan,
-            )
+            if decode:
+                o, attn_cache, sel = sparsek_attention_decode(
+                    qf[:, 0], kf[:, 0], vf[:, 0], uf[:, 0], cache.attn, topk=self.topk, window=self.window,
+                    variant=cfg.variant, with_selection=with_selection,
+                )
+                o = o[:, None]  # [B·G, 1, H/G, D]
+            else:
+                o, attn_cache, sel = sparsek_attention_chunk(
+                    qf, kf, vf, uf, cache.attn, topk=self.topk, window=self.window, variant=cfg.variant,
+                    lengths=lf, backend=cfg.backend, scan=cfg.scan,
+                )
             if G > 1:
                 o = o.view(B, G, L, H // G, D).transpose(1, 2)
             new = LayerCache(attn_cache, ssum, ssq)
@@ -287,8 +303,8 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.parallel = cfg.parallel_residual
 
-    def forward(self, x, rope, pos, valid, seen, lengths, cache: LayerCache):
-        a, cache, sel = self.attn(self.norm1(x), rope, pos, valid, seen, lengths, cache)
+    def forward(self, x, rope, pos, valid, seen, lengths, cache: LayerCache, decode: bool = False, with_selection: bool = True):
+        a, cache, sel = self.attn(self.norm1(x), rope, pos, valid, seen, lengths, cache, decode, with_selection)
         if self.parallel:  # GPT-NeoX: attention and MLP both read the block's input
             return x + self.drop(a) + self.drop(self.mlp(self.norm2(x))), cache, sel
         x = x + self.drop(a)  # [B, L, d]
@@ -364,8 +380,20 @@ class LM(nn.Module):
         """Logits [..., V] from final hidden states [..., d]."""
         return F.linear(h, self.embed.weight if self.unembed is None else self.unembed.weight)
 
-    def hidden(self, tokens: torch.Tensor, cache: ModelCache | None = None, lengths: torch.Tensor | None = None) -> LMOutput:
-        """Final hidden states of one chunk (tokens [B, L]) continuing from `cache`; logits=None."""
+    def hidden(
+        self,
+        tokens: torch.Tensor,
+        cache: ModelCache | None = None,
+        lengths: torch.Tensor | None = None,
+        decode: bool = False,
+        with_selection: bool = True,
+    ) -> LMOutput:
+        """Final hidden states of one chunk (tokens [B, L]) continuing from `cache`; logits=None.
+
+        decode (L = 1, no lengths): the attention's decode step, with no host synchronisation (so a
+        CUDA graph can hold it); overflow is then not checked here but left in the cache's layers.
+        with_selection=False (decode only) skips reporting the selections (None per layer).
+        """
         B, L = tokens.shape
         dev = tokens.device
         if cache is None:
@@ -380,12 +408,12 @@ class LM(nn.Module):
         x = self.drop(self.embed(tokens))  # [B, L, d]
         layers, selections = [], []
         for blk, lc in zip(self.blocks, cache.layers):
-            x, lc, sel = blk(x, rope, pos, valid, seen, lengths, lc)
+            x, lc, sel = blk(x, rope, pos, valid, seen, lengths, lc, decode, with_selection)
             layers.append(lc)
             selections.append(sel)
         h = self.norm_f(x)  # [B, L, d]
         flags = [s.overflow for s in selections if s is not None]  # on device: one host sync for all layers
-        overflowed = bool(torch.stack(flags).gt(0).any()) if flags else False
+        overflowed = bool(torch.stack(flags).gt(0).any()) if flags and not decode else False
         if overflowed:
             warnings.warn(
                 "SparseK threshold state overflowed its cap: selection is no longer exact; raise attention.threshold_cap",
@@ -397,6 +425,18 @@ class LM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: ModelCache | None = None, lengths: torch.Tensor | None = None) -> LMOutput:
         """Logits [B, L, V] of one chunk and the next cache; cache=None is an unchunked pass from 0."""
         out = self.hidden(tokens, cache=cache, lengths=lengths)
+        out.logits = self.head(out.hidden)
+        return out
+
+    def decode(self, tokens: torch.Tensor, cache: ModelCache, selections: bool = False) -> LMOutput:
+        """Logits [B, 1, V] of one token per row (tokens [B]) at position cache.seen, and the next cache.
+
+        Equals forward(tokens[:, None], cache) (tests: float64, same selections, logits within 1e-9),
+        through the attention's decode step: no selection scan, no host synchronisation. Threshold
+        overflow is not checked per token: read it from the cache (`ModelCache.overflowed()`).
+        selections=True also reports each layer's selection (for comparisons; a few ops per layer).
+        """
+        out = self.hidden(tokens[:, None], cache=cache, decode=True, with_selection=selections)
         out.logits = self.head(out.hidden)
         return out
 

@@ -1,0 +1,62 @@
+"""The documents `longtrain eval` reads, as token documents in the checkpoint's tokenizer.
+
+Default: the run's validation documents, found the way `fit` found them (the recipe's `data:`
+section, `longtrain.data.prepare`): a fraction of the source held out by position, or a separate
+path. They go through the same on-disk token cache, keyed by content, tokenizer and
+`min_doc_tokens`, so on the machine that trained the run nothing is tokenized again. A checkpoint
+copied elsewhere reads its recipe's data source there (the cache is rebuilt once).
+
+`--data PATH|GLOB`: any text/jsonl/json/parquet files, read through `datasets` like `fit`'s
+`data.source: files`; documents of at least 2 tokens are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from longtrain.data import DataError, TokenDocs, default_cache_dir
+from longtrain.data.prepare import is_held_out, tokenize_source
+from longtrain.data.sources import files_source, load_source
+from longtrain.eval.tasks import EvalError, EvalUsageError
+
+MIN_TOKENS = 2  # a document needs a token to predict
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """As prepare_corpus keys the token cache."""
+    return hashlib.blake2b(tokenizer.to_str().encode(), digest_size=16).hexdigest()
+
+
+def eval_documents(recipe, tokenizer, data: str | None, *, progress: bool = True) -> TokenDocs:
+    """`--data` documents, or the run's validation documents (data=None)."""
+    cache_dir = default_cache_dir()
+    tok = tokenizer_hash(tokenizer)
+    try:
+        if data is not None:
+            docs, _ = tokenize_source(files_source(data, "text", "--data"), tokenizer, MIN_TOKENS, cache_dir, tok, "eval", progress)
+            return docs
+        d = recipe.data
+        if d.valid is None:
+            raise EvalError(
+                "the run has no validation documents (its recipe's data.valid is null): "
+                "pass --data PATH|GLOB with documents to evaluate on"
+            )
+        if isinstance(d.valid, str):
+            source = files_source(d.valid, d.text_field, "data.valid")
+            docs, _ = tokenize_source(source, tokenizer, d.min_doc_tokens, cache_dir, tok, "valid", progress)
+            return docs
+        docs, _ = tokenize_source(load_source(d), tokenizer, d.min_doc_tokens, cache_dir, tok, "corpus", progress)
+        held = np.array([is_held_out(int(i), d.valid) for i in docs.source_ids], dtype=bool)
+        valid = docs.subset(np.flatnonzero(held))
+    except DataError as e:
+        if data is not None:
+            raise EvalUsageError(f"--data {data}: {e}") from None
+        raise EvalError(
+            f"the run's validation documents (its recipe's data section): {e}; "
+            "pass --data PATH|GLOB to evaluate on other documents"
+        ) from None
+    if len(valid) == 0:
+        raise EvalError("the run's validation split holds no documents: pass --data PATH|GLOB")
+    return valid

@@ -1,0 +1,137 @@
+"""Everything behind `longtrain eval`: check the options, load each checkpoint in turn, run its tasks, report.
+
+Every option and every checkpoint's recipe is checked before the first model is loaded, so a bad
+flag fails in a second, not after the first checkpoint's evaluation.
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from longtrain.eval.report import CheckpointReport, render, write_json, write_plot
+from longtrain.eval.tasks import EvalContext, EvalOptions, EvalUsageError, Progress, checkpoint_label, load_tasks
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def pick_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise EvalUsageError(f"--device must be auto, cpu or cuda; got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise EvalUsageError("--device cuda: no CUDA device is visible; use --device cpu")
+    return device
+
+
+def pick_dtype(dtype: str | None, device: str) -> str:
+    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+    if dtype not in DTYPES:
+        raise EvalUsageError(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    return dtype
+
+
+def describe_attention(cfg) -> str:
+    if cfg.attention == "full":
+        return "full attention"
+    parts = ([f"k={cfg.topk}"] if cfg.topk else []) + ([f"w={cfg.window}"] if cfg.window else [])
+    return f"{cfg.attention} ({', '.join(parts)})"
+
+
+def check_output(path: Path | None, flag: str, suffix: str | None = None) -> None:
+    if path is None:
+        return
+    if not path.parent.is_dir():
+        raise EvalUsageError(f"{flag} {path}: folder {path.parent} does not exist")
+    if suffix and path.suffix.lower() != suffix:
+        raise EvalUsageError(f"{flag} {path}: the file name must end in {suffix}")
+
+
+def run_eval(
+    checkpoints: list[str],
+    opts: EvalOptions,
+    *,
+    task: str = "all",
+    json_path: Path | None = None,
+    plot_path: Path | None = None,
+    console,
+    live_progress: bool = True,
+) -> list[CheckpointReport]:
+    from longtrain.train.checkpointer import load_checkpoint, load_recipe_and_tokenizer, resolve_checkpoint
+
+    registry = load_tasks()
+    if task == "all":
+        tasks = [t for t in registry.values() if t.in_all]
+    elif task in registry:
+        tasks = [registry[task]]
+    else:
+        raise EvalUsageError(f"--task must be one of {', '.join(['all', *registry])}; got {task!r}")
+    if not checkpoints:
+        raise EvalUsageError("give at least one checkpoint folder or run dir")
+    opts.device = pick_device(opts.device)
+    opts.dtype = pick_dtype(opts.dtype, opts.device)
+    check_output(json_path, "--json")
+    check_output(plot_path, "--plot", ".png")
+
+    paths = [resolve_checkpoint(c) for c in checkpoints]  # CheckpointError: no such checkpoint
+    for path in paths:
+        recipe, _ = load_recipe_and_tokenizer(path)
+        for t in tasks:
+            if t.check is not None:
+                t.check(recipe, opts)
+
+    labels = [checkpoint_label(p) for p in paths]
+    labels = [f"{lab} ({i + 1})" if labels.count(lab) > 1 else lab for i, lab in enumerate(labels)]
+    reports = []
+    for path, label in zip(paths, labels):
+        ckpt = load_checkpoint(path, device=opts.device, dtype=DTYPES[opts.dtype])
+        cfg = ckpt.model.cfg
+        console.print(
+            f"{label}: step {ckpt.step}, {cfg.style} {cfg.layers} × {cfg.d_model}, {describe_attention(cfg)}, "
+            f"{ckpt.model.num_params() / 1e6:.2f}M parameters, {opts.dtype} on {opts.device}",
+            highlight=False,
+        )
+        from longtrain.eval.passkey import kv_budget
+
+        report = CheckpointReport(
+            label=label, path=str(path), step=ckpt.step, attention=describe_attention(cfg), kv_budget=kv_budget(cfg)
+        )
+        with _progress_bar(console, live_progress) as bar:
+            ctx = EvalContext(ckpt=ckpt, opts=opts, progress=Progress(bar))
+            for t in tasks:
+                report.results[t.name] = t.run(ctx)
+        reports.append(report)
+        del ckpt, ctx
+        gc.collect()
+        if opts.device == "cuda":
+            torch.cuda.empty_cache()
+
+    render(console, reports, tasks)
+    if json_path is not None:
+        write_json(json_path, reports)
+        console.print(f"wrote {json_path}", highlight=False)
+    if plot_path is not None:
+        drawn = write_plot(plot_path, reports, tasks)
+        console.print(f"wrote {plot_path}" if drawn else f"no plot: none of the tasks ({task}) draws one", highlight=False)
+    return reports
+
+
+def _progress_bar(console, live: bool):
+    """A rich bar with tokens/s and time left, on a terminal; nothing otherwise."""
+    if not (live and console.is_terminal):
+        return nullcontext(None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class TokensPerSecond(ProgressColumn):
+        def render(self, task) -> Text:
+            return Text(f"{task.speed:,.0f} tok/s" if task.speed else "")
+
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"), TokensPerSecond(),
+        TimeRemainingColumn(), console=console, transient=True,
+    )

@@ -1,0 +1,161 @@
+"""The decode step's admission of one candidate as one Triton kernel per layer (one program per row).
+
+decode.py's torch admission (`_admit_pool`, `_admit_threshold`) is ~120 small operations: on a GPU
+each is a launch of a few microseconds, more than the work. This kernel does the same in one launch:
+
+  - the pool: the worst pooled (value, position), evict or grow, and the source slot of every new
+    slot (the keys' K/V rows are then gathered by torch: they are [K, Hkv, D] per row);
+  - the threshold state: kept sorted ascending (+inf after the count; a state the chunk op wrote is
+    sorted on its first decode step), the candidate inserted, the lowest fractional score dropped
+    when out of room, then the scan's own walk over the breakpoints (RowScanner._solve: two
+    pointers into the sorted scores instead of two heaps; amortised O(1) steps), and the scores at
+    or below the new tau dropped.
+
+The same results as the torch admission (tests run both under TRITON_INTERPRET): pool exactly,
+threshold scores as sets, tau to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def admit_kernel(
+    THR_U, THR_COUNT, TAU, OVERFLOW,  # in: [B, CAP] float64, [B] int64, [B] float64, [B] int64
+    POOL_U, POOL_POS,  # in: [B, K] scores, [B, K] int64
+    CU, CPOS,  # in: [B] float64 candidate score, [B] int64 its position (< 0: none)
+    OUT_U, OUT_SAT, OUT_COUNT, OUT_TAU, OUT_SUM, OUT_OVER,  # out: the next threshold state
+    OUT_PU, OUT_PPOS, SRC,  # out: [B, K] pool scores and positions, source slot in [pool K][candidate]
+    SCR,  # scratch [B, BLOCK] float64
+    CAP, K,
+    BLOCK: tl.constexpr, KB: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    x = tl.load(CU + b)
+    cpos = tl.load(CPOS + b)
+    tau0 = tl.load(TAU + b)
+    n0 = tl.load(THR_COUNT + b)
+    over = tl.load(OVERFLOW + b)
+    cand = cpos >= 0
+
+    # ---- the pool: evict the worst (value, position) or grow; valid keys first, ascending positions
+    s = tl.arange(0, KB)
+    sm = s < K
+    pp = tl.load(POOL_POS + b * K + s, mask=sm, other=-1)
+    pu = tl.load(POOL_U + b * K + s, mask=sm, other=0.0).to(tl.float64)
+    ok = pp >= 0
+    n_pool = tl.sum(ok.to(tl.int64), axis=0)
+    umin = tl.min(tl.where(ok, pu, float("inf")), axis=0)
+    pmin = tl.min(tl.where(ok & (pu == umin), pp, 9223372036854775807), axis=0)
+    evict = cand & (n_pool == K) & (x >= umin)  # the candidate's position beats every pooled one
+    grow = cand & (n_pool < K)
+    past = (ok & (pp >= pmin)).to(tl.int64)
+    src = tl.where(evict, s + past, tl.where(grow & (s == n_pool), K, s))
+    from_pool = src < K
+    new_pu = tl.where(from_pool, tl.load(POOL_U + b * K + src, mask=sm & from_pool, other=0.0).to(tl.float64), x)
+    new_pp = tl.where(from_pool, tl.load(POOL_POS + b * K + src, mask=sm & from_pool, other=-1), cpos)
+    tl.store(OUT_PU + b * K + s, new_pu, mask=sm)
+    tl.store(OUT_PPOS + b * K + s, new_pp, mask=sm)
+    tl.store(SRC + b * K + s, src, mask=sm)
+
+    # ---- the threshold scores, sorted ascending (+inf after the count)
+    i = tl.arange(0, BLOCK)
+    scr = SCR + b * BLOCK
+    vals = tl.load(THR_U + b * CAP + i, mask=i < n0, other=float("inf"))
+    tl.store(scr + i, vals)
+    tl.debug_barrier()
+    nxt = tl.load(scr + i + 1, mask=i + 1 < BLOCK, other=float("inf"))
+    if tl.sum(((nxt < vals) & (i + 1 < n0)).to(tl.int32), axis=0) > 0:  # the chunk op's order: sort once
+        vals = tl.sort(vals)
+    tl.debug_barrier()
+    tl.store(scr + i, vals)
+    tl.debug_barrier()
+    prev = tl.load(scr + i - 1, mask=i >= 1, other=-float("inf"))
+
+    ins = cand & (x > tau0)  # a score at or below tau never matters again
+    at = tl.sum((vals < x).to(tl.int64), axis=0)
+    xs = tl.where(i < at, vals, tl.where(i == at, x, prev))  # inserted
+    n = n0 + 1
+    drop = (n > CAP) & (tl.min(xs, axis=0) < tau0 + 1)  # out of room: the lowest fractional score goes
+    tl.debug_barrier()
+    tl.store(scr + i, xs)
+    tl.debug_barrier()
+    shifted = tl.load(scr + i + 1, mask=i + 1 < BLOCK, other=float("inf"))
+    xs = tl.where(drop, shifted, xs)
+    n = n - drop.to(tl.int64)
+    tl.debug_barrier()
+    tl.store(scr + i, xs)
+    tl.debug_barrier()
+
+    # ---- the scan's walk: raise tau over the breakpoints while f(b) > k (scan.RowScanner._solve)
+    j = tl.sum((xs < tau0 + 1).to(tl.int64), axis=0)  # [lo, j): fractional, [j, n): saturated
+    lo = j * 0
+    n_frac = j
+    n_sat = n - j
+    fsum = tl.sum(tl.where(i < j, xs, 0.0), axis=0)
+    tau = tau0
+    go = ins & (cpos + 1 > K)
+    while go:
+        b_frac = tl.load(scr + lo, mask=n_frac > 0, other=float("inf"))
+        b_sat = tl.load(scr + j, mask=n_sat > 0, other=float("inf")) - 1
+        bb = tl.minimum(b_frac, b_sat)
+        f_b = tl.where(n_frac > 0, n_sat + fsum - n_frac * bb, n_sat.to(tl.float64))
+        step = (bb < float("inf")) & (f_b > K)
+        take_frac = step & (b_frac <= b_sat)
+        take_sat = step & (b_frac > b_sat)
+        solved = tl.where(n_frac > 0, tl.maximum(tau, (fsum + n_sat - K) / tl.maximum(n_frac, 1)), tau)
+        tau = tl.where(step, tl.maximum(tau, bb), solved)
+        fsum = fsum - tl.where(take_frac, b_frac, 0.0) + tl.where(take_sat, b_sat + 1, 0.0)
+        lo += take_frac.to(tl.int64)
+        j += take_sat.to(tl.int64)
+        n_frac += take_sat.to(tl.int64) - take_frac.to(tl.int64)
+        n_sat -= take_sat.to(tl.int64)
+        go = step
+    tau = tl.where(ins & (cpos + 1 > K), tau, tau0)
+    gone = tl.sum(((i < j) & (xs <= tau)).to(tl.int64), axis=0)  # fractional scores at or below tau leave
+    gone = tl.where(ins & (cpos + 1 > K), gone, 0)
+    kept = tl.load(scr + i + gone, mask=i + gone < BLOCK, other=float("inf"))
+
+    out = tl.where(ins, kept, vals)
+    count = tl.where(ins, n - gone, n0)
+    tau_out = tl.where(ins, tau, tau0)
+    valid = i < count
+    sat = valid & (out >= tau_out + 1)
+    cm = i < CAP
+    tl.store(OUT_U + b * CAP + i, tl.where(valid, out, float("inf")), mask=cm)
+    tl.store(OUT_SAT + b * CAP + i, sat.to(tl.int8), mask=cm)
+    tl.store(OUT_COUNT + b, count)
+    tl.store(OUT_TAU + b, tau_out)
+    tl.store(OUT_SUM + b, tl.sum(tl.where(valid & ~sat, out, 0.0), axis=0))
+    tl.store(OUT_OVER + b, over + (ins & drop).to(tl.int64))
+
+
+def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(the next pool_u, pool_pos and threshold fields, src [B, K]): the kernel's outputs for decode.py."""
+    B, cap = cache.thr_u.shape
+    K = cache.topk
+    dev = cu.device
+    block = triton.next_power_of_2(cap + 1)
+    out = dict(
+        thr_u=torch.empty(B, cap, dtype=torch.float64, device=dev),
+        thr_saturated=torch.empty(B, cap, dtype=torch.bool, device=dev),
+        thr_count=torch.empty(B, dtype=torch.int64, device=dev),
+        tau=torch.empty(B, dtype=torch.float64, device=dev),
+        thr_sum=torch.empty(B, dtype=torch.float64, device=dev),
+        overflow=torch.empty(B, dtype=torch.int64, device=dev),
+        pool_u=torch.empty_like(cache.pool_u),
+        pool_pos=torch.empty_like(cache.pool_pos),
+    )
+    src = torch.empty(B, K, dtype=torch.int64, device=dev)
+    scratch = torch.empty(B, block, dtype=torch.float64, device=dev)
+    admit_kernel[(B,)](
+        cache.thr_u.contiguous(), cache.thr_count.contiguous(), cache.tau.contiguous(), cache.overflow.contiguous(),
+        cache.pool_u.contiguous(), cache.pool_pos.contiguous(), cu.to(torch.float64).contiguous(), cpos.contiguous(),
+        out["thr_u"], out["thr_saturated"].view(torch.int8), out["thr_count"], out["tau"], out["thr_sum"], out["overflow"],
+        out["pool_u"], out["pool_pos"], src, scratch, cap, K,
+        BLOCK=block, KB=triton.next_power_of_2(max(K, 1)), num_warps=8 if block >= 4096 else 4,
+    )
+    return out, src

@@ -1,0 +1,127 @@
+"""`longtrain eval` through the CLI on real tiny checkpoints: several at once, the JSON schema, the plot, bad input."""
+
+import json
+import shutil
+
+import numpy as np
+from typer.testing import CliRunner
+
+from longtrain.cli import app
+from longtrain.data import TokenizerConfig, default_cache_dir, prepare_corpus
+from longtrain.eval.documents import eval_documents
+from longtrain.train.checkpointer import load_recipe_and_tokenizer, resolve_checkpoint
+
+runner = CliRunner()
+FAST = ["--docs", "2", "--tokens", "200", "--max-len", "256", "--trials", "1"]
+
+
+def evaluate(*args):
+    return runner.invoke(app, ["eval", *args])
+
+
+def test_two_checkpoints_one_table_one_json_one_plot(runs, tmp_path):
+    out, png = tmp_path / "eval.json", tmp_path / "eval.png"
+    res = evaluate(str(runs["sparsek"]), str(runs["sw"]), *FAST, "--json", str(out), "--plot", str(png))
+    assert res.exit_code == 0, res.output
+    assert "sparsek/step-00000005" in res.output and "sw/step-00000005" in res.output
+    assert "positions [0, 1k)" in res.output and "passkey at 256 tokens" in res.output and "KV budget" in res.output
+
+    results = json.loads(out.read_text())["results"]
+    assert [r["attention"] for r in results] == ["sparsek+sw (k=8, w=8)", "sw (w=16)"]
+    assert [r["kv_budget"] for r in results] == [16, 16]
+    for r in results:
+        assert set(r) >= {"checkpoint", "attention", "kv_budget", "ppl", "passkey"}
+        p = r["ppl"]
+        assert isinstance(p["loss"], float) and isinstance(p["ppl"], float) and isinstance(p["tokens"], int)
+        assert p["tokens"] == sum(b["tokens"] for b in p["buckets"]) > 0
+        for b in p["buckets"]:
+            assert set(b) == {"start", "end", "tokens", "loss", "ppl"}
+        assert [(c["length"], c["depth"]) for c in r["passkey"]] == [(256, d) for d in (0.0, 0.25, 0.5, 0.75, 1.0)]
+        for c in r["passkey"]:
+            assert c["trials"] == 1 and 0.0 <= c["accuracy"] <= 1.0
+    assert results[0]["ppl"]["tokens"] == results[1]["ppl"]["tokens"]  # the same documents for both
+    assert results[0]["ppl"]["loss"] != results[1]["ppl"]["loss"]  # different models
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_default_documents_are_the_runs_validation_split_from_fits_token_cache(runs, tmp_path):
+    """The validation documents come through the cache `fit` filled: no second tokenization."""
+    path = resolve_checkpoint(runs["sparsek"])
+    recipe, tok = load_recipe_and_tokenizer(path)
+    tok_file = tmp_path / "tok.json"
+    tok_file.write_text(tok.to_str())
+    corpus = prepare_corpus(recipe.data, TokenizerConfig(path=str(tok_file)), progress=False)
+    entries = {p.name for p in default_cache_dir().iterdir() if p.is_dir()}
+    docs = eval_documents(recipe, tok, None, progress=False)
+    assert {p.name for p in default_cache_dir().iterdir() if p.is_dir()} == entries  # nothing new written
+    assert len(docs) == len(corpus.valid) == 2
+    assert all(np.array_equal(docs.doc(i), corpus.valid.doc(i)) for i in range(len(docs)))
+
+
+def test_data_glob_and_single_task(runs, corpus, tmp_path):
+    out = tmp_path / "ppl.json"
+    res = evaluate(str(runs["sparsek"]), "--task", "ppl", "--data", str(corpus / "doc[01].txt"), "--docs", "5",
+                   "--tokens", "150", "--chunk-size", "50", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())["results"][0]
+    assert "passkey" not in r and r["ppl"]["documents"] == 2 and r["ppl"]["chunk_size"] == 50
+    assert r["ppl"]["tokens"] == 2 * 150
+
+
+def test_full_attention_passkey_has_no_budget(runs, tmp_path):
+    out = tmp_path / "full.json"
+    res = evaluate(str(runs["full"]), "--task", "passkey", "--max-len", "256", "--trials", "1", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    r = json.loads(out.read_text())["results"][0]
+    assert r["kv_budget"] is None and "all keys (full attention)" in res.output
+
+
+def _check_error(res, code: int, *messages: str):
+    assert res.exit_code == code, res.output
+    for m in messages:
+        assert m in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+def test_a_path_that_is_no_checkpoint_or_run_dir(tmp_path):
+    _check_error(evaluate(str(tmp_path), *FAST), 2, "neither a checkpoint", "longtrain fit")
+    _check_error(evaluate(str(tmp_path / "nowhere"), *FAST), 2, "does not exist")
+
+
+def test_a_run_dir_with_no_complete_checkpoint(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs["sparsek"], run)
+    step = next((run / "checkpoints").iterdir())
+    (step / "model.safetensors").write_bytes(b"truncated")
+    _check_error(evaluate(str(run), *FAST), 2, "none is complete")
+
+
+def test_a_checkpoint_without_a_tokenizer_anywhere(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs["sparsek"], run)
+    step = next((run / "checkpoints").iterdir())
+    (step / "tokenizer.json").unlink()
+    meta = json.loads((step / "meta.json").read_text())  # keep the checkpoint complete: drop the file's record
+    meta["files"] = {k: v for k, v in meta.get("files", {}).items() if k != "tokenizer.json"}
+    (step / "meta.json").write_text(json.dumps(meta))
+    _check_error(evaluate(str(step), *FAST), 2, "no tokenizer.json", "copy the run's tokenizer.json")
+
+
+def test_data_that_matches_no_documents(runs, tmp_path):
+    _check_error(evaluate(str(runs["sparsek"]), "--data", str(tmp_path / "none-*.txt"), *FAST), 2, "matches no files")
+    (tmp_path / "notes.md").write_text("not a document type")
+    _check_error(evaluate(str(runs["sparsek"]), "--data", str(tmp_path), *FAST), 2, "No readable documents")
+
+
+def test_max_len_too_long_for_full_attention_on_the_cpu_is_a_hint_not_a_hang(runs):
+    _check_error(evaluate(str(runs["full"]), "--max-len", "100000", "--device", "cpu"), 2, "--max-len 100,000", "--device cuda")
+
+
+def test_bad_options(runs, tmp_path):
+    ckpt = str(runs["sparsek"])
+    _check_error(evaluate(ckpt, "--task", "recal"), 2, "--task must be one of all, ppl, passkey")
+    _check_error(evaluate(ckpt, "--trials", "0"), 2, "--trials")
+    _check_error(evaluate(ckpt, "--docs", "0"), 2, "--docs")
+    _check_error(evaluate(ckpt, "--plot", str(tmp_path / "x.jpg")), 2, "must end in .png")
+    _check_error(evaluate(ckpt, "--json", str(tmp_path / "no" / "x.json")), 2, "does not exist")
+    _check_error(evaluate(ckpt, "--dtype", "float16"), 2, "--dtype")

@@ -1,0 +1,64 @@
+"""GPU checks of decoding (skipped without CUDA): the CUDA-graph decoder replays exactly what eager decoding
+computes, and decoding follows the chunked forward (Triton kernels, device scan) in float32."""
+
+import pytest
+import torch
+
+from longtrain.generate import Decoder, prefill
+from longtrain.model import LM, LMConfig
+from longtrain.ops.sparsek_attention import SparseKCache, sparsek_attention_chunk, sparsek_attention_decode
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CASES = [
+    dict(attention="sparsek+sw", topk=64, window=64),
+    dict(attention="sw", window=128),
+    dict(style="llama", kv_heads=2, score_groups="per_kv_head", attention="sparsek+sw", topk=32, window=32),
+]
+
+
+@pytest.mark.parametrize("kw", CASES)
+@torch.no_grad()
+def test_graph_replay_equals_eager_decoding_and_the_forward(kw):
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=512, layers=2, d_model=128, heads=4, **kw)).cuda().eval()
+    tokens = torch.randint(0, 512, (2, 700), device="cuda")
+    cache, _ = prefill(model, tokens[:, :600], chunk_size=256)
+    graph, eager = Decoder(model, cache, cuda_graph=True), Decoder(model, cache, cuda_graph=False)
+    ref_cache, ref = cache, []
+    for t in range(600, 700):
+        out = model(tokens[:, t : t + 1], cache=ref_cache)  # the chunk op on one token
+        ref_cache = out.cache
+        ref.append(out.logits[:, 0])
+    for i, t in enumerate(range(600, 700)):
+        a, b = graph.step(tokens[:, t]), eager.step(tokens[:, t])
+        assert torch.equal(a, b), t  # the same kernels, replayed
+        assert (a - ref[i]).abs().max() < 1e-3, t
+    assert torch.equal(graph.cache.seen, eager.cache.seen)
+    for x, y in zip(graph.cache.layers, eager.cache.layers):
+        assert torch.equal(x.attn.pool_pos.sort(1).values, y.attn.pool_pos.sort(1).values)
+
+
+@pytest.mark.parametrize("topk,window,cap", [(512, 512, None), (64, 0, None), (16, 8, 24)])
+@torch.no_grad()
+def test_the_admission_kernel_equals_the_torch_admission(topk, window, cap):
+    """The Triton admission (one launch) and the torch one, step by step from a device-scan prefill."""
+    torch.manual_seed(0)
+    B, H, Hkv, D = 3, 8, 4, 64
+    dev = "cuda"
+
+    def rand(T, t0):
+        u = torch.randn(B, T, device=dev) + torch.arange(t0, t0 + T, device=dev) * 1e-3
+        return (torch.randn(B, T, H, D, device=dev), torch.randn(B, T, Hkv, D, device=dev),
+                torch.randn(B, T, Hkv, D, device=dev), u)
+
+    cache = SparseKCache.empty(B, topk, window, Hkv, D, device=dev, cap=cap)
+    _, cache, _ = sparsek_attention_chunk(*rand(3000, 0), cache, topk=topk, window=window)
+    a = b = cache
+    for step in range(200):
+        q, k, v, u = [x[:, 0] for x in rand(1, 3000 + step)]
+        oa, a, _ = sparsek_attention_decode(q, k, v, u, a, topk=topk, window=window, backend="triton")
+        ob, b, _ = sparsek_attention_decode(q, k, v, u, b, topk=topk, window=window, backend="torch")
+        assert torch.equal(oa, ob), step
+        assert torch.equal(a.pool_pos, b.pool_pos) and torch.equal(a.pool_k, b.pool_k), step
+        assert torch.equal(a.thr_count, b.thr_count) and torch.equal(a.overflow, b.overflow), step
+        assert torch.allclose(a.tau, b.tau, atol=1e-9, rtol=0), step

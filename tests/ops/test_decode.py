@@ -1,0 +1,162 @@
+"""The decode step (one query against the cache, incremental threshold) equals the chunk op on one token."""
+
+import pytest
+import torch
+
+from longtrain.ops.selection.scan import position_hash as scan_position_hash
+from longtrain.ops.sparsek_attention import (
+    SparseKCache,
+    sparsek_attention_chunk,
+    sparsek_attention_decode,
+    sparsek_attention_decode_reference,
+)
+from longtrain.ops.sparsek_attention.decode import position_hash
+
+CASES = [
+    # topk, window, H, Hkv, variant, cap, prefill, steps, u_spread
+    (5, 4, 4, 2, "hard_k_soft_v", None, 23, 40, 0.7),  # GQA, a prefill that is no multiple of anything
+    (6, 0, 2, 2, "soft_kv", None, 9, 35, 0.7),  # SparseK only: a token is its own candidate
+    (0, 7, 2, 1, "hard_k_soft_v", None, 5, 20, 0.7),  # sliding window only, MQA
+    (3, 1, 2, 2, "straight_through", None, 0, 30, 0.7),  # w = 1 (no tail), from an empty cache
+    (40, 3, 2, 2, "hard_k_soft_v", None, 11, 15, 0.7),  # k larger than every candidate set
+    (4, 3, 3, 1, "hard_k_soft_v", 6, 30, 50, 0.02),  # scores within 0.05: many fractional, the cap overflows
+    (7, 5, 2, 2, "soft_kv", None, 2, 50, 3.0),  # widely spread scores: mostly saturated
+]
+
+
+def _rand(B, T, H, Hkv, D, dtype, spread, t0=0):
+    pos = torch.arange(t0, t0 + T, dtype=dtype)
+    return (
+        torch.randn(B, T, H, D, dtype=dtype), torch.randn(B, T, Hkv, D, dtype=dtype), torch.randn(B, T, Hkv, D, dtype=dtype),
+        torch.randn(B, T, dtype=dtype) * spread + pos * 1e-3,
+    )
+
+
+def _sets_equal(a: SparseKCache, b: SparseKCache, topk: int, atol: float):
+    """Two caches hold the same state: tail exactly, pool and threshold state as sets, tau to rounding."""
+    assert torch.equal(a.seen, b.seen)
+    for name in ("tail_k", "tail_v", "tail_u"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for r in range(a.seen.shape[0]):
+        ia, ib = [c.pool_pos[r].argsort() for c in (a, b)]  # same set, maybe in another slot order
+        assert torch.equal(a.pool_pos[r, ia], b.pool_pos[r, ib])
+        for name in ("pool_k", "pool_v", "pool_u"):
+            assert torch.equal(getattr(a, name)[r, ia], getattr(b, name)[r, ib]), name
+        if topk == 0:
+            continue  # a sliding window keeps no threshold state worth comparing
+        # The scores above tau, as sets. A score that tau lands on (a root at a breakpoint) may stay in
+        # one state and not the other: the two compute tau in different orders, a rounding apart.
+        va, sa = _scores(a, r, atol)
+        vb, sb = _scores(b, r, atol)
+        assert torch.equal(va, vb) and torch.equal(sa, sb)
+    if topk:
+        assert torch.allclose(a.tau, b.tau, atol=atol, rtol=0)
+        for c in (a, b):  # the running sum of the fractional scores is theirs
+            valid = torch.arange(c.cap)[None] < c.thr_count[:, None]
+            frac_sum = torch.where(valid & ~c.thr_saturated, c.thr_u, 0.0).sum(1)
+            assert torch.allclose(c.thr_sum, frac_sum, atol=1e-9, rtol=0)
+        assert torch.equal(a.overflow, b.overflow)
+
+
+def _scores(c: SparseKCache, r: int, atol: float):
+    """Row r's threshold scores clear of tau by more than atol, and the saturated ones, sorted."""
+    n = int(c.thr_count[r])
+    u, sat = c.thr_u[r, :n], c.thr_saturated[r, :n]
+    keep = u > c.tau[r] + atol
+    return u[keep].sort().values, u[keep & sat].sort().values
+
+
+@pytest.mark.parametrize(
+    "topk,window,H,Hkv,variant,cap,prefill,steps,spread,backend",
+    [(*c, "torch") for c in CASES] + [(*c, "triton") for c in CASES if c[0] and c[0] < 40 and c[1] != 1],
+)
+def test_decode_equals_the_chunk_op(topk, window, H, Hkv, variant, cap, prefill, steps, spread, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")  # on the CPU: the kernel under TRITON_INTERPRET=1
+        cap = cap or 64  # a small state keeps the interpreted kernel quick (it may overflow: both sides count it)
+        steps = steps // 2 + 10
+    torch.manual_seed(topk * 100 + window)
+    B, D, dtype = 2, 8, torch.float64
+    cache = SparseKCache.empty(B, topk, window, Hkv, D, dtype=dtype, score_dtype=dtype, cap=cap)
+    kw = dict(topk=topk, window=window, variant=variant)
+    if prefill:  # rows at different positions: the second row's prefill is 3 tokens shorter
+        q, k, v, u = _rand(B, prefill, H, Hkv, D, dtype, spread)
+        lengths = torch.tensor([prefill, max(prefill - 3, 0)])
+        _, cache, _ = sparsek_attention_chunk(q, k, v, u, cache, lengths=lengths, backend="naive", scan="host", **kw)
+    fast, ref = cache, cache
+    _sets_equal(fast, ref, topk, 0.0)
+    pooled_changes = 0
+    for step in range(steps):
+        q, k, v, u = [x[:, 0] for x in _rand(B, 1, H, Hkv, D, dtype, spread, t0=prefill + step)]
+        o1, fast, s1 = sparsek_attention_decode(q, k, v, u, fast, with_selection=True, backend=backend, **kw)
+        o2, nxt, s2 = sparsek_attention_decode_reference(q, k, v, u, ref, with_selection=True, **kw)
+        pooled_changes += int((nxt.pool_pos.sort(1).values != ref.pool_pos.sort(1).values).any())
+        ref = nxt
+        assert torch.allclose(o1, o2, atol=1e-12, rtol=0), step
+        assert torch.equal(s1.fingerprint, s2.fingerprint), step
+        assert torch.equal(s1.theta_pos, s2.theta_pos), step
+        assert (s1.n_active - s2.n_active).abs().max() <= 1, step  # a score exactly at tau: see _scores
+        assert torch.allclose(s1.tau, s2.tau, atol=1e-12, rtol=0), step
+        _sets_equal(fast, ref, topk, 1e-12)
+    if topk:
+        assert pooled_changes >= 3  # the pool really turned over
+    if spread < 0.1:
+        assert (fast.overflow > 0).all()  # the overflow path ran (and matched the scan's count)
+
+
+def test_float32_and_bfloat16_follow_the_reference():
+    torch.manual_seed(1)
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        B, H, Hkv, D, topk, window = 2, 4, 2, 16, 6, 5
+        cache = SparseKCache.empty(B, topk, window, Hkv, D, dtype=dtype, score_dtype=torch.float32)
+        q, k, v, u = _rand(B, 20, H, Hkv, D, torch.float32, 0.7)
+        _, cache, _ = sparsek_attention_chunk(q.to(dtype), k.to(dtype), v.to(dtype), u, cache, topk=topk, window=window,
+                                              backend="naive", scan="host")
+        fast, ref = cache, cache
+        for step in range(20):
+            q, k, v, u = [x[:, 0] for x in _rand(B, 1, H, Hkv, D, torch.float32, 0.7, t0=20 + step)]
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            o1, fast, _ = sparsek_attention_decode(q, k, v, u, fast, topk=topk, window=window)
+            o2, ref, _ = sparsek_attention_decode_reference(q, k, v, u, ref, topk=topk, window=window)
+            assert o1.dtype == dtype
+            assert torch.allclose(o1.float(), o2.float(), atol=atol, rtol=0), (dtype, step)
+            assert torch.equal(fast.pool_pos.sort(1).values, ref.pool_pos.sort(1).values)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_pool_keeps_the_chunk_ops_layout(backend):
+    """Valid keys first, ascending positions: the layout the device scan's tie-breaking relies on."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(2)
+    cache = SparseKCache.empty(1, 4, 2, 1, 4, dtype=torch.float64, score_dtype=torch.float64, cap=16)
+    for t in range(40):
+        q, k, v, u = [x[:, 0] for x in _rand(1, 1, 1, 1, 4, torch.float64, 1.0, t0=t)]
+        _, cache, _ = sparsek_attention_decode(q, k, v, u, cache, topk=4, window=2, backend=backend)
+        pos = cache.pool_pos[0]
+        n = int((pos >= 0).sum())
+        assert (pos[n:] == -1).all() and torch.equal(pos[:n], pos[:n].sort().values)
+
+
+def test_position_hash_is_the_scans():
+    pos = torch.tensor([0, 1, 2, 17, 4096, 10**6, 2**40])
+    assert position_hash(pos).tolist() == [scan_position_hash(int(p)) for p in pos]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (dict(q=torch.zeros(2, 3, 4)), "multiple of kv heads"),
+        (dict(u=torch.zeros(3)), "u must be [B]"),
+        (dict(window=5), "cache was built for"),
+        (dict(variant="soft"), "variant must be"),
+        (dict(backend="cuda"), "backend must be"),
+    ],
+)
+def test_bad_arguments(args, message):
+    cache = SparseKCache.empty(2, 3, 2, 2, 4)
+    kw = dict(q=torch.zeros(2, 4, 4), k=torch.zeros(2, 2, 4), v=torch.zeros(2, 2, 4), u=torch.zeros(2), cache=cache,
+              topk=3, window=2, variant="hard_k_soft_v")
+    kw.update(args)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        sparsek_attention_decode(**kw)
