@@ -41,8 +41,9 @@ class Chunk:
     doc_index: torch.Tensor  # [B] int64 index into the documents (-1: idle row)
     doc_offset: torch.Tensor  # [B] int64 position in the document of the chunk's first token
     doc_len: torch.Tensor  # [B] int64 length of the row's document
-    # Targets in this chunk over every rank's rows (the loss's denominator); -1: not known.
-    global_targets: int = -1
+    # Over every rank's rows (the stream knows them all): targets, the loss's denominator, and input tokens.
+    global_targets: int = -1  # -1: not known
+    global_tokens: int = -1
 
     def to(self, device, non_blocking: bool = False) -> Chunk:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -77,14 +78,16 @@ def make_chunk(docs: TokenDocs, rows: list[tuple[int, int, bool] | None], chunk_
     return Chunk(t(tokens), t(targets), t(meta[0]), t(meta[1]).bool(), t(meta[2]), t(meta[3]), t(meta[4]))
 
 
-def count_targets(lengths: np.ndarray, rows: list[tuple[int, int, bool] | None], chunk_size: int) -> int:
-    """Targets a chunk of these rows holds, from the document lengths alone (no tokens read)."""
-    total = 0
+def count_tokens(lengths: np.ndarray, rows: list[tuple[int, int, bool] | None], chunk_size: int) -> tuple[int, int]:
+    """(targets, input tokens) a chunk of these rows holds, from the document lengths alone."""
+    targets = tokens = 0
     for row in rows:
         if row is not None:
             d, o, _ = row
-            total += min(chunk_size, int(lengths[d]) - o - 1)  # a document's last token has no target
-    return total
+            n = min(chunk_size, int(lengths[d]) - o)
+            tokens += n
+            targets += min(n, int(lengths[d]) - o - 1)  # a document's last token has no target
+    return targets, tokens
 
 
 class DocumentStream:
@@ -154,7 +157,7 @@ class DocumentStream:
             spec.append((d, o, reset))
             row[0], row[1] = d, o + min(self.chunk_size, int(self.lengths[d]) - o)
         chunk = make_chunk(self.docs, [spec[g] for g in self.mine], self.chunk_size, self.pad_id)
-        chunk.global_targets = count_targets(self.lengths, spec, self.chunk_size)
+        chunk.global_targets, chunk.global_tokens = count_tokens(self.lengths, spec, self.chunk_size)
         return chunk
 
     def __iter__(self) -> Iterator[Chunk]:
@@ -230,5 +233,5 @@ def iter_valid_chunks(
             spec = [(d, o, o == 0) if o < r else None for d, r in zip(group, read)]
             spec += [None] * (width - len(group))
             chunk = make_chunk(docs, spec[mine], chunk_size, pad_id)
-            chunk.global_targets = count_targets(docs.lengths, spec, chunk_size)
+            chunk.global_targets, chunk.global_tokens = count_tokens(docs.lengths, spec, chunk_size)
             yield chunk

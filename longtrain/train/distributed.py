@@ -83,20 +83,17 @@ def launch_env(environ: dict[str, str] | None = None) -> Ranks:
     )
 
 
-def setup(parallel: str, device_choice: str) -> tuple[Ranks, torch.device, list[str]]:
+def setup(parallel: str, device: torch.device) -> tuple[Ranks, torch.device, list[str]]:
     """Open the process group if the run needs one; returns (ranks, this rank's device, notes).
 
-    `device_choice` is the recipe's train.device (auto | cpu | cuda); the notes are lines for the
-    run's summary (rank 0 prints them; warnings among them carry the rank).
+    `device` is the recipe's choice (cpu or cuda); each rank takes GPU LOCAL_RANK. The notes are
+    lines for the run's summary (rank 0 prints them; warnings carry the rank of who wrote them).
     """
     if parallel not in PARALLEL:
         raise ValueError(f"train.parallel must be one of {PARALLEL}, got {parallel!r}")
     ranks = launch_env()
-    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
     notes: list[str] = []
-    if use_cuda:
-        if not torch.cuda.is_available():
-            raise RuntimeError("train.device is cuda but no CUDA device is visible; use `--set train.device=cpu`")
+    if device.type == "cuda":
         if ranks.launched and ranks.local_rank >= torch.cuda.device_count():
             raise RuntimeError(
                 f"{ranks.describe()} has local rank {ranks.local_rank} but this machine shows "
@@ -104,8 +101,6 @@ def setup(parallel: str, device_choice: str) -> tuple[Ranks, torch.device, list[
             )
         device = torch.device("cuda", ranks.local_rank)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
 
     if ranks.launched and not dist.is_initialized():
@@ -211,11 +206,70 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def on_main(fn, ranks: Ranks):
+    """`fn()` on rank 0 alone, its result (or its exception) on every rank.
+
+    For decisions one rank makes for all (which checkpoint to resume, whether the run dir is
+    free): every rank then goes on, or raises the same error, together.
+    """
+    if not ranks.active or ranks.world_size == 1:
+        return fn()
+    outcome: tuple[Any, BaseException | None] = (None, None)
+    if ranks.is_main:
+        try:
+            outcome = (fn(), None)
+        except Exception as e:  # sent to every rank, raised by all
+            outcome = (None, e)
+    result, error = broadcast_object(outcome)
+    if error is not None:
+        raise error
+    return result
+
+
+class OtherRankDisplay:
+    """The display of ranks other than 0: no progress, no lines; warnings go to stderr with the rank."""
+
+    def __init__(self, ranks: Ranks):
+        self.ranks = ranks
+
+    def __enter__(self) -> OtherRankDisplay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        if text.startswith("warning"):
+            print_for_rank(self.ranks, text)
+
+    def update(self, stats) -> None:
+        pass
+
+    def tokens_per_s(self) -> float:
+        return 0.0
+
+
+class NoMetrics:
+    """Ranks other than 0 write no metrics.jsonl."""
+
+    def __enter__(self) -> NoMetrics:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def log(self, record: dict) -> None:
+        pass
+
+
 # ------------------------------------------------------------------ the model
 
 
-def wrap_model(model: nn.Module, parallel: str, device: torch.device, ranks: Ranks) -> nn.Module:
-    """The model as the ranks train it: DDP (several ranks), FSDP2 (sharded), or itself (one rank, ddp)."""
+def wrap_model(model: nn.Module, parallel: str, device: torch.device, ranks: Ranks, *, find_unused: bool = False) -> nn.Module:
+    """The model as the ranks train it: DDP (several ranks), FSDP2 (sharded), or itself (one rank, ddp).
+
+    `find_unused`: some parameters get no gradient in some steps (train.freeze), which DDP must look for.
+    """
     if parallel == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -236,7 +290,7 @@ def wrap_model(model: nn.Module, parallel: str, device: torch.device, ranks: Ran
     if ranks.world_size > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # the LM has no buffers to sync
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=find_unused)
     return model
 
 

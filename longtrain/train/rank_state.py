@@ -71,15 +71,20 @@ def check_layout(saved: Layout, current: Layout, *, path: str | Path = "") -> No
     """Refuse a resume whose total rows differ; the message says what matches and what does not."""
     if saved.rows == current.rows:
         return
-    same = [name for name, a, b in (("ranks", saved.world_size, current.world_size), ("train.batch_docs", saved.batch_docs, current.batch_docs)) if a == b]
-    matches = f"{' and '.join(same)} match{'es' if len(same) == 1 else ''}, " if same else ""
+    pairs = (("ranks", saved.world_size, current.world_size), ("train.batch_docs", saved.batch_docs, current.batch_docs))
+    same = [f"{name} ({a})" for name, a, b in pairs if a == b]
+    differ = [f"{name} ({a} vs {b})" for name, a, b in pairs if a != b] + [f"rows in total ({saved.rows} vs {current.rows})"]
     options = ", ".join(f"{n} × {saved.rows // n}" for n in range(1, saved.rows + 1) if saved.rows % n == 0)
+    launch = (
+        f"`torchrun --nproc_per_node {saved.world_size} -m longtrain.cli fit ... --set train.batch_docs={saved.batch_docs}`"
+        if saved.world_size > 1 else f"`longtrain fit ... --set train.batch_docs={saved.batch_docs}` without torchrun"
+    )
     raise CheckpointError(
         f"checkpoint {path} was written by {saved.describe()}; this run has {current.describe()}. "
-        f"{matches}but the total rows differ ({saved.rows} vs {current.rows}), and every row carries its "
-        f"document's position and cache, so they cannot continue. Resume with ranks × train.batch_docs = "
-        f"{saved.rows} ({options}; e.g. `torchrun --nproc_per_node {saved.world_size} ... --set "
-        f"train.batch_docs={saved.batch_docs}`), or start a new run with --resume never or another --run-dir."
+        + (f"Same: {', '.join(same)}. " if same else "")
+        + f"Different: {', '.join(differ)}. Every row carries its document's position and cache, so the rows in total "
+        f"must stay {saved.rows}: resume with ranks × train.batch_docs = {saved.rows} ({options}; e.g. {launch}), "
+        "or start a new run with --resume never or another --run-dir."
     )
 
 

@@ -95,6 +95,7 @@ def test_ranks_read_exactly_the_rows_of_one_process_with_all_rows(world, b):
             assert_rows_equal(chunk, want, slice(r * b, (r + 1) * b))  # global row g = r·b + row
             assert chunk.global_targets == want.global_targets
         assert want.global_targets == want.n_targets == sum(c.n_targets for c in got)
+        assert want.global_tokens == int(want.lengths.sum()) == sum(int(c.lengths.sum()) for c in got)
     states = [s.state_dict() for s in ranks]
     assert all(st == {**one.state_dict(), "world_size": world} for st in states)  # the same on every rank
 

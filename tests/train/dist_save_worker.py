@@ -12,7 +12,7 @@ from longtrain.train import distributed
 from longtrain.train.checkpoint import CheckpointManager
 from longtrain.train.rank_state import cache_group
 
-ranks, _, _ = distributed.setup("ddp", "cpu")
+ranks, _, _ = distributed.setup("ddp", torch.device("cpu"))
 manager = CheckpointManager(sys.argv[1], keep=3)
 for step in (1, 2):
     tensors = {cache_group(ranks.rank): {"seen": torch.full((2,), 10 * step + ranks.rank)}}

@@ -103,9 +103,11 @@ def test_other_total_rows_are_refused_saying_what_matches():
         check_layout(Layout(2, 2), Layout(3, 2, "fsdp"), path="run/checkpoints/step-00000004")
     msg = str(e.value)
     assert "2 ranks × 2 rows = 4 rows in total (ddp)" in msg and "3 ranks × 2 rows = 6 rows in total (fsdp)" in msg
-    assert "train.batch_docs matches" in msg and "(4 vs 6)" in msg and "1 × 4, 2 × 2, 4 × 1" in msg
-    with pytest.raises(CheckpointError, match="but the total rows differ"):
-        check_layout(Layout(2, 2), Layout(2, 3))
+    assert "Same: train.batch_docs (2). Different: ranks (2 vs 3), rows in total (4 vs 6)." in msg
+    assert "ranks × train.batch_docs = 4 (1 × 4, 2 × 2, 4 × 1; e.g. `torchrun --nproc_per_node 2" in msg
+    assert "--resume never" in msg
+    with pytest.raises(CheckpointError, match=r"Same: ranks \(1\)\. Different: train.batch_docs \(4 vs 3\).*without torchrun"):
+        check_layout(Layout(1, 4), Layout(1, 3))
 
 
 def test_optimizer_state_converts_between_names_and_positions():

@@ -1,0 +1,175 @@
+"""`longtrain fit` under real `torchrun` processes (gloo on the CPU): equivalence, exact resume, bad input.
+
+One tiny recipe, run as 1 process × 4 rows and as 2 ranks × 2 rows (ddp and fsdp): the same documents
+in the same rows, so the per-step losses and the final weights agree up to the order of the sums.
+The runs are shared by the tests of this module (each costs seconds of CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from longtrain.train.metrics import read_metrics
+
+from .tiny import RECIPE, cli_command, write_corpus
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def space(tmp_path_factory):
+    """A folder with the tiny corpus and recipe (2 rows per rank), and a token cache shared by every run."""
+    tmp = tmp_path_factory.mktemp("dist")
+    write_corpus(tmp / "corpus")
+    (tmp / "tiny.yaml").write_text(RECIPE.format(corpus=tmp / "corpus", steps=STEPS, every=4))
+    return tmp
+
+
+def env(space: Path, **extra) -> dict[str, str]:
+    return dict(os.environ, LONGTRAIN_CACHE=str(space / "cache"), OMP_NUM_THREADS="1", **extra)
+
+
+def fit(space: Path, run: str, *args, extra_env=None) -> subprocess.CompletedProcess:
+    """`longtrain fit tiny.yaml` as one process (no torchrun)."""
+    cmd = cli_command("fit", space / "tiny.yaml", "--run-dir", space / run, *args)
+    return subprocess.run(cmd, env=env(space, **(extra_env or {})), capture_output=True, text=True, timeout=300)
+
+
+def torchrun_fit(space: Path, run: str, *args, nproc=2, script=False, extra_env=None, cores=None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node N -m longtrain.cli fit tiny.yaml ...` (or the `longtrain` script under torchrun)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    if script:  # the console script, as a user types it: torchrun --no-python longtrain fit ...
+        target = ["--no-python", str(Path(sys.executable).parent / "longtrain")]
+    else:
+        target = ["-m", "longtrain.cli"]
+    cmd = [*launcher, *target, "fit", str(space / "tiny.yaml"), "--run-dir", str(space / run), *map(str, args)]
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None  # fewer cores than ranks
+    return subprocess.run(cmd, env=env(space, **(extra_env or {})), capture_output=True, text=True, timeout=300, preexec_fn=pin)
+
+
+def records(space: Path, run: str) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(space / run / "metrics.jsonl")}
+
+
+def weights(space: Path, run: str, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_file(space / run / "checkpoints" / f"step-{step:08d}" / "model.safetensors")
+
+
+def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def one(space):
+    """The reference: one process with all 4 rows."""
+    return ok(fit(space, "one", "--set", "train.batch_docs=4"))
+
+
+@pytest.fixture(scope="module")
+def ddp(space):
+    return ok(torchrun_fit(space, "ddp"))
+
+
+def assert_equivalent(space: Path, run: str, reference: str = "one") -> None:
+    a, b = records(space, reference), records(space, run)
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    for s in a:
+        assert a[s]["doc_positions"] == b[s]["doc_positions"], s  # the same rows at the same positions
+        assert a[s]["tokens"] == b[s]["tokens"]
+        assert abs(a[s]["loss"] - b[s]["loss"]) <= 1e-5 * abs(a[s]["loss"]), (s, a[s]["loss"], b[s]["loss"])
+        if "valid_loss" in a[s]:  # validation, sharded over the ranks and reduced
+            assert abs(a[s]["valid_loss"] - b[s]["valid_loss"]) <= 1e-5 * a[s]["valid_loss"]
+    wa, wb = weights(space, reference), weights(space, run)
+    assert wa.keys() == wb.keys()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-5
+    assert a[STEPS]["loss"] < a[1]["loss"]  # it learns
+
+
+def test_two_ranks_of_two_rows_train_as_one_process_of_four_rows_ddp(space, one, ddp):
+    assert_equivalent(space, "ddp")
+    out = ddp.stdout
+    assert out.count(f"step {STEPS}/{STEPS}") == 1 and out.count("longtrain fit tiny") == 1  # rank 0 alone prints
+    assert "ranks: 2 ranks (ddp, gloo on cpu)" in out and "rank r reads global rows r·2 .. r·2+1 of 4" in out
+    assert "need not divide among the ranks" in out
+    meta = json.loads((space / "ddp/checkpoints/step-00000010/meta.json").read_text())
+    assert meta["layout"] == {"world_size": 2, "batch_docs": 2, "rows": 4, "parallel": "ddp"}
+    assert len(meta["ranks"]) == 2 and len(meta["data_stream"]["rows"]) == 4
+    assert {"model.safetensors", "optimizer.safetensors", "cache.rank00000.safetensors", "cache.rank00001.safetensors"} <= meta["files"].keys()
+
+
+def test_two_fsdp_ranks_train_as_one_process_and_the_longtrain_script_runs_under_torchrun(space, one):
+    r = ok(torchrun_fit(space, "fsdp", "--set", "train.parallel=fsdp", script=True))
+    assert "ranks: 2 ranks (fsdp, gloo on cpu)" in r.stdout
+    assert_equivalent(space, "fsdp")
+    # FSDP's checkpoint holds the whole model, as one process writes it: it loads anywhere
+    from longtrain.train.checkpointer import load_checkpoint
+
+    loaded = load_checkpoint(space / "fsdp")
+    assert loaded.step == STEPS and torch.equal(loaded.model.state_dict()["embed.weight"], weights(space, "fsdp")["embed.weight"])
+
+
+def test_a_rank_killed_mid_save_leaves_no_checkpoint_and_the_run_resumes_bitwise(space, ddp):
+    # rank 1 dies while writing checkpoint 8 (its part is written, rank 0 has not committed); torchrun stops rank 0
+    killed = torchrun_fit(space, "killed", extra_env={"LONGTRAIN_TEST_KILL_IN_SAVE": "8:1"})
+    assert killed.returncode != 0
+    ckpts = space / "killed/checkpoints"
+    assert (ckpts / "step-00000004").is_dir() and not (ckpts / "step-00000008").exists()
+    half = [p for p in ckpts.iterdir() if p.name.startswith(".tmp-step-00000008")]
+    assert half and not (half[0] / "meta.json").exists()  # what was written never carries the final name
+    shutil.copytree(space / "killed", space / "regrouped")  # for the next test: its step 4, as it was
+
+    resumed = ok(torchrun_fit(space, "killed"))  # --resume auto
+    assert "resuming from" in resumed.stdout and "step-00000004" in resumed.stdout
+    a, b = records(space, "ddp"), records(space, "killed")
+    assert sorted(b) == list(range(1, STEPS + 1))
+    assert [a[s]["loss"] for s in a] == [b[s]["loss"] for s in a]  # bitwise, steps 5..10 included
+    wa, wb = weights(space, "ddp"), weights(space, "killed")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not any(p.name.startswith(".tmp-") for p in ckpts.iterdir())  # the next save cleared the stale part
+
+
+def test_two_by_two_resumes_as_one_by_four_and_other_totals_are_refused(space, ddp):
+    run = space / "regrouped"
+    if not run.is_dir():
+        pytest.skip("needs the killed run of the previous test")
+    refused = fit(space, "regrouped", "--set", "train.batch_docs=3")  # one process × 3 rows: 3 != 2 × 2
+    assert refused.returncode == 1
+    msg = refused.stderr
+    assert "2 ranks × 2 rows = 4 rows in total (ddp)" in msg and "1 rank × 3 rows = 3 rows in total (ddp)" in msg
+    assert "Different: ranks (2 vs 1), train.batch_docs (2 vs 3), rows in total (4 vs 3)" in msg
+    assert "ranks × train.batch_docs = 4" in msg
+    assert not (run / "checkpoints/step-00000008").exists()  # a refused resume writes nothing
+
+    regrouped = ok(fit(space, "regrouped", "--set", "train.batch_docs=4"))  # 1 × 4 from 2 × 2's step 4
+    assert "resuming from" in regrouped.stdout
+    a, b = records(space, "ddp"), records(space, "regrouped")
+    assert [a[s]["doc_positions"] for s in a] == [b[s]["doc_positions"] for s in a]  # every row went on
+    assert_equivalent(space, "regrouped", reference="ddp")
+
+
+def test_fsdp_without_torchrun_runs_as_one_rank_with_a_note(space, one):
+    # steps 1..3 depend only on the first two learning rates (the warmup), so a 3-step run matches them
+    r = ok(fit(space, "fsdp1", "--set", "train.parallel=fsdp", "--set", "train.batch_docs=4", "--set", "train.steps=3"))
+    assert "note: train.parallel is fsdp but the run was not launched by torchrun: running as world size 1" in r.stdout
+    assert "ranks: 1 rank (fsdp, gloo on cpu)" in r.stdout
+    a, b = records(space, "one"), records(space, "fsdp1")
+    assert all(abs(a[s]["loss"] - b[s]["loss"]) <= 1e-5 * a[s]["loss"] for s in (1, 2, 3))
+
+
+def test_more_ranks_than_cores_warns_and_every_rank_warns_with_its_rank(space):
+    # two ranks pinned to one core; a threshold cap small enough to overflow makes every rank warn
+    r = ok(torchrun_fit(space, "crowded", "--set", "train.steps=1", "--set", "attention.threshold_cap=1", cores={0}))
+    assert "warning: 2 ranks on this machine share 1 CPU core(s)" in r.stdout and "--nproc_per_node 1" in r.stdout
+    assert "[rank 0] warning: a layer's SparseK threshold state hit its cap" in r.stdout
+    assert "[rank 1] warning: a layer's SparseK threshold state hit its cap" in r.stderr
+    assert "[rank 1]" in r.stderr and "ThresholdOverflowWarning" in r.stderr  # python warnings carry the rank too
