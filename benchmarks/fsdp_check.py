@@ -38,16 +38,27 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 os.environ.update(NO_MULTICAST)
 
 
+def run_stopping_on_timeout(cmd: list[str], log, env: dict, timeout: int, cwd: Path) -> int | str:
+    """Run `cmd`; past `timeout`, SIGTERM it (torchrun passes that on to its ranks and kills them 30 s later)."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        return "timeout"
+
+
 def run(name: str, cmd: list[str], work: Path, out: Path, timeout: int) -> list[dict]:
     """One fit command; returns the run's metrics.jsonl records ([] if it wrote none)."""
     env = dict(os.environ, **NO_MULTICAST, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                LONGTRAIN_CACHE=str(work / "cache"), PYTHONUNBUFFERED="1")
     t0 = time.monotonic()
     with open(out / f"fit-{name}.log", "w") as log:
-        try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=work).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = run_stopping_on_timeout(cmd, log, env, timeout, work)
     print(f"  {name}: exit {rc}, {time.monotonic() - t0:.0f} s", flush=True)
     metrics = work / f"run-{name}" / "metrics.jsonl"
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []

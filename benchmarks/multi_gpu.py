@@ -61,6 +61,20 @@ SHAPES = {
 SPARSEK = {"type": "sparsek+sw", "topk": 512, "window": 512}
 
 
+def run_stopping_on_timeout(cmd: list[str], log, env: dict, timeout: int, cwd: Path) -> int | str:
+    """Run `cmd`; past `timeout`, SIGTERM it (torchrun passes that on to its ranks and kills them 30 s later)."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        return "timeout"
+
+
 class Bench:
     def __init__(self, args):
         self.args, self.out = args, args.out
@@ -109,10 +123,7 @@ class Bench:
         t0 = time.monotonic()
         log_path = self.out / f"fit-{name}.log"
         with open(log_path, "w") as log:
-            try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, timeout=self.args.timeout, cwd=self.work).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+            rc = run_stopping_on_timeout(cmd, log, full_env, self.args.timeout, self.work)
         print(f"  {name}: exit {rc}, {time.monotonic() - t0:.0f} s", flush=True)
         metrics = run_dir / "metrics.jsonl"
         recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []

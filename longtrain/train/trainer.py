@@ -25,6 +25,7 @@ stop) reach every rank, so they go on or stop together.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from contextlib import contextmanager, nullcontext
@@ -148,7 +149,20 @@ class Trainer:
                             self.save()
                 return self.result(seconds=time.monotonic() - t_start)
         finally:
-            distributed.teardown()
+            self.stop_ranks()
+
+    def stop_ranks(self) -> None:
+        """Close the process group, if any; first drop what holds on to it (DDP's reducer, FSDP's mesh).
+
+        The group must be destroyed while Python is fully alive: if DDP's reducer outlives it until
+        interpreter shutdown, gloo's destructor waits on worker threads that wait for the GIL (a hang).
+        """
+        if not self.ranks.active:
+            return
+        for name in ("train_model", "model", "optimizer", "cache"):
+            self.__dict__.pop(name, None)
+        gc.collect()
+        distributed.teardown()
 
     def start_ranks(self) -> None:
         """This process's rank, its device (GPU LOCAL_RANK under torchrun) and the process group."""

@@ -36,27 +36,20 @@ def test_launch_env_reads_torchrun_variables():
     assert not r.is_main and r.parallel and r.describe() == "rank 3 of 4"
 
 
-def test_every_rank_writes_its_part_and_rank_0_commits(tmp_path):
-    r = torchrun(2, HERE / "dist_save_worker.py", tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    manager = CheckpointManager(tmp_path, keep=3)
-    path = manager.latest_complete()
-    assert path == manager.path_for(2)
-    meta = json.loads((path / "meta.json").read_text())
-    assert sorted(meta["files"]) == ["cache.rank00000.safetensors", "cache.rank00001.safetensors", "model.safetensors"]
-    assert meta["ranks"] == [{"rank": 0}, {"rank": 1}]
-    tensors, _ = manager.load(path, groups=[cache_group(1)])  # a rank reads only its part
-    assert list(tensors) == [cache_group(1)] and tensors[cache_group(1)]["seen"].tolist() == [21, 21]
-
-
-def test_a_rank_killed_mid_save_leaves_no_checkpoint_a_later_run_takes(tmp_path):
+def test_every_rank_writes_its_part_rank_0_commits_and_a_rank_killed_mid_save_leaves_no_checkpoint(tmp_path):
+    # two ranks save checkpoint 1; during checkpoint 2 rank 1 dies once its part is written (torchrun stops rank 0)
     r = torchrun(2, HERE / "dist_save_worker.py", tmp_path, env_extra={"LONGTRAIN_TEST_KILL_IN_SAVE": "2:1"})
-    assert r.returncode != 0 and "saved" in r.stdout  # step 1 was saved; then rank 1 died mid-save
+    assert r.returncode != 0 and "rank 0 saved" in r.stdout and "rank 1 saved" in r.stdout, r.stderr[-3000:]
     manager = CheckpointManager(tmp_path, keep=3)
     assert [p.name for p in manager.steps()] == ["step-00000001"]
+    assert manager.latest_complete() == manager.path_for(1)  # what a later run resumes from
+    meta = json.loads((manager.path_for(1) / "meta.json").read_text())
+    assert sorted(meta["files"]) == ["cache.rank00000.safetensors", "cache.rank00001.safetensors", "model.safetensors"]
+    assert meta["ranks"] == [{"rank": 0}, {"rank": 1}]
+    tensors, _ = manager.load(manager.path_for(1), groups=[cache_group(1)])  # a rank reads only its part
+    assert list(tensors) == [cache_group(1)] and tensors[cache_group(1)]["seen"].tolist() == [11, 11]
     stale = [p for p in manager.dir.iterdir() if p.name.startswith(".tmp-step-00000002")]
-    assert stale and (stale[0] / "model.safetensors").exists() and not (stale[0] / "meta.json").exists()
-    assert manager.latest_complete() == manager.path_for(1)
+    assert stale and (stale[0] / "cache.rank00001.safetensors").exists() and not (stale[0] / "meta.json").exists()
 
 
 def fake_cache(rows: int, groups: int, seed: int) -> dict[str, torch.Tensor]:

@@ -38,30 +38,46 @@ def env(space: Path, **extra) -> dict[str, str]:
     return dict(os.environ, LONGTRAIN_CACHE=str(space / "cache"), OMP_NUM_THREADS="1", **extra)
 
 
-def fit(space: Path, run: str, *args, extra_env=None) -> subprocess.CompletedProcess:
+def run(cmd: list[str], env: dict, timeout: int = 300, preexec_fn=None) -> subprocess.CompletedProcess:
+    """Run to the end; past `timeout`, SIGTERM (torchrun passes it on to its ranks) before SIGKILL, and fail."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:8])}... ran past {timeout} s:\n{(out + err)[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def fit(space: Path, run_dir: str, *args, extra_env=None) -> subprocess.CompletedProcess:
     """`longtrain fit tiny.yaml` as one process (no torchrun)."""
-    cmd = cli_command("fit", space / "tiny.yaml", "--run-dir", space / run, *args)
-    return subprocess.run(cmd, env=env(space, **(extra_env or {})), capture_output=True, text=True, timeout=300)
+    cmd = cli_command("fit", space / "tiny.yaml", "--run-dir", space / run_dir, *args)
+    return run(cmd, env(space, **(extra_env or {})))
 
 
-def torchrun_fit(space: Path, run: str, *args, nproc=2, script=False, extra_env=None, cores=None) -> subprocess.CompletedProcess:
+def torchrun_fit(space: Path, run_dir: str, *args, nproc=2, script=False, extra_env=None, cores=None) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node N -m longtrain.cli fit tiny.yaml ...` (or the `longtrain` script under torchrun)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     if script:  # the console script, as a user types it: torchrun --no-python longtrain fit ...
         target = ["--no-python", str(Path(sys.executable).parent / "longtrain")]
     else:
         target = ["-m", "longtrain.cli"]
-    cmd = [*launcher, *target, "fit", str(space / "tiny.yaml"), "--run-dir", str(space / run), *map(str, args)]
+    cmd = [*launcher, *target, "fit", str(space / "tiny.yaml"), "--run-dir", str(space / run_dir), *map(str, args)]
     pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None  # fewer cores than ranks
-    return subprocess.run(cmd, env=env(space, **(extra_env or {})), capture_output=True, text=True, timeout=300, preexec_fn=pin)
+    return run(cmd, env(space, **(extra_env or {})), preexec_fn=pin)
 
 
-def records(space: Path, run: str) -> dict[int, dict]:
-    return {r["step"]: r for r in read_metrics(space / run / "metrics.jsonl")}
+def records(space: Path, run_dir: str) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(space / run_dir / "metrics.jsonl")}
 
 
-def weights(space: Path, run: str, step: int = STEPS) -> dict[str, torch.Tensor]:
-    return load_file(space / run / "checkpoints" / f"step-{step:08d}" / "model.safetensors")
+def weights(space: Path, run_dir: str, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_file(space / run_dir / "checkpoints" / f"step-{step:08d}" / "model.safetensors")
 
 
 def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -80,8 +96,8 @@ def ddp(space):
     return ok(torchrun_fit(space, "ddp"))
 
 
-def assert_equivalent(space: Path, run: str, reference: str = "one") -> None:
-    a, b = records(space, reference), records(space, run)
+def assert_equivalent(space: Path, run_dir: str, reference: str = "one") -> None:
+    a, b = records(space, reference), records(space, run_dir)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     for s in a:
         assert a[s]["doc_positions"] == b[s]["doc_positions"], s  # the same rows at the same positions
@@ -89,7 +105,7 @@ def assert_equivalent(space: Path, run: str, reference: str = "one") -> None:
         assert abs(a[s]["loss"] - b[s]["loss"]) <= 1e-5 * abs(a[s]["loss"]), (s, a[s]["loss"], b[s]["loss"])
         if "valid_loss" in a[s]:  # validation, sharded over the ranks and reduced
             assert abs(a[s]["valid_loss"] - b[s]["valid_loss"]) <= 1e-5 * a[s]["valid_loss"]
-    wa, wb = weights(space, reference), weights(space, run)
+    wa, wb = weights(space, reference), weights(space, run_dir)
     assert wa.keys() == wb.keys()
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-5
     assert a[STEPS]["loss"] < a[1]["loss"]  # it learns
@@ -139,8 +155,8 @@ def test_a_rank_killed_mid_save_leaves_no_checkpoint_and_the_run_resumes_bitwise
 
 
 def test_two_by_two_resumes_as_one_by_four_and_other_totals_are_refused(space, ddp):
-    run = space / "regrouped"
-    if not run.is_dir():
+    regrouped = space / "regrouped"
+    if not regrouped.is_dir():
         pytest.skip("needs the killed run of the previous test")
     refused = fit(space, "regrouped", "--set", "train.batch_docs=3")  # one process × 3 rows: 3 != 2 × 2
     assert refused.returncode == 1
@@ -148,7 +164,7 @@ def test_two_by_two_resumes_as_one_by_four_and_other_totals_are_refused(space, d
     assert "2 ranks × 2 rows = 4 rows in total (ddp)" in msg and "1 rank × 3 rows = 3 rows in total (ddp)" in msg
     assert "Different: ranks (2 vs 1), train.batch_docs (2 vs 3), rows in total (4 vs 3)" in msg
     assert "ranks × train.batch_docs = 4" in msg
-    assert not (run / "checkpoints/step-00000008").exists()  # a refused resume writes nothing
+    assert not (regrouped / "checkpoints/step-00000008").exists()  # a refused resume writes nothing
 
     regrouped = ok(fit(space, "regrouped", "--set", "train.batch_docs=4"))  # 1 × 4 from 2 × 2's step 4
     assert "resuming from" in regrouped.stdout
@@ -173,3 +189,15 @@ def test_more_ranks_than_cores_warns_and_every_rank_warns_with_its_rank(space):
     assert "[rank 0] warning: a layer's SparseK threshold state hit its cap" in r.stdout
     assert "[rank 1] warning: a layer's SparseK threshold state hit its cap" in r.stderr
     assert "[rank 1]" in r.stderr and "ThresholdOverflowWarning" in r.stderr  # python warnings carry the rank too
+
+
+def test_frozen_parameters_under_ddp_train_as_one_process(space):
+    # train.freeze leaves most parameters without gradients for the first steps: DDP must not wait for them
+    freeze = ["--set", "train.freeze.steps=2", "--set", "train.steps=3"]
+    ok(fit(space, "frozen1", "--set", "train.batch_docs=4", *freeze))
+    ok(torchrun_fit(space, "frozen2", *freeze))
+    a, b = records(space, "frozen1"), records(space, "frozen2")
+    assert sorted(b) == [1, 2, 3]
+    assert all(abs(a[s]["loss"] - b[s]["loss"]) <= 1e-5 * a[s]["loss"] for s in a)
+    assert all(abs(a[s]["grad_norm"] - b[s]["grad_norm"]) <= 1e-4 * a[s]["grad_norm"] for s in a)
+    assert a[3]["grad_norm"] > 10 * a[2]["grad_norm"]  # step 3 thaws everything: the freeze did hold before
