@@ -266,9 +266,10 @@ def load_checkpoint(
 
     path = resolve_checkpoint(path)
     recipe, tokenizer = load_recipe_and_tokenizer(path)
-    tensors, meta = ckpt.load(path)
-    if "model" not in tensors:
+    meta = json.loads((path / META).read_text())
+    if "model.safetensors" not in meta.get("files", {}):
         raise CheckpointError(f"checkpoint {path} holds no model.safetensors")
+    tensors, meta = ckpt.load(path, ["model"])  # not the optimizer state (twice the model's size)
     state = tensors["model"]
     vocab = state["embed.weight"].shape[0] if "embed.weight" in state else None
     try:

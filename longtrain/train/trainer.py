@@ -556,7 +556,10 @@ def evaluate(model: LM, corpus: PreparedCorpus, cfg, device: torch.device, ranks
         corpus.valid, cfg.chunk_size, batch_rows=rows, max_docs=cfg.valid_docs, max_tokens=cfg.valid_tokens,
         rank=ranks.rank, world_size=ranks.world_size,
     )
+    sharded = distributed.is_sharded(model)
     for chunk in chunks:
+        if not sharded and not bool(chunk.lengths.any()):  # this rank's rows are idle here (FSDP still joins in)
+            continue
         chunk = chunk.to(device)
         cache = cache.reset_rows(chunk.reset)
         out = model(chunk.tokens, cache=cache, lengths=chunk.lengths)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -123,10 +124,15 @@ def test_two_ranks_of_two_rows_train_as_one_process_of_four_rows_ddp(space, one,
     assert {"model.safetensors", "optimizer.safetensors", "cache.rank00000.safetensors", "cache.rank00001.safetensors"} <= meta["files"].keys()
 
 
-def test_two_fsdp_ranks_train_as_one_process_and_the_longtrain_script_runs_under_torchrun(space, one):
-    r = ok(torchrun_fit(space, "fsdp", "--set", "train.parallel=fsdp", script=True))
-    assert "ranks: 2 ranks (fsdp, gloo on cpu)" in r.stdout
-    assert_equivalent(space, "fsdp")
+def test_two_fsdp_ranks_train_as_one_process_through_a_kill_and_the_longtrain_script_runs_under_torchrun(space, one):
+    fsdp = ("--set", "train.parallel=fsdp")
+    # rank 0 is SIGKILLed right after checkpoint 4; torchrun stops rank 1; --resume auto goes on from step 4
+    killed = torchrun_fit(space, "fsdp", *fsdp, script=True, extra_env={"LONGTRAIN_TEST_KILL_AFTER": "4", "LONGTRAIN_TEST_KILL_RANK": "0"})
+    assert killed.returncode != 0 and "ranks: 2 ranks (fsdp, gloo on cpu)" in killed.stdout
+    assert sorted(records(space, "fsdp")) == [1, 2, 3, 4]
+    resumed = ok(torchrun_fit(space, "fsdp", *fsdp, script=True))
+    assert "resuming from" in resumed.stdout and "step-00000004" in resumed.stdout
+    assert_equivalent(space, "fsdp")  # FSDP's gathered save and its sharded restore lose nothing
     # FSDP's checkpoint holds the whole model, as one process writes it: it loads anywhere
     from longtrain.train.checkpointer import load_checkpoint
 
@@ -173,31 +179,32 @@ def test_two_by_two_resumes_as_one_by_four_and_other_totals_are_refused(space, d
     assert_equivalent(space, "regrouped", reference="ddp")
 
 
-def test_fsdp_without_torchrun_runs_as_one_rank_with_a_note(space, one):
-    # steps 1..3 depend only on the first two learning rates (the warmup), so a 3-step run matches them
-    r = ok(fit(space, "fsdp1", "--set", "train.parallel=fsdp", "--set", "train.batch_docs=4", "--set", "train.steps=3"))
+def test_fsdp_without_torchrun_runs_as_one_rank_with_a_note(space, ddp):
+    # one process, fsdp (a world of one), resuming the 2 × 2 ddp run's checkpoint 8 with 1 × 4 rows
+    step8 = space / "ddp/checkpoints/step-00000008"
+    r = ok(fit(space, "fsdp1", "--resume", step8, "--set", "train.parallel=fsdp", "--set", "train.batch_docs=4"))
     assert "note: train.parallel is fsdp but the run was not launched by torchrun: running as world size 1" in r.stdout
-    assert "ranks: 1 rank (fsdp, gloo on cpu)" in r.stdout
-    a, b = records(space, "one"), records(space, "fsdp1")
-    assert all(abs(a[s]["loss"] - b[s]["loss"]) <= 1e-5 * a[s]["loss"] for s in (1, 2, 3))
+    assert "ranks: 1 rank (fsdp, gloo on cpu)" in r.stdout and "resuming from" in r.stdout
+    a, b = records(space, "ddp"), records(space, "fsdp1")
+    assert sorted(b) == [9, 10]
+    assert all(abs(a[s]["loss"] - b[s]["loss"]) <= 1e-5 * a[s]["loss"] for s in (9, 10))
+    wa, wb = weights(space, "ddp"), weights(space, "fsdp1")
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-5
 
 
-def test_more_ranks_than_cores_warns_and_every_rank_warns_with_its_rank(space):
-    # two ranks pinned to one core; a threshold cap small enough to overflow makes every rank warn
-    r = ok(torchrun_fit(space, "crowded", "--set", "train.steps=1", "--set", "attention.threshold_cap=1", cores={0}))
-    assert "warning: 2 ranks on this machine share 1 CPU core(s)" in r.stdout and "--nproc_per_node 1" in r.stdout
-    assert "[rank 0] warning: a layer's SparseK threshold state hit its cap" in r.stdout
-    assert "[rank 1] warning: a layer's SparseK threshold state hit its cap" in r.stderr
-    assert "[rank 1]" in r.stderr and "ThresholdOverflowWarning" in r.stderr  # python warnings carry the rank too
-
-
-def test_frozen_parameters_under_ddp_train_as_one_process(space):
-    # train.freeze leaves most parameters without gradients for the first steps: DDP must not wait for them
-    freeze = ["--set", "train.freeze.steps=2", "--set", "train.steps=3"]
-    ok(fit(space, "frozen1", "--set", "train.batch_docs=4", *freeze))
-    ok(torchrun_fit(space, "frozen2", *freeze))
+def test_ddp_with_frozen_parameters_on_too_few_cores_trains_as_one_process_and_every_rank_warns(space):
+    # train.freeze leaves most parameters without gradients for the first steps: DDP must not wait for them.
+    # The two ranks share one core (a warning), and a threshold cap small enough to overflow makes every rank warn.
+    common = ["--set", "train.freeze.steps=2", "--set", "train.steps=3", "--set", "attention.threshold_cap=1"]
+    ok(fit(space, "frozen1", "--set", "train.batch_docs=4", *common))
+    r = ok(torchrun_fit(space, "frozen2", *common, cores={0}))
     a, b = records(space, "frozen1"), records(space, "frozen2")
     assert sorted(b) == [1, 2, 3]
     assert all(abs(a[s]["loss"] - b[s]["loss"]) <= 1e-5 * a[s]["loss"] for s in a)
     assert all(abs(a[s]["grad_norm"] - b[s]["grad_norm"]) <= 1e-4 * a[s]["grad_norm"] for s in a)
     assert a[3]["grad_norm"] > 10 * a[2]["grad_norm"]  # step 3 thaws everything: the freeze did hold before
+
+    assert "warning: 2 ranks on this machine share 1 CPU core(s)" in r.stdout and "--nproc_per_node 1" in r.stdout
+    assert "[rank 0] warning: a layer's SparseK threshold state hit its cap" in r.stdout
+    assert "[rank 1] warning: a layer's SparseK threshold state hit its cap" in r.stderr
+    assert re.search(r"^\[rank 1\] \S+: ThresholdOverflowWarning", r.stderr, re.M)  # python warnings carry the rank too
