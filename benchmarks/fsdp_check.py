@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -61,7 +62,9 @@ def run(name: str, cmd: list[str], work: Path, out: Path, timeout: int) -> list[
         rc = run_stopping_on_timeout(cmd, log, env, timeout, work)
     print(f"  {name}: exit {rc}, {time.monotonic() - t0:.0f} s", flush=True)
     metrics = work / f"run-{name}" / "metrics.jsonl"
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    shutil.rmtree(work / f"run-{name}" / "checkpoints", ignore_errors=True)  # not needed; GiBs of disk
+    return records
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
     python benchmarks/multi_gpu.py --out DIR --parts large,resume     # second call
     python benchmarks/multi_gpu.py --out DIR --small --gpus 2         # a tiny CPU version (gloo), to check the script
 
-Parts (each writes DIR/multi_gpu-<part>.json, DIR/fit-*.log, and prints a table):
+Parts (each writes DIR/multi_gpu-<part>.json and its runs' logs in DIR/multi_gpu-<part>.log, and prints a table):
   scaling  12 × 768 and 24 × 1024 llama, SparseK+SW k = w = 512, chunk 4096, 4 rows per GPU (16k tokens per
            GPU per step): 1 GPU and N GPUs (--gpus, default 2), each with ddp and with fsdp. tokens/s per GPU
            over steps 5..N-1 and weak-scaling efficiency (per-GPU rate on N GPUs / on 1 GPU). 1 GPU ddp is a
@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -80,6 +81,8 @@ class Bench:
         self.args, self.out = args, args.out
         self.work = Path(os.environ.get("MULTI_GPU_WORK", "/tmp/multi_gpu"))
         self.work.mkdir(parents=True, exist_ok=True)
+        self.logs = self.work / "logs"  # one file per fit; DIR gets one file per part (the device tool returns few files)
+        self.logs.mkdir(exist_ok=True)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.gpu = torch.cuda.get_device_name() if self.device == "cuda" else "cpu"
         self.commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
@@ -121,7 +124,7 @@ class Bench:
         if self.device == "cpu":
             full_env["OMP_NUM_THREADS"] = "1"
         t0 = time.monotonic()
-        log_path = self.out / f"fit-{name}.log"
+        log_path = self.logs / f"fit-{name}.log"
         with open(log_path, "w") as log:
             rc = run_stopping_on_timeout(cmd, log, full_env, self.args.timeout, self.work)
         print(f"  {name}: exit {rc}, {time.monotonic() - t0:.0f} s", flush=True)
@@ -129,8 +132,15 @@ class Bench:
         recs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
         return rc, recs, log_path.read_text(errors="replace")
 
+    def drop_checkpoints(self, name: str) -> None:
+        """A measured run's checkpoints are not needed (a 1B model's take 16 GiB of disk)."""
+        shutil.rmtree(self.work / f"run-{name}" / "checkpoints", ignore_errors=True)
+
     def save(self, part: str, results: dict) -> None:
+        """DIR/multi_gpu-<part>.json, and the part's fit logs in one file, DIR/multi_gpu-<part>.log."""
         (self.out / f"multi_gpu-{part}.json").write_text(json.dumps({"device": self.gpu, "commit": self.commit, **results}, indent=1))
+        logs = sorted(self.logs.glob(f"fit-{part.replace('scaling', 'scale')}*.log"))
+        (self.out / f"multi_gpu-{part}.log").write_text("".join(f"===== {f.name}\n{f.read_text(errors='replace')}\n" for f in logs))
 
     # ------------------------------------------------------------------ parts
 
@@ -143,8 +153,9 @@ class Bench:
             for parallel in ("ddp", "fsdp"):
                 for gpus in (1, n):
                     launch = not (gpus == 1 and parallel == "ddp")  # the 1-GPU ddp baseline is a plain process
-                    rc, recs, _ = self.fit(f"scale-{model}-{parallel}-{gpus}", recipe, gpus=gpus, parallel=parallel, launch=launch,
-                                           args=["--resume", "never"])
+                    name = f"scale-{model}-{parallel}-{gpus}"
+                    rc, recs, _ = self.fit(name, recipe, gpus=gpus, parallel=parallel, launch=launch, args=["--resume", "never"])
+                    self.drop_checkpoints(name)
                     tps = rate(recs, 5, steps - 1)
                     row[f"{parallel}_{gpus}"] = {
                         "exit": rc, "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / gpus if tps else None,
@@ -173,6 +184,7 @@ class Bench:
         steps = target // chunk + 2
         recipe = self.recipe("large", self.shapes["22x2048"], chunk=chunk, rows=1, steps=steps, corpus=flat)
         rc, recs, log = self.fit("large-fsdp", recipe, gpus=n, parallel="fsdp", args=["--resume", "never"])
+        self.drop_checkpoints("large-fsdp")
         at = lambda p: max((r["memory_bytes"] for r in recs if 0 < r["doc_positions"][0] <= p), default=None)  # noqa: E731
         m = re.search(r"([\d.]+) s in validation, checkpoints and logging", log)
         params = re.search(r"([\d.]+)M parameters", log)

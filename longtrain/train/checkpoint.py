@@ -111,22 +111,25 @@ class CheckpointManager:
         _test_only_kill_in_save(step, 0 if ranks is None else ranks.rank)
         parts = gather_objects({"files": written, "meta": rank_meta, "error": error})
 
-        result: str | None = None  # the final path, or why the save failed
+        failure: str | None = None  # why the save failed, as every rank learns it
         if main:
             try:
-                result = self._commit(step, tmp, final, meta, parts, with_ranks=rank_meta is not None)
+                failure = self._commit(step, tmp, final, meta, parts, with_ranks=rank_meta is not None)
             except BaseException:  # e.g. meta that is not JSON
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-        result = broadcast_object(result)
-        if not result.startswith("ok:"):
-            raise CheckpointError(f"could not save checkpoint {final}: {result}; the previous checkpoints are intact")
+        failure = broadcast_object(failure)
+        if failure is not None:
+            raise CheckpointError(f"could not save checkpoint {final}: {failure}; the previous checkpoints are intact")
         if main:
             self.prune()
         return final
 
-    def _commit(self, step: int, tmp: Path, final: Path, meta, parts: list[dict], *, with_ranks: bool) -> str:
-        """Rank 0, once every rank has written: meta.json, then the rename that makes it a checkpoint."""
+    def _commit(self, step: int, tmp: Path, final: Path, meta, parts: list[dict], *, with_ranks: bool) -> str | None:
+        """Rank 0, once every rank has written: meta.json, then the rename that makes it a checkpoint.
+
+        Returns None, or why it failed (the temporary directory is then gone).
+        """
         failed = [f"rank {r}: {p['error']}" if len(parts) > 1 else p["error"] for r, p in enumerate(parts) if p["error"]]
         if failed:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -154,7 +157,7 @@ class CheckpointManager:
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             return _why(e)
-        return f"ok:{final}"
+        return None
 
     def steps(self) -> list[Path]:
         """Checkpoint directories carrying a final name, oldest first (not yet validated)."""

@@ -29,7 +29,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,10 @@ import torch.distributed as dist
 from torch import nn
 
 PARALLEL = ("ddp", "fsdp")
+
+
+class LaunchError(RuntimeError):
+    """The launch does not fit this machine (more ranks than GPUs); the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ def setup(parallel: str, device: torch.device) -> tuple[Ranks, torch.device, lis
     notes: list[str] = []
     if device.type == "cuda":
         if ranks.launched and ranks.local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
+            raise LaunchError(
                 f"{ranks.describe()} has local rank {ranks.local_rank} but this machine shows "
                 f"{torch.cuda.device_count()} GPU(s): use --nproc_per_node {torch.cuda.device_count()} or fewer"
             )
@@ -118,11 +122,11 @@ def setup(parallel: str, device: torch.device) -> tuple[Ranks, torch.device, lis
     if device.type == "cpu" and ranks.local_world_size > 1 and ranks.local_rank == 0:
         cores = available_cores()
         if ranks.local_world_size > cores:
-            notes.append(
-                f"warning: {ranks.local_world_size} ranks on this machine share {cores} CPU core(s): each step waits "
-                f"for the slowest rank and they compete for cores. Use --nproc_per_node {cores} or fewer "
-                "(the global batch stays the same if train.batch_docs grows to match)."
-            )
+            notes.append(rank_message(ranks,
+                f"warning: {ranks.local_world_size} ranks on this machine share {cores} CPU core(s): they compete "
+                f"for the cores and each step waits for the slowest. Use --nproc_per_node {cores} or fewer, with "
+                "train.batch_docs raised to keep ranks × train.batch_docs (the global batch) the same."
+            ))
     return ranks, device, notes
 
 
@@ -323,8 +327,7 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         with model.no_sync():
             yield
     else:
-        with nullcontext():
-            yield
+        yield
 
 
 # ------------------------------------------------------------------ full state for checkpoints

@@ -166,7 +166,10 @@ class Trainer:
 
     def start_ranks(self) -> None:
         """This process's rank, its device (GPU LOCAL_RANK under torchrun) and the process group."""
-        self.ranks, self.device, self.rank_notes = distributed.setup(self.cfg.parallel, pick_device(self.cfg.device))
+        try:
+            self.ranks, self.device, self.rank_notes = distributed.setup(self.cfg.parallel, pick_device(self.cfg.device))
+        except distributed.LaunchError as e:
+            raise TrainingError(str(e)) from None
 
     @contextmanager
     def hold_run_dir(self):
@@ -451,10 +454,9 @@ class Trainer:
 
     def warn(self, text: str) -> None:
         """A warning line, with the rank in front when there are several."""
-        line = distributed.rank_message(self.ranks, f"warning: {text}")
         if self.ranks.is_main:
-            self.display.message(line)
-        else:
+            self.display.message(distributed.rank_message(self.ranks, f"warning: {text}"))
+        else:  # stderr: only rank 0 has a display
             distributed.print_for_rank(self.ranks, f"warning: {text}")
 
     def warn_overflow(self) -> None:
