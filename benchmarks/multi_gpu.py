@@ -1,6 +1,6 @@
 """`longtrain fit` on several GPUs of one host (torchrun, NCCL): scaling, a ~1B model under FSDP, exact resume.
 
-    python benchmarks/multi_gpu.py --out DIR --parts scaling          # first 10-minute call
+    python benchmarks/multi_gpu.py --out DIR --parts scaling          # first 10-minute call (--models 12x768 | 24x1024 halves it)
     python benchmarks/multi_gpu.py --out DIR --parts large,resume     # second call
     python benchmarks/multi_gpu.py --out DIR --small --gpus 2         # a tiny CPU version (gloo), to check the script
 
@@ -147,7 +147,7 @@ class Bench:
     def scaling(self) -> None:
         steps, n = self.args.steps, self.args.gpus
         rows = []
-        for model in ("12x768", "24x1024"):
+        for model in self.args.models.split(","):
             recipe = self.recipe(f"scale-{model}", self.shapes[model], chunk=self.chunk, rows=self.rows, steps=steps, corpus=self.corpus)
             row = {"model": model, "chunk": self.chunk, "rows_per_gpu": self.rows}
             for parallel in ("ddp", "fsdp"):
@@ -248,6 +248,7 @@ def main() -> None:
     ap.add_argument("--parts", default="scaling,large,resume")
     ap.add_argument("--gpus", type=int, default=torch.cuda.device_count() if torch.cuda.is_available() else 2)
     ap.add_argument("--steps", type=int, default=12, help="steps of each scaling run (tokens/s over 5..steps-1)")
+    ap.add_argument("--models", default="12x768,24x1024", help="the scaling part's models (one call per model if time is short)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per fit run")
     ap.add_argument("--small", action="store_true", help="a tiny CPU configuration (gloo) that checks the script")
     args = ap.parse_args()
