@@ -46,13 +46,21 @@ def fit(
             return
         result = trainer.train()
     except (RecipeError, DataError, CheckpointError, TrainingError, RunDirBusy) as e:
-        raise fail(str(e), 2 if isinstance(e, RecipeError) else 1)
+        raise fail(rank_message(str(e)), 2 if isinstance(e, RecipeError) else 1)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once, no save
-        raise fail("interrupted again: stopped without saving; the last checkpoint is unchanged", 130)
+        raise fail(rank_message("interrupted again: stopped without saving; the last checkpoint is unchanged"), 130)
 
-    for line in summary_lines(result):
-        out.print(line, markup=False)
+    if trainer.ranks.is_main:  # under torchrun, rank 0 speaks for the run
+        for line in summary_lines(result):
+            out.print(line, markup=False)
     raise typer.Exit(result.exit_code)
+
+
+def rank_message(text: str) -> str:
+    """Under torchrun every rank reports its own error, its rank first."""
+    from longtrain.train.distributed import launch_env, rank_message
+
+    return rank_message(launch_env(), text)
 
 
 def summary_lines(result) -> list[str]:

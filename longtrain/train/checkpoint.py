@@ -11,6 +11,14 @@ fsynced, then renamed: a directory carries its final name only when it is
 complete, so a SIGKILL or a full disk mid-save leaves the previous
 checkpoints untouched. On load, the recorded sizes and hashes catch files
 that were truncated or corrupted afterwards.
+
+With several ranks (torchrun) every rank writes its own files into the same
+temporary directory; rank 0 gathers every rank's file records, writes
+`meta.json` listing all of them and renames the directory. Until every rank has
+reported, nothing carries the final name: a rank that dies mid-save leaves a
+`.tmp-*` directory that no reader takes for a checkpoint and the next save
+removes. (On several machines the checkpoint folder must be on a file system
+they share.)
 """
 
 from __future__ import annotations
@@ -21,14 +29,17 @@ import json
 import os
 import re
 import shutil
+import signal
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+from longtrain.train.distributed import Ranks, broadcast_object, gather_objects
 
 META = "meta.json"
 FORMAT = 1
@@ -60,23 +71,79 @@ class CheckpointManager:
         tensors: Mapping[str, Mapping[str, torch.Tensor]],
         meta: Mapping[str, Any],
         files: Mapping[str, bytes] | None = None,
+        rank_meta: Mapping[str, Any] | None = None,
+        ranks: Ranks | None = None,
     ) -> Path:
         """Write checkpoint `step` atomically, then prune to the newest `keep`.
 
         `files` are extra files by name (the recipe, the tokenizer), checked like the tensors.
+        With `ranks` (several processes) every rank calls save with its own tensor groups, under
+        names no other rank uses, and its `rank_meta`; rank 0's `meta` is the checkpoint's, with
+        every rank's `rank_meta` in rank order under "ranks". Every rank returns the final path.
         """
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.clean_stale()
+        main = ranks is None or ranks.is_main
         final = self.path_for(step)
-        tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
+        tmp, error = None, None
+        if main:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                self.clean_stale()
+                tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
+                tmp.mkdir()
+            except OSError as e:
+                error = _why(e)
+        tmp, error = broadcast_object((tmp, error))
+        if error is not None:
+            raise CheckpointError(f"could not save checkpoint {final}: {error}; the previous checkpoints are intact")
+
+        written, error = {}, None
         try:
-            tmp.mkdir()
-            written = {}
             for group, state in tensors.items():
                 written[f"{group}.safetensors"] = _write_file(tmp / f"{group}.safetensors", st_save(_storable(state)))
             for name, data in (files or {}).items():
                 written[name] = _write_file(tmp / name, data)
-            record = {**meta, "step": step, "format": FORMAT, "files": written}
+        except OSError as e:
+            error = _why(e)
+        except BaseException:  # e.g. Ctrl-C during the save (several ranks: the launcher stops them all)
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _test_only_kill_in_save(step, 0 if ranks is None else ranks.rank)
+        parts = gather_objects({"files": written, "meta": rank_meta, "error": error})
+
+        failure: str | None = None  # why the save failed, as every rank learns it
+        if main:
+            try:
+                failure = self._commit(step, tmp, final, meta, parts, with_ranks=rank_meta is not None)
+            except BaseException:  # e.g. meta that is not JSON
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        failure = broadcast_object(failure)
+        if failure is not None:
+            raise CheckpointError(f"could not save checkpoint {final}: {failure}; the previous checkpoints are intact")
+        if main:
+            self.prune()
+        return final
+
+    def _commit(self, step: int, tmp: Path, final: Path, meta, parts: list[dict], *, with_ranks: bool) -> str | None:
+        """Rank 0, once every rank has written: meta.json, then the rename that makes it a checkpoint.
+
+        Returns None, or why it failed (the temporary directory is then gone).
+        """
+        failed = [f"rank {r}: {p['error']}" if len(parts) > 1 else p["error"] for r, p in enumerate(parts) if p["error"]]
+        if failed:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return "; ".join(failed)
+        written: dict[str, Any] = {}
+        for part in parts:
+            clash = written.keys() & part["files"].keys()
+            if clash:  # two ranks wrote the same file: a caller's bug, never a silent overwrite
+                raise CheckpointError(f"ranks wrote the same checkpoint files: {sorted(clash)}")
+            written.update(part["files"])
+        record = {**meta, "step": step, "format": FORMAT, "files": written}
+        if with_ranks:
+            record["ranks"] = [p["meta"] for p in parts]
+        try:
             _write_file(tmp / META, json.dumps(record, indent=1).encode())
             _fsync_dir(tmp)
             if final.exists():  # saving the same step twice (e.g. final == periodic)
@@ -89,15 +156,8 @@ class CheckpointManager:
             _fsync_dir(self.dir)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            why = "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-            raise CheckpointError(
-                f"could not save checkpoint {final}: {why}; the previous checkpoints are intact"
-            ) from e
-        except BaseException:  # e.g. meta that is not JSON, or Ctrl-C during the save
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self.prune()
-        return final
+            return _why(e)
+        return None
 
     def steps(self) -> list[Path]:
         """Checkpoint directories carrying a final name, oldest first (not yet validated)."""
@@ -115,8 +175,10 @@ class CheckpointManager:
             warnings.warn(f"skipping checkpoint {path}: {problem}", CheckpointWarning, stacklevel=2)
         return None
 
-    def load(self, path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
-        return load(path)
+    def load(
+        self, path: str | Path, groups: Iterable[str] | None = None
+    ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        return load(path, groups)
 
     def prune(self) -> None:
         """Delete the oldest checkpoints beyond `keep`."""
@@ -130,8 +192,12 @@ class CheckpointManager:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def validate(path: str | Path) -> str | None:
-    """None if the checkpoint at `path` is complete and intact, else what is wrong."""
+def validate(path: str | Path, only: Iterable[str] | None = None) -> str | None:
+    """None if the checkpoint at `path` is complete and intact, else what is wrong.
+
+    `only` checks just those of its files (a rank reading its own part of a checkpoint that
+    rank 0 validated whole).
+    """
     path = Path(path)
     try:
         meta = json.loads((path / META).read_text())
@@ -142,7 +208,13 @@ def validate(path: str | Path) -> str | None:
     files = meta.get("files") if isinstance(meta, dict) else None
     if not isinstance(files, dict):
         return f"{META} lists no files"
+    if only is not None:
+        only = set(only)
+        if missing := sorted(only - files.keys()):
+            return f"{META} does not list {', '.join(missing)}"
     for name, want in files.items():
+        if only is not None and name not in only:
+            continue
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
@@ -153,16 +225,19 @@ def validate(path: str | Path) -> str | None:
     return None
 
 
-def load(path: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
-    """The tensor groups and meta of a checkpoint, after validating it."""
+def load(
+    path: str | Path, groups: Iterable[str] | None = None
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """The tensor groups (all, or those named) and meta of a checkpoint, after validating what is read."""
     path = Path(path)
-    problem = validate(path)
+    names = None if groups is None else [f"{g}.safetensors" for g in groups]
+    problem = validate(path, only=names)
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} cannot be used: {problem}")
     meta = json.loads((path / META).read_text())
     tensors = {
         name.removesuffix(".safetensors"): st_load((path / name).read_bytes())
-        for name in meta["files"]
+        for name in (names if names is not None else meta["files"])
         if name.endswith(".safetensors")
     }
     return tensors, meta
@@ -247,6 +322,19 @@ def _write_file(path: Path, data: bytes) -> dict[str, Any]:
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": len(data), "sha256": _sha256(data)}
+
+
+def _why(e: OSError) -> str:
+    return "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+
+
+def _test_only_kill_in_save(step: int, rank: int) -> None:
+    """Tests kill a rank mid-save: SIGKILL once its files are written, before rank 0 commits.
+
+    `LONGTRAIN_TEST_KILL_IN_SAVE=STEP:RANK` (set by tests only).
+    """
+    if os.environ.get("LONGTRAIN_TEST_KILL_IN_SAVE") == f"{step}:{rank}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -13,6 +13,10 @@ vocabulary size is read from the weights), so a checkpoint copied anywhere loads
 written before that still load: their recipe and tokenizer come from the run dir two levels up.
 
 Verbs accept either a checkpoint dir or a run dir; a run dir means its newest complete checkpoint.
+
+With several ranks (torchrun) a checkpoint holds the whole model and optimizer (gathered on rank 0),
+each rank's per-row caches and RNG, and the layout (ranks × rows); `longtrain.train.rank_state`
+says why and how a resume with another number of ranks regroups the rows.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ import torch
 from tokenizers import Tokenizer
 
 from longtrain.train import checkpoint as ckpt
+from longtrain.train import distributed
 from longtrain.train.checkpoint import META, CheckpointError, CheckpointManager
+from longtrain.train.distributed import Ranks
+from longtrain.train.rank_state import Layout, cache_for_rank, cache_group, check_layout, rng_for_rank, saved_groups_for
 from longtrain.train.rng import capture_rng, restore_rng
 
 RECIPE_FILE = "recipe.yaml"
@@ -92,45 +99,76 @@ class Checkpointer:
             "tokenizer": hashlib.sha256(tokenizer.to_str(pretty=True).encode()).hexdigest(),
         }
 
-    def check(self, path: Path, hashes: dict[str, str]) -> dict[str, Any]:
-        """The checkpoint's meta, after refusing one written for another model, attention or tokenizer."""
+    def check(self, path: Path, hashes: dict[str, str], layout: Layout | None = None) -> dict[str, Any]:
+        """The checkpoint's meta, after refusing one written for another model, attention or tokenizer,
+        or (given this run's `layout`) for another total of rows."""
         meta = self.read_meta(path)
         ckpt.check_compatible(meta, hashes, path=path)
+        if layout is not None:
+            check_layout(Layout.from_meta(meta), layout, path=path)
         return meta
 
-    def save(self, state: TrainState, *, model, optimizer, cache, stream, hashes, recipe, corpus) -> Path:
-        """Checkpoint `state.step` atomically (and prune to `keep`)."""
-        opt_tensors, opt_info = ckpt.optimizer_to_checkpoint(optimizer.state_dict())
-        meta = {
-            "step": state.step,
-            "tokens": state.tokens,
-            "best_valid_loss": state.best_valid_loss,
-            "data_stream": stream.state_dict(),
-            "corpus": corpus.fingerprint,
-            "rng": capture_rng(),
-            "optimizer": opt_info,
-            "hashes": hashes,
-        }
-        tensors = {"model": model.state_dict(), "optimizer": opt_tensors, "cache": cache.state_dict()}
-        files = checkpoint_files(recipe, corpus.tokenizer)  # self-contained
-        return self.manager.save(state.step, tensors=tensors, meta=meta, files=files)
+    def save(
+        self, state: TrainState, *, model, optimizer, cache, stream, hashes, recipe, corpus,
+        ranks: Ranks = Ranks(), layout: Layout | None = None,
+    ) -> Path:
+        """Checkpoint `state.step` atomically (and prune to `keep`); with several ranks every rank calls it.
 
-    def restore(self, path: Path, *, model, optimizer, stream, hashes, device) -> tuple[TrainState, Any]:
-        """Load a checkpoint into the live objects; returns its TrainState and the per-row caches.
+        `model` is the model as trained (DDP or FSDP wrapped, or the LM itself).
+        """
+        layout = layout or Layout(1, cache.batch_size)
+        model_sd, optim_sd = distributed.full_state(model, optimizer, ranks)  # FSDP: a collective
+        tensors = {cache_group(ranks.rank): cache.state_dict()}
+        meta, files = {}, None
+        if ranks.is_main:
+            opt_tensors, opt_info = ckpt.optimizer_to_checkpoint(optim_sd)
+            tensors |= {"model": model_sd, "optimizer": opt_tensors}
+            meta = {
+                "step": state.step,
+                "tokens": state.tokens,
+                "best_valid_loss": state.best_valid_loss,
+                "data_stream": stream.state_dict(),  # every row's, the same on every rank
+                "layout": layout.to_meta(),
+                "corpus": corpus.fingerprint,
+                "optimizer": opt_info,
+                "hashes": hashes,
+            }
+            files = checkpoint_files(recipe, corpus.tokenizer)  # self-contained
+        return self.manager.save(
+            state.step, tensors=tensors, meta=meta, files=files, rank_meta={"rng": capture_rng()}, ranks=ranks
+        )
 
-        Everything is checked (hashes, shapes, the data stream) before the model or optimizer
-        changes, and nothing is written: a refused resume leaves the run as it was.
+    def restore(
+        self, path: Path, *, model, optimizer, stream, hashes, device, ranks: Ranks = Ranks(), layout: Layout | None = None,
+    ) -> tuple[TrainState, Any]:
+        """Load a checkpoint into the live objects; returns its TrainState and this rank's per-row caches.
+
+        Everything is checked (hashes, the layout of rows, shapes, the data stream) before the model
+        or optimizer changes, and nothing is written: a refused resume leaves the run as it was.
+        With several ranks, rank 0 reads the model and optimizer and hands them to the others
+        (FSDP: each keeps its shard); each rank reads the caches of its own rows.
         """
         from longtrain.model import ModelCache
 
-        tensors, meta = ckpt.load(path)
+        layout = layout or Layout(1, stream.batch_rows)
+        meta = self.read_meta(path)
         ckpt.check_compatible(meta, hashes, path=path)
-        ckpt.check_shapes(tensors["model"], model.state_dict())
+        saved = Layout.from_meta(meta)
+        check_layout(saved, layout, path=path)
+        groups = saved_groups_for(saved, meta, ranks.rank, layout.batch_docs)
+        reads_model = ranks.is_main or not ranks.active  # with a process group, rank 0 reads for all
+        tensors, meta = ckpt.load(path, groups + (["model", "optimizer"] if reads_model else []))
+
+        def check_model() -> None:
+            ckpt.check_shapes(tensors["model"], distributed.unwrap(model).state_dict())
+
+        distributed.on_main(check_model, ranks)  # a refusal stops every rank alike
         stream.load_state_dict(meta["data_stream"])
-        model.load_state_dict(tensors["model"])
-        optimizer.load_state_dict(ckpt.optimizer_from_checkpoint(tensors["optimizer"], meta["optimizer"]))
-        restore_rng(meta["rng"])
-        return TrainState.from_meta(meta), ModelCache.from_state_dict({k: v.to(device) for k, v in tensors["cache"].items()})
+        optim_sd = ckpt.optimizer_from_checkpoint(tensors["optimizer"], meta["optimizer"]) if reads_model else None
+        distributed.load_full_state(model, optimizer, tensors.get("model"), optim_sd, ranks)
+        restore_rng(rng_for_rank(meta, ranks.rank))
+        rows = cache_for_rank(tensors, saved, meta, ranks.rank, layout.batch_docs)
+        return TrainState.from_meta(meta), ModelCache.from_state_dict({k: v.to(device) for k, v in rows.items()})
 
     @staticmethod
     def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
@@ -228,9 +266,10 @@ def load_checkpoint(
 
     path = resolve_checkpoint(path)
     recipe, tokenizer = load_recipe_and_tokenizer(path)
-    tensors, meta = ckpt.load(path)
-    if "model" not in tensors:
+    meta = json.loads((path / META).read_text())
+    if "model.safetensors" not in meta.get("files", {}):
         raise CheckpointError(f"checkpoint {path} holds no model.safetensors")
+    tensors, meta = ckpt.load(path, ["model"])  # not the optimizer state (twice the model's size)
     state = tensors["model"]
     vocab = state["embed.weight"].shape[0] if "embed.weight" in state else None
     try:

@@ -58,9 +58,9 @@ def init_from_checkpoint(model: nn.Module, source: str | Path, recipe) -> list[s
     from longtrain.train.checkpointer import resolve_checkpoint
 
     path = resolve_checkpoint(source)
-    tensors, _ = ckpt.load(path)
-    if "model" not in tensors:
+    if not (Path(path) / "model.safetensors").is_file():
         raise CheckpointError(f"train.init_from: checkpoint {path} holds no model.safetensors")
+    tensors, _ = ckpt.load(path, ["model"])  # weights only: not the optimizer state
     state = dict(tensors["model"])
     own = model.state_dict()
     is_score = lambda k: k.endswith("scorer.weight")  # noqa: E731

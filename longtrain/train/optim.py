@@ -81,8 +81,15 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float, *, step: int | None = No
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
-    """Clip the global gradient norm (0 turns clipping off); returns the norm before clipping."""
+    """Clip the global gradient norm (0 turns clipping off); returns the norm before clipping.
+
+    With FSDP the gradients are shards (DTensors): their norm is a partial sum that `full_tensor`
+    completes over the ranks, so every rank clips by the norm of the whole gradient.
+    """
     params = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    if hasattr(total, "full_tensor"):  # a DTensor
+        total = total.full_tensor()
     if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
-    return float(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return float(total)

@@ -172,6 +172,10 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, ge=0, description="max global gradient norm; 0 turns clipping off")
     seed: int = Field(0, ge=0, description="seed of every random generator")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto uses CUDA when present")
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="with several ranks (torchrun): ddp replicates the model, fsdp shards parameters, "
+        "gradients and optimizer state (FSDP2) for models that do not fit one device"
+    )
     compile: bool = Field(False, description="torch.compile the model")
     valid_every: int = Field(
         0, ge=0, description="steps between validation passes, plus one at the last step of a run at "

@@ -45,7 +45,10 @@ class StopSignal:
         self._old.clear()
 
 
-def kill_for_tests_after(step: int) -> None:
-    """Tests simulate a crash: SIGKILL right after checkpoint `LONGTRAIN_TEST_KILL_AFTER` is saved."""
-    if os.environ.get("LONGTRAIN_TEST_KILL_AFTER") == str(step):
+def kill_for_tests_after(step: int, rank: int = 0) -> None:
+    """Tests simulate a crash: SIGKILL right after checkpoint `LONGTRAIN_TEST_KILL_AFTER` is saved.
+
+    Under torchrun only rank `LONGTRAIN_TEST_KILL_RANK` dies, if set (the launcher then stops the others).
+    """
+    if os.environ.get("LONGTRAIN_TEST_KILL_AFTER") == str(step) and os.environ.get("LONGTRAIN_TEST_KILL_RANK", str(rank)) == str(rank):
         os.kill(os.getpid(), signal.SIGKILL)

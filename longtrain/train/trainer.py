@@ -16,13 +16,19 @@ checkpoint, so a resumed run continues bitwise where it stopped.
 The run dir is safe to point at: one `fit` holds it at a time (`RunLock`), setup decides whether
 and from where to resume before anything is written (a refused resume leaves the directory as
 it was), and files a fresh start would replace are moved aside with a message, never deleted.
+
+Under `torchrun` each rank runs this same loop on its own rows of the global batch
+(longtrain.train.distributed): rank 0 alone holds the run dir, prints, writes metrics and run
+files and commits checkpoints; decisions one rank takes for all (which checkpoint, whether to
+stop) reach every rank, so they go on or stop together.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,7 +39,9 @@ from longtrain.console import make_console
 from longtrain.data import IGNORE, DocumentStream, PreparedCorpus, iter_valid_chunks, prepare_corpus
 from longtrain.model import LM, LMConfig
 from longtrain.model.attention_types import kv_entries
+from longtrain.train import distributed
 from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainState
+from longtrain.train.distributed import Ranks
 from longtrain.train.init import apply_freeze, init_from_checkpoint
 from longtrain.train.metrics import (
     METRICS_FILE,
@@ -46,6 +54,7 @@ from longtrain.train.metrics import (
     tensorboard_missing,
 )
 from longtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from longtrain.train.rank_state import Layout
 from longtrain.train.recipe import Recipe, recipe_to_yaml
 from longtrain.train.rng import seed_everything
 from longtrain.train.run_dir import RunLock, move_aside
@@ -114,33 +123,74 @@ class Trainer:
         self.final_valid_loss: float | None = None
         self.train_seconds = 0.0
         self.init_notes: list[str] = []  # what train.init_from loaded
+        self.ranks = Ranks()  # one process until start_ranks() reads torchrun's environment
+        self.rank_notes: list[str] = []
+        self.stop_agreed: int | None = None  # with several ranks: the signal any rank got, as all ranks know it
         self._warned_overflow = False
 
     # ------------------------------------------------------------------ the outline
 
     def train(self) -> FitResult:
-        with RunLock(self.run_dir):
-            self.setup()  # nothing is written to the run dir before this returns
-            if self.state.step >= self.cfg.steps:  # already finished: nothing to do, nothing to write
-                return self.result(seconds=0.0)
-            self.start_run()
-            t_start = time.monotonic()
-            with self.stop, self.display, self.metrics:
-                while self.state.step < self.cfg.steps and not self.stop.requested:
-                    record = self.train_step()
-                    if self.validation_due():
-                        record |= self.validate()
-                    self.log_step(record, elapsed=time.monotonic() - t_start)
-                    if self.save_due():
-                        self.save()
-            return self.result(seconds=time.monotonic() - t_start)
+        self.start_ranks()  # torchrun's ranks and their process group (none for one process)
+        try:
+            with self.hold_run_dir():
+                self.setup()  # nothing is written to the run dir before this returns
+                if self.state.step >= self.cfg.steps:  # already finished: nothing to do, nothing to write
+                    return self.result(seconds=0.0)
+                self.start_run()
+                t_start = time.monotonic()
+                with self.stop, self.display, self.metrics:
+                    while self.state.step < self.cfg.steps and not self.stopping:
+                        record = self.train_step()
+                        if self.validation_due():
+                            record |= self.validate()
+                        self.log_step(record, elapsed=time.monotonic() - t_start)
+                        if self.save_due():
+                            self.save()
+                return self.result(seconds=time.monotonic() - t_start)
+        finally:
+            self.stop_ranks()
+
+    def stop_ranks(self) -> None:
+        """Close the process group, if any; first drop what holds on to it (DDP's reducer, FSDP's mesh).
+
+        The group must be destroyed while Python is fully alive: if DDP's reducer outlives it until
+        interpreter shutdown, gloo's destructor waits on worker threads that wait for the GIL (a hang).
+        """
+        if not self.ranks.active:
+            return
+        for name in ("train_model", "model", "optimizer", "cache"):
+            self.__dict__.pop(name, None)
+        gc.collect()
+        distributed.teardown()
+
+    def start_ranks(self) -> None:
+        """This process's rank, its device (GPU LOCAL_RANK under torchrun) and the process group."""
+        try:
+            self.ranks, self.device, self.rank_notes = distributed.setup(self.cfg.parallel, pick_device(self.cfg.device))
+        except distributed.LaunchError as e:
+            raise TrainingError(str(e)) from None
+
+    @contextmanager
+    def hold_run_dir(self):
+        """Rank 0 holds the run dir for the whole run; if it is busy, every rank stops with the same error."""
+        lock = RunLock(self.run_dir)
+        distributed.on_main(lambda: lock.__enter__() and None, self.ranks)
+        try:
+            yield
+        finally:
+            if self.ranks.is_main:
+                lock.__exit__(None, None, None)
+
+    def layout(self) -> Layout:
+        """This run's rows: ranks × train.batch_docs (global row g = rank · batch_docs + r)."""
+        return Layout(self.ranks.world_size, self.cfg.batch_docs, self.cfg.parallel)
 
     # ------------------------------------------------------------------ setup: reads only
 
     def setup(self) -> None:
         """Data, model, optimizer, stream and the checkpoint to resume, all checked before the run starts."""
-        self.device = pick_device(self.cfg.device)
-        seed_everything(self.cfg.seed)
+        seed_everything(self.cfg.seed)  # the same on every rank: every replica starts from the same weights
         if self.recipe.logging.tensorboard and (missing := tensorboard_missing()):
             raise TrainingError(missing)
         meta = self.read_inputs()
@@ -150,22 +200,26 @@ class Trainer:
         self.model = self.build_model(self.device)
         if self.cfg.init_from and self.resume_from is None:  # fine-tuning: weights only, the rest starts fresh
             self.init_notes = init_from_checkpoint(self.model, self.cfg.init_from, self.recipe)
+        self.train_model = self.parallelize()
         self.optimizer = self.build_optimizer()
         self.stream = self.build_stream()
         self.cache = self.model.empty_cache(self.cfg.batch_docs, device=self.device, dtype=torch.float32)
         if self.resume_from is not None:
             self.state, self.cache = self.checkpointer.restore(
-                self.resume_from, model=self.model, optimizer=self.optimizer, stream=self.stream,
-                hashes=self.hashes, device=self.device,
+                self.resume_from, model=self.train_model, optimizer=self.optimizer, stream=self.stream,
+                hashes=self.hashes, device=self.device, ranks=self.ranks, layout=self.layout(),
             )
         self.start = replace(self.state)  # a copy: the state changes every step
 
     def read_inputs(self) -> dict | None:
         """The corpus, and the checkpoint to resume with its meta checked against this recipe (or None)."""
-        self.resume_from = self.last_saved = self.checkpointer.to_resume(self.resume)
+        # rank 0 picks the checkpoint (validating it whole) and tells the others
+        self.resume_from = self.last_saved = distributed.on_main(lambda: self.checkpointer.to_resume(self.resume), self.ranks)
         self.corpus = self.prepare_data()
         self.hashes = Checkpointer.hashes(self.recipe, self.corpus.tokenizer)
-        return self.checkpointer.check(self.resume_from, self.hashes) if self.resume_from is not None else None
+        if self.resume_from is None:
+            return None
+        return self.checkpointer.check(self.resume_from, self.hashes, self.layout())
 
     def dry_run(self) -> list[str]:
         """What `fit` would do, without doing it: the resolved recipe, the summary and the plan.
@@ -195,7 +249,8 @@ class Trainer:
     def prepare_data(self) -> PreparedCorpus:
         """Tokenizer and token documents (it trains or loads the tokenizer, which fixes the vocabulary)."""
         r = self.recipe
-        return prepare_corpus(r.data, r.tokenizer, seed=self.cfg.seed, progress=r.logging.progress)
+        # every rank prepares it; the token cache's lock lets one rank tokenize and the others read its result
+        return prepare_corpus(r.data, r.tokenizer, seed=self.cfg.seed, progress=r.logging.progress and self.ranks.is_main)
 
     def build_model(self, device: torch.device) -> LM:
         cfg = LMConfig.from_recipe(
@@ -211,12 +266,22 @@ class Trainer:
                 return LM(cfg)
         return LM(cfg).to(device)
 
+    def parallelize(self) -> torch.nn.Module:
+        """The model as the ranks train it: DDP, FSDP2 (train.parallel), or the LM itself for one ddp rank."""
+        cfg = self.cfg
+        # train.freeze: DDP must look for parameters without gradients (FSDP2 follows requires_grad by itself)
+        freezes = cfg.freeze is not None and cfg.freeze.steps > 0
+        return distributed.wrap_model(self.model, cfg.parallel, self.device, self.ranks, find_unused=freezes)
+
     def build_optimizer(self) -> torch.optim.Optimizer:
-        return build_optimizer(self.model, self.cfg)
+        return build_optimizer(self.model, self.cfg)  # FSDP: over the shards, after parallelize()
 
     def build_stream(self) -> DocumentStream:
-        cfg = self.cfg
-        return DocumentStream(self.corpus.train, batch_rows=cfg.batch_docs, chunk_size=cfg.chunk_size, seed=cfg.seed)
+        cfg, ranks = self.cfg, self.ranks
+        return DocumentStream(
+            self.corpus.train, batch_rows=cfg.batch_docs, chunk_size=cfg.chunk_size, seed=cfg.seed,
+            rank=ranks.rank, world_size=ranks.world_size,
+        )
 
     def autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
@@ -224,7 +289,10 @@ class Trainer:
     # ------------------------------------------------------------------ the run starts: writes
 
     def start_run(self) -> None:
-        """Set aside what a fresh start replaces, write the run's files, open metrics and display."""
+        """Set aside what a fresh start replaces, write the run's files, open metrics and display (rank 0)."""
+        if not self.ranks.is_main:  # the others print only their warnings, and write nothing
+            self.display, self.metrics = distributed.OtherRankDisplay(self.ranks), distributed.NoMetrics()
+            return
         moved = self.set_aside_previous()
         (self.run_dir / RECIPE_FILE).write_text(recipe_to_yaml(self.recipe))
         (self.run_dir / TOKENIZER_FILE).write_text(self.corpus.tokenizer.to_str(pretty=True))
@@ -272,18 +340,38 @@ class Trainer:
             f"{model.num_params() / 1e6:.2f}M parameters, vocab {model.cfg.vocab_size}",
             f"attention: {att.type} (k={att.topk}, w={att.window}, {att.variant}); KV cache "
             + (f"{kv} entries per layer per row" if kv is not None else "grows with the document"),
-            f"batch: {_n(cfg.batch_docs, 'document')} × {cfg.chunk_size} tokens × {_n(cfg.grad_accum, 'chunk')} = "
-            f"{cfg.batch_docs * cfg.chunk_size * cfg.grad_accum:,} tokens per step, {_n(cfg.steps, 'step')}",
+            f"batch: {_n(cfg.batch_docs * self.ranks.world_size, 'document')} × {cfg.chunk_size} tokens × "
+            f"{_n(cfg.grad_accum, 'chunk')} = {cfg.batch_docs * self.ranks.world_size * cfg.chunk_size * cfg.grad_accum:,} "
+            f"tokens per step, {_n(cfg.steps, 'step')}",
             f"data: {_n(len(self.corpus.train), 'training document')} ({self.corpus.train.n_tokens:,} tokens), "
             f"{_n(len(self.corpus.valid), 'validation document')}",
         ]
+        if self.ranks.parallel or self.cfg.parallel == "fsdp":
+            lines.append(self.ranks_line())
         if self.resume_from is not None:
             lines.append(f"resuming from {self.resume_from} (step {self.state.step}, {self.state.tokens:,} tokens)")
         return lines + self.notes()
 
+    def ranks_line(self) -> str:
+        """How the batch is spread over the ranks, and how rows take documents."""
+        w, b = self.ranks.world_size, self.cfg.batch_docs
+        if hasattr(self, "device"):
+            kind = self.device.type
+        else:  # a dry run starts no ranks
+            kind = "cuda" if self.cfg.device == "cuda" or (self.cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+        backend = f"{'nccl' if kind == 'cuda' else 'gloo'} on {kind}"
+        how = "each rank holds a shard of the parameters, gradients and optimizer state (FSDP2)" if self.cfg.parallel == "fsdp" \
+            else "each rank holds the whole model (DDP)"
+        return (
+            f"ranks: {_n(w, 'rank')} ({self.cfg.parallel}, {backend}): {how}; rank r reads global "
+            f"rows r·{b} .. r·{b}+{b - 1} of {w * b}. A row that finishes a document takes the next of one shuffled "
+            f"order shared by all rows, so the {_n(len(self.corpus.train), 'training document')} need not divide among "
+            f"the ranks, and {w} × {b} rows read what 1 × {w * b} would"
+        )
+
     def notes(self) -> list[str]:
         """Settings the run adjusted, or that deserve a second look."""
-        cfg, out = self.cfg, []
+        cfg, out = self.cfg, list(self.rank_notes)
         if cfg.warmup() != cfg.warmup_steps:
             instead = f"the first {_n(cfg.warmup(), 'step')} (a tenth of the run)" if cfg.warmup() else "no warmup"
             out.append(f"note: train.warmup_steps ({cfg.warmup_steps}) exceeds train.steps ({cfg.steps}): {instead} instead")
@@ -304,29 +392,35 @@ class Trainer:
         lr = lr_at(step, cfg)
         set_lr(self.optimizer, lr, step=step, cfg=cfg)
         apply_freeze(self.model, cfg.freeze, step)  # train.freeze: which parameters learn at this step
-        self.model.train()
+        self.train_model.train()
+        world = self.ranks.world_size
         loss_sum, step_tokens = torch.zeros((), device=self.device), 0
-        for _ in range(cfg.grad_accum):
+        for i in range(cfg.grad_accum):
             chunk = self.stream.next_chunk()
-            step_tokens += int(chunk.lengths.sum())  # counted on the CPU, before the copy
+            step_tokens += chunk.global_tokens  # every rank's rows: the stream knows them all
             chunk = chunk.to(self.device)
             self.cache = self.cache.reset_rows(chunk.reset)  # a new document starts with an empty cache
-            with self.autocast():
-                out = self.model(chunk.tokens, cache=self.cache, lengths=chunk.lengths)
-            loss = lm_loss(out.logits, chunk.targets)
-            (loss / cfg.grad_accum).backward()  # gradients stop at the (detached) cache
+            # several ranks: gradients are reduced once per step, in the backward of its last chunk
+            with distributed.gradient_sync(self.train_model, i == cfg.grad_accum - 1):
+                with self.autocast():
+                    out = self.train_model(chunk.tokens, cache=self.cache, lengths=chunk.lengths)
+                # this rank's share of the chunk's mean loss over every rank's targets
+                loss = lm_loss(out.logits, chunk.targets, denominator=chunk.global_targets)
+                # DDP and FSDP average gradients over the ranks: times the world size, the average is the
+                # sum of the shares, the gradient of the global mean (one rank: the mean itself)
+                (loss * world / cfg.grad_accum).backward()  # gradients stop at the (detached) cache
             self.cache = out.cache
             loss_sum += loss.detach()  # summed on the device: one host sync per step, below
             if out.overflowed:
                 self.warn_overflow()
-        loss = loss_sum.item() / cfg.grad_accum
+        loss = self.agree(loss_sum) / cfg.grad_accum
         if not math.isfinite(loss):
             where = f"; the last good checkpoint is {self.last_saved}" if self.last_saved else ""
             raise TrainingError(
                 f"loss is {loss} at step {step}: stopping without saving{where}. "
                 "Lower train.lr or raise train.warmup_steps, then resume."
             )
-        grad_norm = clip_grad_norm(self.model.parameters(), cfg.grad_clip)
+        grad_norm = clip_grad_norm(self.train_model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step, self.state.tokens = step, self.state.tokens + step_tokens
@@ -335,16 +429,41 @@ class Trainer:
         self.train_seconds += seconds
         return {
             "step": step, "loss": loss, "tokens": self.state.tokens, "lr": lr, "grad_norm": grad_norm,
-            "memory_bytes": peak_memory_bytes(self.device),
-            "doc_positions": [r["offset"] for r in self.stream.progress()["rows"]],
+            "memory_bytes": peak_memory_bytes(self.device),  # rank 0's
+            "doc_positions": [offset for _, offset in self.stream.rows],  # every rank's rows
             "step_s": round(seconds, 4),
         }
+
+    def agree(self, loss_sum: torch.Tensor) -> float:
+        """The step's summed loss over every rank, and whether any rank was asked to stop (one collective).
+
+        Every rank then takes the same decisions: NaN, stop, save.
+        """
+        if not self.ranks.parallel:
+            return loss_sum.item()
+        votes = torch.stack([loss_sum.float(), torch.tensor(float(self.stop.requested), device=self.device)])
+        total, stops = distributed.all_reduce_sum(votes).tolist()
+        if stops and self.stop_agreed is None:
+            self.stop_agreed = next(s for s in distributed.all_gather_objects(self.stop.signum) if s is not None)
+        return total
+
+    @property
+    def stopping(self) -> bool:
+        """A signal asked the run to stop (with several ranks: any rank's, as of the last step)."""
+        return self.stop_agreed is not None if self.ranks.parallel else self.stop.requested
+
+    def warn(self, text: str) -> None:
+        """A warning line, with the rank in front when there are several."""
+        if self.ranks.is_main:
+            self.display.message(distributed.rank_message(self.ranks, f"warning: {text}"))
+        else:  # stderr: only rank 0 has a display
+            distributed.print_for_rank(self.ranks, f"warning: {text}")
 
     def warn_overflow(self) -> None:
         if not self._warned_overflow:
             self._warned_overflow = True
-            self.display.message(
-                "warning: a layer's SparseK threshold state hit its cap (attention.threshold_cap); "
+            self.warn(
+                "a layer's SparseK threshold state hit its cap (attention.threshold_cap); "
                 "thresholds are approximate from here. Raise attention.threshold_cap to keep them exact."
             )
 
@@ -354,7 +473,7 @@ class Trainer:
     def validate(self) -> dict:
         """A validation pass; returns its part of the step's record."""
         t0 = time.perf_counter()
-        loss = evaluate(self.model, self.corpus, self.cfg, self.device)
+        loss = evaluate(self.model, self.corpus, self.cfg, self.device, self.ranks)  # sharded over the ranks
         self.final_valid_loss = loss
         if self.state.best_valid_loss is None or loss < self.state.best_valid_loss:
             self.state.best_valid_loss = loss
@@ -377,22 +496,24 @@ class Trainer:
 
     def save_due(self) -> bool:
         step = self.state.step
-        return step % self.checkpointer.every == 0 or step == self.cfg.steps or self.stop.requested
+        return step % self.checkpointer.every == 0 or step == self.cfg.steps or self.stopping
 
     def save(self) -> None:
+        """A checkpoint; with several ranks every rank writes its part and rank 0 commits it."""
         self.last_saved = self.checkpointer.save(
-            self.state, model=self.model, optimizer=self.optimizer, cache=self.cache, stream=self.stream,
-            hashes=self.hashes, recipe=self.recipe, corpus=self.corpus,
+            self.state, model=self.train_model, optimizer=self.optimizer, cache=self.cache, stream=self.stream,
+            hashes=self.hashes, recipe=self.recipe, corpus=self.corpus, ranks=self.ranks, layout=self.layout(),
         )
         self.display.message(f"saved checkpoint {self.last_saved}")
-        kill_for_tests_after(self.state.step)
+        kill_for_tests_after(self.state.step, self.ranks.rank)
 
     def result(self, *, seconds: float) -> FitResult:
         return FitResult(
             run_dir=self.run_dir, start_step=self.start.step, steps=self.state.step, tokens=self.state.tokens,
             session_tokens=self.state.tokens - self.start.tokens, seconds=seconds, train_seconds=self.train_seconds,
             last_loss=self.last_loss, final_valid_loss=self.final_valid_loss,
-            best_valid_loss=self.state.best_valid_loss, checkpoint=self.last_saved, stopped_by=self.stop.signum,
+            best_valid_loss=self.state.best_valid_loss, checkpoint=self.last_saved,
+            stopped_by=self.stop_agreed if self.ranks.parallel else self.stop.signum,
         )
 
 
@@ -409,22 +530,38 @@ def _n(count: int, noun: str) -> str:
     return f"{count:,} {noun}{'' if count == 1 else 's'}"
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the positions that have a target."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, denominator: int | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy over the positions that have a target.
+
+    With `denominator`, the sum over this chunk's targets divided by it: a rank's share of the mean
+    over every rank's targets (at least 1, so a chunk without targets adds 0).
+    """
+    flat_logits, flat_targets = logits.float().flatten(0, 1), targets.flatten()
+    if denominator is None:
+        return F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE)
+    return F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE, reduction="sum") / max(denominator, 1)
 
 
 @torch.no_grad()
-def evaluate(model: LM, corpus: PreparedCorpus, cfg, device: torch.device) -> float:
-    """Validation loss over held-out documents, read chunk-recurrently like training."""
+def evaluate(model: LM, corpus: PreparedCorpus, cfg, device: torch.device, ranks: Ranks = Ranks()) -> float:
+    """Validation loss over held-out documents, read chunk-recurrently like training.
+
+    With several ranks each reads its rows of every group of documents, in lockstep (a sharded
+    model needs every rank in every forward), and the token-weighted sums are added over the ranks.
+    """
     model.eval()
-    rows = min(cfg.batch_docs, len(corpus.valid))
+    docs = len(corpus.valid) if cfg.valid_docs is None else min(cfg.valid_docs, len(corpus.valid))
+    rows = max(1, min(cfg.batch_docs, math.ceil(docs / ranks.world_size)))
     cache = model.empty_cache(rows, device=device, dtype=torch.float32)
     total, count = 0.0, 0
     chunks = iter_valid_chunks(
-        corpus.valid, cfg.chunk_size, batch_rows=rows, max_docs=cfg.valid_docs, max_tokens=cfg.valid_tokens
+        corpus.valid, cfg.chunk_size, batch_rows=rows, max_docs=cfg.valid_docs, max_tokens=cfg.valid_tokens,
+        rank=ranks.rank, world_size=ranks.world_size,
     )
+    sharded = distributed.is_sharded(model)
     for chunk in chunks:
+        if not sharded and not bool(chunk.lengths.any()):  # this rank's rows are idle here (FSDP still joins in)
+            continue
         chunk = chunk.to(device)
         cache = cache.reset_rows(chunk.reset)
         out = model(chunk.tokens, cache=cache, lengths=chunk.lengths)
@@ -434,4 +571,7 @@ def evaluate(model: LM, corpus: PreparedCorpus, cfg, device: torch.device) -> fl
             total += float(lm_loss(out.logits, chunk.targets)) * n
             count += n
     model.train()
+    if ranks.parallel:
+        sums = distributed.all_reduce_sum(torch.tensor([total, count], dtype=torch.float64, device=device))
+        total, count = sums.tolist()
     return total / max(count, 1)

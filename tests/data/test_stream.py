@@ -59,9 +59,7 @@ def test_resume_continues_at_exactly_the_next_token():
     resumed = make()
     resumed.load_state_dict(state)
     for want in expected[23:]:
-        got = resumed.next_chunk()
-        for name in ("tokens", "targets", "lengths", "reset", "doc_index", "doc_offset", "doc_len"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert_rows_equal(resumed.next_chunk(), want, slice(None))
 
 
 def test_epochs_reshuffle_deterministically_and_cover_every_document():
@@ -76,25 +74,66 @@ def test_epochs_reshuffle_deterministically_and_cover_every_document():
     assert [int(other.next_chunk().doc_index[0]) for _ in LENGTHS] != orders[0]
 
 
-def test_ranks_take_disjoint_documents_that_cover_the_corpus():
+FIELDS = ("tokens", "targets", "lengths", "reset", "doc_index", "doc_offset", "doc_len")
+
+
+def assert_rows_equal(got, want, rows):
+    for name in FIELDS:
+        assert torch.equal(getattr(got, name), getattr(want, name)[rows]), name
+
+
+@pytest.mark.parametrize("world,b", [(2, 2), (3, 1), (4, 2)])
+def test_ranks_read_exactly_the_rows_of_one_process_with_all_rows(world, b):
+    # 8 documents: 3 ranks (or 4 × 2 = 8 rows) do not divide them evenly, and need not.
     docs = synthetic_docs(LENGTHS)
-    taken = []
-    for rank in range(3):
-        s = DocumentStream(docs, batch_rows=2, chunk_size=200, seed=0, rank=rank, world_size=3)
-        taken.append({int(s.next_chunk().doc_index[b]) for _ in range(8) for b in range(2)})
-    assert all(not (taken[i] & taken[j]) for i in range(3) for j in range(i + 1, 3))
-    assert set.union(*taken) == set(range(len(LENGTHS)))
+    one = DocumentStream(docs, batch_rows=world * b, chunk_size=16, seed=2)
+    ranks = [DocumentStream(docs, batch_rows=b, chunk_size=16, seed=2, rank=r, world_size=world) for r in range(world)]
+    for _ in range(40):  # several epochs
+        want = one.next_chunk()
+        got = [s.next_chunk() for s in ranks]
+        for r, chunk in enumerate(got):
+            assert_rows_equal(chunk, want, slice(r * b, (r + 1) * b))  # global row g = r·b + row
+            assert chunk.global_targets == want.global_targets
+        assert want.global_targets == want.n_targets == sum(c.n_targets for c in got)
+        assert want.global_tokens == int(want.lengths.sum()) == sum(int(c.lengths.sum()) for c in got)
+    states = [s.state_dict() for s in ranks]
+    assert all(st == {**one.state_dict(), "world_size": world} for st in states)  # the same on every rank
 
 
-def test_a_rank_without_documents_and_a_mismatched_resume_are_clear_errors():
+def test_a_stream_resumes_with_another_world_size_and_the_same_total_rows():
+    docs = synthetic_docs(LENGTHS)
+    two = [DocumentStream(docs, batch_rows=2, chunk_size=7, seed=3, rank=r, world_size=2) for r in range(2)]
+    one = DocumentStream(docs, batch_rows=4, chunk_size=7, seed=3)
+    for _ in range(13):
+        for s in two:
+            s.next_chunk()
+    state = json.loads(json.dumps(two[0].state_dict()))
+    for world, b in ((1, 4), (4, 1)):
+        resumed = [DocumentStream(docs, batch_rows=b, chunk_size=7, seed=3, rank=r, world_size=world) for r in range(world)]
+        for s in resumed:
+            s.load_state_dict(state)
+        straight = [DocumentStream(docs, batch_rows=2, chunk_size=7, seed=3, rank=r, world_size=2) for r in range(2)]
+        for s in straight:
+            s.load_state_dict(state)
+        for _ in range(20):
+            want = torch.cat([s.next_chunk().tokens for s in straight])
+            assert torch.equal(torch.cat([s.next_chunk().tokens for s in resumed]), want)
+    with pytest.raises(DataError, match=r"4 rows in total \(2 ranks × 2\), this one 6 \(3 × 2\).*= 4"):
+        DocumentStream(docs, batch_rows=2, chunk_size=7, seed=3, rank=0, world_size=3).load_state_dict(state)
+
+
+def test_a_mismatched_resume_is_a_clear_error():
     docs = synthetic_docs([10, 10])
     with pytest.raises(DataError, match="no documents"):
-        DocumentStream(docs, batch_rows=1, chunk_size=4, seed=0, rank=2, world_size=3)
+        DocumentStream(docs.subset(np.arange(0)), batch_rows=1, chunk_size=4, seed=0)
     state = DocumentStream(docs, batch_rows=2, chunk_size=4, seed=0).state_dict()
     with pytest.raises(DataError, match="seed"):
         DocumentStream(docs, batch_rows=2, chunk_size=4, seed=1).load_state_dict(state)
     with pytest.raises(DataError, match="rows"):
         DocumentStream(docs, batch_rows=3, chunk_size=4, seed=0).load_state_dict(state)
+    # a checkpoint of the single-process stream from before global rows (it recorded rank 0 of 1)
+    old = {**state, "rank": 0, "world_size": 1}
+    DocumentStream(docs, batch_rows=2, chunk_size=4, seed=0).load_state_dict(old)
 
 
 def test_progress_reports_each_row_position():
@@ -140,5 +179,18 @@ def test_fewer_documents_than_rows_is_reported():
     assert "1 training document for 3 batch rows" in one.too_few_documents()
     assert "lower train.batch_docs to 1" in one.too_few_documents()
     sharded = DocumentStream(synthetic_docs([200] * 5), batch_rows=3, chunk_size=16, seed=0, rank=1, world_size=2)
-    assert "2 training documents on rank 1 of 2 for 3 batch rows" in sharded.too_few_documents()
+    assert "5 training documents for 6 rows in total (2 ranks × 3)" in sharded.too_few_documents()
     assert DocumentStream(synthetic_docs([200] * 3), batch_rows=3, chunk_size=16, seed=0).too_few_documents() is None
+
+
+@pytest.mark.parametrize("world,b", [(2, 1), (3, 2)])
+def test_valid_chunks_shard_rows_across_ranks_in_lockstep(world, b):
+    docs = synthetic_docs(LENGTHS)
+    one = list(iter_valid_chunks(docs, chunk_size=16, batch_rows=world * b, max_tokens=40))
+    per_rank = [list(iter_valid_chunks(docs, chunk_size=16, batch_rows=b, max_tokens=40, rank=r, world_size=world)) for r in range(world)]
+    assert all(len(chunks) == len(one) for chunks in per_rank)  # every rank in every forward
+    for i, want in enumerate(one):
+        for r in range(world):
+            assert_rows_equal(per_rank[r][i], want, slice(r * b, (r + 1) * b))
+            assert per_rank[r][i].global_targets == want.n_targets
+    assert sum(c.n_targets for chunks in per_rank for c in chunks) == sum(min(n - 1, 48) for n in LENGTHS)  # 40 rounds up to 3 chunks

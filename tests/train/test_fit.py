@@ -60,9 +60,9 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workspace, monkeypatc
     calls = {"n": 0}
     real = trainer.lm_loss
 
-    def poisoned(logits, targets):
+    def poisoned(logits, targets, **kw):
         calls["n"] += 1
-        loss = real(logits, targets)
+        loss = real(logits, targets, **kw)
         return loss * float("nan") if calls["n"] == 3 else loss
 
     monkeypatch.setattr(trainer, "lm_loss", poisoned)
