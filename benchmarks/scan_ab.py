@@ -14,9 +14,7 @@ import scan_device as S  # noqa: E402
 
 res = {}
 for B, T in ((1, 16384), (8, 16384), (1, 65536), (1, 262144)):
-    u_ext, pos, cache, lengths = S.inputs(B, T, "cuda")
-    ms, _ = S.timed(lambda: S.scan_chunk_device(
-        u_ext, pos, thr_u=cache.thr_u, thr_count=cache.thr_count, overflow=cache.overflow, seen=cache.seen,
-        lengths=lengths, n_queries=T, topk=S.K, window=S.W, block=S.BLOCK), repeats=20)
+    keys, state = S.inputs(B, T, "cuda")
+    ms, _ = S.timed(lambda: S.device_scan(keys, state), repeats=20)
     res[f"{B}x{T}"] = round(ms, 3)
 print("SCAN", sys.argv[1], json.dumps(res))

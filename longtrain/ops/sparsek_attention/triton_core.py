@@ -3,7 +3,7 @@
 Forward: triton_fwd (O and a base-2 log-sum-exp per query and head). Backward: triton_bwd (dq and
 dtau query-major; dk, dv, du key-major; the pool keys' sums use a few atomic adds per key unless
 DETERMINISTIC or torch.use_deterministic_algorithms is on). Gradients go to q, k_ext, v_ext, u_ext
-(direct mask term) and tau (its chain to u is ThresholdFn's, in scan.py).
+(direct mask term) and tau (its chain to u is ThresholdFn's, in selection/threshold.py).
 The selection scan's outputs (theta, positions, block pools: int64 / float64, on the GPU or the CPU)
 go to the kernels as they are; the kernels cast. A small kernel (_cut_kernel) turns each query tile's
 theta tests on its pool keys into one count per key, shared by all heads and kernels.

@@ -1,4 +1,4 @@
-"""Triton kernels of the device selection scan (scan_device.py): each a launch over tiles of a row.
+"""Triton kernels of the device selection scan (device.py): each a launch over tiles of a row.
 
 Index spaces of a row: ext items s in [0, N); entries m in [0, NM) = the items, then the carried
 threshold scores (m = N + c); ranks r in [0, NM) = the entries sorted best first (their sort keys);
@@ -21,7 +21,7 @@ N_TOT = 6
 
 @triton.jit
 def _position_hash(p):
-    """scan.position_hash (splitmix64, masked to 63 bits) in wrapping int64 arithmetic."""
+    """naive.position_hash (splitmix64, masked to 63 bits) in wrapping int64 arithmetic."""
     x = p + -7046029254386353131  # 0x9E3779B97F4A7C15
     x = (x ^ ((x >> 30) & 0x3FFFFFFFF)) * -4658895280553007687  # logical shifts; 0xBF58476D1CE4E5B9
     x = (x ^ ((x >> 27) & 0x1FFFFFFFFF)) * -7723592293110705685  # 0x94D049BB133111EB

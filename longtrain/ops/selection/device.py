@@ -1,8 +1,8 @@
-"""The selection scan on the tensors' own device (the GPU): scan.scan_chunk's results without heaps.
+"""The selection scan on the tensors' own device (the GPU): naive.scan_chunk_naive's results without heaps.
 
-The CPU scan (scan.py, compiled in scan_numba.py) walks the candidates one by one. Here every query
+The CPU scan (naive.py, compiled in host.py) walks the candidates one by one. Here every query
 is answered on its own, in parallel, from structures built once per chunk, in a fixed sequence of
-launches (scan_device_kernels.py) and no host synchronisation:
+launches (device_kernels.py) and no host synchronisation:
 
   - Entries: the row's items in the extended layout [pool K][tail W-1][chunk L], then the carried
     threshold scores. One stable sort of int32 keys (u descending) gives the rank order; ties go to
@@ -33,51 +33,17 @@ across chunks after the carried state has dropped the scores below it.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 
-from longtrain.ops.selection import scan_device_kernels as kern
-from longtrain.ops.selection.scan import DeviceScan
+from longtrain.ops.selection import device_kernels as kern
+from longtrain.ops.selection.state import ExtendedScores, ScanResult, ThresholdState
 from longtrain.ops.selection.wavelet import empty_wavelet_tree, merge_levels
 
 TILE = 128  # entries (ranks, items) per program of the per-entry kernels: programs for every SM
 PROBES = 1  # f evaluations per round of tau's search (a power of two; 1: binary, the least work)
 INF = float("inf")
-MASK63 = (1 << 63) - 1
 INT64_MAX = (1 << 63) - 1
-_U64 = 1 << 64
-
-
-def _i64(c: int) -> int:
-    """An unsigned 64-bit constant as the int64 with the same bits."""
-    return c - _U64 if c >= 1 << 63 else c
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 bits."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def position_hash_tensor(pos: torch.Tensor) -> torch.Tensor:
-    """scan.position_hash (splitmix64, masked to 63 bits) of an int64 tensor, wrapping arithmetic
-    (the torch twin of the kernels' _position_hash)."""
-    x = pos.to(torch.int64) + _i64(0x9E3779B97F4A7C15)
-    x = (x ^ _shr(x, 30)) * _i64(0xBF58476D1CE4E5B9)
-    x = (x ^ _shr(x, 27)) * _i64(0x94D049BB133111EB)
-    return (x ^ _shr(x, 31)) & MASK63
-
-
-def pack_keys(u: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """(u, position) as one int64 whose order is (u, position)'s; invalid (pos < 0) -> INT64_MIN.
-
-    The selection's order in one key; sort_keys gets the same order from u alone and a stable sort."""
-    u32 = u.to(torch.float32) + 0.0  # -0.0 -> +0.0: the CPU scan compares them as equal
-    bits = u32.view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone in u, still signed
-    key = ordered * (1 << 32) + pos.clamp(min=0)
-    return torch.where(pos >= 0, key, torch.iinfo(torch.int64).min)
 
 
 # On CUDA the scan's launches cost more host time than GPU time: replay them as one CUDA graph per
@@ -87,28 +53,12 @@ _MAX_GRAPHS = 8
 _graphs: dict = {}
 
 
-def scan_chunk_device(
-    u_ext: torch.Tensor,  # [B, N] scores in the extended layout [pool K][tail W-1][chunk L]
-    pos_ext: torch.Tensor,  # [B, N] int64 positions (-1: empty)
-    *,
-    thr_u: torch.Tensor,  # [B, cap] float64: the carried scores above tau
-    thr_count: torch.Tensor,  # [B] int64
-    overflow: torch.Tensor,  # [B] int64
-    seen: torch.Tensor,  # [B] tokens processed before this chunk
-    lengths: torch.Tensor,  # [B] valid queries in this chunk
-    n_queries: int,  # L
-    topk: int,
-    window: int,
-    block: int,
-    tau_prev: torch.Tensor | None = None,  # [B] float64: the carried tau (None: -inf, a fresh cache)
-) -> DeviceScan:
-    """scan.scan_chunk for one chunk, on u_ext's device; same results (tau up to rounding)."""
-    if tau_prev is None:
-        tau_prev = torch.full((u_ext.shape[0],), -INF, dtype=torch.float64, device=u_ext.device)
-    inputs = dict(u_ext=u_ext.detach(), pos_ext=pos_ext, thr_u=thr_u, thr_count=thr_count, overflow=overflow,
-                  seen=seen, lengths=lengths, tau_prev=tau_prev.to(torch.float64))
-    static = dict(n_queries=n_queries, topk=topk, window=window, block=block)
-    if not (CUDA_GRAPHS and u_ext.is_cuda):
+def scan_chunk_device(keys: ExtendedScores, state: ThresholdState, *, window: int, block: int) -> ScanResult:
+    """naive.scan_chunk_naive for one chunk, on the keys' device; the same results (tau up to rounding)."""
+    inputs = dict(u_ext=keys.u.detach(), pos_ext=keys.pos, thr_u=state.thr_u, thr_count=state.thr_count,
+                  overflow=state.overflow, seen=keys.seen, lengths=keys.lengths, tau_prev=state.tau.to(torch.float64))
+    static = dict(n_queries=keys.n_queries, topk=keys.topk, window=window, block=block)
+    if not (CUDA_GRAPHS and keys.u.is_cuda):
         return _scan(**inputs, **static)
     key = (tuple(static.values()), tuple((t.shape, t.dtype, t.device) for t in inputs.values()))
     if key not in _graphs:
@@ -127,42 +77,7 @@ def scan_chunk_device(
     graph, bufs, out = _graphs[key]
     torch._foreach_copy_(list(bufs.values()), list(inputs.values()))  # a few launches, not one per input
     graph.replay()
-    # The graph's outputs are overwritten by its next replay (the next layer): hand out copies.
-    if out.flat is not None:  # one buffer holds them all: one copy
-        return _output_views(out.flat.clone(), **out.dims)
-    return DeviceScan(
-        **{f: getattr(out, f).clone() for f in ("theta_u", "theta_pos", "tau", "n_active", "fingerprint",
-                                                "block_pool", "final_pool")},
-        threshold={name: t.clone() for name, t in out.threshold.items()},
-    )
-
-
-def _output_fields(B, L, nb, K, cap):
-    """DeviceScan's tensors in one flat buffer: (name, shape, dtype), the 8-byte ones first."""
-    f64, i64 = torch.float64, torch.int64
-    return (("theta_u", (B, L), f64), ("theta_pos", (B, L), i64), ("tau", (B, L), f64), ("n_active", (B, L), i64),
-            ("fingerprint", (B, L), i64), ("block_pool", (B, nb, K), i64), ("final_pool", (B, K), i64),
-            ("thr_u", (B, cap), f64), ("thr_count", (B,), i64), ("thr_tau", (B,), f64), ("thr_sum", (B,), f64),
-            ("overflow", (B,), i64), ("thr_saturated", (B, cap), torch.bool))
-
-
-def _output_views(flat: torch.Tensor | None, B, L, nb, K, cap, device=None) -> DeviceScan:
-    """A DeviceScan whose tensors are views of `flat` (uint8; allocated when None), in _output_fields' layout."""
-    fields = _output_fields(B, L, nb, K, cap)
-    sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in fields]
-    if flat is None:
-        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-    t, off = {}, 0
-    for (name, shape, dtype), size in zip(fields, sizes):
-        t[name] = flat[off: off + size].view(dtype).view(shape)
-        off += size
-    scan = DeviceScan(
-        **{f: t[f] for f in ("theta_u", "theta_pos", "tau", "n_active", "fingerprint", "block_pool", "final_pool")},
-        threshold=dict(thr_u=t["thr_u"], thr_saturated=t["thr_saturated"], thr_count=t["thr_count"], tau=t["thr_tau"],
-                       thr_sum=t["thr_sum"], overflow=t["overflow"]),
-    )
-    scan.flat, scan.dims = flat, dict(B=B, L=L, nb=nb, K=K, cap=cap)  # for the graph's one copy
-    return scan
+    return out.clone()  # the graph's next replay (the next layer) overwrites its outputs: one copy of them all
 
 
 def _search_rounds(n: int, probes: int) -> int:
@@ -191,44 +106,15 @@ def sort_keys(u_ext: torch.Tensor, pos_ext: torch.Tensor, thr_u: torch.Tensor, t
     return keys.sort(dim=1, stable=True)
 
 
-def sort_keys_reference(u_ext, pos_ext, thr_u, thr_count):
-    """sort_keys in plain torch (the same keys, the same order)."""
-    B, N = u_ext.shape
-    cap = thr_u.shape[1]
-    dev = u_ext.device
-    u = torch.cat([u_ext.float(), thr_u.float()], 1)
-    u = torch.where(u == 0, 0.0, u)
-    bits = u.view(torch.int32).long() & 0xFFFFFFFF
-    mono = torch.where(bits < 1 << 31, bits + (1 << 31), 0xFFFFFFFF - bits)
-    valid = torch.cat([pos_ext >= 0, torch.arange(cap, device=dev)[None] < thr_count[:, None]], 1)
-    desc = torch.where(valid, 0xFFFFFFFF - mono, 0xFFFFFFFF)
-    return (desc - (1 << 31)).int().flip(1).sort(dim=1, stable=True)
-
-
-def breakpoints_reference(score: torch.Tensor, nvalid: torch.Tensor):
-    """breakpoints_kernel's (t, #{u > t}, #{u - 1 > t}) by a sort and searchsorted, from the scores by rank."""
-    B, NM = score.shape
-    valid = torch.arange(NM, device=score.device)[None] < nvalid[:, None]
-    bp = torch.where(valid, score, INF)
-    bpt = torch.cat([bp, bp - 1], 1).sort(1).values.nan_to_num(posinf=torch.finfo(torch.float64).max)
-    neg = -score  # ascending
-    rv = torch.searchsorted(neg.contiguous(), -bpt.contiguous())
-    rw = torch.searchsorted((neg + 1).contiguous(), -bpt.contiguous())
-    pad = bpt == torch.finfo(torch.float64).max
-    return bpt, torch.where(pad, 0, rv).int(), torch.where(pad, 0, rw).int()
-
-
 def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, tau_prev, n_queries, topk, window,
-          block) -> DeviceScan:
+          block) -> ScanResult:
     """scan_chunk_device's work: a fixed sequence of launches, no host synchronisation."""
     B, N = u_ext.shape
     K, L, cap = topk, n_queries, thr_u.shape[1]
     nb = -(-L // block)
     dev = u_ext.device
     if K == 0:
-        scan = _nothing_selected(B, L, nb, thr_u, overflow, lengths)
-        scan.flat = None
-        return scan
+        return _nothing_selected(B, L, nb, thr_u, overflow, lengths)
     u_ext, pos_ext = u_ext.contiguous(), pos_ext.contiguous().to(torch.int64)
     thr_u, thr_count = thr_u.contiguous().to(torch.float64), thr_count.contiguous().to(torch.int64)
     seen, lengths = seen.contiguous().to(torch.int64), lengths.contiguous().to(torch.int64)
@@ -260,7 +146,7 @@ def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, tau_prev, n
                                   NM.bit_length(), NTP=NTP, BLK=TILE)
 
     # Every query, and the state after the chunk (c = L).
-    out = _output_views(None, B, L, nb, K, cap, device=dev)
+    out = ScanResult.allocate(B, L, nb, K, cap, dev)
     thr = out.threshold
     theta_u, tau, theta_pos, n_active, fp = out.theta_u, out.tau, out.theta_pos, out.n_active, out.fingerprint
     qrank, tau_end = new(B, L + 1), new(B, dtype=torch.float64)
@@ -276,7 +162,7 @@ def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, tau_prev, n
     kern.pool_flags_kernel[grid](pos_ext, rank_of, by_rank, score, qrank, nvalid, lengths, tau_end, count, member,
                                  flags_r, tot, N, NM, K, L, nb, block, delta, NT, max(1, nb.bit_length()), BLK=TILE)
     pe, cp, pr, lseq = new(B, N + 1), new(B, N + 1), new(B, NM + 1), new(B, N)
-    final_pool, thr_out = out.final_pool, thr["thr_u"]
+    final_pool, thr_out = out.final_pool, thr.thr_u
     kern.pool_scan_kernel[grid](count, member, flags_r, by_rank, score, tot, pe, cp, pr, lseq, final_pool, thr_out,
                                 N, NM, K, cap, NT, NTP=NTP, BLK=TILE)
     grid_n = (triton.cdiv(N, TILE), B)
@@ -296,18 +182,18 @@ def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, tau_prev, n
                                                                  max(1, N.bit_length()), BLK=TILE)
 
     # The next threshold state: the carried and new scores above tau after the chunk, descending.
-    kern.finish_kernel[(B,)](tot, tau_end, overflow.contiguous(), thr_out, thr["thr_saturated"].view(torch.uint8),
-                             thr["thr_count"], thr["tau"], thr["thr_sum"], thr["overflow"], final_pool, K, cap, NT,
+    kern.finish_kernel[(B,)](tot, tau_end, overflow.contiguous(), thr_out, thr.thr_saturated.view(torch.uint8),
+                             thr.thr_count, thr.tau, thr.thr_sum, thr.overflow, final_pool, K, cap, NT,
                              NTP=NTP, BLK=1024)
     return out
 
 
-def _nothing_selected(B, L, nb, thr_u, overflow, lengths) -> DeviceScan:
+def _nothing_selected(B, L, nb, thr_u, overflow, lengths) -> ScanResult:
     """k = 0: a sliding window only; no theta, tau = +inf, empty pools, no threshold state."""
     dev = thr_u.device
-    qvalid = torch.arange(L, device=dev)[None] < lengths[:, None]  # padded queries: ScanOutputs.empty
+    qvalid = torch.arange(L, device=dev)[None] < lengths[:, None]  # padded queries: as the host scans
     zeros = torch.zeros(B, L, dtype=torch.int64, device=dev)
-    return DeviceScan(
+    return ScanResult(
         theta_u=torch.where(qvalid, -INF, INF).to(torch.float64),
         theta_pos=torch.where(qvalid, -1, INT64_MAX),
         tau=torch.where(qvalid, INF, 0.0).to(torch.float64),
@@ -315,7 +201,7 @@ def _nothing_selected(B, L, nb, thr_u, overflow, lengths) -> DeviceScan:
         fingerprint=zeros.clone(),
         block_pool=torch.full((B, nb, 0), -1, dtype=torch.int64, device=dev),
         final_pool=torch.full((B, 0), -1, dtype=torch.int64, device=dev),
-        threshold=dict(
+        threshold=ThresholdState(
             thr_u=torch.zeros_like(thr_u, dtype=torch.float64),
             thr_saturated=torch.zeros(thr_u.shape, dtype=torch.bool, device=dev),
             thr_count=torch.zeros(B, dtype=torch.int64, device=dev),
