@@ -4,7 +4,9 @@
     (cd /tmp/new && PYTHONPATH=/tmp/new python /tmp/new/benchmarks/scan_ab.py new /tmp/new)
 
 argv: a tag and the checkout whose benchmarks/scan_device.py (inputs: u ~ N(0, 1) + 1e-3 i, k = w = 512,
-blocks of 64, a fresh cache) and longtrain/ run. Alternate the sides in one device call; compare only within it.
+blocks of 64, a fresh cache) and longtrain/ run; its scan_device.py must have device_scan(keys, state) (the
+selection's one-signature scans; older checkouts need this file from their own commit). Alternate the sides
+in one device call; compare only within it.
 """
 import json
 import sys
