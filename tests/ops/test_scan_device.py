@@ -258,16 +258,17 @@ def test_breakpoints_kernel_equals_sort_and_search(B, NM, N, K):
     wu = w.double() * torch.where(valid, score, 0.0)
     NT = triton.cdiv(NM, scan_device.TILE)
     pad = NT * scan_device.TILE - NM
-    tot = torch.zeros(B, kern.N_TOT, NT, dtype=torch.int32)
-    tot[:, kern.T_OFFSET] = torch.nn.functional.pad(w, (0, pad)).view(B, NT, -1).sum(2)
+    tot = torch.zeros(B, kern.N_TOT.value, NT, dtype=torch.int32)
+    tot[:, kern.T_OFFSET.value] = torch.nn.functional.pad(w, (0, pad)).view(B, NT, -1).sum(2)
     tots = torch.nn.functional.pad(wu, (0, pad)).view(B, NT, -1).sum(2)
     outs = [torch.empty(B, NM + 1, dtype=torch.int32), torch.empty(B, NM + 1, dtype=torch.float64),
             torch.empty(B, 2 * NM, dtype=torch.float64), torch.empty(B, 2 * NM, dtype=torch.int32),
             torch.empty(B, 2 * NM, dtype=torch.int32)]
     outs = [o.to(DEV) for o in outs]
-    kern.breakpoints_kernel[(NT, B)](score.to(DEV), by_rank.to(DEV), nvalid.to(DEV), tot.to(DEV), tots.to(DEV), *outs,
-                                     N, NM, K, NT, NM.bit_length(), NTP=triton.next_power_of_2(NT),
-                                     BLK=scan_device.TILE)
+    cc, cs, bpt, rv, rw = outs
+    kern.breakpoints_kernel[(NT, B)](SCORE=score.to(DEV), BY_RANK=by_rank.to(DEV), NVALID=nvalid.to(DEV), TOT=tot.to(DEV),
+                                     TOTS=tots.to(DEV), CC=cc, CS=cs, BPT=bpt, BPRV=rv, BPRW=rw, N=N, NM=NM, K=K, NT=NT,
+                                     ITERS=NM.bit_length(), NTP=triton.next_power_of_2(NT), BLK=scan_device.TILE)
     cc, cs, bpt, rv, rw = (o.cpu() for o in outs)
     want_t, want_rv, want_rw = breakpoints_reference(score, nvalid)
     assert torch.equal(bpt, want_t) and torch.equal(rv, want_rv) and torch.equal(rw, want_rw)

@@ -101,8 +101,8 @@ def sort_keys(u_ext: torch.Tensor, pos_ext: torch.Tensor, thr_u: torch.Tensor, t
     B, N = u_ext.shape
     NM = N + thr_u.shape[1]
     keys = torch.empty(B, NM, dtype=torch.int32, device=u_ext.device)
-    kern.keys_kernel[(triton.cdiv(NM, TILE), B)](u_ext, pos_ext, thr_u, thr_count, keys, N, NM, thr_u.shape[1],
-                                                 BLK=TILE)
+    kern.keys_kernel[(triton.cdiv(NM, TILE), B)](U=u_ext, POS=pos_ext, THR=thr_u, THR_COUNT=thr_count, KEYS=keys, N=N,
+                                                 NM=NM, CAP=thr_u.shape[1], BLK=TILE)
     return keys.sort(dim=1, stable=True)
 
 
@@ -134,16 +134,18 @@ def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, tau_prev, n
     LV = tree.levels
     by_rank, rank_of, score = new(B, NM), new(B, NM), new(B, NM, dtype=torch.float64)
     nvalid = new(B)
-    tot, tots = new(B, kern.N_TOT, NT), new(B, NT, dtype=torch.float64)  # per-tile totals
-    kern.ranked_kernel[grid](keys, kidx, pos_ext, by_rank, rank_of, score, tree.order, tree.score_sum, tree.hash_sum,
-                             LV * NM, (LV + 1) * NM, nvalid, tot, tots, N, NM, K, NT, BLK=TILE)
+    tot, tots = new(B, kern.N_TOT.value, NT), new(B, NT, dtype=torch.float64)  # per-tile totals
+    kern.ranked_kernel[grid](SKEYS=keys, SIDX=kidx, POS=pos_ext, BY_RANK=by_rank, RANK_OF=rank_of, SCORE=score,
+                             ORD=tree.order, SS=tree.score_sum, HS=tree.hash_sum, LEAF_OFF=LV * NM,
+                             TREE_ROW=(LV + 1) * NM, NVALID=nvalid, TOT=tot, TOTS=tots, N=N, NM=NM, K=K, NT=NT, BLK=TILE)
     merge_levels(tree)
 
     # tau's breakpoints and f's offsets (carried entries in, pool items out).
     cc, cs = new(B, NM + 1), new(B, NM + 1, dtype=torch.float64)
     bpt, bprv, bprw = new(B, 2 * NM, dtype=torch.float64), new(B, 2 * NM), new(B, 2 * NM)
-    kern.breakpoints_kernel[grid](score, by_rank, nvalid, tot, tots, cc, cs, bpt, bprv, bprw, N, NM, K, NT,
-                                  NM.bit_length(), NTP=NTP, BLK=TILE)
+    kern.breakpoints_kernel[grid](SCORE=score, BY_RANK=by_rank, NVALID=nvalid, TOT=tot, TOTS=tots, CC=cc, CS=cs, BPT=bpt,
+                                  BPRV=bprv, BPRW=bprw, N=N, NM=NM, K=K, NT=NT, ITERS=NM.bit_length(), NTP=NTP,
+                                  BLK=TILE)
 
     # Every query, and the state after the chunk (c = L).
     out = ScanResult.allocate(B, L, nb, K, cap, dev)
@@ -152,38 +154,45 @@ def _scan(u_ext, pos_ext, thr_u, thr_count, overflow, seen, lengths, tau_prev, n
     qrank, tau_end = new(B, L + 1), new(B, dtype=torch.float64)
     bq = 64 if B * (L + 1) >= 64 * 256 else 32  # small rows: more, smaller programs
     kern.queries_kernel[(triton.cdiv(L + 1, bq), B)](
-        tree.left, tree.hash_sum, bpt, bprv, bprw, cc, cs, score, by_rank, pos_ext, nvalid, seen,
-        lengths, tau_prev, theta_u, theta_pos, tau, n_active, fp, qrank, tau_end,
-        N, NM, K, L, LV, _search_rounds(2 * NM, PROBES), delta, lag, BQ=bq, NP=PROBES, num_warps=bq // 32,
+        LEFT=tree.left, HS=tree.hash_sum, BPT=bpt, BPRV=bprv, BPRW=bprw, CC=cc, CS=cs, SCORE=score, BY_RANK=by_rank,
+        POS=pos_ext, NVALID=nvalid, SEEN=seen, LENGTHS=lengths, TAU_PREV=tau_prev, THETA_U=theta_u,
+        THETA_POS=theta_pos, TAU=tau, NACT=n_active, FP=fp, QRANK=qrank, TAU_END=tau_end, N=N, NM=NM, K=K, L=L,
+        LV=LV, NIT=_search_rounds(2 * NM, PROBES), DELTA=delta, LAG=lag, BQ=bq, NP=PROBES, num_warps=bq // 32,
     )
 
     # The pools: item s is pooled in the blocks [enter, leave); stable slots; then the expansion.
     count, member, flags_r = new(B, N), new(B, N, dtype=torch.int8), new(B, NM, dtype=torch.int8)
-    kern.pool_flags_kernel[grid](pos_ext, rank_of, by_rank, score, qrank, nvalid, lengths, tau_end, count, member,
-                                 flags_r, tot, N, NM, K, L, nb, block, delta, NT, max(1, nb.bit_length()), BLK=TILE)
+    kern.pool_flags_kernel[grid](POS=pos_ext, RANK_OF=rank_of, BY_RANK=by_rank, SCORE=score, QRANK=qrank, NVALID=nvalid,
+                                 LENGTHS=lengths, TAU_END=tau_end, COUNT=count, MEMBER=member, FLAGS_R=flags_r, TOT=tot,
+                                 N=N, NM=NM, K=K, L=L, NB=nb, BLOCK=block, DELTA=delta, NT=NT,
+                                 ITERS=max(1, nb.bit_length()), BLK=TILE)
     pe, cp, pr, lseq = new(B, N + 1), new(B, N + 1), new(B, NM + 1), new(B, N)
     final_pool, thr_out = out.final_pool, thr.thr_u
-    kern.pool_scan_kernel[grid](count, member, flags_r, by_rank, score, tot, pe, cp, pr, lseq, final_pool, thr_out,
-                                N, NM, K, cap, NT, NTP=NTP, BLK=TILE)
+    kern.pool_scan_kernel[grid](COUNT=count, MEMBER=member, FLAGS_R=flags_r, BY_RANK=by_rank, SCORE=score, TOT=tot,
+                                PE=pe, CP=cp, PR=pr, LSEQ=lseq, FINAL=final_pool, THR_U=thr_out, N=N, NM=NM, K=K,
+                                CAP=cap, NT=NT, NTP=NTP, BLK=TILE)
     grid_n = (triton.cdiv(N, TILE), B)
     ptr, root_slot, slot = new(B, N), new(B, N), new(B, N)
-    kern.slot_pred_kernel[grid_n](count, pe, pr, lseq, qrank, lengths, ptr, root_slot, N, NM, K, L, block, delta,
-                                  BLK=TILE)
+    kern.slot_pred_kernel[grid_n](COUNT=count, PE=pe, PR=pr, LSEQ=lseq, QRANK=qrank, LENGTHS=lengths, PTR=ptr,
+                                  ROOT_SLOT=root_slot, N=N, NM=NM, K=K, L=L, BLOCK=block, DELTA=delta, BLK=TILE)
     jumps = 1  # a chain of keys sharing a slot has at most nb - 1 links: 16 per link of 16 per launch
     while 16**jumps < nb - 1:
         jumps += 1
     other = torch.empty_like(ptr)
     for i in range(jumps):
-        kern.slot_jump_kernel[grid_n](count, ptr, other, root_slot, slot, N, 16, FINAL=i == jumps - 1, BLK=TILE)
+        kern.slot_jump_kernel[grid_n](COUNT=count, PTR_IN=ptr, PTR_OUT=other, ROOT_SLOT=root_slot, SLOT=slot, N=N,
+                                      STEPS=16, FINAL=i == jumps - 1, BLK=TILE)
         ptr, other = other, ptr
     block_pool = out.block_pool.fill_(-1)
     if nb > 0:
-        kern.expand_pools_kernel[(triton.cdiv(nb * K, TILE), B)](cp, slot, block_pool, N, K, nb, block, delta,
-                                                                 max(1, N.bit_length()), BLK=TILE)
+        kern.expand_pools_kernel[(triton.cdiv(nb * K, TILE), B)](CP=cp, SLOT=slot, BLOCK_POOL=block_pool, N=N, K=K, NB=nb,
+                                                                 BLOCK=block, DELTA=delta, ITERS=max(1, N.bit_length()),
+                                                                 BLK=TILE)
 
     # The next threshold state: the carried and new scores above tau after the chunk, descending.
-    kern.finish_kernel[(B,)](tot, tau_end, overflow.contiguous(), thr_out, thr.thr_saturated.view(torch.uint8),
-                             thr.thr_count, thr.tau, thr.thr_sum, thr.overflow, final_pool, K, cap, NT,
+    kern.finish_kernel[(B,)](TOT=tot, TAU_END=tau_end, OVERFLOW=overflow.contiguous(), THR_U=thr_out,
+                             THR_SAT=thr.thr_saturated.view(torch.uint8), THR_COUNT=thr.thr_count, THR_TAU=thr.tau,
+                             THR_SUM=thr.thr_sum, OVERFLOW_OUT=thr.overflow, FINAL=final_pool, K=K, CAP=cap, NT=NT,
                              NTP=NTP, BLK=1024)
     return out
 

@@ -32,7 +32,8 @@ def prefix_thresholds(
         state = SelectionState.empty(B, topk, window, score_dtype=u.dtype, device=u.device, cap=cap)
     elif (state.topk, state.tail_slots) != (topk, max(window - 1, 0)):
         built = state.tail_slots + 1 if state.tail_slots else "0 or 1"
-        raise ValueError(f"state was built for topk={state.topk}, window={built}; the call uses topk={topk}, window={window}")
+        raise ValueError(f"state was built for topk={state.topk}, window={built}; "
+                         f"the call uses topk={topk}, window={window}")
     keys = lay_out_scores(state, u.detach())
     scan = select(keys, state, window=window, block=max(T, 1), scan="host")
     return PrefixThresholds(theta=scan.theta_u, theta_pos=scan.theta_pos, tau=scan.tau, n_active=scan.n_active,
