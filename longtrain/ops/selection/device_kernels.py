@@ -16,13 +16,7 @@ from longtrain.ops.selection.wavelet import tree_count_below, tree_quantile
 
 # Quantities with per-tile totals: TOT [B, N_TOT, NT] int32 (and TOTS [B, NT] float64 for T_OFFSET's scores):
 # f's offsets, pooled items, their blocks, final-pool members, pooled entries by rank, kept scores.
-T_OFFSET = tl.constexpr(0)
-T_POOLED = tl.constexpr(1)
-T_COUNT = tl.constexpr(2)
-T_MEMBER = tl.constexpr(3)
-T_POOLED_R = tl.constexpr(4)
-T_KEEP = tl.constexpr(5)
-N_TOT = tl.constexpr(6)
+T_OFFSET, T_POOLED, T_COUNT, T_MEMBER, T_POOLED_R, T_KEEP, N_TOT = (tl.constexpr(i) for i in range(7))
 
 
 @triton.jit
