@@ -3,10 +3,10 @@
     PYTHONPATH=. python benchmarks/attention.py [--out DIR] [--quick]
 
 First checks the kernels (bf16, NaN-poisoned outputs) against the naive core in float32 at a few
-realistic shapes, then times forward and forward+backward (do_bench medians, ms) for
+realistic shapes (tests/gpu/kernel_check.py: the GPU test's check), then times forward and forward+backward (do_bench medians, ms) for
 T in 2k..128k with at least 16k tokens per batch, H = 12, k = w = 512, D = 64 (and 128 at some T).
 Prints one table and writes attention.json beside it (or under --out).
-Needs CUDA; imports only longtrain.ops (no data or training stack).
+Needs CUDA; imports only longtrain.ops and that check (no data or training stack).
 """
 
 from __future__ import annotations
@@ -16,127 +16,14 @@ import json
 import os
 import platform
 import sys
-import time
-
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-try:  # the op's compiled selection scan; without numba (some device images) the plain-Python scan stands in
-    import numba  # noqa: F401
-except ImportError:
-    import importlib
-    import types
-
-    def _from_scan(name):
-        scan = importlib.import_module("longtrain.ops.selection.scan")
-        return scan.scan_chunk if name == "scan_chunk_numba" else getattr(scan, name)
-
-    _stub = types.ModuleType("longtrain.ops.selection.scan_numba")
-    _stub.__getattr__ = _from_scan  # resolved when op.py imports it, inside the package's own import
-    sys.modules["longtrain.ops.selection.scan_numba"] = _stub
-    print("# numba missing: the plain-Python selection scan stands in (scan ms are its times)", flush=True)
-
-from longtrain.ops.sparsek_attention import SparseKCache, op as op_mod, sparsek_attention_chunk
 from longtrain.ops.sparsek_attention import triton_bwd, triton_core, triton_fwd
-from longtrain.ops.sparsek_attention.naive import sparsek_attention_core_naive
 
-H, K, W, G = 12, 512, 512, 64
-TOKENS = 16384
-
-
-class _Captured(Exception):
-    pass
-
-
-def core_args(q, k, v, u, *, topk, window, variant, block=G):
-    """Run the op's layout and selection scan (the GPU scan on CUDA, as the op picks it), twice: the
-    first compiles and captures; return (core args, core kwargs, the second call's seconds)."""
-    _core_args_once(q, k, v, u, topk=topk, window=window, variant=variant, block=block)
-    return _core_args_once(q, k, v, u, topk=topk, window=window, variant=variant, block=block)
-
-
-def _core_args_once(q, k, v, u, *, topk, window, variant, block=G):
-    got = {}
-
-    def grab(*a, **kw):
-        got["a"], got["kw"] = a, kw
-        raise _Captured
-
-    B, T, Hkv, D = k.shape
-    cache = SparseKCache.empty(B, topk, window, Hkv, D, dtype=k.dtype, score_dtype=u.dtype, device=q.device)
-    saved = op_mod.sparsek_attention_core_naive
-    op_mod.sparsek_attention_core_naive = grab
-    try:
-        if q.is_cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        sparsek_attention_chunk(
-            q, k, v, u, cache, topk=topk, window=window, variant=variant, backend="naive", block=block
-        )
-    except _Captured:
-        pass
-    finally:
-        op_mod.sparsek_attention_core_naive = saved
-    if q.is_cuda:
-        torch.cuda.synchronize()
-    return got["a"], got["kw"], time.perf_counter() - t0
-
-
-def leaves(args, dtype=None):
-    """Detached differentiable copies of the core's float inputs (q, k_ext, v_ext, u_ext, tau)."""
-    out = list(args)
-    for i in (0, 1, 2, 3, 8):
-        x = args[i].detach()
-        if dtype is not None and i < 3:
-            x = x.to(dtype)
-        out[i] = x.clone().requires_grad_()
-    return out
-
-
-def rel_rms(x, ref):
-    err = torch.linalg.vector_norm(x.float() - ref.float())
-    return (err / torch.linalg.vector_norm(ref.float()).clamp(min=1e-30)).item()
-
-
-def check(T=4096, B=1, Hq=12, Hkv=12, D=64, topk=K, window=W, variant="hard_k_soft_v", dtype=torch.bfloat16, seed=0,
-          dev="cuda"):
-    """Relative RMS errors of o, dq, dk, dv, du, dtau: bf16 kernels vs the naive core in float32."""
-    torch.manual_seed(seed)
-    q = torch.randn(B, T, Hq, D, device=dev, dtype=dtype)
-    k = torch.randn(B, T, Hkv, D, device=dev, dtype=dtype)
-    v = torch.randn(B, T, Hkv, D, device=dev, dtype=dtype)
-    u = torch.randn(B, T, device=dev) + torch.arange(T, device=dev) * 1e-4
-    args, kw, _ = core_args(q, k, v, u, topk=topk, window=window, variant=variant)
-    triton_core.POISON = True
-    try:
-        a = leaves(args)
-        o = triton_core.sparsek_attention_core_triton(*a, **kw)
-        do = torch.randn_like(o)
-        o.backward(do)
-    finally:
-        triton_core.POISON = False
-    r = leaves(args, torch.float32)
-    with torch.device(dev):  # naive.block_key_indices builds its band on the default device
-        o_ref = sparsek_attention_core_naive(*r, **kw)
-    o_ref.backward(do.float())
-    names = ["o", "dq", "dk", "dv", "du", "dtau"]
-    got = [o] + [a[i].grad for i in (0, 1, 2, 3, 8)]
-    want = [o_ref] + [r[i].grad for i in (0, 1, 2, 3, 8)]
-    errs = {}
-    for n, x, y in zip(names, got, want):
-        errs[n] = float("nan") if not torch.isfinite(x).all() else rel_rms(x, y)
-    return errs
-
-
-CHECKS = [
-    dict(T=4096, variant="hard_k_soft_v"),
-    dict(T=3000, Hq=12, Hkv=4, D=128, variant="soft_kv"),  # GQA, D = 128, T not a multiple of 64
-    dict(T=2500, variant="straight_through", dtype=torch.float16),
-    dict(T=2048, B=2, topk=0, window=W),  # sliding window only
-    dict(T=2048, topk=K, window=0, variant="soft_kv"),  # SparseK only
-]
+from tests.gpu.kernel_check import CHECKS, G, H, K, TOKENS, W, check, core, grads_of, leaves, prepare  # noqa: F401
 
 
 def bench(fn, reps_ms=200):
@@ -154,28 +41,30 @@ def useful_flops(B, T, D, span):
 
 def sk_case(T, D, seed):
     """One benchmark case (bf16, H heads, 16k tokens per batch, k = K, w = W, seeded): its tensors, the
-    core's arguments and the SparseK core's forward (.fwd) and forward+backward (.fwd_bwd) on them."""
+    core's prepared inputs and the SparseK core's forward (.fwd) and forward+backward (.fwd_bwd) on them."""
     B = max(1, TOKENS // T)
     torch.manual_seed(seed)
     q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))  # [B, T, H, D]
-    args, kw, scan_s = core_args(q, k, v, torch.randn(B, T, device="cuda"), topk=K, window=W, variant="hard_k_soft_v")
-    a = leaves(args)
+    keys, scan, scan_s = prepare(q, k, v, torch.randn(B, T, device="cuda"), topk=K, window=W)
+    a = leaves(q, keys, scan)
     do = torch.randn_like(q)
+    kw = dict(window=W, variant="hard_k_soft_v")
 
     def fwd():
         with torch.no_grad():
-            triton_core.sparsek_attention_core_triton(*a, **kw)
+            core(*a[:2], scan, a[2], **kw, backend="triton")
 
     def fwd_bwd():
-        o = triton_core.sparsek_attention_core_triton(*a, **kw)
-        torch.autograd.grad(o, [a[0], a[1], a[2], a[3], a[8]], do)
+        o = core(*a[:2], scan, a[2], **kw, backend="triton")
+        torch.autograd.grad(o, grads_of(*a), do)
 
-    return SimpleNamespace(B=B, q=q, k=k, v=v, do=do, args=args, kw=kw, scan_s=scan_s, fwd=fwd, fwd_bwd=fwd_bwd)
+    return SimpleNamespace(B=B, q=q, k=k, v=v, do=do, keys=keys, scan=scan, kw=kw, scan_s=scan_s, fwd=fwd,
+                           fwd_bwd=fwd_bwd)
 
 
 def time_case(T, D, do_naive):
     c = sk_case(T, D, seed=T + D)
-    B, q, k, v, do, args, kw = c.B, c.q, c.k, c.v, c.do, c.args, c.kw
+    B, q, k, v, do = c.B, c.q, c.k, c.v, c.do
     dev = "cuda"
     row = dict(T=T, B=B, D=D)
     row["scan_ms"] = c.scan_s * 1e3  # the op's layout + selection scan (GPU on CUDA), one warm call, synchronised
@@ -230,15 +119,17 @@ def time_case(T, D, do_naive):
         row["flex_fwd"] = row["flex_fb"] = float("nan")
 
     if do_naive:
-        r = leaves(args)
+        r = leaves(q, c.keys, c.scan)
+
+        def naive_f():
+            return core(*r[:2], c.scan, r[2], **c.kw, backend="naive")
 
         def naive_fb():
-            o = sparsek_attention_core_naive(*r, **kw)
-            torch.autograd.grad(o, [r[0], r[1], r[2], r[3], r[8]], do)
+            torch.autograd.grad(naive_f(), grads_of(*r), do)
 
         with torch.device(dev):  # naive.block_key_indices builds its band on the default device
             with torch.no_grad():
-                row["naive_fwd"] = bench(lambda: sparsek_attention_core_naive(*r, **kw), 100)
+                row["naive_fwd"] = bench(naive_f, 100)
             row["naive_fb"] = bench(naive_fb, 100)
     else:
         row["naive_fwd"] = row["naive_fb"] = float("nan")

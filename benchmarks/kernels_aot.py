@@ -66,9 +66,9 @@ def compile_all(D: int, T: int, settings: dict) -> list:
     B = max(1, A.TOKENS // T)
     torch.manual_seed(0)
     q, k, v = (torch.randn(B, T, A.H, D, dtype=torch.bfloat16) for _ in range(3))  # [B, T, H, D]
-    args, kw, _ = A._core_args_once(q, k, v, torch.randn(B, T), topk=A.K, window=A.W, variant="hard_k_soft_v")
-    a = A.leaves(args)
-    o = A.triton_core.sparsek_attention_core_triton(*a, **kw)
+    keys, scan, _ = A.prepare(q, k, v, torch.randn(B, T), topk=A.K, window=A.W)
+    a = A.leaves(q, keys, scan)
+    o = A.core(*a[:2], scan, a[2], window=A.W, variant="hard_k_soft_v", backend="triton")
     o.backward(torch.randn_like(o))  # the backward kernels see unwritten buffers: nothing runs
     return compiled
 

@@ -15,22 +15,22 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from rich.console import Console
 from rich.table import Table
 
-from longtrain.ops.selection.scan import RowState, default_threshold_cap, scan_chunk
-from longtrain.ops.selection.scan_numba import scan_chunk_numba
+from longtrain.ops.selection import SelectionState, lay_out_scores
+from longtrain.ops.selection.host import scan_chunk_host
+from longtrain.ops.selection.naive import scan_chunk_naive
 
 
 def time_scan(scan, u, k, w, repeats=3) -> float:
-    T = u.shape[1]
-    args = dict(seen=np.zeros(1, dtype=np.int64), lengths=np.array([T]), n_queries=T, topk=k, window=w,
-                cap=default_threshold_cap(k), block=64, ext_of_first_chunk_token=0)
+    state = SelectionState.empty(1, k, w, score_dtype=torch.float64)  # a fresh cache
+    keys = lay_out_scores(state, torch.from_numpy(u))
     times = []
     for _ in range(repeats):
-        states = [RowState([], [], [], 0.0, -float("inf"), 0, 0, 0)]
         t0 = time.perf_counter()
-        scan(u, None, states, **args)
+        scan(keys, state, window=w, block=64)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -40,11 +40,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path(__file__).with_suffix(".json"))
     a = ap.parse_args()
     k = w = 512
-    time_scan(scan_chunk_numba, np.zeros((1, 100)), k, w, repeats=1)  # compile (or load the cache) first
+    time_scan(scan_chunk_host, np.zeros((1, 100)), k, w, repeats=1)  # compile (or load the cache) first
     rows = []
     for T in (16384, 65536, 262144):
         u = np.random.default_rng(0).normal(size=(1, T)) + np.arange(T) * 1e-3
-        py, nb = time_scan(scan_chunk, u, k, w), time_scan(scan_chunk_numba, u, k, w)
+        py, nb = time_scan(scan_chunk_naive, u, k, w), time_scan(scan_chunk_host, u, k, w)
         rows.append({"tokens": T, "python_ms": py * 1e3, "numba_ms": nb * 1e3, "speedup": py / nb})
     table = Table(title="selection scan, one row, k = w = 512, blocks of 64 (median of 3)")
     for col in ("tokens", "Python heaps (ms)", "numba (ms)", "speed-up"):

@@ -4,7 +4,9 @@
     (cd /tmp/new && PYTHONPATH=/tmp/new python /tmp/new/benchmarks/scan_ab.py new /tmp/new)
 
 argv: a tag and the checkout whose benchmarks/scan_device.py (inputs: u ~ N(0, 1) + 1e-3 i, k = w = 512,
-blocks of 64, a fresh cache) and longtrain/ run. Alternate the sides in one device call; compare only within it.
+blocks of 64, a fresh cache) and longtrain/ run; its scan_device.py must have device_scan(keys, state) (the
+selection's one-signature scans; older checkouts need this file from their own commit). Alternate the sides
+in one device call; compare only within it.
 """
 import json
 import sys
@@ -14,9 +16,7 @@ import scan_device as S  # noqa: E402
 
 res = {}
 for B, T in ((1, 16384), (8, 16384), (1, 65536), (1, 262144)):
-    u_ext, pos, cache, lengths = S.inputs(B, T, "cuda")
-    ms, _ = S.timed(lambda: S.scan_chunk_device(
-        u_ext, pos, thr_u=cache.thr_u, thr_count=cache.thr_count, overflow=cache.overflow, seen=cache.seen,
-        lengths=lengths, n_queries=T, topk=S.K, window=S.W, block=S.BLOCK), repeats=20)
+    keys, state = S.inputs(B, T, "cuda")
+    ms, _ = S.timed(lambda: S.device_scan(keys, state), repeats=20)
     res[f"{B}x{T}"] = round(ms, 3)
 print("SCAN", sys.argv[1], json.dumps(res))

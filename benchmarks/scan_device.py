@@ -22,25 +22,24 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from longtrain.ops.sparsek_attention.cache import SparseKCache
-from longtrain.ops.sparsek_attention.op import _host_scan
-from longtrain.ops.selection import scan_device
-from longtrain.ops.selection.scan_device import scan_chunk_device
+from longtrain.ops.selection import SelectionState, lay_out_scores, select
+from longtrain.ops.selection import device as scan_device
+from longtrain.ops.selection.device import scan_chunk_device
 
 K = W = 512
 BLOCK = 64
 
 
 def inputs(B: int, T: int, dev: str):
+    """A chunk's keys in the extended layout after a fresh state, and the state."""
     rng = np.random.default_rng(T + B)
     u = torch.from_numpy(rng.normal(size=(B, T)) + np.arange(T) * 1e-3).float().to(dev)
-    cache = SparseKCache.empty(B, K, W, 1, 8, device=dev)
-    Wt = cache.tail_slots
-    pos = torch.cat([cache.pool_pos, torch.full((B, Wt), -1, device=dev),
-                     torch.arange(T, device=dev)[None].expand(B, T)], 1)
-    u_ext = torch.cat([cache.pool_u, cache.tail_u, u], 1)
-    lengths = torch.full((B,), T, dtype=torch.int64, device=dev)
-    return u_ext, pos, cache, lengths
+    state = SelectionState.empty(B, K, W, device=dev)
+    return lay_out_scores(state, u), state
+
+
+def device_scan(keys, state):
+    return scan_chunk_device(keys, state, window=W, block=BLOCK)
 
 
 def timed(fn, repeats=5):
@@ -59,10 +58,8 @@ def profile(dev: str) -> None:
     """Top CUDA kernels of one eager scan (no graph, so the profiler sees each kernel's device time)."""
     scan_device.CUDA_GRAPHS = False
     for B, T in ((1, 4096), (1, 16384)):
-        u_ext, pos, cache, lengths = inputs(B, T, dev)
-        call = lambda: scan_chunk_device(  # noqa: E731
-            u_ext, pos, thr_u=cache.thr_u, thr_count=cache.thr_count, overflow=cache.overflow, seen=cache.seen,
-            lengths=lengths, n_queries=T, topk=K, window=W, block=BLOCK)
+        keys, state = inputs(B, T, dev)
+        call = lambda: device_scan(keys, state)  # noqa: E731
         call()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
             call()
@@ -81,16 +78,12 @@ def main() -> None:
         return profile(dev)
     rows = []
     for B, T in ((1, 4096), (4, 4096), (1, 16384), (8, 16384), (1, 65536), (1, 262144)):
-        u_ext, pos, cache, lengths = inputs(B, T, dev)
-        dev_ms, d = timed(lambda: scan_chunk_device(
-            u_ext, pos, thr_u=cache.thr_u, thr_count=cache.thr_count, overflow=cache.overflow, seen=cache.seen,
-            lengths=lengths, n_queries=T, topk=K, window=W, block=BLOCK))
+        keys, state = inputs(B, T, dev)
+        dev_ms, d = timed(lambda: device_scan(keys, state))
         scan_device.CUDA_GRAPHS = False
-        eager_ms, _ = timed(lambda: scan_chunk_device(
-            u_ext, pos, thr_u=cache.thr_u, thr_count=cache.thr_count, overflow=cache.overflow, seen=cache.seen,
-            lengths=lengths, n_queries=T, topk=K, window=W, block=BLOCK))
+        eager_ms, _ = timed(lambda: device_scan(keys, state))
         scan_device.CUDA_GRAPHS = True
-        host_ms, h = timed(lambda: _host_scan(u_ext, pos, cache, cache.seen, lengths, T, K, W, BLOCK), repeats=3)
+        host_ms, h = timed(lambda: select(keys, state, window=W, block=BLOCK, scan="host"), repeats=3)
         fin = torch.isfinite(h.tau)
         rows.append({
             "rows": B, "tokens": T, "host_ms": host_ms, "device_ms": dev_ms, "device_eager_ms": eager_ms, "speedup": host_ms / dev_ms,

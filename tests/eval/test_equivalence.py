@@ -1,6 +1,7 @@
 """`longtrain verify-equivalence`: passes on a correct cache, fails (exit 1) on a broken one, exit 2 on bad usage."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from longtrain.cli import app
+from longtrain.eval.equivalence import PeakMemory
 from longtrain.model import LM, LMConfig
 from longtrain.train.recipe import load_recipe
 
@@ -26,10 +28,24 @@ def test_passes_on_the_default_model_and_writes_json(tmp_path):
     report = json.loads(out.read_text())
     assert report["passed"] is True
     assert [r["chunk_size"] for r in report["runs"]] == [700, 61]
+    V, d = report["model"]["vocab_size"], report["model"]["d_model"]
+    # The unchunked pass holds its hidden states [T, d] in float64 when it ends: its peak is at least that.
+    assert report["reference"]["peak_mem_bytes"] >= 2500 * d * 8
     for r in report["runs"]:
         assert r["selection_agreement"] == 1.0 and r["max_abs_logit_diff"] <= 1e-9
-        assert r["loss_diff"] <= 1e-9 and r["peak_mem_bytes"] >= 0 and r["seconds"] > 0
+        assert r["loss_diff"] <= 1e-9 and r["seconds"] > 0
+        last = 2500 - (2499 // r["chunk_size"]) * r["chunk_size"]  # rows of the last chunk, whose logits it holds
+        assert r["peak_mem_bytes"] >= last * V * 8
     assert "PASSED" in res.output
+
+
+def test_peak_memory_sees_a_tensor_allocated_and_freed_inside():
+    mib = 2**20
+    with PeakMemory(torch.device("cpu")) as mem:
+        x = torch.ones(48 * mib // 8, dtype=torch.float64)  # touched: resident
+        time.sleep(0.05)  # the sampler reads the resident size every 5 ms
+        del x
+    assert mem.bytes >= 48 * mib
 
 
 def test_a_broken_cache_fails(tmp_path):

@@ -164,7 +164,6 @@ def test_styles_and_recipe_config():
     gpt2 = LM(LMConfig(**SMALL, attention="sw", window=4))
     llama = LM(LMConfig(**SMALL, style="llama", attention="sw", window=4))
     assert gpt2.unembed is None and llama.unembed is not None  # tied vs untied head
-    assert gpt2.num_params() == sum(p.numel() for p in gpt2.parameters())
     assert isinstance(llama.blocks[0].norm1, torch.nn.RMSNorm)
     neox = LM(LMConfig(**SMALL, style="gptneox", rotary_pct=0.25, norm_eps=1e-6, intermediate_size=24, attention="full"))
     assert neox.unembed is not None and neox.blocks[0].parallel and neox.cfg.rotary_dim == 2
@@ -172,3 +171,41 @@ def test_styles_and_recipe_config():
     assert neox.norm_f.eps == 1e-6 and LM(LMConfig(**SMALL, style="gptneox", tied_embeddings=True, attention="full")).unembed is None
     with pytest.raises(ValueError):
         LMConfig(**SMALL, attention="sparsek+sw", topk=4)  # no window
+
+
+def params_from_config(cfg: LMConfig) -> int:
+    """The parameter count the config implies, written out per module (not by walking the model)."""
+    d, V, H, Hkv, D, hidden = cfg.d_model, cfg.vocab_size, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.intermediate_size
+    layer_norm = cfg.style in ("gpt2", "gptneox")  # LayerNorm (weight, bias), biased linears, GELU MLP
+    norm = 2 * d if layer_norm else d  # llama: RMSNorm (weight), no biases, SwiGLU (three matrices)
+    attention = d * H * D + 2 * d * Hkv * D + H * D * d + ((H + 2 * Hkv) * D + d if layer_norm else 0)
+    mlp = 2 * d * hidden + hidden + d if layer_norm else 3 * d * hidden
+    scorer = cfg.score_group_count * d  # one w_score per selection group
+    head = 0 if cfg.tied_embeddings else V * d
+    return V * d + cfg.layers * (2 * norm + attention + mlp + scorer) + norm + head
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(style="gpt2", attention="sw", window=4),
+    dict(style="llama", attention="sw", window=4),
+    dict(style="gpt2", kv_heads=2, attention="sparsek+sw", topk=4, window=4),
+    dict(style="llama", kv_heads=2, attention="sparsek", topk=4, score_groups="per_kv_head", mlp_ratio=2.5),
+    dict(style="gptneox", rotary_pct=0.5, intermediate_size=40, attention="sparsek+sw", topk=4, window=4),
+    dict(style="gptneox", tied_embeddings=True, attention="full"),
+])
+def test_num_params_follows_the_config(cfg):
+    cfg = LMConfig(**SMALL, **cfg)
+    assert LM(cfg).num_params() == params_from_config(cfg)
+
+
+def test_num_params_of_published_models():
+    """GPT-2 small without its learned positions (RoPE here), Pythia-160M and Llama-2-7B, on the meta device."""
+    with torch.device("meta"):
+        gpt2 = LM(LMConfig(vocab_size=50257, layers=12, d_model=768, heads=12, attention="sw", window=1024))
+        pythia = LM(LMConfig(vocab_size=50304, layers=12, d_model=768, heads=12, style="gptneox", rotary_pct=0.25,
+                             attention="sw", window=1024))
+        llama = LM(LMConfig(vocab_size=32000, layers=32, d_model=4096, heads=32, style="llama",
+                            intermediate_size=11008, attention="sw", window=1024))
+    assert gpt2.num_params() == 124_439_808 - 1024 * 768  # 124M less the 1024 x 768 position table
+    assert pythia.num_params() == 162_322_944
+    assert llama.num_params() == 6_738_415_616

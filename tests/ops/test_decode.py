@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from longtrain.ops.selection.scan import position_hash as scan_position_hash
+from longtrain.ops.selection.naive import position_hash as scan_position_hash
 from longtrain.ops.sparsek_attention import (
     SparseKCache,
     sparsek_attention_chunk,

@@ -9,42 +9,17 @@ import torch
 import triton
 import triton.language as tl
 
-from longtrain.ops.selection import scan_device
-from longtrain.ops.sparsek_attention import sparsek_attention_chunk
-from longtrain.ops.selection import scan_device_kernels as kern
-from longtrain.ops.sparsek_attention.cache import SparseKCache
-from longtrain.ops.selection.scan import position_hash
-from longtrain.ops.selection.scan_device import (
-    breakpoints_reference, pack_keys, position_hash_tensor, scan_chunk_device, sort_keys, sort_keys_reference,
-)
-from longtrain.ops.selection.scan_numba import scan_chunk_numba
-from longtrain.ops.selection.wavelet import (
-    build_wavelet_tree, build_wavelet_tree_reference, tree_count_below, tree_quantile,
-)
+from longtrain.ops.selection import SelectionState, lay_out_scores, next_state
+from longtrain.ops.selection import device as scan_device
+from longtrain.ops.selection import device_kernels as kern
+from longtrain.ops.selection.device import scan_chunk_device, sort_keys
+from longtrain.ops.selection.host import scan_chunk_host
+from longtrain.ops.selection.naive import position_hash
+from longtrain.ops.selection.wavelet import build_wavelet_tree, tree_count_below, tree_quantile
+from longtrain.ops.sparsek_attention import SparseKCache, sparsek_attention_chunk
+from tests.ops.selection_reference import breakpoints_reference, build_wavelet_tree_reference, sort_keys_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def layout(cache, u, lengths):
-    """The op's extended layout [pool][tail][chunk]: scores and positions."""
-    B, L = u.shape
-    Wt = cache.tail_slots
-    ar = torch.arange(L)
-    chunk_pos = torch.where(ar[None] < lengths[:, None], cache.seen[:, None] + ar[None], -1)
-    tail_pos = cache.seen[:, None] - Wt + torch.arange(Wt)[None]
-    pos = torch.cat([cache.pool_pos, torch.where(tail_pos >= 0, tail_pos, -1), chunk_pos], 1)
-    return torch.cat([cache.pool_u, cache.tail_u, u], 1), pos
-
-
-def next_cache(cache, u_ext, pos_ext, lengths, final_pool, threshold):
-    B, K, Wt = u_ext.shape[0], cache.topk, cache.tail_slots
-    rows, ok, pi = torch.arange(B)[:, None], final_pool >= 0, final_pool.clamp(min=0)
-    tail_idx = K + lengths[:, None] + torch.arange(Wt)[None]
-    return SparseKCache(
-        pool_k=cache.pool_k, pool_v=cache.pool_v, tail_k=cache.tail_k, tail_v=cache.tail_v,
-        pool_u=torch.where(ok, u_ext[rows, pi], -float("inf")), pool_pos=torch.where(ok, pos_ext[rows, pi], -1),
-        tail_u=u_ext[rows, tail_idx], seen=cache.seen + lengths, **threshold,
-    )
 
 
 def scores(rng, B, L, ties):
@@ -68,111 +43,92 @@ def test_device_scan_equals_heap_scan(B, L, k, w, block, chunks, ties, cap):
     check_device_scan(B, L, k, w, block, chunks, ties, cap)
 
 
-def both_scans(cache, u_ext, pos_ext, lengths, L, k, w, block):
-    """One chunk through the compiled CPU heap scan (the reference) and the device scan, from `cache`."""
-    ref = scan_chunk_numba(
-        u_ext.double().numpy(), pos_ext.numpy(), cache.row_states(), seen=cache.seen.numpy(),
-        lengths=lengths.numpy(), n_queries=L, topk=k, window=w, cap=cache.cap, block=block,
-        ext_of_first_chunk_token=k + cache.tail_slots,
-    )
-    got = scan_chunk_device(
-        u_ext.to(DEV), pos_ext.to(DEV), thr_u=cache.thr_u.to(DEV), thr_count=cache.thr_count.to(DEV),
-        overflow=cache.overflow.to(DEV), seen=cache.seen.to(DEV), lengths=lengths.to(DEV), n_queries=L,
-        topk=k, window=w, block=block, tau_prev=cache.tau.to(DEV),
-    )
-    return ref, got
+def both_scans(state, u, lengths, w, block):
+    """One chunk through the compiled CPU heap scan (the reference) and the device scan, from `state`."""
+    keys = lay_out_scores(state, u, lengths)
+    ref = scan_chunk_host(keys, state, window=w, block=block)
+    got = scan_chunk_device(lay_out_scores(state.to(DEV), u.to(DEV), lengths.to(DEV)), state.to(DEV), window=w,
+                            block=block)
+    return keys, ref, got.to("cpu")
 
 
 def check_device_scan(B, L, k, w, block, chunks, ties, cap):
     rng = np.random.default_rng(B * 1000 + L * 10 + k)
-    cache = SparseKCache.empty(B, k, w, 1, 4, cap=cap)
+    state = SelectionState.empty(B, k, w, cap=cap)
     for ci in range(chunks):
         u = scores(rng, B, L, ties)
         lengths = torch.from_numpy(rng.integers(0, L + 1, size=B)) if ci % 2 else torch.full((B,), L)  # ragged, even empty rows
-        u_ext, pos_ext = layout(cache, u, lengths)
-        ref, got = both_scans(cache, u_ext, pos_ext, lengths, L, k, w, block)
-        got_cpu = {f: getattr(got, f).cpu() for f in ("theta_u", "theta_pos", "fingerprint", "tau", "n_active",
-                                                      "block_pool", "final_pool")}
+        keys, ref, got = both_scans(state, u, lengths, w, block)
         # Selection is exact.
-        assert torch.equal(got_cpu["theta_u"], ref.theta_u)
-        assert torch.equal(got_cpu["theta_pos"], ref.theta_pos)
-        assert torch.equal(got_cpu["fingerprint"], ref.fingerprint)
-        assert torch.equal(got_cpu["block_pool"].sort(-1).values, ref.block_pool.sort(-1).values)
+        assert torch.equal(got.theta_u, ref.theta_u)
+        assert torch.equal(got.theta_pos, ref.theta_pos)
+        assert torch.equal(got.fingerprint, ref.fingerprint)
+        assert torch.equal(got.block_pool.sort(-1).values, ref.block_pool.sort(-1).values)
         for b in range(B):  # stable slots: a key keeps one slot while it is pooled
-            bp = got_cpu["block_pool"][b]
+            bp = got.block_pool[b]
             for key in bp[bp >= 0].unique().tolist():
                 assert len(set((bp == key).nonzero()[:, 1].tolist())) == 1
-        final = torch.full((B, k), -1, dtype=torch.int64)
-        for b, ids in enumerate(ref.final_pool):
-            final[b, : len(ids)] = torch.tensor(sorted(ids), dtype=torch.int64)
-        assert torch.equal(got_cpu["final_pool"], final)
+        assert torch.equal(got.final_pool, ref.final_pool)
         # tau to rounding; |A| exactly.
-        rt = torch.from_numpy(ref.tau)
-        fin = torch.isfinite(rt)
-        assert torch.equal(torch.isfinite(got_cpu["tau"]), fin)
-        assert torch.equal(got_cpu["tau"][~fin], rt[~fin])
-        assert torch.allclose(got_cpu["tau"][fin], rt[fin], rtol=0, atol=1e-10)
-        assert torch.equal(got_cpu["n_active"], torch.from_numpy(ref.n_active))
+        fin = torch.isfinite(ref.tau)
+        assert torch.equal(torch.isfinite(got.tau), fin)
+        assert torch.equal(got.tau[~fin], ref.tau[~fin])
+        assert torch.allclose(got.tau[fin], ref.tau[fin], rtol=0, atol=1e-10)
+        assert torch.equal(got.n_active, ref.n_active)
         # The carried state: the same scores above tau (k = 0 carries none on the device).
-        want = cache.threshold_tensors(ref.states)
-        thr = {name: t.cpu() for name, t in got.threshold.items()}
+        want, thr = ref.threshold, got.threshold
         if k > 0:
-            assert torch.equal(thr["thr_count"], want["thr_count"])
-            assert torch.equal(thr["overflow"], want["overflow"])
-            assert torch.equal(thr["thr_saturated"].sum(1), want["thr_saturated"].sum(1))
-            torch.testing.assert_close(thr["tau"], want["tau"], rtol=0, atol=1e-10)
-            torch.testing.assert_close(thr["thr_sum"], want["thr_sum"], rtol=0, atol=1e-9)
+            assert torch.equal(thr.thr_count, want.thr_count)
+            assert torch.equal(thr.overflow, want.overflow)
+            assert torch.equal(thr.thr_saturated.sum(1), want.thr_saturated.sum(1))
+            torch.testing.assert_close(thr.tau, want.tau, rtol=0, atol=1e-10)
+            torch.testing.assert_close(thr.thr_sum, want.thr_sum, rtol=0, atol=1e-9)
             for b in range(B):
-                n = int(want["thr_count"][b])
-                assert torch.equal(thr["thr_u"][b, :n].sort().values, want["thr_u"][b, :n].sort().values)
+                n = int(want.thr_count[b])
+                assert torch.equal(thr.thr_u[b, :n].sort().values, want.thr_u[b, :n].sort().values)
         # Continue from the reference's state, so every chunk is checked from the same start.
-        cache = next_cache(cache, u_ext, pos_ext, lengths, final, want)
+        state = next_state(state, keys, ref)
 
 
 def test_device_scan_keeps_the_carried_tau_where_it_is_not_unique():
     """k tied saturated scores carried, then only low candidates: sum clamp(u - t, 0, 1) = k on a whole
     interval of t. The CPU scan keeps the carried tau there (tau never decreases); so must the device."""
     B, L, k, w, block = 1, 8, 2, 1, 4
-    cache = SparseKCache.empty(B, k, w, 1, 4)
+    state = SelectionState.empty(B, k, w)
     for u in (torch.tensor([[10.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]),  # tau = 0: two saturated, none fractional
               torch.tensor([[-5.0, -6.0, -5.5, -7.0, -5.0, -6.5, -8.0, -5.2]])):  # all below the carried tau
-        lengths = torch.full((B,), L)
-        u_ext, pos_ext = layout(cache, u, lengths)
-        ref, got = both_scans(cache, u_ext, pos_ext, lengths, L, k, w, block)
-        assert torch.equal(got.tau.cpu(), torch.from_numpy(ref.tau))
-        assert torch.equal(got.n_active.cpu(), torch.from_numpy(ref.n_active))
-        want = cache.threshold_tensors(ref.states)
-        assert torch.equal(got.threshold["tau"].cpu(), want["tau"])
-        final = torch.full((B, k), -1, dtype=torch.int64)
-        final[0, : len(ref.final_pool[0])] = torch.tensor(sorted(ref.final_pool[0]), dtype=torch.int64)
-        cache = next_cache(cache, u_ext, pos_ext, lengths, final, want)
-    assert float(want["tau"][0]) == 0.0  # the second chunk kept the carried tau
+        keys, ref, got = both_scans(state, u, torch.full((B,), L), w, block)
+        assert torch.equal(got.tau, ref.tau)
+        assert torch.equal(got.n_active, ref.n_active)
+        assert torch.equal(got.threshold.tau, ref.threshold.tau)
+        state = next_state(state, keys, ref)
+    assert float(state.tau[0]) == 0.0  # the second chunk kept the carried tau
 
 
 def test_device_scan_reports_overflow_at_the_cap():
     B, L, k, w = 1, 200, 4, 2
-    cache = SparseKCache.empty(B, k, w, 1, 4, cap=6)
-    u = torch.linspace(0, 0.5, L)[None]  # all within one unit: every score stays fractional
-    u_ext, pos_ext = layout(cache, u, torch.tensor([L]))
-    cache = cache.to(DEV)
-    got = scan_chunk_device(u_ext.to(DEV), pos_ext.to(DEV), thr_u=cache.thr_u, thr_count=cache.thr_count,
-                            overflow=cache.overflow, seen=cache.seen, lengths=torch.tensor([L], device=DEV),
-                            n_queries=L, topk=k, window=w, block=16)
-    assert int(got.threshold["overflow"][0]) > 0 and int(got.threshold["thr_count"][0]) == 6
+    state = SelectionState.empty(B, k, w, cap=6, device=DEV)
+    u = torch.linspace(0, 0.5, L, device=DEV)[None]  # all within one unit: every score stays fractional
+    got = scan_chunk_device(lay_out_scores(state, u), state, window=w, block=16)
+    assert int(got.threshold.overflow[0]) > 0 and int(got.threshold.thr_count[0]) == 6
 
 
-def test_keys_order_as_value_then_position():
-    u = torch.tensor([[-2.0, -0.0, 0.0, 1.5, 1.5, -1e-30, 3e38, float("-inf")]])
-    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]])
-    keys = pack_keys(u, pos)[0].tolist()
-    want = sorted(range(8), key=lambda i: (u[0, i].item(), pos[0, i].item()))
-    assert sorted(range(8), key=lambda i: keys[i]) == want
-    assert pack_keys(u, torch.full_like(pos, -1)).eq(torch.iinfo(torch.int64).min).all()
+@triton.jit
+def _position_hash_probe_kernel(POS, OUT, BLK: tl.constexpr):
+    i = tl.arange(0, BLK)
+    tl.store(OUT + i, kern._position_hash(tl.load(POS + i)))
 
 
-def test_position_hash_tensor_matches_python():
-    pos = torch.tensor([0, 1, 2, 511, 2**31 - 1, 123456789])
-    assert position_hash_tensor(pos).tolist() == [position_hash(p) for p in pos.tolist()]
+def test_position_hashes_match_the_reference():
+    """The device kernels' and the compiled scan's splitmix64 against naive.position_hash."""
+    from longtrain.ops.selection.host import _hash
+
+    pos = torch.tensor([0, 1, 2, 511, 2**31 - 1, 123456789, 2**40 + 3, 7], dtype=torch.int64)
+    out = torch.empty_like(pos, device=DEV)
+    _position_hash_probe_kernel[(1,)](pos.to(DEV), out, BLK=pos.numel())
+    want = [position_hash(p) for p in pos.tolist()]
+    assert out.tolist() == want
+    assert [int(_hash(p)) for p in pos.tolist()] == want
 
 
 @pytest.mark.parametrize("w,k", [(4, 6), (0, 5), (6, 0)])
@@ -302,16 +258,17 @@ def test_breakpoints_kernel_equals_sort_and_search(B, NM, N, K):
     wu = w.double() * torch.where(valid, score, 0.0)
     NT = triton.cdiv(NM, scan_device.TILE)
     pad = NT * scan_device.TILE - NM
-    tot = torch.zeros(B, kern.N_TOT, NT, dtype=torch.int32)
-    tot[:, kern.T_OFFSET] = torch.nn.functional.pad(w, (0, pad)).view(B, NT, -1).sum(2)
+    tot = torch.zeros(B, kern.N_TOT.value, NT, dtype=torch.int32)
+    tot[:, kern.T_OFFSET.value] = torch.nn.functional.pad(w, (0, pad)).view(B, NT, -1).sum(2)
     tots = torch.nn.functional.pad(wu, (0, pad)).view(B, NT, -1).sum(2)
     outs = [torch.empty(B, NM + 1, dtype=torch.int32), torch.empty(B, NM + 1, dtype=torch.float64),
             torch.empty(B, 2 * NM, dtype=torch.float64), torch.empty(B, 2 * NM, dtype=torch.int32),
             torch.empty(B, 2 * NM, dtype=torch.int32)]
     outs = [o.to(DEV) for o in outs]
-    kern.breakpoints_kernel[(NT, B)](score.to(DEV), by_rank.to(DEV), nvalid.to(DEV), tot.to(DEV), tots.to(DEV), *outs,
-                                     N, NM, K, NT, NM.bit_length(), NTP=triton.next_power_of_2(NT),
-                                     BLK=scan_device.TILE)
+    cc, cs, bpt, rv, rw = outs
+    kern.breakpoints_kernel[(NT, B)](SCORE=score.to(DEV), BY_RANK=by_rank.to(DEV), NVALID=nvalid.to(DEV), TOT=tot.to(DEV),
+                                     TOTS=tots.to(DEV), CC=cc, CS=cs, BPT=bpt, BPRV=rv, BPRW=rw, N=N, NM=NM, K=K, NT=NT,
+                                     ITERS=NM.bit_length(), NTP=triton.next_power_of_2(NT), BLK=scan_device.TILE)
     cc, cs, bpt, rv, rw = (o.cpu() for o in outs)
     want_t, want_rv, want_rw = breakpoints_reference(score, nvalid)
     assert torch.equal(bpt, want_t) and torch.equal(rv, want_rv) and torch.equal(rw, want_rw)

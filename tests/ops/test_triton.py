@@ -16,7 +16,8 @@ triton = pytest.importorskip("triton")
 
 from longtrain.ops.sparsek_attention import SparseKCache, sparsek_attention, sparsek_attention_chunk  # noqa: E402
 from longtrain.ops.sparsek_attention import triton_core  # noqa: E402
-from longtrain.ops.selection.scan import scan_chunk  # noqa: E402
+from longtrain.ops.selection import SelectionState, lay_out_scores  # noqa: E402
+from longtrain.ops.selection.naive import scan_chunk_naive  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -150,15 +151,11 @@ def test_cut_counts_a_prefix_of_each_tile(G):
     u = (torch.randn(B, T) + torch.arange(T) * 3e-3).double()  # float32 values, as the op's scores
     u[:, 100:110] = u[:, 90:100]  # ties in u: the position breaks them
     n0 = K + w - 1  # empty cache prefix
-    u_ext = torch.cat([torch.full((B, n0), -float("inf"), dtype=torch.float64), u], 1)
-    pos_ext = torch.cat([torch.full((B, n0), -1), torch.arange(T).expand(B, T)], 1)
     lengths = torch.tensor([T, 170])
-    cache = SparseKCache.empty(B, K, w, 1, 16)
-    scan = scan_chunk(
-        u_ext.numpy(), pos_ext.numpy(), cache.row_states(), seen=torch.zeros(B, dtype=torch.int64).numpy(),
-        lengths=lengths.numpy(), n_queries=T, topk=K, window=w, cap=cache.cap, block=16, ext_of_first_chunk_token=n0,
-    )
-    q_pos = torch.where(torch.arange(T)[None] < lengths[:, None], torch.arange(T)[None], -1)
+    state = SelectionState.empty(B, K, w, score_dtype=torch.float64)
+    keys = lay_out_scores(state, u, lengths)
+    u_ext, pos_ext, q_pos = keys.u, keys.pos, keys.q_pos
+    scan = scan_chunk_naive(keys, state, window=w, block=16)
     bp = scan.block_pool[:, :: G // 16].contiguous()
     nt = bp.shape[1]
     args = [x.to(DEV) for x in (bp, u_ext.float(), pos_ext, q_pos, scan.theta_u, scan.theta_pos)]

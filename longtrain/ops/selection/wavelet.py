@@ -1,6 +1,6 @@
 """A wavelet tree over each row's ranks: prefix counts, score sums and quantiles in O(log n).
 
-The device selection scan (scan_device.py) asks, for every query, two questions about the first P
+The device selection scan (device.py) asks, for every query, two questions about the first P
 items of a row in ext order (each item tagged with its rank in the row's score order):
   - which item is the r-th best (theta: r = k - 1), and the hash sum of the better ones;
   - how many items rank better than rho, and the sum of their scores (tau's piecewise-linear f).
@@ -152,11 +152,11 @@ def empty_wavelet_tree(B: int, N: int, device) -> WaveletTree:
 def merge_levels(tree: WaveletTree) -> WaveletTree:
     """Levels LV-1 .. 0 from the leaves: one launch for the low levels, one per higher level."""
     B, LV, N = tree.left.shape[:3]
-    args = (tree.order, tree.left, tree.score_sum, tree.hash_sum, N, LV)
+    tensors = dict(ORD=tree.order, LEFT=tree.left, SS=tree.score_sum, HS=tree.hash_sum, N=N, LV=LV)
     low = min(LV, MERGE_TILE.bit_length() - 1)  # levels whose nodes fit in a tile
-    _merge_levels_kernel[(triton.cdiv(N, MERGE_TILE), B)](*args, LV, low, BLK=MERGE_TILE)
+    _merge_levels_kernel[(triton.cdiv(N, MERGE_TILE), B)](**tensors, TOP=LV, NLEV=low, BLK=MERGE_TILE)
     for level in range(LV - low - 1, -1, -1):
-        _merge_levels_kernel[(triton.cdiv(N, UPPER_TILE), B)](*args, level + 1, 1, BLK=UPPER_TILE)
+        _merge_levels_kernel[(triton.cdiv(N, UPPER_TILE), B)](**tensors, TOP=level + 1, NLEV=1, BLK=UPPER_TILE)
     return tree
 
 
@@ -172,33 +172,3 @@ def build_wavelet_tree(
     tree.score_sum[:, -1] = score
     tree.hash_sum[:, -1] = hashes
     return merge_levels(tree)
-
-
-def build_wavelet_tree_reference(by_rank: torch.Tensor, score: torch.Tensor, hashes: torch.Tensor) -> WaveletTree:
-    """The same tree level by level with sorts and segmented cumsums: the reference for build_wavelet_tree."""
-    B, N = by_rank.shape
-    LV = wavelet_levels(N)
-    dev = by_rank.device
-    rank = torch.arange(N, device=dev).expand(B, N)
-    order_all = torch.empty(B, LV + 1, N, dtype=torch.int32, device=dev)
-    left = torch.empty(B, LV, N, 2, dtype=torch.int64, device=dev)
-    score_sum = torch.empty(B, LV + 1, N, dtype=torch.float64, device=dev)
-    hash_sum = torch.empty(B, LV + 1, N, dtype=torch.int64, device=dev)
-    for level in range(LV + 1):
-        node = rank >> (LV - level)
-        order = (node * N + by_rank.long()).argsort(1)  # ranks in level order: by node, then ext index
-        s, h, r = score.gather(1, order), hashes.gather(1, order), rank.gather(1, order)
-        order_all[:, level] = by_rank.gather(1, order)
-        start = (rank >> (LV - level)) << (LV - level)  # each position's node start
-
-        def in_node(x):  # inclusive prefix sums restarting at each node
-            c = x.cumsum(1)
-            return c - torch.nn.functional.pad(c, (1, 0))[:, :-1].gather(1, start)
-
-        score_sum[:, level] = in_node(s)
-        hash_sum[:, level] = in_node(h)
-        if level < LV:
-            is_left = (r >> (LV - 1 - level)) & 1 == 0
-            left[:, level, :, 0] = in_node(is_left.long())
-            left[:, level, :, 1] = in_node(torch.where(is_left, s, 0.0)).view(torch.int64)
-    return WaveletTree(order_all, left, score_sum, hash_sum)

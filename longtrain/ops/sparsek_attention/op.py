@@ -1,8 +1,10 @@
 """The public SparseK attention op: one chunk against a SparseKCache, or a whole sequence.
 
-A chunk call (1) lays out keys as [cache pool][cache tail][chunk], (2) runs the selection scan from
-the cache's threshold state, (3) runs the attention core (naive reference or Triton kernels) and
-(4) builds the next cache: the top-k pool after the chunk and the last w-1 positions as the tail.
+A chunk call runs four stages, each a public function that benchmarks and tests call too:
+  1. lay_out_keys: keys as [cache pool][cache tail][chunk] with absolute positions (ExtendedKeys);
+  2. select (longtrain.ops.selection): the selection scan, continuing from the cache's threshold state;
+  3. attend: the attention core (the naive reference or the Triton kernels, one signature);
+  4. next_cache: the top-k pool after the chunk and the last w-1 positions as the tail, detached.
 Everything stored in the cache is detached: gradients stop at the chunk boundary.
 """
 
@@ -12,13 +14,20 @@ from dataclasses import dataclass
 
 import torch
 
+from longtrain.ops.selection import ExtendedScores, ScanResult, ThresholdFn, lay_out_scores, select
+from longtrain.ops.selection.chunk import carried, check_scan, next_state, triton_available
 from longtrain.ops.sparsek_attention.cache import SparseKCache
 from longtrain.ops.sparsek_attention.naive import VARIANTS, sparsek_attention_core_naive
-from longtrain.ops.selection.scan import DeviceScan, ThresholdFn
-from longtrain.ops.selection.scan_numba import scan_chunk_numba as scan_chunk
 
 BACKENDS = ("auto", "naive", "triton")
-SCANS = ("auto", "host", "device")
+
+
+@dataclass
+class ExtendedKeys(ExtendedScores):
+    """ExtendedScores with the keys and values in the same layout [pool K][tail W-1][chunk L]."""
+
+    k: torch.Tensor  # [B, N, Hkv, D] (after RoPE)
+    v: torch.Tensor  # [B, N, Hkv, D]
 
 
 @dataclass
@@ -31,6 +40,11 @@ class ChunkSelection:
     n_active: torch.Tensor  # [B, L] int64
     # (all on the device of the call: reading them is the caller's host sync)
     overflow: torch.Tensor  # [B] int64 scores dropped at the threshold state's cap (kept on device)
+
+    @classmethod
+    def of(cls, scan: ScanResult) -> "ChunkSelection":
+        return cls(fingerprint=scan.fingerprint, theta_pos=scan.theta_pos, tau=scan.tau, n_active=scan.n_active,
+                   overflow=scan.threshold.overflow)
 
     @property
     def overflowed(self) -> bool:
@@ -55,64 +69,51 @@ def _check(q, k, v, u, topk, window, variant, backend, scan="auto"):
         raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    if scan not in SCANS:
-        raise ValueError(f"scan must be one of {SCANS}; got {scan!r}")
-    if scan == "device" and not _triton_available():
-        raise ValueError("scan='device' needs Triton (Linux); use scan='host'")
-    if scan == "device" and u.dtype == torch.float64:
-        raise ValueError("scan='device' packs float32 scores into its keys; float64 scores need scan='host'")
+    check_scan(scan, u)
 
 
 def _pick_backend(backend: str, q: torch.Tensor) -> str:
     if backend == "auto":  # the kernels take half precision and float32, not float64
-        return "triton" if q.is_cuda and q.dtype != torch.float64 and _triton_available() else "naive"
+        return "triton" if q.is_cuda and q.dtype != torch.float64 and triton_available() else "naive"
     return backend
 
 
-def _pick_scan(scan: str, u: torch.Tensor) -> str:
-    """auto: on the GPU where the scores are (float32 or narrower), else the CPU heaps."""
-    if scan == "auto":
-        return "device" if u.is_cuda and u.dtype != torch.float64 and _triton_available() else "host"
-    return scan
-
-
-def _host_scan(u_ext, pos_ext, cache, seen, lengths, L, topk, window, block) -> DeviceScan:
-    """The CPU heap scan (compiled), its results moved to the call's device as a DeviceScan."""
-    dev = u_ext.device
-    scan = scan_chunk(
-        u_ext.detach().to("cpu", torch.float64).numpy(),
-        pos_ext.cpu().numpy(),
-        cache.row_states(),
-        seen=seen.cpu().numpy(),
-        lengths=lengths.cpu().numpy(),
-        n_queries=L,
-        topk=topk,
-        window=window,
-        cap=cache.cap,
-        block=block,
-        ext_of_first_chunk_token=cache.topk + cache.tail_slots,
-    )
-    final_pool = torch.full((len(scan.final_pool), topk), -1, dtype=torch.int64)
-    for b, ids in enumerate(scan.final_pool):
-        final_pool[b, : len(ids)] = torch.tensor(sorted(ids), dtype=torch.int64)
-    return DeviceScan(
-        theta_u=scan.theta_u.to(dev),
-        theta_pos=scan.theta_pos.to(dev),
-        tau=torch.from_numpy(scan.tau).to(dev),
-        n_active=torch.from_numpy(scan.n_active).to(dev),
-        fingerprint=scan.fingerprint.to(dev),
-        block_pool=scan.block_pool.to(dev),
-        final_pool=final_pool.to(dev),
-        threshold=cache.threshold_tensors(scan.states),
+def lay_out_keys(cache: SparseKCache, k: torch.Tensor, v: torch.Tensor, u: torch.Tensor,
+                 lengths: torch.Tensor | None = None) -> ExtendedKeys:
+    """Stage 1: the chunk's keys k, v [B, L, Hkv, D] and scores u [B, L] after the cache's pool and tail."""
+    scores = lay_out_scores(cache, u, lengths)
+    return ExtendedKeys(
+        **{name: getattr(scores, name) for name in ExtendedScores.__dataclass_fields__},
+        k=torch.cat([cache.pool_k.to(k.dtype), cache.tail_k.to(k.dtype), k], dim=1),  # [B, N, Hkv, D]
+        v=torch.cat([cache.pool_v.to(v.dtype), cache.tail_v.to(v.dtype), v], dim=1),
     )
 
 
-def _triton_available() -> bool:
-    try:
-        from longtrain.ops.sparsek_attention import triton_core  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def attend(q: torch.Tensor, keys: ExtendedKeys, scan: ScanResult, tau: torch.Tensor, *, window: int,
+           variant: str = "hard_k_soft_v", scale: float | None = None, block: int = 64,
+           backend: str = "auto") -> torch.Tensor:
+    """Stage 3: o [B, L, H, D] of the chunk's queries q over their window and selected keys, gated by tau
+    [B, L] (differentiable: ThresholdFn of the chunk's scores in the op)."""
+    core = sparsek_attention_core_naive
+    if _pick_backend(backend, q) == "triton":
+        from longtrain.ops.sparsek_attention.triton_core import sparsek_attention_core_triton as core
+
+    return core(q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, scan.theta_u, scan.theta_pos, tau, scan.block_pool,
+                topk=keys.topk, window=window, tail_slots=keys.tail_slots, variant=variant, scale=scale, block=block)
+
+
+@torch.no_grad()
+def next_cache(cache: SparseKCache, keys: ExtendedKeys, scan: ScanResult) -> SparseKCache:
+    """Stage 4: the cache after the chunk: the selection's next state and the K, V of its pool and tail."""
+    rows = carried(keys, scan)
+    okv = rows.pool_ok[:, :, None, None]
+    return SparseKCache(
+        **next_state(cache, keys, scan, rows).tensors(),
+        pool_k=torch.where(okv, keys.k[rows.rows, rows.pool], 0).to(cache.pool_k.dtype),
+        pool_v=torch.where(okv, keys.v[rows.rows, rows.pool], 0).to(cache.pool_v.dtype),
+        tail_k=keys.k[rows.rows, rows.tail].to(cache.tail_k.dtype),
+        tail_v=keys.v[rows.rows, rows.tail].to(cache.tail_v.dtype),
+    )
 
 
 def sparsek_attention_chunk(
@@ -142,75 +143,11 @@ def sparsek_attention_chunk(
         raise ValueError(
             f"cache was built for topk={cache.topk}, window={cache.tail_slots + 1}; the call uses topk={topk}, window={window}"
         )
-    B, L, H, D = q.shape
-    dev = q.device
-    K, Wt = topk, cache.tail_slots
-    if lengths is None:
-        lengths = torch.full((B,), L, dtype=torch.int64, device=dev)
-    lengths = lengths.to(device=dev, dtype=torch.int64)
-    seen = cache.seen.to(dev)
-
-    # 1. The extended key layout [pool K][tail W-1][chunk L] with absolute positions.
-    ar = torch.arange(L, device=dev)
-    chunk_pos = torch.where(ar[None] < lengths[:, None], seen[:, None] + ar[None], -1)  # [B, L]
-    tail_pos = seen[:, None] - Wt + torch.arange(Wt, device=dev)[None]  # [B, W-1]
-    tail_pos = torch.where(tail_pos >= 0, tail_pos, -1)
-    pos_ext = torch.cat([cache.pool_pos.to(dev), tail_pos, chunk_pos], dim=1)  # [B, N]
-    k_ext = torch.cat([cache.pool_k.to(k.dtype), cache.tail_k.to(k.dtype), k], dim=1)
-    v_ext = torch.cat([cache.pool_v.to(v.dtype), cache.tail_v.to(v.dtype), v], dim=1)
-    u_ext = torch.cat([cache.pool_u.to(u.dtype), cache.tail_u.to(u.dtype), u], dim=1)
-
-    # 2. The selection scan, continuing from the cache's state: on the tensors' device, or CPU heaps.
-    if _pick_scan(scan, u_ext) == "device":
-        from longtrain.ops.selection.scan_device import scan_chunk_device  # needs Triton
-
-        sel = scan_chunk_device(
-            u_ext, pos_ext, thr_u=cache.thr_u.to(dev), thr_count=cache.thr_count.to(dev),
-            overflow=cache.overflow.to(dev), seen=seen, lengths=lengths, n_queries=L, topk=topk,
-            window=window, block=block, tau_prev=cache.tau.to(dev),
-        )
-    else:
-        sel = _host_scan(u_ext, pos_ext, cache, seen, lengths, L, topk, window, block)
-    tau = ThresholdFn.apply(u, sel.tau, sel.n_active, lengths, window)
-
-    # 3. The attention core.
-    core_args = (q, k_ext, v_ext, u_ext, pos_ext, chunk_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool)
-    core_kw = dict(topk=topk, window=window, tail_slots=Wt, variant=variant, scale=scale, block=block)
-    if _pick_backend(backend, q) == "triton":
-        from longtrain.ops.sparsek_attention.triton_core import sparsek_attention_core_triton
-
-        o = sparsek_attention_core_triton(*core_args, **core_kw)
-    else:
-        o = sparsek_attention_core_naive(*core_args, **core_kw)
-
-    # 4. The next cache: the top-k pool and the last w-1 positions, detached.
-    pool_idx = sel.final_pool  # [B, K] ext indices, -1 empty
-    tail_idx = K + lengths[:, None] + torch.arange(Wt, device=dev)[None]  # positions t-(W-1)..t-1
-    rows = torch.arange(B, device=dev)[:, None]
-    pool_ok = pool_idx >= 0
-    pi = pool_idx.clamp(min=0)
-    with torch.no_grad():
-        okv = pool_ok[:, :, None, None]
-        new = dict(
-            pool_k=torch.where(okv, k_ext[rows, pi], 0).to(cache.pool_k.dtype),
-            pool_v=torch.where(okv, v_ext[rows, pi], 0).to(cache.pool_v.dtype),
-            pool_u=torch.where(pool_ok, u_ext[rows, pi], -float("inf")).to(cache.pool_u.dtype),
-            pool_pos=torch.where(pool_ok, pos_ext[rows, pi], -1),
-            tail_k=k_ext[rows, tail_idx].to(cache.tail_k.dtype),
-            tail_v=v_ext[rows, tail_idx].to(cache.tail_v.dtype),
-            tail_u=u_ext[rows, tail_idx].to(cache.tail_u.dtype),
-            seen=seen + lengths,
-            **{name: t.to(dev) for name, t in sel.threshold.items()},
-        )
-    next_cache = SparseKCache(**{name: t.detach() for name, t in new.items()})
-    selection = ChunkSelection(
-        fingerprint=sel.fingerprint,
-        theta_pos=sel.theta_pos,
-        tau=sel.tau,
-        n_active=sel.n_active,
-        overflow=next_cache.overflow,
-    )
-    return o, next_cache, selection
+    keys = lay_out_keys(cache, k, v, u, lengths)
+    sel = select(keys, cache, window=window, block=block, scan=scan)
+    tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
+    o = attend(q, keys, sel, tau, window=window, variant=variant, scale=scale, block=block, backend=backend)
+    return o, next_cache(cache, keys, sel), ChunkSelection.of(sel)
 
 
 def sparsek_attention(

@@ -3,7 +3,7 @@
 Forward: triton_fwd (O and a base-2 log-sum-exp per query and head). Backward: triton_bwd (dq and
 dtau query-major; dk, dv, du key-major; the pool keys' sums use a few atomic adds per key unless
 DETERMINISTIC or torch.use_deterministic_algorithms is on). Gradients go to q, k_ext, v_ext, u_ext
-(direct mask term) and tau (its chain to u is ThresholdFn's, in scan.py).
+(direct mask term) and tau (its chain to u is ThresholdFn's, in selection/threshold.py).
 The selection scan's outputs (theta, positions, block pools: int64 / float64, on the GPU or the CPU)
 go to the kernels as they are; the kernels cast. A small kernel (_cut_kernel) turns each query tile's
 theta tests on its pool keys into one count per key, shared by all heads and kernels.
@@ -19,7 +19,8 @@ import triton
 
 from longtrain.ops.sparsek_attention.naive import sparsek_attention_core_naive
 from longtrain.ops.sparsek_attention.triton_bwd import _dkv_band_kernel, _dkv_pool_kernel, _dq_kernel
-from longtrain.ops.sparsek_attention.triton_fwd import LOG2E, VARIANT_CODE, _cut_kernel, _fwd_kernel
+from longtrain.ops.sparsek_attention.triton_fwd import _cut_kernel, _fwd_kernel
+from longtrain.ops.sparsek_attention.triton_tiles import LOG2E, VARIANT_CODE
 
 # Fill every kernel-written buffer with NaN first, so a value never written shows (tests set it).
 POISON = False
@@ -94,7 +95,7 @@ def _cut(sp, u, pos, qpos, thu, thp, L, G, topk, bw, tail, window):
     and the snapshot compacted for the kernels: ext index (int32, -1 empty), score (float32, +inf empty).
     Also per query tile and group of bw slots [B, nt, ceil(K / bw)]: 1 where a key leaves its slot
     after the tile (int32; the pool walk writes its sums then); and per query tile and band key j < G
-    [B, nt, G]: the reach of the keys at the window's edge (int32, triton_fwd.reach_logits)."""
+    [B, nt, G]: the reach of the keys at the window's edge (int32, triton_tiles.edge_logits)."""
     B, nt = sp.shape[0], sp.shape[1]
     cut = _empty((B, nt, topk), torch.int32, u.device)
     pi = _empty((B, nt, topk), torch.int32, u.device)
@@ -103,10 +104,21 @@ def _cut(sp, u, pos, qpos, thu, thp, L, G, topk, bw, tail, window):
     reach = _empty((B, nt, G), torch.int32, u.device)
     bk = max(bw, 16 if _interpreting() else 128)
     _cut_kernel[(nt, B, triton.cdiv(topk, bk) + 1)](  # (the last program of each tile: its reach row)
-        sp, u, pos, qpos, thu, thp, cut, pi, pu, flush, reach, sp.stride(0), sp.stride(1), L, u.shape[1], nt, topk,
-        tail, window, G=G, BK=bk, BW=bw, num_warps=4,
+        snapshot_ptr=sp, u_ptr=u, pos_ptr=pos, q_pos_ptr=qpos, theta_u_ptr=thu, theta_pos_ptr=thp,
+        cut_ptr=cut, pool_idx_ptr=pi, pool_u_ptr=pu, flush_ptr=flush, reach_ptr=reach,
+        stride_sb=sp.stride(0), stride_st=sp.stride(1), n_queries=L, n_ext=u.shape[1], n_tiles=nt, topk=topk,
+        tail=tail, window=window, G=G, BK=bk, BW=bw, num_warps=4,
     )
     return cut, pi, pu, flush, reach
+
+
+def _strides(**tensors) -> dict:
+    """stride_<name><b|l|h> (or <b|n|h> for keys and values) of [B, T, H, D] tensors, as the kernels name them."""
+    out = {}
+    for name, t in tensors.items():
+        dims = "bnh" if name in ("k", "v", "dk") else "blh"
+        out.update({f"stride_{name}{dim}": t.stride(i) for i, dim in enumerate(dims)})
+    return out
 
 
 class _SparseKTriton(torch.autograd.Function):
@@ -139,12 +151,12 @@ class _SparseKTriton(torch.autograd.Function):
         o = _empty((B, L, H, D), q.dtype, dev)
         lse = _empty((B, H, L), torch.float32, dev)  # base-2 log-sum-exp
         common = dict(G=G, D=D, VARIANT=VARIANT_CODE[variant], HAS_TOPK=topk > 0, PREC=prec)
+        scan = dict(u_ptr=u, pos_ptr=pos, q_pos_ptr=qpos, theta_u_ptr=thu, theta_pos_ptr=thp)
+        sizes = dict(n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_tiles=nt, topk=topk, window=window)
         _fwd_kernel[(nt, B * H)](
-            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, cut, pi, pu, reach, o, lse,
-            q.stride(0), q.stride(1), q.stride(2), k_ext.stride(0), k_ext.stride(1), k_ext.stride(2),
-            v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), o.stride(0), o.stride(1), o.stride(2),
-            L, N, H, H // Hkv, nt, topk, window, tail_slots, scale * LOG2E,
-            **cfg["fwd"], **common,
+            q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, **scan, tau_ptr=tau_c, cut_ptr=cut, pool_idx_ptr=pi, pool_u_ptr=pu,
+            reach_ptr=reach, o_ptr=o, lse_ptr=lse, **_strides(q=q, k=k_ext, v=v_ext, o=o), **sizes, tail=tail_slots,
+            scale2=scale * LOG2E.value, **cfg["fwd"], **common,
         )
         ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, cut, pi, pu, flush, reach, o, lse)
         ctx.meta = (topk, window, tail_slots, scale, common, cfg, u_ext.dtype, tau.dtype)
@@ -171,15 +183,14 @@ class _SparseKTriton(torch.autograd.Function):
         delta = _empty((B, H, L), torch.float32, dev)  # dO_i . o_i, written by the dq kernel
         dq = _empty((B, L, H, D), q.dtype, dev)
         dtau = _empty((B, H, L), torch.float32, dev)
-        strides = (
-            q.stride(0), q.stride(1), q.stride(2), k_ext.stride(0), k_ext.stride(1), k_ext.stride(2),
-            v_ext.stride(0), v_ext.stride(1), v_ext.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        )
+        scan = dict(u_ptr=u, pos_ptr=pos, q_pos_ptr=qpos, theta_u_ptr=thu, theta_pos_ptr=thp, tau_ptr=tau)
+        inputs = dict(q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, **scan, do_ptr=do, lse_ptr=lse)
+        strides = _strides(q=q, k=k_ext, v=v_ext, do=do)
+        sizes = dict(n_queries=L, n_ext=N, n_heads=H, n_tiles=nt, topk=topk, window=window, scale=scale)
         _dq_kernel[(nt, B * H)](  # the forward's pool layout and cut
-            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, reach, do, o, lse, delta, dq, dtau, dkp, dvp, dup,
-            *strides,
-            L, N, H, H // Hkv, nt, topk, window, tail_slots, scale, triton.cdiv(N, nt),
-            **cfg["dq"], **common,
+            **inputs, cut_ptr=cut, pool_idx_ptr=pi, pool_u_ptr=pu, reach_ptr=reach, o_ptr=o, delta_ptr=delta,
+            dq_ptr=dq, dtau_ptr=dtau, dk_pool_ptr=dkp, dv_pool_ptr=dvp, du_pool_ptr=dup, **strides, **sizes,
+            group=H // Hkv, tail=tail_slots, zero_rows=triton.cdiv(N, nt), **cfg["dq"], **common,
         )
         # Key-major passes: pool sums first (zeroed fp32 buffers), then the band pass adds them and
         # writes the final dk, dv, du (every ext row exactly once).
@@ -189,16 +200,14 @@ class _SparseKTriton(torch.autograd.Function):
         if topk > 0:  # the pool walk follows the scans' stable slots (a key never moves while pooled)
             seg = nt if det else POOL_SEGMENT
             _dkv_pool_kernel[(triton.cdiv(topk, walk_cfg["BN"]), triton.cdiv(nt, seg), B * Hkv)](
-                q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, flush, do, lse, delta, dkp, dvp, dup,
-                *strides,
-                L, N, H, H // Hkv, nt, topk, window, scale, seg,
+                **inputs, cut_ptr=cut, pool_idx_ptr=pi, pool_u_ptr=pu, flush_ptr=flush, delta_ptr=delta,
+                dk_pool_ptr=dkp, dv_pool_ptr=dvp, du_pool_ptr=dup, **strides, **sizes, GROUP=H // Hkv, segment=seg,
                 G=G, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nt, **walk_cfg,
             )
         _dkv_band_kernel[(triton.cdiv(N, band_cfg["BN"]), B * Hkv)](
-            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, reach, do, lse, delta, dkp, dvp, dup, dk, dv, dub,
-            *strides, dk.stride(0), dk.stride(1), dk.stride(2),
-            L, N, H, H // Hkv, nt, topk, window, tail_slots, scale,
-            **band_cfg, **common,
+            **inputs, reach_ptr=reach, delta_ptr=delta, dk_pool_ptr=dkp, dv_pool_ptr=dvp, du_pool_ptr=dup,
+            dk_ptr=dk, dv_ptr=dv, du_ptr=dub, **strides, **_strides(dk=dk), **sizes, group=H // Hkv,
+            tail=tail_slots, **band_cfg, **common,
         )
         du = dub.sum(1).to(u_dtype)  # [B, N]: summed over kv heads
         return (dq, dk, dv, du, None, None, None, None,

@@ -1,4 +1,4 @@
-"""Triton kernels of the device selection scan (scan_device.py): each a launch over tiles of a row.
+"""Triton kernels of the device selection scan (device.py): each a launch over tiles of a row.
 
 Index spaces of a row: ext items s in [0, N); entries m in [0, NM) = the items, then the carried
 threshold scores (m = N + c); ranks r in [0, NM) = the entries sorted best first (their sort keys);
@@ -14,14 +14,14 @@ import triton.language as tl
 
 from longtrain.ops.selection.wavelet import tree_count_below, tree_quantile
 
-# Quantities with per-tile totals: TOT [B, N_TOT, NT] int32 (and TOTS [B, NT] float64 for T_OFFSET's scores).
-T_OFFSET, T_POOLED, T_COUNT, T_MEMBER, T_POOLED_R, T_KEEP = 0, 1, 2, 3, 4, 5
-N_TOT = 6
+# Quantities with per-tile totals: TOT [B, N_TOT, NT] int32 (and TOTS [B, NT] float64 for T_OFFSET's scores):
+# f's offsets, pooled items, their blocks, final-pool members, pooled entries by rank, kept scores.
+T_OFFSET, T_POOLED, T_COUNT, T_MEMBER, T_POOLED_R, T_KEEP, N_TOT = (tl.constexpr(i) for i in range(7))
 
 
 @triton.jit
 def _position_hash(p):
-    """scan.position_hash (splitmix64, masked to 63 bits) in wrapping int64 arithmetic."""
+    """naive.position_hash (splitmix64, masked to 63 bits) in wrapping int64 arithmetic."""
     x = p + -7046029254386353131  # 0x9E3779B97F4A7C15
     x = (x ^ ((x >> 30) & 0x3FFFFFFFF)) * -4658895280553007687  # logical shifts; 0xBF58476D1CE4E5B9
     x = (x ^ ((x >> 27) & 0x1FFFFFFFFF)) * -7723592293110705685  # 0x94D049BB133111EB
@@ -32,7 +32,7 @@ def _position_hash(p):
 def _before_tile(TOT, q, b, t, NT, NTP: tl.constexpr):
     """The sum of quantity q's totals over the row's tiles before tile t, and over all of them."""
     i = tl.arange(0, NTP)
-    v = tl.load(TOT + (b * 6 + q) * NT + i, mask=i < NT, other=0)
+    v = tl.load(TOT + (b * N_TOT + q) * NT + i, mask=i < NT, other=0)
     return tl.sum(tl.where(i < t, v, 0), axis=0), tl.sum(v, axis=0)
 
 
@@ -100,7 +100,7 @@ def ranked_kernel(
     tl.store(NVALID + b + r * 0, tl.where(valid, r + 1, 0), mask=last)
     # tau's candidates are the carried entries and the stream; the tree counts pool and stream.
     w = _offset_weight(m, valid, N, K)
-    tl.store(TOT + (b * 6 + 0) * NT + t, tl.sum(w, axis=0))
+    tl.store(TOT + (b * N_TOT + T_OFFSET) * NT + t, tl.sum(w, axis=0))
     tl.store(TOTS + b * NT + t, tl.sum(w.to(tl.float64) * tl.where(valid, score, 0.0), axis=0))
 
 
@@ -148,7 +148,7 @@ def breakpoints_kernel(
     # Offsets: prefix sums over ranks, each tile's start from the earlier tiles' totals.
     w = _offset_weight(m, valid, N, K)
     wu = w.to(tl.float64) * tl.where(valid, u, 0.0)
-    prev_c, _ = _before_tile(TOT, 0, b, t, NT, NTP)
+    prev_c, _ = _before_tile(TOT, T_OFFSET, b, t, NT, NTP)
     i = tl.arange(0, NTP)
     prev_s = tl.sum(tl.load(TOTS + b * NT + i, mask=i < t, other=0.0), axis=0)
     crow = b * (NM + 1)
@@ -365,12 +365,12 @@ def pool_flags_kernel(
     new = (m >= N) | ((m >= K) & (m < K + length))  # carried, tail and the chunk's candidates
     keep = real & new & (u > tl.load(TAU_END + b)) & (u < float("inf"))  # k = 0: tau = +inf, none
     tl.store(FLAGS_R + b * NM + x, (pooled_r.to(tl.int32) + 2 * keep.to(tl.int32)).to(tl.int8), mask=rm)
-    tot = TOT + b * 6 * NT + t
-    tl.store(tot + 1 * NT, tl.sum((count > 0).to(tl.int32), axis=0))
-    tl.store(tot + 2 * NT, tl.sum(count, axis=0))
-    tl.store(tot + 3 * NT, tl.sum(member.to(tl.int32), axis=0))
-    tl.store(tot + 4 * NT, tl.sum(pooled_r.to(tl.int32), axis=0))
-    tl.store(tot + 5 * NT, tl.sum(keep.to(tl.int32), axis=0))
+    tot = TOT + b * N_TOT * NT + t
+    tl.store(tot + T_POOLED * NT, tl.sum((count > 0).to(tl.int32), axis=0))
+    tl.store(tot + T_COUNT * NT, tl.sum(count, axis=0))
+    tl.store(tot + T_MEMBER * NT, tl.sum(member.to(tl.int32), axis=0))
+    tl.store(tot + T_POOLED_R * NT, tl.sum(pooled_r.to(tl.int32), axis=0))
+    tl.store(tot + T_KEEP * NT, tl.sum(keep.to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -393,26 +393,26 @@ def pool_scan_kernel(
     pooled = (count > 0).to(tl.int32)
     member = tl.load(MEMBER + b * N + x, mask=sm, other=0).to(tl.int32)
     erow = b * (N + 1)
-    p0, _ = _before_tile(TOT, 1, b, t, NT, NTP)
+    p0, _ = _before_tile(TOT, T_POOLED, b, t, NT, NTP)
     tl.store(PE + erow + x + 1, p0 + tl.cumsum(pooled, axis=0), mask=sm)
     tl.store(PE + erow + x, 0, mask=first)
-    c0, _ = _before_tile(TOT, 2, b, t, NT, NTP)
+    c0, _ = _before_tile(TOT, T_COUNT, b, t, NT, NTP)
     tl.store(CP + erow + x + 1, c0 + tl.cumsum(count, axis=0), mask=sm)
     tl.store(CP + erow + x, 0, mask=first)
-    m0, _ = _before_tile(TOT, 3, b, t, NT, NTP)
+    m0, _ = _before_tile(TOT, T_MEMBER, b, t, NT, NTP)
     tl.store(FINAL + b * K + m0 + tl.cumsum(member, axis=0) - 1, x.to(tl.int64), mask=sm & (member > 0))
     # By rank.
     rm = x < NM
     flags = tl.load(FLAGS_R + b * NM + x, mask=rm, other=0).to(tl.int32)
     pooled_r = flags & 1
     keep = flags >> 1
-    r0, n_pooled = _before_tile(TOT, 4, b, t, NT, NTP)
+    r0, n_pooled = _before_tile(TOT, T_POOLED_R, b, t, NT, NTP)
     above = r0 + tl.cumsum(pooled_r, axis=0)  # inclusive
     tl.store(PR + b * (NM + 1) + x + 1, above, mask=rm)
     tl.store(PR + b * (NM + 1) + x, 0, mask=first)
     m = tl.load(BY_RANK + b * NM + x, mask=rm, other=0)
     tl.store(LSEQ + b * N + n_pooled - above, m, mask=rm & (pooled_r > 0))  # items ranked worse leave first
-    k0, _ = _before_tile(TOT, 5, b, t, NT, NTP)
+    k0, _ = _before_tile(TOT, T_KEEP, b, t, NT, NTP)
     slot = k0 + tl.cumsum(keep, axis=0) - 1
     u = tl.load(SCORE + b * NM + x, mask=rm, other=0.0)
     tl.store(THR_U + b * CAP + slot, u, mask=rm & (keep > 0) & (slot < CAP))  # the lowest beyond the cap drop
@@ -500,8 +500,8 @@ def finish_kernel(
 ):
     """Per row: the threshold state's fields around the kept scores, and the final pool's padding."""
     b = tl.program_id(0).to(tl.int64)
-    _, n_keep = _before_tile(TOT, 5, b, 0, NT, NTP)
-    _, n_member = _before_tile(TOT, 3, b, 0, NT, NTP)
+    _, n_keep = _before_tile(TOT, T_KEEP, b, 0, NT, NTP)
+    _, n_member = _before_tile(TOT, T_MEMBER, b, 0, NT, NTP)
     count = tl.minimum(n_keep, CAP)
     tau = tl.load(TAU_END + b)
     frac = tl.zeros([BLK], tl.float64)

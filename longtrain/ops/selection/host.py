@@ -1,25 +1,26 @@
-"""The selection scan compiled with numba: scan.py's algorithm, about 19x faster (benchmarks/scan.py).
+"""The selection scan compiled with numba: naive.py's algorithm, about 19x faster (benchmarks/scan.py).
 
-Same signature and result as `scan.scan_chunk` (the plain-Python reference beside it, which the
+Same signature and result as `naive.scan_chunk_naive` (the plain-Python reference beside it, which the
 tests compare this against). The heaps live in numpy arrays: the top-k as a min-heap of
-(value, position, ext index) ordered by (value, position), the saturated and fractional scores as
-min-heaps of floats. The per-row state crosses the boundary as `RowState`, so chunks may alternate
-between the two implementations.
+(value, position, ext index, pool slot) ordered by (value, position), the saturated and fractional
+scores as min-heaps of floats, all built from the state's arrays (state.py) at the chunk's start and
+written back at its end. The arrays cross to the CPU and back in one copy each way.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit
 
-from longtrain.ops.selection.scan import INF, RowState, ScanOutputs, ScanResult
+from longtrain.ops.selection.state import INF, ExtendedScores, ScanResult, ThresholdState, move_together
 
 _MASK63 = np.uint64((1 << 63) - 1)
 
 
 @njit(cache=True, inline="always")
 def _hash(pos):
-    """splitmix64, as scan.position_hash."""
+    """splitmix64, as naive.position_hash."""
     x = np.uint64(pos) + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -112,7 +113,7 @@ def _scan_row(
     hv, hp, he, hs, n_heap, sat, n_sat, frac, n_frac, fsum, tau, n_cand, overflow, fp,
     theta_u, theta_pos, tau_out, n_active, fps, block_pool,
 ):
-    """One row of scan.scan_chunk; returns the scalar state after the chunk."""
+    """One row of naive.scan_chunk_naive; returns the scalar state after the chunk."""
     lag = window if window > 1 else 1
     nxt = t0 - lag + 1
     if nxt < 0:
@@ -146,7 +147,7 @@ def _scan_row(
                     fsum -= dropped
                     overflow += 1
                 if n_cand > topk:
-                    # raise tau to the root of sum clamp(u - tau, 0, 1) = k (scan.RowScanner._solve)
+                    # raise tau to the root of sum clamp(u - tau, 0, 1) = k (naive.RowScanner._solve)
                     while True:
                         b_frac = frac[0] if n_frac > 0 else INF
                         b_sat = sat[0] - 1 if n_sat > 0 else INF
@@ -187,45 +188,72 @@ def _scan_row(
     return n_heap, n_sat, n_frac, fsum, tau, n_cand, overflow, fp
 
 
-def scan_chunk_numba(
-    u_ext: np.ndarray,
-    pos_ext: np.ndarray,
-    states: list[RowState],
-    *,
-    seen: np.ndarray,
-    lengths: np.ndarray,
-    n_queries: int,
-    topk: int,
-    window: int,
-    cap: int,
-    block: int,
-    ext_of_first_chunk_token: int,
-) -> ScanResult:
-    """scan.scan_chunk, compiled. Same arguments, same result."""
-    out = ScanOutputs.empty(u_ext.shape[0], n_queries, topk, block)
-    theta_u, theta_pos, tau, n_active, fps, block_pool = out.arrays()
-    u_ext = np.ascontiguousarray(u_ext, dtype=np.float64)
-    new_states = []
-    for b, st in enumerate(states):
-        t0 = int(seen[b])
-        hv = np.empty(max(topk, 1))
-        hp = np.empty(max(topk, 1), dtype=np.int64)
-        he = np.empty(max(topk, 1), dtype=np.int64)
-        hs = np.empty(max(topk, 1), dtype=np.int64)
-        for i, (v, p, e, slot) in enumerate(st.topk_heap):  # a valid heap stays a valid heap
-            hv[i], hp[i], he[i], hs[i] = v, p, e, slot
+@njit(cache=True)
+def _scan_rows(
+    u_ext, pool_pos, seen, lengths, thr_u, thr_sat, thr_count, thr_tau, thr_sum, overflow,  # inputs
+    topk, window, cap, block, first_query,
+    theta_u, theta_pos, tau_out, n_active, fps, block_pool, final_pool,  # outputs [B, ...]
+    thr_u_out, thr_sat_out, thr_count_out, thr_tau_out, thr_sum_out, overflow_out,
+):
+    """Every row: its heaps from the state's arrays, the scan (_scan_row), the arrays after the chunk."""
+    lag = window if window > 1 else 1
+    kk = max(topk, 1)
+    for b in range(u_ext.shape[0]):
+        t0 = seen[b]
+        # The pool sits in ext slots 0..K-1; its keys take pool slots 0..n-1 in that order.
+        hv = np.empty(kk)
+        hp = np.empty(kk, dtype=np.int64)
+        he = np.empty(kk, dtype=np.int64)
+        hs = np.empty(kk, dtype=np.int64)
+        n_heap = 0
+        fp = np.uint64(0)
+        for s in range(topk):
+            if pool_pos[b, s] >= 0:
+                n_heap = _kv_push(hv, hp, he, hs, n_heap, u_ext[b, s], pool_pos[b, s], s)
+                fp = (fp + _hash(pool_pos[b, s])) & _MASK63
+        # The scores above tau, as sorted arrays (a sorted array is a heap).
         sat = np.empty(cap + 1)
         frac = np.empty(cap + 1)
-        sat[: len(st.sat)] = st.sat
-        frac[: len(st.frac)] = st.frac
-        row = _scan_row(
-            u_ext[b], ext_of_first_chunk_token - t0, t0, int(lengths[b]), topk, window, cap, block,
-            hv, hp, he, hs, len(st.topk_heap), sat, len(st.sat), frac, len(st.frac),
-            float(st.frac_sum), float(st.tau), int(st.n_cand), int(st.overflow), np.uint64(st.fingerprint),
-            theta_u[b], theta_pos[b], tau[b], n_active[b], fps[b], block_pool[b],
+        n_sat = 0
+        n_frac = 0
+        for i in range(thr_count[b]):
+            if thr_sat[b, i]:
+                sat[n_sat] = thr_u[b, i]
+                n_sat += 1
+            else:
+                frac[n_frac] = thr_u[b, i]
+                n_frac += 1
+        sat[:n_sat] = np.sort(sat[:n_sat])
+        frac[:n_frac] = np.sort(frac[:n_frac])
+        n_heap, n_sat, n_frac, fsum, t, n_cand, over, fp = _scan_row(
+            u_ext[b], first_query - t0, t0, lengths[b], topk, window, cap, block,
+            hv, hp, he, hs, n_heap, sat, n_sat, frac, n_frac, thr_sum[b], thr_tau[b], max(0, t0 - lag + 1),
+            overflow[b], fp, theta_u[b], theta_pos[b], tau_out[b], n_active[b], fps[b], block_pool[b],
         )
-        n_heap, n_sat, n_frac, fsum, t, n_cand, overflow, fp = row
-        heap = list(zip(hv[:n_heap].tolist(), hp[:n_heap].tolist(), he[:n_heap].tolist(), hs[:n_heap].tolist()))
-        new_states.append(RowState(heap, sat[:n_sat].tolist(), frac[:n_frac].tolist(), fsum, t, n_cand, overflow, int(fp)))
-        out.final_pool.append(he[:n_heap].tolist())
-    return out.result(new_states)
+        final_pool[b, :n_heap] = np.sort(he[:n_heap])
+        thr_u_out[b, :n_sat] = sat[:n_sat]
+        thr_u_out[b, n_sat: n_sat + n_frac] = frac[:n_frac]
+        thr_sat_out[b, :n_sat] = True
+        thr_count_out[b] = n_sat + n_frac
+        thr_tau_out[b] = t
+        thr_sum_out[b] = fsum
+        overflow_out[b] = over
+
+
+def scan_chunk_host(keys: ExtendedScores, state: ThresholdState, *, window: int, block: int) -> ScanResult:
+    """naive.scan_chunk_naive, compiled. Same arguments, same result."""
+    B, L, K, cap = keys.u.shape[0], keys.n_queries, keys.topk, state.cap
+    inputs = move_together([keys.u.detach().to(torch.float64), keys.pos[:, :K], keys.seen, keys.lengths, state.thr_u,
+                            state.thr_saturated, state.thr_count, state.tau, state.thr_sum, state.overflow], "cpu")
+    out = ScanResult.allocate(B, L, -(-L // block), K, cap, "cpu")
+    outputs = [x.numpy() for x in out._flat()]
+    theta_u, theta_pos, tau, n_active, fps, block_pool, final_pool, thr_u, thr_sat = outputs[:9]
+    theta_u.fill(INF)  # padded queries: nothing selected
+    theta_pos.fill(np.iinfo(np.int64).max)
+    for x in (tau, n_active, fps, thr_u, thr_sat):
+        x.fill(0)
+    block_pool.fill(-1)
+    final_pool.fill(-1)
+    _scan_rows(*(np.ascontiguousarray(x.numpy()) for x in inputs), K, window, cap, block, keys.first_query,
+               *outputs)
+    return out.to(keys.u.device)
