@@ -36,6 +36,14 @@ common=(
 )
 sparsek=(gutenberg-sparsek --set attention.topk=512 --set attention.window=512)
 sw=(gutenberg-sw --set attention.window=1024)
+EVAL_ARGS=(--docs 16 --tokens 65536 --device cuda)  # 16 validation books, their first 64k tokens
+if [[ -n "${SMOKE:-}" ]]; then  # SMOKE=1: the same parts at a toy size on the CPU, to check the script
+  common+=(--set model.layers=1 --set model.d_model=32 --set model.heads=2 --set tokenizer.vocab_size=512
+           --set train.chunk_size=256 --set train.batch_docs=2 --set train.warmup_steps=1 --set train.device=cpu)
+  sparsek=(gutenberg-sparsek --set attention.topk=32 --set attention.window=32)
+  sw=(gutenberg-sw --set attention.window=64)
+  EVAL_ARGS=(--docs 2 --tokens 4096 --device cpu)
+fi
 
 steps_for() {  # STEPS if given, else the calibration's, else 1500
   if [[ -n "$STEPS" ]]; then echo "$STEPS"; return; fi
@@ -87,9 +95,9 @@ PY
   eval)
     runs=()
     for r in "$OUT"/runs/*; do [[ -d "$r/checkpoints" ]] && runs+=("$r"); done
-    echo "$ longtrain eval ${runs[*]} --task ppl --data $VALID --docs 16 --tokens 65536"
-    python -m longtrain.cli eval "${runs[@]}" --task ppl --data "$VALID" --docs 16 --tokens 65536 \
-      --device cuda --json "$OUT/books-eval.json" --plot "$OUT/books-eval.png" | tee "$OUT/eval.log"
+    echo "$ longtrain eval ${runs[*]} --task ppl --data $VALID ${EVAL_ARGS[*]}"
+    python -m longtrain.cli eval "${runs[@]}" --task ppl --data "$VALID" "${EVAL_ARGS[@]}" \
+      --json "$OUT/books-eval.json" --plot "$OUT/books-eval.png" | tee "$OUT/eval.log"
     ;;
   summary)
     python - "$OUT" <<'PY'

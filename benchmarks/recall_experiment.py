@@ -170,7 +170,7 @@ def plot(out: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("exact recall of the value")
     axes[0].set_ylim(-0.02, 1.02)
-    axes[-1].legend(fontsize=7, loc="lower left")
+    axes[-1].legend(fontsize=7, loc="best")
     fig.suptitle("Recall against distance (dashed: 16 x the KV budget k + w)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "recall.png", dpi=120)

@@ -36,9 +36,10 @@ def recall_config(recipe, **overrides) -> tuple[DataConfig, RecallConfig]:
 
 
 def default_edges(cfg: RecallConfig) -> list[int]:
-    """Bucket edges doubling from min_distance; the last bucket ends after max_distance."""
+    """Bucket edges doubling from min_distance; the last bucket ends after max_distance (and holds it:
+    16..2048 gives [16, 32), ..., [1024, 2049), not a last bucket of distance 2048 alone)."""
     edges = [cfg.min_distance]
-    while edges[-1] * 2 <= cfg.max_distance:
+    while edges[-1] * 2 < cfg.max_distance:
         edges.append(edges[-1] * 2)
     return edges + [cfg.max_distance + 1]
 
@@ -119,5 +120,73 @@ def _cache_dir() -> Path:
 
     return default_cache_dir()
 
+
+# ----------------------------------------------------------------------------- the eval task
+
+
+def _settings(recipe, opts) -> dict:
+    """measure_recall's settings from `longtrain eval`'s options (--recall-scale, --recall-max-distance)."""
+    base = recipe.data.recall or RecallConfig()
+    scale = opts.extra.get("recall_scale", 1)
+    return {
+        "doc_tokens": base.doc_tokens * scale if scale != 1 else None,
+        "facts": base.facts * scale if scale != 1 else None,  # the same density: as many facts wait at a time
+        "max_distance": opts.extra.get("recall_max_distance"),
+    }
+
+
+def check(recipe, opts) -> None:
+    from longtrain.eval.tasks import EvalUsageError
+
+    if opts.extra.get("recall_scale", 1) < 1:
+        raise EvalUsageError(f"--recall-scale must be at least 1; got {opts.extra['recall_scale']}")
+    try:
+        recall_config(recipe, **_settings(recipe, opts))
+    except DataError as e:
+        raise EvalUsageError(f"--task recall: {e}") from None
+
+
+def run(ctx):
+    from longtrain.eval.tasks import EvalError, TaskResult
+
+    settings = _settings(ctx.ckpt.recipe, ctx.opts)
+    _, cfg = recall_config(ctx.ckpt.recipe, **settings)
+    try:
+        buckets = measure_recall(ctx.ckpt, docs=ctx.opts.docs, chunk_size=ctx.opts.chunk_size, **settings)
+    except DataError as e:
+        raise EvalError(f"--task recall: {e}") from None
+    chance = chance_level(cfg)
+    budget = None if ctx.ckpt.model.cfg.attention == "full" else ctx.ckpt.model.cfg.topk + ctx.ckpt.model.cfg.window
+    rows = [(f"recall at {b['start']:,}–{b['end'] - 1:,}", f"{b['accuracy']:.3f}  ({b['trials']} queries)"
+             + (" ›16(k+w)" if budget and b["start"] >= 16 * budget else ""))
+            for b in buckets if b["trials"]]
+    notes = [f"recall: exact match of {cfg.value_length}-digit values in documents of {cfg.doc_tokens:,} tokens "
+             f"({cfg.facts} facts each); chance {chance['exact']:.3g}; ›16(k+w): at least 16 times the KV budget"]
+    return TaskResult(json={"settings": cfg.model_dump(), "chance": chance, "buckets": buckets}, rows=rows, notes=notes)
+
+
+def plot(fig, spec, entries) -> None:
+    ax = fig.add_subplot(spec)
+    for label, res in entries:
+        b = [x for x in res["buckets"] if x["trials"]]
+        ax.plot([(x["start"] * (x["end"] - 1)) ** 0.5 for x in b], [x["accuracy"] for x in b], marker="o", label=label)
+    if entries:
+        ax.axhline(entries[0][1]["chance"]["exact"], color="grey", ls=":", lw=1, label="chance")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("distance from fact to query (tokens)")
+    ax.set_ylabel("exact recall")
+    ax.set_title("long-range recall")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _register() -> None:
+    from longtrain.eval.tasks import Task, register
+
+    register(Task("recall", "long-range recall (key -> value facts)", run, in_all=False, plot=plot, check=check, order=3))
+
+
+_register()
 
 __all__ = ["chance_level", "default_edges", "measure_recall", "recall_config"]

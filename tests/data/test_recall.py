@@ -24,26 +24,23 @@ from .corpora import make_text
 CFG = dict(docs=12, doc_tokens=512, facts=6, min_distance=20, max_distance=300, key_length=2, value_length=3, seed=4)
 
 
-def prepare(tmp_path, name="run", valid=0.25, **over):
+def prepare(tmp_path, valid=0.25, cache="cache", **over):
     data = DataConfig(source="recall", valid=valid, recall={**CFG, **over})
-    return prepare_corpus(data, TokenizerConfig(vocab_size=300), run_dir=tmp_path / name, cache_dir=tmp_path / "cache", progress=False)
+    return prepare_corpus(data, TokenizerConfig(vocab_size=300), cache_dir=tmp_path / cache, progress=False)
 
 
 def test_documents_are_deterministic_and_go_through_the_token_cache(tmp_path):
     first = prepare(tmp_path)
-    again = prepare(tmp_path, "again")  # a cache hit
+    again = prepare(tmp_path)  # a cache hit
     assert first.stats["train"]["cache_hit"] is False and again.stats["train"]["cache_hit"] is True
-    rebuilt = prepare_corpus(
-        DataConfig(source="recall", valid=0.25, recall=CFG), TokenizerConfig(vocab_size=300),
-        run_dir=tmp_path / "fresh", cache_dir=tmp_path / "other-cache", progress=False,
-    )  # generated from scratch in another cache
+    rebuilt = prepare(tmp_path, cache="other-cache")  # generated from scratch in another cache
     for a, b in ((first.train, rebuilt.train), (first.valid, rebuilt.valid)):
         assert len(a) == len(b) > 0
         for i in range(len(a)):
             np.testing.assert_array_equal(a.doc(i), b.doc(i))
     assert len(first.train) + len(first.valid) == CFG["docs"]
     assert set(first.train.lengths) == {CFG["doc_tokens"]}  # EOD included: whole chunks of 256
-    other = prepare(tmp_path, "seeded", seed=5)
+    other = prepare(tmp_path, seed=5)
     assert not np.array_equal(other.train.doc(0), first.train.doc(0))
 
 
@@ -103,7 +100,7 @@ def test_files_filler_and_a_filler_too_short(tmp_path):
     for i in range(3):
         (books / f"b{i}.txt").write_text(make_text(i, 900))
     data = DataConfig(source="recall", path=str(books), recall={**CFG, "filler": "files", "docs": 4})
-    corpus = prepare_corpus(data, TokenizerConfig(vocab_size=300), run_dir=tmp_path / "r", cache_dir=tmp_path / "c", progress=False)
+    corpus = prepare_corpus(data, TokenizerConfig(vocab_size=300), cache_dir=tmp_path / "c", progress=False)
     assert len(corpus.train) == 4
     text = corpus.tokenizer.decode(corpus.train.doc(0).tolist())
     assert "@" in text and "?" in text and " the " in text

@@ -122,3 +122,28 @@ def test_bad_edges_are_refused(tok, tmp_path):
     cfg = RecallConfig(**RECALL)
     with pytest.raises(ValueError, match="increasing"):
         measure_recall(loaded(tok, RecallingModel(tok, cfg, None)), docs=1, edges=[50, 20], cache_dir=tmp_path)
+
+
+def test_eval_task_recall_through_the_cli(tok, tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from longtrain.cli import app
+    from longtrain.train.checkpoint import CheckpointManager
+    from longtrain.train.checkpointer import checkpoint_files
+
+    monkeypatch.setenv("LONGTRAIN_CACHE", str(tmp_path / "cache"))
+    r = recipe(chunk=128)
+    model = LM(LMConfig.from_recipe(r.model, r.attention, vocab_size=tok.get_vocab_size()))
+    CheckpointManager(tmp_path / "run", keep=1).save(1, tensors={"model": model.state_dict()}, meta={}, files=checkpoint_files(r, tok))
+    out = tmp_path / "e.json"
+    res = CliRunner().invoke(app, ["eval", str(tmp_path / "run"), "--task", "recall", "--docs", "2", "--recall-scale", "2",
+                                   "--device", "cpu", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    entry = json.loads(out.read_text())["results"][0]["recall"]
+    assert entry["settings"]["doc_tokens"] == 1200 and entry["settings"]["facts"] == 16
+    assert entry["chance"]["exact"] == pytest.approx(0.01)
+    assert sum(b["trials"] for b in entry["buckets"]) == 2 * 16
+    bad = CliRunner().invoke(app, ["eval", str(tmp_path / "run"), "--task", "recall", "--recall-max-distance", "5000"])
+    assert bad.exit_code == 2 and "does not fit" in " ".join(bad.output.split())
