@@ -17,6 +17,7 @@ minutes; every stage resumes from its file).
              this circuit.
 
     python benchmarks/recall_cpu_probe.py circuit --out /tmp/probe            # repeat until it says done
+    (--set model.rope_theta=500000 on every part for the slow-RoPE circuit)
     python benchmarks/recall_cpu_probe.py switch --out /tmp/probe --name base --set attention.topk=8
     python benchmarks/recall_cpu_probe.py census --out /tmp/probe --set attention.timestep_norm=false
     python benchmarks/recall_cpu_probe.py oracle --out /tmp/probe --set attention.topk=32 --span 3,4
@@ -90,7 +91,7 @@ def circuit(a) -> None:
     state = torch.load(path) if path.exists() else None
     start = state["step"] if state else 0
     short = start < a.short_steps
-    r, corpus, model = setup(["attention.type=full", "attention.topk=0", "attention.window=0"] + (SHORT if short else []))
+    r, corpus, model = setup(a.set + ["attention.type=full", "attention.topk=0", "attention.window=0"] + (SHORT if short else []))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
     if state:
         model.load_state_dict(state["model"])
@@ -113,7 +114,7 @@ def circuit(a) -> None:
                 print("budget spent: run again to continue", flush=True)
                 return
     if end == a.steps:
-        full = recipe(["attention.type=full", "attention.topk=0", "attention.window=0"])
+        full = recipe(a.set + ["attention.type=full", "attention.topk=0", "attention.window=0"])
         print(json.dumps({"done": a.steps, "recall_full_attention": recall(model.eval(), full, corpus, docs=32)}), flush=True)
     else:
         print("short documents done: run again for the long ones", flush=True)
