@@ -487,8 +487,9 @@ class Trainer:
     def log_step(self, record: dict, *, elapsed: float) -> None:
         """metrics.jsonl (and TensorBoard), then the console."""
         rows = self.stream.progress()["rows"]
-        if self.display.logs(record["step"]) and (selection := self.selection.read()):
-            record["selection"] = selection  # per layer; one host read per log line
+        step = record["step"]
+        if (step % self.recipe.logging.every == 0 or step == self.cfg.steps) and (selection := self.selection.read()):
+            record["selection"] = selection  # per layer (this rank's rows); one host read per log line
         stats = StepStats(
             step=record["step"], loss=record["loss"], lr=record["lr"], grad_norm=record["grad_norm"],
             tokens=record["tokens"], seconds=record["step_s"], rows=[RowProgress(r["doc"], r["offset"], r["len"]) for r in rows],
