@@ -106,3 +106,23 @@ def test_diagnostics_appear_in_metrics_jsonl_every_log_line(tmp_path, monkeypatc
                 assert 0 <= s["pool_age_mean"] <= s["pool_age_max"]
                 assert 0 <= s["pool_churn"] <= 1 and s["active"] >= 1
                 assert s["u_std"] > 0
+
+
+def test_the_live_display_shows_a_row_per_layer():
+    import io
+
+    from rich.console import Console
+
+    from longtrain.train.metrics import ProgressDisplay, StepStats
+
+    stats = [{"layer": i, "pool_age_mean": 1234.0, "pool_age_max": 4000.0, "pool_churn": 0.05, "tau": 0.5,
+              "active": 3.0, "u_mean": 0.0, "u_std": 1.0} for i in range(2)]
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120)
+    with ProgressDisplay(10, every=5, console=console) as display:
+        display.update(StepStats(step=5, loss=1.0, lr=1e-3, grad_norm=1.0, tokens=100, seconds=0.1, selection=stats))
+        display.update(StepStats(step=6, loss=1.0, lr=1e-3, grad_norm=1.0, tokens=200, seconds=0.1))
+    from rich.text import Text
+
+    text = Text.from_ansi(out.getvalue()).plain
+    assert "pool age" in text and "1,234" in text and "selection (2 layers)" in text
