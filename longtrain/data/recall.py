@@ -41,7 +41,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .cache import EntryWriter, TokenDocs, cached_tokens
-from .config import DataConfig, RecallConfig, TokenizerConfig
+from .config import DataConfig, RecallConfig
 from .errors import DataError
 from .sources import Source, files_source
 from .tokenizer import eod_id
@@ -301,6 +301,7 @@ def recall_documents(
 
 
 def describe(cfg: RecallConfig) -> str:
+    """One line for `fit`'s summary: the task and its chance level."""
     chance = chance_level(cfg)
     return (
         f"recall: {cfg.docs} documents of {cfg.doc_tokens} tokens ({cfg.filler} filler), {cfg.facts} facts each, "

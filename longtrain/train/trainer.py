@@ -348,6 +348,10 @@ class Trainer:
             f"data: {_n(len(self.corpus.train), 'training document')} ({self.corpus.train.n_tokens:,} tokens), "
             f"{_n(len(self.corpus.valid), 'validation document')}",
         ]
+        if r.data.source == "recall":  # the task, its distances and its chance level
+            from longtrain.data.recall import describe
+
+            lines.append(describe(r.data.recall))
         if self.ranks.parallel or self.cfg.parallel == "fsdp":
             lines.append(self.ranks_line())
         if self.resume_from is not None:

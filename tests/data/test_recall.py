@@ -1,7 +1,5 @@
 """The recall data source: deterministic documents, facts queried at the requested distances."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 

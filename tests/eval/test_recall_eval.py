@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from longtrain.data.config import DataConfig, RecallConfig, TokenizerConfig
-from longtrain.data.recall import Symbols, line_length, value_offset
+from longtrain.data.recall import FILLER_WORDS, Symbols, value_offset
 from longtrain.data.tokenizer import train_bpe
-from longtrain.data.recall import FILLER_WORDS
 from longtrain.eval.recall import default_edges, measure_recall
 from longtrain.model import LM, LMConfig
 from longtrain.train.recipe import AttentionConfig, ModelConfig, Recipe, TrainConfig

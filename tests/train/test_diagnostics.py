@@ -1,7 +1,6 @@
 """Selection diagnostics: checked against direct computations, and present in metrics.jsonl after a fit."""
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
