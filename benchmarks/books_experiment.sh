@@ -15,6 +15,8 @@
 #                       to resume it where it stopped (the cosine schedule spans all STEPS).
 #   eval                perplexity by position bucket of every finished run on VALID_DIR
 #   summary             OUT/books.md: mean ppl per bucket per model, the seeds' spread, the difference
+#   picture             `longtrain inspect` of sparsek-0 on a book page: HTML (every layer) and PNG
+#                       (layer $LAYER, default 6)
 #
 # Everything lands in OUT: runs/<part>/, logs, calibration.json, books-eval.json/png, books.md.
 set -euo pipefail
@@ -43,6 +45,7 @@ if [[ -n "${SMOKE:-}" ]]; then  # SMOKE=1: the same parts at a toy size on the C
   sparsek=(gutenberg-sparsek --set attention.topk=32 --set attention.window=32)
   sw=(gutenberg-sw --set attention.window=64)
   EVAL_ARGS=(--docs 2 --tokens 4096 --device cpu)
+  INSPECT_DEVICE=cpu
 fi
 
 steps_for() {  # STEPS if given, else the calibration's, else 1500
@@ -99,6 +102,18 @@ PY
     python -m longtrain.cli eval "${runs[@]}" --task ppl --data "$VALID" "${EVAL_ARGS[@]}" \
       --json "$OUT/books-eval.json" --plot "$OUT/books-eval.png" | tee "$OUT/eval.log"
     ;;
+  picture)  # the selection picture of a book page: the first 20k characters of the first validation book
+    python - "$VALID" "$OUT/page.txt" <<'PY'
+import sys
+from pathlib import Path
+book = sorted(Path(sys.argv[1]).glob("*.txt"))[0]
+Path(sys.argv[2]).write_text(book.read_text(encoding="utf-8", errors="replace")[:20000])
+print(f"page: the first 20,000 characters of {book.name}")
+PY
+    layer=${LAYER:-6}
+    python -m longtrain.cli inspect "$OUT/runs/sparsek-0" --text "$OUT/page.txt" --out "$OUT/books-selection.html" --device "${INSPECT_DEVICE:-cuda}"
+    python -m longtrain.cli inspect "$OUT/runs/sparsek-0" --text "$OUT/page.txt" --layer "$layer" --out "$OUT/books-selection.png" --device "${INSPECT_DEVICE:-cuda}"
+    ;;
   summary)
     python - "$OUT" <<'PY'
 import json, math, sys
@@ -139,5 +154,5 @@ text = ("Perplexity by position bucket on the validation books (mean over seeds 
 print(text)
 PY
     ;;
-  *) echo "unknown PART $PART (calibrate | sparsek-0 | sparsek-1 | sw-0 | sw-1 | eval | summary)"; exit 2 ;;
+  *) echo "unknown PART $PART (calibrate | sparsek-0 | sparsek-1 | sw-0 | sw-1 | eval | summary | picture)"; exit 2 ;;
 esac
