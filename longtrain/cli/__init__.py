@@ -10,6 +10,7 @@ from longtrain.cli import (  # noqa: F401  (registers the verbs)
     fit,
     generate,
     import_hf,
+    inspect,
     plot,
     recipes,
     verify_equivalence,

@@ -1,4 +1,4 @@
-"""`longtrain eval`: perplexity by position and passkey retrieval for one or more checkpoints."""
+"""`longtrain eval`: perplexity by position, passkey retrieval and long-range recall for one or more checkpoints."""
 
 from __future__ import annotations
 
@@ -16,23 +16,26 @@ def eval_(
     docs: int = typer.Option(8, "--docs", help="documents to read, at most"),
     tokens: int = typer.Option(None, "--tokens", help="tokens per document, at most (default: whole documents)"),
     chunk_size: int = typer.Option(None, "--chunk-size", help="tokens per chunk (default: the recipe's train.chunk_size)"),
-    task: str = typer.Option("all", "--task", help="ppl | passkey | all"),
+    task: str = typer.Option("all", "--task", help="ppl | passkey | recall | all (all: ppl and passkey)"),
     max_len: int = typer.Option(8192, "--max-len", help="passkey: the longest context, in tokens (lengths 1k, 2k, 4k, ... up to it)"),
     trials: int = typer.Option(4, "--trials", help="passkey: random keys per length and depth"),
     seed: int = typer.Option(0, "--seed", help="seed of the passkeys"),
+    recall_scale: int = typer.Option(1, "--recall-scale", help="recall: documents this many times the training length, with as many times the facts"),
+    recall_max_distance: int = typer.Option(None, "--recall-max-distance", help="recall: the farthest fact-to-query distance (default: the training's)"),
     json_path: Path = typer.Option(None, "--json", help="write every number as JSON here"),
     plot_path: Path = typer.Option(None, "--plot", help="write a PNG: loss by position, passkey heatmaps"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     dtype: str = typer.Option(None, "--dtype", help="float32 | bfloat16 | float64 (default: float32 on cpu, bfloat16 on cuda)"),
 ) -> None:
-    """Measure checkpoints: loss by position in the document (does the model use far context?) and passkey retrieval."""
+    """Measure checkpoints: loss by position in the document (does the model use far context?), passkey retrieval, and (--task recall) exact recall of planted facts by distance."""
     from longtrain.console import make_console
     from longtrain.eval.runner import run_eval
     from longtrain.eval.tasks import EvalError, EvalOptions, EvalUsageError
     from longtrain.train.checkpoint import CheckpointError
 
     opts = EvalOptions(data=data, docs=docs, tokens=tokens, chunk_size=chunk_size, max_len=max_len, trials=trials,
-                       seed=seed, device=device, dtype=dtype)
+                       seed=seed, device=device, dtype=dtype,
+                       extra={"recall_scale": recall_scale, "recall_max_distance": recall_max_distance})
     try:
         run_eval(checkpoints, opts, task=task, json_path=json_path, plot_path=plot_path, console=make_console())
     except (EvalUsageError, CheckpointError) as e:

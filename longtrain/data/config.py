@@ -11,13 +11,58 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+class RecallConfig(BaseModel):
+    """`data.recall:` the long-range recall task (longtrain/data/recall.py).
+
+    Each document is `doc_tokens` tokens of filler with `facts` key -> value facts planted in it,
+    each queried once later, `min_distance`..`max_distance` tokens after it (log-uniform, so every
+    doubling of distance gets the same share of queries). Everything follows from `seed`.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    docs: int = Field(2000, ge=1, description="documents generated (training plus a `data.valid` fraction)")
+    doc_tokens: int = Field(
+        4096, ge=16, description="tokens per document, its end-of-document token included (a multiple of "
+        "train.chunk_size wastes no chunk)"
+    )
+    facts: int = Field(8, ge=1, description="facts planted per document, each queried once")
+    min_distance: int = Field(256, ge=1, description="fewest tokens from a fact to its query")
+    max_distance: int = Field(2048, ge=1, description="most tokens from a fact to its query")
+    key_length: int = Field(3, ge=1, le=12, description="key symbols (a-z): 26^key_length keys")
+    value_length: int = Field(3, ge=1, le=32, description="value symbols (0-9): an exact guess has chance 10^-value_length")
+    # words: random common English words (built in); stdlib: the Python standard library's source;
+    # files: the documents under data.path (e.g. a folder of books).
+    filler: Literal["words", "stdlib", "files"] = "words"
+    seed: int = Field(0, ge=0, description="seed of the generator (independent of train.seed)")
+
+    @model_validator(mode="after")
+    def _distances_fit(self) -> RecallConfig:
+        line = self.key_length + self.value_length + 4  # newline, marker, key, '=', value, newline
+        if self.min_distance > self.max_distance:
+            raise ValueError(f"recall.min_distance ({self.min_distance}) exceeds recall.max_distance ({self.max_distance})")
+        if self.min_distance < line:
+            raise ValueError(
+                f"recall.min_distance ({self.min_distance}) is shorter than a fact line ({line} tokens): "
+                f"a query would overlap its fact; use at least {line}"
+            )
+        if self.max_distance + line > self.doc_tokens - 1:
+            raise ValueError(
+                f"recall.max_distance ({self.max_distance}) plus a line ({line} tokens) does not fit in "
+                f"recall.doc_tokens ({self.doc_tokens}, one of them the end-of-document token); "
+                "raise doc_tokens or lower max_distance"
+            )
+        return self
+
+
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # stdlib: the Python standard library's .py files (exists on every machine);
-    # files: local .txt/.jsonl/.json/.parquet; hub: a `datasets` hub name.
-    source: Literal["stdlib", "files", "hub"] = "stdlib"
-    path: str | None = None  # files: a file, a folder (recursive) or a glob
+    # files: local .txt/.jsonl/.json/.parquet; hub: a `datasets` hub name;
+    # recall: generated documents with facts planted and queried far apart (see RecallConfig).
+    source: Literal["stdlib", "files", "hub", "recall"] = "stdlib"
+    path: str | None = None  # files: a file, a folder (recursive) or a glob; recall: filler files
     name: str | None = None  # hub: a data set name, e.g. pg19
     split: str = "train"
     text_field: str = "text"
@@ -25,6 +70,7 @@ class DataConfig(BaseModel):
     min_doc_tokens: int = Field(4096, ge=1)
     # Held-out validation documents: a path, or a fraction of the corpus.
     valid: str | float | None = None
+    recall: RecallConfig | None = None  # source recall: the task's knobs (null: the defaults)
 
     @field_validator("valid")
     @classmethod
@@ -41,6 +87,17 @@ class DataConfig(BaseModel):
             raise ValueError("data.source 'files' needs data.path (a file, folder or glob)")
         if self.source == "hub" and not self.name:
             raise ValueError("data.source 'hub' needs data.name (a data set name, e.g. pg19)")
+        if self.source == "recall":
+            self.recall = self.recall or RecallConfig()
+            if self.recall.filler == "files" and not self.path:
+                raise ValueError("data.recall.filler 'files' needs data.path (a folder of text files, e.g. books)")
+            if isinstance(self.valid, str):
+                raise ValueError(
+                    "data.source 'recall' generates its documents: data.valid must be a fraction "
+                    f"(e.g. 0.02), not a path ({self.valid!r})"
+                )
+        elif self.recall is not None:
+            raise ValueError(f"data.recall is set but data.source is {self.source!r}; use data.source: recall")
         return self
 
 

@@ -65,16 +65,24 @@ def prepare_corpus(
     progress: bool = True,
 ) -> PreparedCorpus:
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
-    source = load_source(data)
+    source = load_source(data)  # recall: its filler (the generated documents come below)
+    recall = data.source == "recall"
     fraction = data.valid if isinstance(data.valid, float) else None
     valid_source = files_source(data.valid, data.text_field, "data.valid") if isinstance(data.valid, str) else None
 
-    tok = _get_tokenizer(tokenizer, source, fraction, cache_dir)
+    # recall: the fraction holds out generated documents, not filler, so the tokenizer sees all filler.
+    tok = _get_tokenizer(tokenizer, source, None if recall else fraction, cache_dir)
     eod = eod_id(tok)
     tok_hash = hashlib.blake2b(tok.to_str().encode(), digest_size=16).hexdigest()
 
-    docs, train_stats = tokenize_source(source, tok, data.min_doc_tokens, cache_dir, tok_hash, "train", progress)
-    _check_kept(docs, train_stats, source, data.min_doc_tokens)
+    if recall:
+        from .recall import make_filler, recall_documents
+
+        filler, filler_key = make_filler(data, tok, cache_dir, progress)
+        docs, train_stats = recall_documents(data, tok, filler, filler_key, cache_dir, progress)
+    else:
+        docs, train_stats = tokenize_source(source, tok, data.min_doc_tokens, cache_dir, tok_hash, "train", progress)
+        _check_kept(docs, train_stats, source, data.min_doc_tokens)
     stats = {"train": train_stats}
     train, valid = docs, TokenDocs.empty()
     if fraction is not None:

@@ -43,6 +43,10 @@ def load_source(data: DataConfig) -> Source:
         return stdlib_source()
     if data.source == "files":
         return files_source(data.path, data.text_field)
+    if data.source == "recall":  # the filler the recall documents are written over
+        from .recall import filler_source
+
+        return filler_source(data)
     return hub_source(data.name, data.split, data.text_field)
 
 

@@ -105,7 +105,7 @@ def register(task: Task) -> Task:
 
 def load_tasks() -> dict[str, Task]:
     """Import the task modules (each registers itself) and return the registry, in table order."""
-    from longtrain.eval import passkey, perplexity  # noqa: F401
+    from longtrain.eval import passkey, perplexity, recall  # noqa: F401
 
     return dict(sorted(TASKS.items(), key=lambda item: (item[1].order, item[0])))
 

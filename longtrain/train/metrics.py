@@ -26,6 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from longtrain.console import make_console
+from longtrain.train.diagnostics import selection_table, summary_line
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -72,6 +73,10 @@ class MetricsLogger:
             for key in TENSORBOARD_SCALARS:
                 if isinstance(record.get(key), (int, float)):
                     self._tb.add_scalar(key, record[key], global_step=record["step"])
+            for layer in record.get("selection") or []:  # selection/<statistic>/layer<i>
+                for key, value in layer.items():
+                    if key != "layer" and isinstance(value, (int, float)):
+                        self._tb.add_scalar(f"selection/{key}/layer{layer['layer']}", value, global_step=record["step"])
             self._tb.flush()
 
     def close(self) -> None:
@@ -141,6 +146,7 @@ class StepStats:
     rows: Sequence[RowProgress] = field(default_factory=list)
     cache_fill: float | None = None  # used fraction of the per-layer KV cache, 0..1
     memory_bytes: int | None = None
+    selection: list[dict] | None = None  # per-layer pool statistics (train/diagnostics.py), on log steps
 
 
 class ProgressDisplay:
@@ -168,6 +174,7 @@ class ProgressDisplay:
         self._last_tokens = start_tokens
         self._window: deque[tuple[float, int]] = deque()  # (seconds, tokens) of recent steps
         self._live: Live | None = None
+        self._selection: list[dict] | None = None  # the latest per-layer selection statistics
 
     def __enter__(self) -> ProgressDisplay:
         if self.live_enabled:
@@ -189,10 +196,17 @@ class ProgressDisplay:
         self._last_tokens = s.tokens
         while len(self._window) > 1 and sum(t for t, _ in self._window) - self._window[0][0] >= RATE_WINDOW_S:
             self._window.popleft()
+        self._selection = s.selection or self._selection
         if self._live is not None:
             self._live.update(self._render(s), refresh=True)
-        if s.step % self.every == 0 or s.step == self.total:
+        if self.logs(s.step):
             self.console.print(self.line(s), soft_wrap=True, markup=False)
+            if s.selection:
+                self.console.print("  " + summary_line(s.selection), soft_wrap=True, markup=False)
+
+    def logs(self, step: int) -> bool:
+        """Whether step `step` prints a log line (every `logging.every` steps, and the last)."""
+        return step % self.every == 0 or step == self.total
 
     def line(self, s: StepStats) -> str:
         """The plain one-line summary of a step."""
@@ -230,7 +244,9 @@ class ProgressDisplay:
             Text(f"mem {_bytes(s.memory_bytes)}" if s.memory_bytes is not None else ""),
         )
         rows = Text("  ".join(f"row {i}: {r.describe()}" for i, r in enumerate(s.rows)), style="dim")
-        return Group(bar, stats, rows)
+        if not self._selection:
+            return Group(bar, stats, rows)
+        return Group(bar, stats, rows, selection_table(self._selection))
 
     def tokens_per_s(self) -> float:
         """Training throughput over the recent window."""

@@ -41,6 +41,7 @@ from longtrain.model import LM, LMConfig
 from longtrain.model.attention_types import kv_entries
 from longtrain.train import distributed
 from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainState
+from longtrain.train.diagnostics import SelectionDiagnostics
 from longtrain.train.distributed import Ranks
 from longtrain.train.init import apply_freeze, init_from_checkpoint
 from longtrain.train.metrics import (
@@ -204,6 +205,7 @@ class Trainer:
         self.optimizer = self.build_optimizer()
         self.stream = self.build_stream()
         self.cache = self.model.empty_cache(self.cfg.batch_docs, device=self.device, dtype=torch.float32)
+        self.selection = SelectionDiagnostics(self.model)  # per-layer pool statistics, summed on the device
         if self.resume_from is not None:
             self.state, self.cache = self.checkpointer.restore(
                 self.resume_from, model=self.train_model, optimizer=self.optimizer, stream=self.stream,
@@ -346,6 +348,10 @@ class Trainer:
             f"data: {_n(len(self.corpus.train), 'training document')} ({self.corpus.train.n_tokens:,} tokens), "
             f"{_n(len(self.corpus.valid), 'validation document')}",
         ]
+        if r.data.source == "recall":  # the task, its distances and its chance level
+            from longtrain.data.recall import describe
+
+            lines.append(describe(r.data.recall))
         if self.ranks.parallel or self.cfg.parallel == "fsdp":
             lines.append(self.ranks_line())
         if self.resume_from is not None:
@@ -409,6 +415,7 @@ class Trainer:
                 # DDP and FSDP average gradients over the ranks: times the world size, the average is the
                 # sum of the shares, the gradient of the global mean (one rank: the mean itself)
                 (loss * world / cfg.grad_accum).backward()  # gradients stop at the (detached) cache
+            self.selection.update(self.cache, out)  # this rank's rows
             self.cache = out.cache
             loss_sum += loss.detach()  # summed on the device: one host sync per step, below
             if out.overflowed:
@@ -484,10 +491,13 @@ class Trainer:
     def log_step(self, record: dict, *, elapsed: float) -> None:
         """metrics.jsonl (and TensorBoard), then the console."""
         rows = self.stream.progress()["rows"]
+        step = record["step"]
+        if (step % self.recipe.logging.every == 0 or step == self.cfg.steps) and (selection := self.selection.read()):
+            record["selection"] = selection  # per layer (this rank's rows); one host read per log line
         stats = StepStats(
             step=record["step"], loss=record["loss"], lr=record["lr"], grad_norm=record["grad_norm"],
             tokens=record["tokens"], seconds=record["step_s"], rows=[RowProgress(r["doc"], r["offset"], r["len"]) for r in rows],
-            cache_fill=self.cache.fill(), memory_bytes=record["memory_bytes"],
+            cache_fill=self.cache.fill(), memory_bytes=record["memory_bytes"], selection=record.get("selection"),
         )
         self.display.update(stats)
         record["tokens_per_s"] = round(self.display.tokens_per_s(), 1)  # over the display's recent window

@@ -40,11 +40,12 @@ class ChunkSelection:
     n_active: torch.Tensor  # [B, L] int64
     # (all on the device of the call: reading them is the caller's host sync)
     overflow: torch.Tensor  # [B] int64 scores dropped at the threshold state's cap (kept on device)
+    u: torch.Tensor | None = None  # [B, L] the chunk's scores, detached (diagnostics, `longtrain inspect`)
 
     @classmethod
-    def of(cls, scan: ScanResult) -> "ChunkSelection":
+    def of(cls, scan: ScanResult, u: torch.Tensor | None = None) -> "ChunkSelection":
         return cls(fingerprint=scan.fingerprint, theta_pos=scan.theta_pos, tau=scan.tau, n_active=scan.n_active,
-                   overflow=scan.threshold.overflow)
+                   overflow=scan.threshold.overflow, u=None if u is None else u.detach())
 
     @property
     def overflowed(self) -> bool:
@@ -147,7 +148,7 @@ def sparsek_attention_chunk(
     sel = select(keys, cache, window=window, block=block, scan=scan)
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
     o = attend(q, keys, sel, tau, window=window, variant=variant, scale=scale, block=block, backend=backend)
-    return o, next_cache(cache, keys, sel), ChunkSelection.of(sel)
+    return o, next_cache(cache, keys, sel), ChunkSelection.of(sel, u)
 
 
 def sparsek_attention(

@@ -1,0 +1,311 @@
+"""The `recall` data source: long documents with key -> value facts planted in running text and
+queried once, far later (issue 17). It shows whether the SparseK pool carries what matters from
+far beyond the window.
+
+A document is `doc_tokens` - 1 tokens of filler with `facts` pairs of lines written over it, then
+the end-of-document token (so a `doc_tokens` that is a multiple of the chunk size fills every chunk):
+
+    fact   "\\n@qxj=729\\n"      (newline, '@', key letters, '=', value digits, newline)
+    query  "\\n?qxj=729\\n"      the same key and value, `distance` tokens later
+
+Documents are built at the token level, so every position is exact: the distance of a pair is the
+query line's start minus the fact line's start (also the distance between their first value tokens),
+drawn log-uniformly from [min_distance, max_distance]. Every symbol ('\\n', '@', '?', '=', a-z,
+0-9) must be one token of the tokenizer (a byte-level BPE always has them), so a value is exactly
+`value_length` tokens and its exact match is well defined: the argmax at each value position,
+teacher-forced, equals the value token at every position iff greedy decoding after the query's '='
+writes the value. Keys are distinct within a document and values uniform and independent of
+everything else, so a model that cannot see the fact matches a value with probability
+10^-value_length (per symbol 1/10): the chance level.
+
+Filler: `words` (random common English words, built in), `stdlib` (the standard library's source)
+or `files` (the documents under data.path, e.g. books): a window of `doc_tokens` - 1 tokens at a random
+offset of a random filler document long enough. Document i is a function of (seed, i) only.
+
+Training goes through the ordinary path: the tokenizer is trained on (or loaded for) the filler,
+the generated documents are written once into the token cache (keyed by the recall settings, the
+tokenizer and the filler's content) and read by `DocumentStream` like any corpus, so chunks, the
+KV cache, resume and validation (a `data.valid` fraction) all work unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from .cache import EntryWriter, TokenDocs, cached_tokens
+from .config import DataConfig, RecallConfig
+from .errors import DataError
+from .sources import Source, files_source
+from .tokenizer import eod_id
+
+GENERATOR_VERSION = 1  # part of the cache key: bump when the documents a config makes change
+KEY_SYMBOLS = "abcdefghijklmnopqrstuvwxyz"
+VALUE_SYMBOLS = "0123456789"
+NEWLINE, FACT, QUERY, EQUALS = "\n", "@", "?", "="
+PLACEMENT_TRIES = 200  # random placements tried per fact before the document counts as too full
+
+# Filler words: common English words, so a tokenizer trained on them has whole-word tokens.
+FILLER_WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at which but "
+    "have an they you were her all she there would their we him been has when who will more no if out "
+    "so said what up its about into than them can only other new some could time these two may then do "
+    "first any my now such like our over man me even most made after also did many before must through "
+    "back years where much your way well down should because each just those people how too little state "
+    "good very make world still own see men work long get here between both life being under never day "
+    "same another know while last might us great old year off come since against go came right used take "
+    "three river house letter morning captain garden window silence evening mountain quiet ship coffee "
+    "wander road night water light stone field friend voice door table paper winter summer forest"
+).split()
+
+
+def line_length(cfg: RecallConfig) -> int:
+    """Tokens of one fact or query line: newline, marker, key, '=', value, newline."""
+    return cfg.key_length + cfg.value_length + 4
+
+
+def chance_level(cfg: RecallConfig) -> dict[str, float]:
+    """What a model that cannot see the fact scores: exact match and per value symbol."""
+    return {"exact": float(len(VALUE_SYMBOLS)) ** -cfg.value_length, "symbol": 1.0 / len(VALUE_SYMBOLS)}
+
+
+@dataclass
+class Symbols:
+    """Token ids of the task's symbols in one tokenizer."""
+
+    newline: int
+    fact: int
+    query: int
+    equals: int
+    keys: np.ndarray  # [26] int32, a..z
+    values: np.ndarray  # [10] int32, 0..9
+
+    @classmethod
+    def of(cls, tok: Tokenizer) -> Symbols:
+        def one(s: str) -> int:
+            ids = tok.encode(s, add_special_tokens=False).ids
+            if len(ids) != 1:
+                raise DataError(
+                    f"The recall task needs {s!r} to be one token, but this tokenizer splits it into {len(ids)}. "
+                    "Use a byte-level BPE (tokenizer.path: null trains one) or a tokenizer with single-character tokens."
+                )
+            return ids[0]
+
+        ids = [one(s) for s in (NEWLINE, FACT, QUERY, EQUALS)]
+        keys = np.array([one(s) for s in KEY_SYMBOLS], dtype=np.int32)
+        values = np.array([one(s) for s in VALUE_SYMBOLS], dtype=np.int32)
+        if len(set(ids) | set(keys.tolist()) | set(values.tolist())) != 4 + len(keys) + len(values):
+            raise DataError("The recall task's symbols are not distinct tokens in this tokenizer; use a byte-level BPE.")
+        return cls(*ids, keys=keys, values=values)
+
+
+@dataclass
+class RecallDoc:
+    """One generated document and where its facts are."""
+
+    tokens: np.ndarray  # [doc_tokens - 1] int32 (no EOD)
+    fact_pos: np.ndarray  # [F] int64 start of each fact line
+    query_pos: np.ndarray  # [F] int64 start of its query line (fact_pos + distance)
+    values: np.ndarray  # [F, value_length] int32 value token ids
+
+    @property
+    def distances(self) -> np.ndarray:
+        return self.query_pos - self.fact_pos
+
+
+def value_offset(cfg: RecallConfig) -> int:
+    """Offset of the first value token within a line."""
+    return cfg.key_length + 3
+
+
+# ----------------------------------------------------------------------------- filler
+
+
+class Filler:
+    """Draws `n` filler tokens at a time: random words, or a window of a tokenized corpus."""
+
+    def __init__(self, *, words: list[np.ndarray] | None = None, docs: TokenDocs | None = None, n: int):
+        self.n = n
+        if words is not None:
+            self.word_lengths = np.array([len(w) for w in words], dtype=np.int64)
+            self.word_tokens = np.concatenate(words).astype(np.int32)
+            self.word_starts = np.cumsum(self.word_lengths) - self.word_lengths
+            self.docs = None
+        else:
+            lengths = docs.lengths - 1  # without the EOD
+            self.docs, self.long = docs, np.flatnonzero(lengths >= n)
+            if len(self.long) == 0:
+                raise DataError(
+                    f"No filler document has {n} tokens (the longest has {int(lengths.max(initial=0))}): "
+                    "lower data.recall.doc_tokens or use longer filler documents."
+                )
+            weights = lengths[self.long].astype(np.float64) - n + 1  # every window equally likely
+            self.cum = np.cumsum(weights) / weights.sum()
+
+    def draw(self, rng: np.random.Generator) -> np.ndarray:
+        if self.docs is None:
+            # Every word is at least one token: n words always cover n tokens.
+            w = rng.integers(0, len(self.word_lengths), size=self.n)
+            lens = self.word_lengths[w]
+            starts = np.repeat(self.word_starts[w] - (np.cumsum(lens) - lens), lens)
+            return self.word_tokens[starts + np.arange(int(lens.sum()))][: self.n]
+        d = int(self.long[min(np.searchsorted(self.cum, rng.random(), side="right"), len(self.long) - 1)])
+        doc = self.docs.doc(d)
+        o = int(rng.integers(0, len(doc) - 1 - self.n + 1))
+        return np.asarray(doc[o : o + self.n], dtype=np.int32)
+
+
+def word_filler(tok: Tokenizer, n: int) -> Filler:
+    words = [np.array(tok.encode(" " + w, add_special_tokens=False).ids, dtype=np.int32) for w in FILLER_WORDS]
+    return Filler(words=words, n=n)
+
+
+def words_source(n_texts: int = 16, words_per_text: int = 20_000) -> Source:
+    """Random filler words as text: what the tokenizer is trained on for `filler: words`."""
+
+    def documents() -> Iterator[str]:
+        for i in range(n_texts):
+            rng = np.random.default_rng([GENERATOR_VERSION, i])
+            yield " ".join(FILLER_WORDS[j] for j in rng.integers(0, len(FILLER_WORDS), words_per_text))
+
+    key = hashlib.blake2b(f"recall-words:{GENERATOR_VERSION}:{n_texts}:{words_per_text}:{' '.join(FILLER_WORDS)}".encode(), digest_size=16)
+    return Source(
+        description="random common English words",
+        fingerprint=key.hexdigest(),
+        total_bytes=None,
+        n_docs=n_texts,
+        invalid_utf8=0,
+        documents=documents,
+    )
+
+
+def filler_source(data: DataConfig) -> Source:
+    kind = data.recall.filler
+    if kind == "words":
+        return words_source()
+    if kind == "stdlib":
+        from .stdlib import stdlib_source
+
+        return stdlib_source()
+    return files_source(data.path, data.text_field)
+
+
+def make_filler(data: DataConfig, tok: Tokenizer, cache_dir: Path, progress: bool = True) -> tuple[Filler, str]:
+    """The filler for `tok` and a fingerprint of its content (part of the cache key)."""
+    from .prepare import tokenize_source  # prepare imports this module
+
+    cfg = data.recall
+    source = filler_source(data)
+    n = cfg.doc_tokens - 1  # filler tokens per document, before its EOD
+    if cfg.filler == "words":
+        return word_filler(tok, n), source.fingerprint
+    tok_hash = hashlib.blake2b(tok.to_str().encode(), digest_size=16).hexdigest()
+    docs, _ = tokenize_source(source, tok, n + 1, cache_dir, tok_hash, "filler", progress)
+    return Filler(docs=docs, n=n), source.fingerprint
+
+
+# ----------------------------------------------------------------------------- documents
+
+
+def log_uniform(rng: np.random.Generator, lo: int, hi: int) -> int:
+    """An integer in [lo, hi], log-uniform: each doubling of distance is equally likely."""
+    return min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
+
+
+TRAIN_STREAM, EVAL_STREAM = 0, 1  # evaluation documents never coincide with training ones, for any seed
+
+
+def generate_document(
+    cfg: RecallConfig, sym: Symbols, filler: Filler, seed: int, index: int, stream: int = TRAIN_STREAM
+) -> RecallDoc:
+    """Document `index` of (stream, seed): a function of (cfg, tokenizer, filler, stream, seed, index) only."""
+    rng = np.random.default_rng([GENERATOR_VERSION, stream, seed, index])
+    n, F, Lk, Lv = cfg.doc_tokens - 1, cfg.facts, cfg.key_length, cfg.value_length
+    line = line_length(cfg)
+    tokens = filler.draw(rng).copy()
+    taken = np.zeros(n + 1, dtype=bool)
+    fact_pos = np.zeros(F, dtype=np.int64)
+    query_pos = np.zeros(F, dtype=np.int64)
+    for f in range(F):
+        for _ in range(PLACEMENT_TRIES):
+            d = log_uniform(rng, cfg.min_distance, cfg.max_distance)
+            p = int(rng.integers(0, n - line - d + 1))
+            if not taken[p : p + line].any() and not taken[p + d : p + d + line].any():
+                break
+        else:
+            raise DataError(
+                f"Could not place {F} facts in a document of {cfg.doc_tokens} tokens with distances "
+                f"{cfg.min_distance}..{cfg.max_distance} (lines of {line} tokens): lower data.recall.facts "
+                "or the distances, or raise data.recall.doc_tokens."
+            )
+        taken[p : p + line] = taken[p + d : p + d + line] = True
+        fact_pos[f], query_pos[f] = p, p + d
+    # Distinct keys as numbers in base 26; values uniform digits, independent of everything else.
+    keys: set[int] = set()
+    while len(keys) < F:
+        keys.update(int(k) for k in rng.integers(0, 26**Lk, size=F - len(keys)))
+    key_digits = np.array([[(k // 26**i) % 26 for i in reversed(range(Lk))] for k in sorted(keys)], dtype=np.int64)
+    key_digits = key_digits[rng.permutation(F)]
+    values = sym.values[rng.integers(0, 10, size=(F, Lv))]  # [F, Lv]
+    for f in range(F):
+        body = np.concatenate([sym.keys[key_digits[f]], [sym.equals], values[f], [sym.newline]])
+        tokens[fact_pos[f] : fact_pos[f] + line] = np.concatenate([[sym.newline, sym.fact], body])
+        tokens[query_pos[f] : query_pos[f] + line] = np.concatenate([[sym.newline, sym.query], body])
+    order = np.argsort(fact_pos, kind="stable")
+    return RecallDoc(tokens.astype(np.int32), fact_pos[order], query_pos[order], values[order].astype(np.int32))
+
+
+def generate_documents(
+    cfg: RecallConfig, tok: Tokenizer, filler: Filler, *, seed: int, n_docs: int, stream: int = EVAL_STREAM
+) -> tuple[TokenDocs, list[RecallDoc]]:
+    """`n_docs` documents in memory (each with EOD last); by default of the evaluation stream."""
+    sym, eod = Symbols.of(tok), eod_id(tok)
+    docs = [generate_document(cfg, sym, filler, seed, i, stream) for i in range(n_docs)]
+    tokens = np.concatenate([np.append(d.tokens, np.int32(eod)) for d in docs]).astype(np.int32)
+    ends = np.cumsum([len(d.tokens) + 1 for d in docs]).astype(np.int64)
+    return TokenDocs(tokens, ends - ends[0], ends, np.arange(n_docs, dtype=np.int64)), docs
+
+
+def recall_documents(
+    data: DataConfig, tok: Tokenizer, filler: Filler, filler_key: str, cache_dir: Path, progress: bool = True
+) -> tuple[TokenDocs, dict]:
+    """The training stream's `recall.docs` documents (seed `recall.seed`), through the token cache."""
+    cfg = data.recall
+    sym, eod = Symbols.of(tok), eod_id(tok)
+    tok_hash = hashlib.blake2b(tok.to_str().encode(), digest_size=16).hexdigest()
+    settings = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    key = hashlib.blake2b(
+        f"recall:{GENERATOR_VERSION}:{settings}:{tok_hash}:{filler_key}".encode(), digest_size=16
+    ).hexdigest()
+
+    def build(writer: EntryWriter) -> dict:
+        from rich.console import Console
+        from rich.progress import Progress
+
+        with Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
+            task = bar.add_task("generating recall documents", total=cfg.docs)
+            for i in range(cfg.docs):
+                writer.add(i, np.append(generate_document(cfg, sym, filler, cfg.seed, i).tokens, np.int32(eod)))
+                bar.advance(task)
+        return {"docs_read": cfg.docs, "dropped": 0, "longest_dropped": 0, "invalid_utf8_bytes": 0}
+
+    docs, manifest, hit = cached_tokens(cache_dir, key, build)
+    return docs, {"key": key, "cache_hit": hit, "docs_read": cfg.docs, "kept": len(docs), "tokens": docs.n_tokens}
+
+
+def describe(cfg: RecallConfig) -> str:
+    """One line for `fit`'s summary: the task and its chance level."""
+    chance = chance_level(cfg)
+    return (
+        f"recall: {cfg.docs} documents of {cfg.doc_tokens} tokens ({cfg.filler} filler), {cfg.facts} facts each, "
+        f"distances {cfg.min_distance}..{cfg.max_distance}, keys of {cfg.key_length} letters, values of "
+        f"{cfg.value_length} digits (chance: exact {chance['exact']:.2g}, per digit {chance['symbol']:.2g})"
+    )
+

@@ -1,0 +1,145 @@
+"""The recall data source: deterministic documents, facts queried at the requested distances."""
+
+import numpy as np
+import pytest
+
+from longtrain.data import DataConfig, DataError, DocumentStream, TokenizerConfig, prepare_corpus
+from longtrain.data.config import RecallConfig
+from longtrain.data.recall import (
+    EVAL_STREAM,
+    Symbols,
+    chance_level,
+    generate_document,
+    generate_documents,
+    line_length,
+    make_filler,
+    value_offset,
+    word_filler,
+)
+
+from .corpora import make_text
+
+CFG = dict(docs=12, doc_tokens=512, facts=6, min_distance=20, max_distance=300, key_length=2, value_length=3, seed=4)
+
+
+def prepare(tmp_path, valid=0.25, cache="cache", **over):
+    data = DataConfig(source="recall", valid=valid, recall={**CFG, **over})
+    return prepare_corpus(data, TokenizerConfig(vocab_size=300), cache_dir=tmp_path / cache, progress=False)
+
+
+def test_documents_are_deterministic_and_go_through_the_token_cache(tmp_path):
+    first = prepare(tmp_path)
+    again = prepare(tmp_path)  # a cache hit
+    assert first.stats["train"]["cache_hit"] is False and again.stats["train"]["cache_hit"] is True
+    rebuilt = prepare(tmp_path, cache="other-cache")  # generated from scratch in another cache
+    for a, b in ((first.train, rebuilt.train), (first.valid, rebuilt.valid)):
+        assert len(a) == len(b) > 0
+        for i in range(len(a)):
+            np.testing.assert_array_equal(a.doc(i), b.doc(i))
+    assert len(first.train) + len(first.valid) == CFG["docs"]
+    assert set(first.train.lengths) == {CFG["doc_tokens"]}  # EOD included: whole chunks of 256
+    other = prepare(tmp_path, seed=5)
+    assert not np.array_equal(other.train.doc(0), first.train.doc(0))
+
+
+def test_queries_lie_at_the_requested_distances(tmp_path):
+    corpus = prepare(tmp_path)
+    cfg, tok = RecallConfig(**CFG), corpus.tokenizer
+    sym = Symbols.of(tok)
+    filler = word_filler(tok, cfg.doc_tokens - 1)
+    line, v0 = line_length(cfg), value_offset(cfg)
+    distances = []
+    for i in range(40):
+        doc = generate_document(cfg, sym, filler, cfg.seed, i)
+        assert len(doc.tokens) == cfg.doc_tokens - 1
+        d = doc.distances
+        assert ((d >= cfg.min_distance) & (d <= cfg.max_distance)).all()
+        distances.append(d)
+        starts = np.concatenate([doc.fact_pos, doc.query_pos])
+        spans = np.sort(starts)
+        assert (np.diff(spans) >= line).all() and spans[-1] + line <= len(doc.tokens)  # lines never overlap
+        keys = set()
+        for f, q, value in zip(doc.fact_pos, doc.query_pos, doc.values):
+            fact, query = tok.decode(doc.tokens[f : f + line].tolist()), tok.decode(doc.tokens[q : q + line].tolist())
+            assert fact[:2] == "\n@" and query[:2] == "\n?" and fact[2:] == query[2:]
+            key, val = fact[2:-1].split("=")
+            assert len(key) == cfg.key_length and key.isalpha() and len(val) == cfg.value_length and val.isdigit()
+            np.testing.assert_array_equal(doc.tokens[q + v0 : q + v0 + cfg.value_length], value)
+            keys.add(key)
+        assert len(keys) == cfg.facts  # distinct keys: a query has one answer
+    # Log-uniform: each half of the log-range gets about half of the queries.
+    d = np.concatenate(distances)
+    mid = np.sqrt(cfg.min_distance * cfg.max_distance)
+    assert 0.35 < (d < mid).mean() < 0.65
+
+
+def test_training_documents_are_the_generated_ones_and_eval_documents_differ(tmp_path):
+    corpus = prepare(tmp_path, valid=None)
+    cfg, tok = RecallConfig(**CFG), corpus.tokenizer
+    filler = word_filler(tok, cfg.doc_tokens - 1)
+    doc = generate_document(cfg, Symbols.of(tok), filler, cfg.seed, 0)
+    all_docs = [corpus.train.doc(i) for i in range(len(corpus.train))] + [corpus.valid.doc(i) for i in range(len(corpus.valid))]
+    assert any(np.array_equal(d[:-1], doc.tokens) and d[-1] == corpus.eod_id for d in all_docs)
+    evals, _ = generate_documents(cfg, tok, filler, seed=cfg.seed, n_docs=3, stream=EVAL_STREAM)
+    assert not any(np.array_equal(evals.doc(0), d) for d in all_docs)
+
+
+def test_stream_reads_recall_documents_in_whole_chunks(tmp_path):
+    corpus = prepare(tmp_path)
+    stream = DocumentStream(corpus.train, batch_rows=2, chunk_size=256, seed=0)
+    for _ in range(6):
+        chunk = stream.next_chunk()
+        assert (chunk.lengths == 256).all()
+
+
+def test_files_filler_and_a_filler_too_short(tmp_path):
+    books = tmp_path / "books"
+    books.mkdir()
+    for i in range(3):
+        (books / f"b{i}.txt").write_text(make_text(i, 900))
+    data = DataConfig(source="recall", path=str(books), recall={**CFG, "filler": "files", "docs": 4})
+    corpus = prepare_corpus(data, TokenizerConfig(vocab_size=300), cache_dir=tmp_path / "c", progress=False)
+    assert len(corpus.train) == 4
+    text = corpus.tokenizer.decode(corpus.train.doc(0).tolist())
+    assert "@" in text and "?" in text and " the " in text
+    long = DataConfig(source="recall", path=str(books), recall={**CFG, "filler": "files", "doc_tokens": 50_000, "max_distance": 300})
+    with pytest.raises(DataError, match="No filler document has 49999 tokens"):
+        make_filler(long, corpus.tokenizer, tmp_path / "c", progress=False)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(recall={"min_distance": 5}), "shorter than a fact line"),
+        (dict(recall={"max_distance": 5000, "doc_tokens": 4096}), "does not fit"),
+        (dict(recall={"min_distance": 900, "max_distance": 800}), "exceeds"),
+        (dict(recall={"filler": "files"}), "needs data.path"),
+        (dict(valid="some/folder"), "must be a fraction"),
+    ],
+)
+def test_bad_recall_settings_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        DataConfig(source="recall", **settings)
+
+
+def test_recall_settings_need_the_recall_source():
+    with pytest.raises(ValueError, match="use data.source: recall"):
+        DataConfig(source="stdlib", recall={"facts": 3})
+
+
+def test_too_many_facts_is_a_clear_error(tmp_path):
+    with pytest.raises(DataError, match="Could not place 40 facts"):
+        prepare(tmp_path, facts=40)
+
+
+def test_chance_level():
+    assert chance_level(RecallConfig(value_length=3)) == {"exact": pytest.approx(1e-3), "symbol": 0.1}
+
+
+def test_a_tokenizer_without_single_symbol_tokens_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    with pytest.raises(DataError, match="to be one token"):
+        Symbols.of(tok)

@@ -1,0 +1,114 @@
+"""`longtrain inspect`: the selection picture of a text, as HTML and PNG, and its bad input."""
+
+import html as html_lib
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from longtrain.cli import app
+from longtrain.data.tokenizer import train_bpe
+from longtrain.eval.inspect import selection_map
+from longtrain.model import LM, LMConfig
+from longtrain.train.checkpoint import CheckpointManager
+from longtrain.train.checkpointer import checkpoint_files, load_checkpoint
+from longtrain.train.recipe import AttentionConfig, ModelConfig, Recipe, TrainConfig
+
+TEXT = (
+    "It was a quiet morning on the river. The captain wrote a letter by the window,\n"
+    "and the ship waited for the evening tide. " * 6
+)
+
+
+def write_checkpoint(run_dir: Path, attention: dict) -> Path:
+    torch.manual_seed(0)
+    tok = train_bpe([TEXT * 4], vocab_size=300)
+    recipe = Recipe(
+        model=ModelConfig(layers=3, d_model=32, heads=2),
+        attention=AttentionConfig(**attention),
+        train=TrainConfig(steps=1, chunk_size=40, warmup_steps=0),
+    )
+    model = LM(LMConfig.from_recipe(recipe.model, recipe.attention, vocab_size=tok.get_vocab_size()))
+    manager = CheckpointManager(run_dir, keep=1)
+    return manager.save(1, tensors={"model": model.state_dict()}, meta={}, files=checkpoint_files(recipe, tok))
+
+
+@pytest.fixture(scope="module")
+def sparsek_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("sparsek")
+    write_checkpoint(run, dict(type="sparsek+sw", topk=6, window=8))
+    (run / "page.txt").write_text(TEXT)
+    return run
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, ["inspect", *map(str, args)])
+
+
+def test_writes_html_and_png_with_one_panel_per_layer(sparsek_run, tmp_path):
+    html, png = tmp_path / "sel.html", tmp_path / "sel.png"
+    for out in (html, png):
+        r = invoke(sparsek_run, "--text", sparsek_run / "page.txt", "--out", out)
+        assert r.exit_code == 0, r.output
+        assert "layer(s) 0, 1, 2" in r.output
+    page = html.read_text()
+    assert page.count("<h2>layer") == 3
+    assert page.count('class="pool') == 3 * 6  # k pool tokens boxed in each panel
+    for panel in re.findall(r"<pre>(.*?)</pre>", page, flags=re.S):  # every character, once, in order
+        assert html_lib.unescape(re.sub(r"<[^>]+>", "", panel)) == TEXT
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    one = tmp_path / "one.html"
+    assert invoke(sparsek_run, "--text", sparsek_run / "page.txt", "--out", one, "--layer", "1").exit_code == 0
+    assert one.read_text().count("<h2>layer") == 1
+
+
+def test_the_map_matches_a_chunked_read_of_the_text(sparsek_run):
+    loaded = load_checkpoint(sparsek_run)
+    sm = selection_map(loaded, TEXT)
+    ids = loaded.tokenizer.encode(TEXT).ids
+    out = loaded.model(torch.tensor([ids]))  # one unchunked pass: the same scores and final pool
+    for slot, layer in enumerate(sm.layers):
+        np.testing.assert_allclose(sm.u[slot], out.selections[layer].u[0].double().numpy(), rtol=1e-5, atol=1e-6)
+        pool = out.cache.layers[layer].attn.pool_pos[0]
+        assert set(np.flatnonzero(sm.in_pool[slot])) == {int(p) for p in pool if p >= 0}
+        # The pool holds the k highest-scoring candidates (older than the window).
+        cand = sm.u[slot][: len(ids) - 8 + 1]  # positions <= T - w
+        assert set(np.argsort(-cand, kind="stable")[:6]) == set(np.flatnonzero(sm.in_pool[slot]))
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["--text", "missing.txt", "--out", "x.html"], 2, "no such file"),
+        (["--text", "page.txt", "--out", "x.pdf"], 2, "must end in .html or .png"),
+        (["--text", "page.txt", "--out", "x.html", "--layer", "3"], 2, "out of range: the model has 3 layers (0..2)"),
+        (["--text", "empty.txt", "--out", "x.html"], 2, "is empty"),
+    ],
+)
+def test_bad_input_is_named(sparsek_run, tmp_path, monkeypatch, args, code, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "page.txt").write_text(TEXT)
+    (tmp_path / "empty.txt").write_text("  \n")
+    r = invoke(sparsek_run, *args)
+    assert r.exit_code == code
+    assert message in " ".join(r.output.split())
+    assert not (tmp_path / "x.html").exists()
+
+
+@pytest.mark.parametrize("attention", [dict(type="sw", window=8), dict(type="full")])
+def test_a_model_without_selection_is_refused(tmp_path, attention):
+    write_checkpoint(tmp_path / "run", attention)
+    (tmp_path / "page.txt").write_text(TEXT)
+    r = invoke(tmp_path / "run", "--text", tmp_path / "page.txt", "--out", tmp_path / "x.html")
+    assert r.exit_code == 2
+    assert "selects nothing" in " ".join(r.output.split())
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_a_missing_checkpoint_is_named(tmp_path):
+    (tmp_path / "page.txt").write_text(TEXT)
+    r = invoke(tmp_path / "nothing", "--text", tmp_path / "page.txt", "--out", tmp_path / "x.html")
+    assert r.exit_code == 1 and "does not exist" in r.output
