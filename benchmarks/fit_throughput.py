@@ -258,7 +258,8 @@ def main() -> None:
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("LONGTRAIN_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     print(f"device {gpu}, commit {commit or '?'}", flush=True)
 
     corpus = work / "corpus"

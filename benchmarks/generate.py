@@ -24,7 +24,9 @@ OUT/generate.json and OUT/generate.md.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import platform
 import subprocess
 import time
@@ -104,8 +106,10 @@ def run_row(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, legacy
     g = torch.Generator().manual_seed(n_prompt)
     prompt = torch.randint(0, model.cfg.vocab_size, (1, n_prompt), generator=g)  # stays on the host: chunks go over
     if dev.type == "cuda":
+        gc.collect()  # the previous row's decoders (CUDA graphs, caches) must not count in this row's peak
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
+        row["allocated_at_start_bytes"] = torch.cuda.memory_allocated(dev)  # the weights, and nothing else
     _sync(dev)
     t0 = time.perf_counter()
     cache, logits = prefill(model, prompt, chunk_size=chunk)
@@ -136,12 +140,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per row (default 256; --small 16)")
     ap.add_argument("--prompts", type=str, default=None, help="comma-separated prompt lengths")
     ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 8192; --small 512)")
+    ap.add_argument("--attentions", type=str, default=None, help="comma-separated subset of sparsek+sw,sw,full")
     args = ap.parse_args()
 
     dev = torch.device("cpu" if args.small or not torch.cuda.is_available() else "cuda")
     base, attns, prompts = (SMALL, SMALL_ATTN, SMALL_PROMPTS) if args.small else (FULL, FULL_ATTN, FULL_PROMPTS)
     if args.prompts:
         prompts = tuple(int(p) for p in args.prompts.split(","))
+    if args.attentions:
+        attns = [(n, kw) for n, kw in attns if n in args.attentions.split(",")]
     new = args.new_tokens or (16 if args.small else 256)
     chunk = args.chunk or (512 if args.small else 8192)
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
@@ -219,6 +226,8 @@ def markdown(report: dict) -> str:
 
 
 def _commit() -> str:
+    if os.environ.get("LONGTRAIN_COMMIT"):  # a copy of the tree without its git history (the device)
+        return os.environ["LONGTRAIN_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
