@@ -49,9 +49,16 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, *, fused: bool = False) 
         })
         group["params"].append(p)
     groups = [g for key, g in groups.items() if g["params"] or key[1:] == (1.0, 0)]
-    return torch.optim.AdamW(
-        groups, lr=lr_at(1, cfg), betas=tuple(cfg.betas), foreach=not fused, fused=fused
-    )
+    optimizer = torch.optim.AdamW(groups, lr=lr_at(1, cfg), betas=tuple(cfg.betas), foreach=not fused, fused=fused)
+    optimizer.register_load_state_dict_pre_hook(_keep_implementation)
+    return optimizer
+
+
+def _keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """A checkpoint's groups carry the implementation that saved them (a CPU run's for-each, a GPU's
+    fused); the resuming optimizer keeps its own, and torch then places the step counters for it."""
+    impl = {key: optimizer.defaults[key] for key in ("fused", "foreach")}
+    return {**state_dict, "param_groups": [{**g, **impl} for g in state_dict["param_groups"]]}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
