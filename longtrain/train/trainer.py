@@ -37,6 +37,7 @@ import gc
 import math
 import os
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -47,7 +48,7 @@ import torch
 from longtrain.console import make_console
 from longtrain.data import IGNORE, DocumentStream, PreparedCorpus, iter_valid_chunks, prepare_corpus
 from longtrain.data.stream import Chunk
-from longtrain.model import LM, LMConfig
+from longtrain.model import LM, LMConfig, ThresholdOverflowWarning
 from longtrain.model.attention_types import kv_entries
 from longtrain.train import distributed
 from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainState
@@ -623,6 +624,11 @@ class Trainer:
     def warn_overflow(self) -> None:
         if not self._warned_overflow:
             self._warned_overflow = True
+            # the model's Python warning too (training reads the flag here, not in every forward)
+            warnings.warn(
+                "SparseK threshold state overflowed its cap: selection is no longer exact; raise attention.threshold_cap",
+                ThresholdOverflowWarning, stacklevel=2,
+            )
             self.warn(
                 f"a layer's SparseK threshold state hit its cap (attention.threshold_cap) by step {self.state.step} "
                 "(it is read at log lines, so it may have happened up to logging.every steps earlier); "
