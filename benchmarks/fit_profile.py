@@ -217,8 +217,8 @@ def main() -> None:
                                corpus=corpus, tokenizer=tokenizer, device=device)
     recipe_path = work / "profile.yaml"
     recipe_path.write_text(yaml_text)
-    # one log line (a read-back) at the last profiled step, as in a run with logging.every = --steps
-    recipe = load_recipe(recipe_path, [f"logging.every={args.steps}", *args.overrides])
+    # the profiled steps end with the run's only log line (one read-back), as the steps between log lines do
+    recipe = load_recipe(recipe_path, [f"logging.every={total}", *args.overrides])
     wrapped = wrap_ranges()
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
     prof = torch.profiler.profile(activities=activities)
