@@ -76,6 +76,7 @@ from longtrain.train.signals import StopSignal, kill_for_tests_after
 RECIPE_FILE = "recipe.yaml"
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COMPILE_BACKEND_ENV = "LONGTRAIN_COMPILE_BACKEND"  # train.compile's backend: inductor, or aot_eager to debug
+COMPILE_MODE_ENV = "LONGTRAIN_COMPILE_MODE"  # torch.compile's mode to try, e.g. max-autotune-no-cudagraphs
 
 
 class TrainingError(Exception):
@@ -218,7 +219,8 @@ class Trainer:
         if self.cfg.init_from and self.resume_from is None:  # fine-tuning: weights only, the rest starts fresh
             self.init_notes = init_from_checkpoint(self.model, self.cfg.init_from, self.recipe)
         if self.cfg.compile:  # before DDP/FSDP wrap it (torchtitan's order)
-            self.model.compile_blocks(backend=os.environ.get(COMPILE_BACKEND_ENV, "inductor"))
+            mode = {"mode": os.environ[COMPILE_MODE_ENV]} if os.environ.get(COMPILE_MODE_ENV) else {}
+            self.model.compile_blocks(backend=os.environ.get(COMPILE_BACKEND_ENV, "inductor"), **mode)
         self.train_model = self.parallelize()
         self.optimizer = self.build_optimizer()
         # fp16: the loss scaler (its scale and growth tracker are in the checkpoint); otherwise it passes through
