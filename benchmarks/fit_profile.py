@@ -70,12 +70,12 @@ def load_fit_throughput():
 
 def wrap_ranges() -> list[str]:
     """Put record_function ranges around longtrain's functions (those that exist in this checkout)."""
-    targets = [  # (module, class or None, function, range); the ops' names may move: missing ones are skipped
+    targets = [  # (module, class or None, function, range); names this checkout lacks are skipped
         ("longtrain.model.model", None, "sparsek_attention_chunk", "lt.attention_op"),
-        ("longtrain.ops.sparsek_attention.op", None, "_host_scan", "lt.scan"),
-        ("longtrain.ops.selection.scan_device", None, "scan_chunk_device", "lt.scan"),
-        ("longtrain.ops.sparsek_attention.op", None, "sparsek_attention_core_naive", "lt.attention_core"),
-        ("longtrain.ops.sparsek_attention.triton_core", None, "sparsek_attention_core_triton", "lt.attention_core"),
+        ("longtrain.ops.sparsek_attention.op", None, "select", "lt.scan"),  # the op's stages (ops/ layout of issue 23)
+        ("longtrain.ops.sparsek_attention.op", None, "attend", "lt.attention_core"),
+        ("longtrain.ops.sparsek_attention.op", None, "lay_out_keys", "lt.cache"),
+        ("longtrain.ops.sparsek_attention.op", None, "next_cache", "lt.cache"),
         ("longtrain.model.cache", "ModelCache", "reset_rows", "lt.cache"),
         ("longtrain.model.cache", "ModelCache", "keep_last", "lt.cache"),
         ("longtrain.train.trainer", "Trainer", "optimizer_step", "lt.optimizer"),

@@ -75,9 +75,10 @@ def test_a_step_reads_nothing_back_except_at_log_lines(workspace, monkeypatch):
     monkeypatch.setattr(Trainer, "train_step", counted_step)
     result = Trainer(r, run_dir=tmp / "run").train()
     assert result.steps == 6
-    # steps 3 and 6 print a log line: one read of every pending loss and gradient norm, one of the cache fill
-    assert [len(c) for c in per_step] == [0, 0, 2, 0, 0, 2], per_step
-    assert [c.split(" ")[0] for c in per_step[2]] == ["tolist", "__float__"], per_step[2]
+    # steps 3 and 6 print a log line: one read of every pending loss and gradient norm, one of the cache
+    # fill, one of the selection diagnostics (a copy to the host, then a list)
+    assert [len(c) for c in per_step] == [0, 0, 4, 0, 0, 4], per_step
+    assert [c.split(" ")[0] for c in per_step[2]] == ["tolist", "__float__", "cpu", "tolist"], per_step[2]
     assert sorted(losses(tmp / "run")) == list(range(1, 7))  # every step is in metrics.jsonl
 
 
