@@ -65,15 +65,17 @@ def activation_bytes_per_token(style: str, mlp_ratio: float, dtype: torch.dtype)
     """
     from longtrain.model.model import LM, LMConfig, rope_angles
 
-    d, B, L = 64, 1, 64
+    d, B, L = 64, 2, 47  # an odd token count: no weight's size is a multiple of it
     cfg = LMConfig(vocab_size=8, layers=1, d_model=d, heads=1, style=style, mlp_ratio=mlp_ratio, attention="sw", window=2)
-    blk = LM(cfg).blocks[0]
-    x = torch.randn(B, L, d, requires_grad=True)
-    rope = rope_angles(torch.arange(L)[None], cfg.rotary_dim, cfg.rope_theta)
+    with torch.random.fork_rng(devices=[]):  # the run's random streams (dropout, a resumed RNG) stay untouched
+        blk = LM(cfg).blocks[0]
+        x = torch.randn(B, L, d, requires_grad=True)
+    weights = {tuple(p.shape) for p in blk.parameters()} | {tuple(p.shape[::-1]) for p in blk.parameters()}
+    rope = rope_angles(torch.arange(L)[None].expand(B, L), cfg.rotary_dim, cfg.rope_theta)
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() >= 2 and tuple(t.shape[:2]) == (B, L):  # activations, not weights
+        if t.numel() % (B * L) == 0 and tuple(t.shape) not in weights:  # activations, not (copies of) weights
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
