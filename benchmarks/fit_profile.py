@@ -245,6 +245,7 @@ def main() -> None:
     wall = clock["end"] - clock["start"]
     summary = attribute(prof.events(), args.steps, wall)
     summary |= {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "recipe": yaml_text,
+                "commit": os.environ.get("LONGTRAIN_COMMIT"),  # the device's copy of the tree has no git history
                 "overrides": args.overrides, "ranges": wrapped, "tokens_per_step": rows * args.chunk,
                 "tokens_per_s": round(rows * args.chunk * args.steps / wall, 1)}
     (args.out / "fit_profile.json").write_text(json.dumps(summary, indent=1))
