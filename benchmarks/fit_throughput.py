@@ -2,23 +2,29 @@
 
     python benchmarks/fit_throughput.py --out DIR [--cases 768x2048,768x4096,...] [--steps 25]
     python benchmarks/fit_throughput.py --out DIR --small        # a tiny CPU version, to check the script
+    python benchmarks/fit_throughput.py --out DIR --set train.compile=true --label compiled   # every fit run with it
+    python benchmarks/fit_throughput.py --out DIR --ab train.compile=true --anchors ''          # A/B in one table
 
 For each row (model × chunk length; rows × chunk >= 16k tokens per step) it runs the real CLI,
 `python -m longtrain.cli fit RECIPE` in a subprocess, once per attention type (SparseK+SW k = w = 512,
 SW 1024, SparseK-only k = 1024), and reads tokens/s over steps 5..N-1 and the peak memory from
-`metrics.jsonl` (`elapsed_s` is recorded per step, so the rate between two steps is exact). Two
+`metrics.jsonl`. The trainer reads the device back only at its log lines (logging.every = 5 here), so
+`elapsed_s` is exact at steps 5, 10, ...: the rate is taken between step 5 and the last step. Two
 anchors are measured in-process on the same token counts:
   bare  the same llama model as a plain torch.compile'd module, FlexAttention's sliding window of 1024,
         no chunk cache, no scan, fused AdamW, bf16 autocast: what the trainer's overhead is measured against;
   sdpa  the same with SDPA full causal attention over the chunk (no cache: what a user who truncates
         documents to the chunk length would run).
+`--set KEY=VALUE` (repeatable) passes an override to every fit run; `--ab KEY=VALUE` (repeatable)
+runs every fit a second time with it and adds a row per variant (e.g. train.compile=true). The
+trainer's own memory estimate (its `memory: about ...` line) is recorded beside the measured peak.
 A last pair of runs reads one synthetic document of 1M+ tokens in one row (chunk 4096) with SparseK+SW
 and SW and compares the peak memory when the row is at position 16k with the peak at the end.
 
 MFU: model FLOPs per token = 6 · (parameters in matmuls: every parameter except the input embedding
 table and the norms) + 12 · layers · heads · head_dim · (mean keys per query: k + w for SparseK+SW,
 w for SW, k for SparseK, the causal mean for SDPA and Flex), divided by the GPU's dense bf16 peak
-(989 TFLOP/s for the H100 SXM and the H200). Writes DIR/fit_throughput.json and prints a table.
+(989 TFLOP/s for the H100 SXM and the H200). Writes DIR/fit_throughput[-LABEL].json and prints a table.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -88,13 +95,14 @@ logging: {{every: 5, progress: false}}
 """
 
 
-def run_fit(name: str, yaml_text: str, work: Path, log_dir: Path, timeout: int) -> list[dict]:
+def run_fit(name: str, yaml_text: str, work: Path, log_dir: Path, timeout: int, overrides: list[str] = ()) -> list[dict]:
     """One `longtrain fit` in a subprocess; returns its metrics.jsonl records ([] if it failed)."""
     recipe = work / f"{name}.yaml"
     recipe.write_text(yaml_text)
     run_dir = work / f"run-{name}"
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", LONGTRAIN_CACHE=str(work / "cache"))
     cmd = [sys.executable, "-m", "longtrain.cli", "fit", str(recipe), "--run-dir", str(run_dir), "--resume", "never"]
+    cmd += [arg for o in overrides for arg in ("--set", o)]
     t0 = time.monotonic()
     with open(log_dir / f"fit-{name}.log", "w") as log:
         try:
@@ -106,6 +114,12 @@ def run_fit(name: str, yaml_text: str, work: Path, log_dir: Path, timeout: int) 
     if not metrics.is_file():
         return []
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def memory_estimate(log: Path) -> float | None:
+    """The trainer's estimate of its peak memory (GiB) from the `memory: about X GiB` line of a fit log."""
+    m = re.search(r"memory: about ([0-9.]+) (GiB|MiB)", log.read_text(errors="replace")) if log.is_file() else None
+    return float(m.group(1)) / (1024 if m.group(2) == "MiB" else 1) if m else None
 
 
 def rate(records: list[dict], first: int, last: int) -> float | None:
@@ -243,6 +257,9 @@ def main() -> None:
     ap.add_argument("--flat-tokens", type=int, default=1_050_000, help="length of the memory-flatness document (0: skip)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per fit run")
     ap.add_argument("--small", action="store_true", help="a tiny CPU configuration that checks the script")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="override for every fit run (as fit's --set)")
+    ap.add_argument("--ab", action="append", default=[], help="also run every fit with this override (a row per variant)")
+    ap.add_argument("--label", default="", help="suffix of the JSON file and the run names (keeps A/B runs apart)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("FIT_THROUGHPUT_WORK", "/tmp/fit_throughput"))
@@ -253,7 +270,7 @@ def main() -> None:
     if args.small:
         SHAPES = {64: dict(layers=2, d_model=64, heads=2)}
         ATTENTIONS = {"sparsek+sw": {"type": "sparsek+sw", "topk": 16, "window": 16}, "sw": {"type": "sw", "window": 32}}
-        args.cases, args.attentions, args.steps, TOKENS_PER_STEP, vocab = "64x128", "sparsek+sw,sw", 8, 256, 512
+        args.cases, args.attentions, args.steps, TOKENS_PER_STEP, vocab = "64x128", "sparsek+sw,sw", 10, 256, 512
         args.flat_tokens = min(args.flat_tokens, 3000)
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -269,21 +286,28 @@ def main() -> None:
     if not tokenizer.is_file():
         train_tokenizer(corpus, tokenizer, vocab)
 
-    results = {"device": gpu, "commit": commit, "steps": args.steps, "rows": [], "flat": []}
-    first, last = 5, args.steps - 1
+    results = {"device": gpu, "commit": commit, "steps": args.steps, "overrides": args.overrides, "rows": [], "flat": []}
+    if args.steps % 5 or args.steps < 10:
+        ap.error("--steps must be a multiple of 5 (the log lines, where elapsed_s is exact), at least 10")
+    first, last = 5, args.steps
+    label = f"-{args.label}" if args.label else ""
+    out_json = args.out / f"fit_throughput{label}.json"
     for case in args.cases.split(","):
         width, chunk = (int(x) for x in case.split("x"))
         shape, rows = SHAPES[width], max(1, TOKENS_PER_STEP // chunk)
         row = {"model": f"{shape['layers']}x{shape['d_model']}", "chunk": chunk, "rows": rows}
         print(f"{row['model']} chunk {chunk} x {rows} rows", flush=True)
-        for name in args.attentions.split(","):
-            y = recipe_yaml(shape, ATTENTIONS[name], chunk=chunk, rows=rows, steps=args.steps, corpus=corpus,
-                            tokenizer=tokenizer, device=device)
-            recs = run_fit(f"{case}-{name}", y, work, args.out, args.timeout)
-            tps = rate(recs, first, last)
-            mem = max((r.get("memory_bytes") or 0 for r in recs), default=None)
-            row[name] = {"tokens_per_s": tps, "peak_mem_bytes": mem,
-                         "mfu": tps * flops_per_token(shape, vocab, keys_per_query(name, chunk)) / peak if tps and peak else None}
+        for variant in [None, *args.ab]:
+            for name in args.attentions.split(","):
+                y = recipe_yaml(shape, ATTENTIONS[name], chunk=chunk, rows=rows, steps=args.steps, corpus=corpus,
+                                tokenizer=tokenizer, device=device)
+                run = f"{case}-{name}{label}" + (f"-{re.sub(r'[^A-Za-z0-9]+', '_', variant)}" if variant else "")
+                recs = run_fit(run, y, work, args.out, args.timeout, [*args.overrides, *([variant] if variant else [])])
+                tps = rate(recs, first, last)
+                mem = max((r.get("memory_bytes") or 0 for r in recs), default=None)
+                key = name if variant is None else f"{name} [{variant}]"
+                row[key] = {"tokens_per_s": tps, "peak_mem_bytes": mem, "estimate_gib": memory_estimate(args.out / f"fit-{run}.log"),
+                            "mfu": tps * flops_per_token(shape, vocab, keys_per_query(name, chunk)) / peak if tps and peak else None}
         for kind in args.anchors.split(",") if args.anchors else []:
             try:
                 r = run_bare(kind if kind == "sdpa" else "flex", shape, vocab, chunk, rows, args.steps, device)
@@ -292,7 +316,7 @@ def main() -> None:
                 r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             row[kind] = r
         results["rows"].append(row)
-        (args.out / "fit_throughput.json").write_text(json.dumps(results, indent=1))
+        out_json.write_text(json.dumps(results, indent=1))
 
     if args.flat_tokens:
         flat_corpus = work / "flat"
@@ -305,37 +329,42 @@ def main() -> None:
             steps = args.flat_tokens // chunk
             y = recipe_yaml(shape, ATTENTIONS[name], chunk=chunk, rows=1, steps=steps, corpus=flat_corpus,
                             tokenizer=tokenizer, device=device)
-            recs = run_fit(f"flat-{name}", y, work, args.out, args.timeout * 2)
+            recs = run_fit(f"flat-{name}{label}", y, work, args.out, args.timeout * 2, args.overrides)
             at = lambda p: max((r["memory_bytes"] for r in recs if r["doc_positions"][0] <= p and r["doc_positions"][0] > 0), default=None)
             end = max((r["doc_positions"][0] for r in recs), default=0)
             results["flat"].append({"attention": name, "chunk": chunk, "last_position": end,
                                     "peak_at_16k": at(16384), "peak_at_end": at(end),
                                     "ratio": (at(end) / at(16384)) if at(16384) else None})
-        (args.out / "fit_throughput.json").write_text(json.dumps(results, indent=1))
+        out_json.write_text(json.dumps(results, indent=1))
 
-    print_table(results)
+    print_table(results, args.ab)
 
 
-def print_table(results: dict) -> None:
+def print_table(results: dict, variants: list[str] = ()) -> None:
     gib = 2**30
     cols = ["sparsek+sw", "sw", "sparsek", "bare", "sdpa"]
-    print(f"\ntokens/s (MFU, peak GiB) on {results['device']} at {results['commit']}, steps 5..{results['steps'] - 1}")
-    print("| model | chunk × rows | " + " | ".join(cols) + " | SK+SW / SW | SW / bare | SK+SW / SDPA |")
-    print("|---" * (len(cols) + 5) + "|")
+    sets = f", every fit with {' '.join(results['overrides'])}" if results.get("overrides") else ""
+    print(f"\ntokens/s (MFU, peak GiB, trainer's estimate GiB) on {results['device']} at {results['commit']}, "
+          f"steps 5..{results['steps']}{sets}")
+    print("| model | chunk × rows | variant | " + " | ".join(cols) + " | SK+SW / SW | SW / bare | SK+SW / SDPA |")
+    print("|---" * (len(cols) + 6) + "|")
     for row in results["rows"]:
-        cells = []
-        for c in cols:
-            r = row.get(c) or {}
-            if r.get("tokens_per_s"):
-                mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "?"
-                mem = f"{r['peak_mem_bytes'] / gib:.1f}" if r.get("peak_mem_bytes") else "?"
-                cells.append(f"{r['tokens_per_s'] / 1e3:.1f}k ({mfu}, {mem})")
-            else:
-                cells.append(r.get("error", "—")[:40])
-        t = lambda c: (row.get(c) or {}).get("tokens_per_s")
-        ratio = lambda a, b: f"{t(a) / t(b):.2f}" if t(a) and t(b) else "—"
-        print(f"| {row['model']} | {row['chunk']} × {row['rows']} | " + " | ".join(cells)
-              + f" | {ratio('sparsek+sw', 'sw')} | {ratio('sw', 'bare')} | {ratio('sparsek+sw', 'sdpa')} |")
+        for variant in [None, *variants]:
+            key = lambda c: c if variant is None or c in ("bare", "sdpa") else f"{c} [{variant}]"  # noqa: E731
+            cells = []
+            for c in cols:
+                r = row.get(key(c)) or {}
+                if r.get("tokens_per_s"):
+                    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "?"
+                    mem = f"{r['peak_mem_bytes'] / gib:.1f}" if r.get("peak_mem_bytes") else "?"
+                    est = f", {r['estimate_gib']:.1f}" if r.get("estimate_gib") is not None else ""
+                    cells.append(f"{r['tokens_per_s'] / 1e3:.1f}k ({mfu}, {mem}{est})")
+                else:
+                    cells.append(r.get("error", "—")[:40])
+            t = lambda c: (row.get(key(c)) or {}).get("tokens_per_s")  # noqa: E731
+            ratio = lambda a, b: f"{t(a) / t(b):.2f}" if t(a) and t(b) else "—"  # noqa: E731
+            print(f"| {row['model']} | {row['chunk']} × {row['rows']} | {variant or 'base'} | " + " | ".join(cells)
+                  + f" | {ratio('sparsek+sw', 'sw')} | {ratio('sw', 'bare')} | {ratio('sparsek+sw', 'sdpa')} |")
     for f in results["flat"]:
         print(f"memory flat, {f['attention']}: peak at 16k {f['peak_at_16k']}, at {f['last_position']:,} {f['peak_at_end']}, ratio {f['ratio']}")
 

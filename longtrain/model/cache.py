@@ -14,7 +14,7 @@ B·G rows (the groups are folded into the batch of the op), row b·G + g for gro
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -51,6 +51,9 @@ class FullKVCache:
 
 
 AttentionCache = SparseKCache | FullKVCache
+# The key and value tensors of each cache kind: what `with_kv_dtype` casts (scores, positions and the
+# threshold state keep their own dtypes: float32 / float64 / int64, DESIGN.md section 2).
+KV_FIELDS = {SparseKCache: ("pool_k", "pool_v", "tail_k", "tail_v"), FullKVCache: ("full_k", "full_v")}
 
 
 @dataclass
@@ -94,6 +97,34 @@ class ModelCache:
                 used.append((a.full_pos >= 0).sum())
                 total += a.full_pos.numel()
         return float(torch.stack(used).sum()) / total if total else 0.0
+
+    def with_kv_dtype(self, dtype: torch.dtype) -> "ModelCache":
+        """The same cache with its keys and values in `dtype` (the compute dtype: bf16 under bf16 autocast).
+
+        A run keeps its cache in the dtype the attention computes in, so no chunk casts it back and
+        forth; a checkpoint written with another dtype (older runs kept float32) is cast on load.
+        """
+        layers = []
+        for layer in self.layers:
+            a = layer.attn
+            cast = {n: getattr(a, n).to(dtype) for n in KV_FIELDS[type(a)] if getattr(a, n).dtype != dtype}
+            layers.append(LayerCache(replace(a, **cast) if cast else a, layer.score_sum, layer.score_sumsq))
+        return ModelCache(seen=self.seen, layers=layers)
+
+    def keep_last(self, n: int) -> "ModelCache":
+        """Full-attention caches cut to their last `n` keys (SparseK caches have a fixed size: unchanged).
+
+        A row's current document is its last `seen` keys (a reset row's older keys are all -1), so
+        `n` = the longest current document loses nothing: the cache grows with the longest document,
+        not with everything the run has read.
+        """
+        layers = []
+        for layer in self.layers:
+            a = layer.attn
+            if isinstance(a, FullKVCache) and a.full_k.shape[1] > n:
+                a = FullKVCache(*(t[:, t.shape[1] - n :].clone() for t in (a.full_k, a.full_v, a.full_pos)))
+            layers.append(LayerCache(a, layer.score_sum, layer.score_sumsq))
+        return ModelCache(seen=self.seen, layers=layers)
 
     def overflowed(self) -> bool:
         """Some layer's SparseK threshold state hit its cap (selection no longer exact); a host sync."""

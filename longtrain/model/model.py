@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from longtrain.model.attention_types import AttentionType, selects, size_problems
 from longtrain.model.cache import FullKVCache, LayerCache, ModelCache
+from longtrain.model.loss import linear_cross_entropy, loss_slice
 from longtrain.model.scoring import Scorer, mimic_score_weight, score_dtype
 from longtrain.ops.sparsek_attention import (
     ChunkSelection,
@@ -68,6 +69,7 @@ class LMConfig:
     threshold_cap: int | None = None
     backend: str = "auto"
     scan: str = "auto"
+    max_context: int | None = None  # full attention: keys a query may see (a sliding window); None: all
 
     def __post_init__(self):
         self.kv_heads = self.kv_heads or self.heads
@@ -82,6 +84,8 @@ class LMConfig:
         self.tied_embeddings = st.tied if self.tied_embeddings is None else self.tied_embeddings
         self.parallel_residual = st.parallel_residual if self.parallel_residual is None else self.parallel_residual
         problems = size_problems(self.attention, self.topk, self.window)
+        if self.max_context is not None and (self.attention != "full" or self.max_context < 1):
+            problems.append(f"max_context ({self.max_context}) caps full attention's cache: it needs attention full and a value >= 1")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -101,6 +105,7 @@ class LMConfig:
             score_groups=attention.score_groups, timestep_norm=attention.timestep_norm,
             eps_slope=attention.eps_slope, score_init=attention.score_init,
             threshold_cap=attention.threshold_cap, backend=attention.backend, scan=attention.scan,
+            max_context=getattr(attention, "max_context", None),
         )
 
     @property
@@ -175,6 +180,16 @@ class Attention(nn.Module):
         zeros = torch.zeros(batch, G, dtype=torch.float64, device=device)
         return LayerCache(attn, zeros, zeros.clone())
 
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, L, H, D], k and v [B, L, Hkv, D] of the attention input h [B, L, d]; q and k after RoPE."""
+        cfg = self.cfg
+        B, L, _ = h.shape
+        H, Hkv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+        q = apply_rope(self.q_proj(h).view(B, L, H, D), cos, sin)  # [B, L, H, D]
+        k = apply_rope(self.k_proj(h).view(B, L, Hkv, D), cos, sin)  # [B, L, Hkv, D], cached after RoPE
+        v = self.v_proj(h).view(B, L, Hkv, D)  # [B, L, Hkv, D]
+        return q, k, v
+
     def forward(
         self,
         x: torch.Tensor,  # [B, L, d]
@@ -186,53 +201,72 @@ class Attention(nn.Module):
         cache: LayerCache,
         decode: bool = False,  # L = 1, every row valid: the op's decode step instead of a chunk
         with_selection: bool = True,  # decode: also report what was selected (a few ops per layer)
+        full_bias: torch.Tensor | None = None,  # full attention: the chunk's mask (full_attention_bias)
     ) -> tuple[torch.Tensor, LayerCache, ChunkSelection | None]:
-        cfg = self.cfg
         B, L, _ = x.shape
-        H, Hkv, D = cfg.heads, cfg.kv_heads, cfg.head_dim
-        q = apply_rope(self.q_proj(x).view(B, L, H, D), *rope)  # [B, L, H, D]
-        k = apply_rope(self.k_proj(x).view(B, L, Hkv, D), *rope)  # [B, L, Hkv, D], cached after RoPE
-        v = self.v_proj(x).view(B, L, Hkv, D)  # [B, L, Hkv, D]
+        q, k, v = self.project(x, *rope)
+        o, new, sel = self.attend(x, q, k, v, pos, valid, seen, lengths, cache, decode, with_selection, full_bias)
+        return self.o_proj(o.reshape(B, L, -1)), new, sel  # [B, L, d]
 
+    def attend(
+        self,
+        x: torch.Tensor,  # [B, L, d] the attention input (the scorer reads it)
+        q: torch.Tensor,  # [B, L, H, D]
+        k: torch.Tensor,  # [B, L, Hkv, D]
+        v: torch.Tensor,  # [B, L, Hkv, D]
+        pos: torch.Tensor,
+        valid: torch.Tensor,
+        seen: torch.Tensor,
+        lengths: torch.Tensor,
+        cache: LayerCache,
+        decode: bool = False,
+        with_selection: bool = True,
+        full_bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, LayerCache, ChunkSelection | None]:
+        """The attention op between the projections and o_proj: o [B, L, H, D], the next cache, the selection.
+
+        Not compiled (LM.compile_blocks compiles what is around it): the op runs its own kernels and scan.
+        """
+        cfg = self.cfg
+        B, L, H, D = q.shape
         if cfg.attention == "full":
-            o, attn_cache = self._full(q, k, v, pos, valid, cache.attn)
-            new = LayerCache(attn_cache, cache.score_sum, cache.score_sumsq)
-            sel = None
+            o, attn_cache = self._full(q, k, v, pos, valid, cache.attn, full_bias)
+            return o, LayerCache(attn_cache, cache.score_sum, cache.score_sumsq), None
+        if self.scorer is not None:
+            u, ssum, ssq = self.scorer(x, pos, valid, seen, cache.score_sum, cache.score_sumsq)  # u [B, L, G]
+        else:  # sliding window: nothing is selected, the op ignores the scores
+            u = torch.zeros(B, L, 1, dtype=score_dtype(x.dtype), device=x.device)
+            ssum, ssq = cache.score_sum, cache.score_sumsq
+        G = u.shape[-1]
+        if G > 1:  # fold the groups into the batch: row b·G + g holds group g's heads
+            R = H // G
+            qf = q.view(B, L, G, R, D).transpose(1, 2).reshape(B * G, L, R, D)
+            kf = k.transpose(1, 2).reshape(B * G, L, 1, D)
+            vf = v.transpose(1, 2).reshape(B * G, L, 1, D)
+            uf, lf = u.transpose(1, 2).reshape(B * G, L), lengths.repeat_interleave(G)
         else:
-            if self.scorer is not None:
-                u, ssum, ssq = self.scorer(x, pos, valid, seen, cache.score_sum, cache.score_sumsq)  # u [B, L, G]
-            else:  # sliding window: nothing is selected, the op ignores the scores
-                u = torch.zeros(B, L, 1, dtype=score_dtype(x.dtype), device=x.device)
-                ssum, ssq = cache.score_sum, cache.score_sumsq
-            G = u.shape[-1]
-            if G > 1:  # fold the groups into the batch: row b·G + g holds group g's heads
-                R = H // G
-                qf = q.view(B, L, G, R, D).transpose(1, 2).reshape(B * G, L, R, D)
-                kf = k.transpose(1, 2).reshape(B * G, L, 1, D)
-                vf = v.transpose(1, 2).reshape(B * G, L, 1, D)
-                uf, lf = u.transpose(1, 2).reshape(B * G, L), lengths.repeat_interleave(G)
-            else:
-                qf, kf, vf, uf, lf = q, k, v, u[..., 0], lengths
-            if decode:
-                o, attn_cache, sel = sparsek_attention_decode(
-                    qf[:, 0], kf[:, 0], vf[:, 0], uf[:, 0], cache.attn, topk=self.topk, window=self.window,
-                    variant=cfg.variant, with_selection=with_selection,
-                )
-                o = o[:, None]  # [B·G, 1, H/G, D]
-            else:
-                o, attn_cache, sel = sparsek_attention_chunk(
-                    qf, kf, vf, uf, cache.attn, topk=self.topk, window=self.window, variant=cfg.variant,
-                    lengths=lf, backend=cfg.backend, scan=cfg.scan,
-                )
-            if G > 1:
-                o = o.view(B, G, L, H // G, D).transpose(1, 2)
-            new = LayerCache(attn_cache, ssum, ssq)
-            sel = sel if self.topk > 0 else None
-        y = self.o_proj(o.reshape(B, L, H * D))  # [B, L, d]
-        return y, new, sel
+            qf, kf, vf, uf, lf = q, k, v, u[..., 0], lengths
+        if decode:
+            o, attn_cache, sel = sparsek_attention_decode(
+                qf[:, 0], kf[:, 0], vf[:, 0], uf[:, 0], cache.attn, topk=self.topk, window=self.window,
+                variant=cfg.variant, with_selection=with_selection,
+            )
+            o = o[:, None]  # [B·G, 1, H/G, D]
+        else:
+            o, attn_cache, sel = sparsek_attention_chunk(
+                qf, kf, vf, uf, cache.attn, topk=self.topk, window=self.window, variant=cfg.variant,
+                lengths=lf, backend=cfg.backend, scan=cfg.scan,
+            )
+        if G > 1:
+            o = o.view(B, G, L, H // G, D).transpose(1, 2)
+        return o, LayerCache(attn_cache, ssum, ssq), sel if self.topk > 0 else None
 
-    def _full(self, q, k, v, pos, valid, cache: FullKVCache):
-        """Causal SDPA over every cached key plus the chunk (the baseline; its cache grows)."""
+    def _full(self, q, k, v, pos, valid, cache: FullKVCache, bias: torch.Tensor | None):
+        """Causal SDPA over the cached keys plus the chunk (the baseline; its cache grows, up to max_context).
+
+        `bias` [B, 1, L, T0 + L] is the chunk's mask as an additive bias, built once per chunk for all
+        layers (full_attention_bias); None means plain causal attention (no cache, every query valid).
+        """
         B, L, H, D = q.shape
         R = H // k.shape[2]
         kpos = torch.where(valid, pos, -1)
@@ -240,16 +274,39 @@ class Attention(nn.Module):
         v_all = torch.cat([cache.full_v.to(v.dtype), v], 1)
         pos_all = torch.cat([cache.full_pos, kpos], 1)  # [B, T0 + L]
         qt = q.transpose(1, 2)  # [B, H, L, D]
-        kt = k_all.repeat_interleave(R, 2).transpose(1, 2)  # [B, H, T0 + L, D]
-        vt = v_all.repeat_interleave(R, 2).transpose(1, 2)
-        if cache.full_k.shape[1] == 0 and bool(valid.all()):
+        kt, vt = k_all.transpose(1, 2), v_all.transpose(1, 2)  # [B, Hkv, T0 + L, D], views
+        if R > 1:  # grouped-query attention: SDPA's masked kernels want every head's keys
+            kt, vt = kt.repeat_interleave(R, 1), vt.repeat_interleave(R, 1)
+        if bias is None:
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)  # no L x L mask
         else:
-            mask = (pos_all[:, None, :] >= 0) & (pos_all[:, None, :] <= pos[:, :, None])  # [B, L, T0 + L]
-            mask = mask | ~valid[:, :, None]  # padded queries: any finite row, discarded by the caller
-            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None])
+            o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias.to(q.dtype))
+        if self.cfg.max_context is not None:  # keep what the next chunk's queries can see
+            keep = self.cfg.max_context - 1
+            k_all, v_all, pos_all = (t[:, t.shape[1] - min(keep, t.shape[1]):].clone() for t in (k_all, v_all, pos_all))
         new = FullKVCache(k_all.detach(), v_all.detach(), pos_all)
         return o.transpose(1, 2), new  # [B, L, H, D]
+
+
+def full_attention_bias(
+    cache_pos: torch.Tensor,  # [B, T0] int64 positions of the cached keys (-1: none)
+    pos: torch.Tensor,  # [B, L] int64 positions of the chunk
+    valid: torch.Tensor,  # [B, L] bool
+    max_context: int | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The chunk's full-attention mask as an additive bias [B, 1, L, T0 + L] (0 or -inf), for every layer.
+
+    Built once per chunk: SDPA keeps its mask for the backward, so one shared tensor instead of a
+    converted copy per layer saves layers × B × L × (T0 + L) elements at long positions.
+    """
+    kpos = torch.cat([cache_pos, torch.where(valid, pos, -1)], 1)[:, None, :]  # [B, 1, T0 + L]
+    qpos = pos[:, :, None]  # [B, L, 1]
+    mask = (kpos >= 0) & (kpos <= qpos)
+    if max_context is not None:  # a sliding window of max_context keys
+        mask &= kpos > qpos - max_context
+    mask |= ~valid[:, :, None]  # padded queries: any finite row, discarded by the caller
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -float("inf"))[:, None]
 
 
 # ----------------------------------------------------------------------------- MLPs and blocks
@@ -302,14 +359,27 @@ class Block(nn.Module):
         self.mlp = st.mlp(cfg.d_model, cfg.intermediate_size, st.bias)
         self.drop = nn.Dropout(cfg.dropout)
         self.parallel = cfg.parallel_residual
+        self.compiled: tuple | None = None  # (enter, leave) compiled by LM.compile_blocks
 
-    def forward(self, x, rope, pos, valid, seen, lengths, cache: LayerCache, decode: bool = False, with_selection: bool = True):
-        a, cache, sel = self.attn(self.norm1(x), rope, pos, valid, seen, lengths, cache, decode, with_selection)
+    def enter(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """What comes before the attention op: (h = norm1(x) [B, L, d], q, k, v)."""
+        h = self.norm1(x)
+        return (h, *self.attn.project(h, cos, sin))
+
+    def leave(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """What comes after the attention op (o [B, L, H, D]): o_proj, the residuals and the MLP."""
+        a = self.attn.o_proj(o.flatten(2))  # [B, L, d]
         if self.parallel:  # GPT-NeoX: attention and MLP both read the block's input
-            return x + self.drop(a) + self.drop(self.mlp(self.norm2(x))), cache, sel
+            return x + self.drop(a) + self.drop(self.mlp(self.norm2(x)))
         x = x + self.drop(a)  # [B, L, d]
-        x = x + self.drop(self.mlp(self.norm2(x)))
-        return x, cache, sel
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+    def forward(self, x, rope, pos, valid, seen, lengths, cache: LayerCache, decode: bool = False,
+                with_selection: bool = True, full_bias: torch.Tensor | None = None):
+        enter, leave = self.compiled or (self.enter, self.leave)
+        h, q, k, v = enter(x, *rope)
+        o, cache, sel = self.attn.attend(h, q, k, v, pos, valid, seen, lengths, cache, decode, with_selection, full_bias)
+        return leave(x, o), cache, sel
 
 
 # ----------------------------------------------------------------------------- the LM
@@ -320,8 +390,10 @@ class LMOutput:
     logits: torch.Tensor | None  # [B, L, V] (None from LM.hidden)
     cache: ModelCache  # the next cache, detached
     selections: list[ChunkSelection | None]  # per layer; None for sw and full layers
-    overflowed: bool  # a threshold state hit its cap: selection is no longer exact
+    overflowed: bool | None  # a threshold state hit its cap: selection is no longer exact (None: not read)
     hidden: torch.Tensor | None = None  # [B, L, d] final (normed) hidden states
+    overflow: torch.Tensor | None = None  # [] bool on the device: the same flag, unread (None: nothing selects)
+    loss_sum: torch.Tensor | None = None  # [] summed cross-entropy over the targets (forward with targets)
 
 
 class LM(nn.Module):
@@ -335,7 +407,17 @@ class LM(nn.Module):
         self.norm_f = st.norm(cfg.d_model, eps=cfg.norm_eps)
         # Tied: the head reuses embed.weight (no second parameter, so safetensors needs no copy).
         self.unembed = None if cfg.tied_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.loss_slice = loss_slice  # the head's loss per slice of rows (compiled by compile_blocks)
         self.reset_parameters()
+
+    def compile_blocks(self, **compile_kwargs) -> None:
+        """torch.compile what surrounds the attention op: each block's norm, projections and RoPE before
+        it, o_proj, residuals and MLP after it, and the head's loss per slice. The op itself (kernels,
+        selection scan, cache update) stays outside the compiled graphs. The blocks share one compiled
+        graph per region (same code and shapes); gradients and results equal eager to rounding."""
+        for blk in self.blocks:
+            blk.compiled = (torch.compile(blk.enter, **compile_kwargs), torch.compile(blk.leave, **compile_kwargs))
+        self.loss_slice = torch.compile(loss_slice, **compile_kwargs)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -387,17 +469,24 @@ class LM(nn.Module):
         lengths: torch.Tensor | None = None,
         decode: bool = False,
         with_selection: bool = True,
+        check_overflow: bool = True,
     ) -> LMOutput:
         """Final hidden states of one chunk (tokens [B, L]) continuing from `cache`; logits=None.
 
         decode (L = 1, no lengths): the attention's decode step, with no host synchronisation (so a
         CUDA graph can hold it); overflow is then not checked here but left in the cache's layers.
         with_selection=False (decode only) skips reporting the selections (None per layer).
+        check_overflow=False leaves the threshold-overflow flag on the device (`LMOutput.overflow`)
+        instead of reading it (a host sync per chunk) and warning: the trainer reads it at its log lines.
         """
         B, L = tokens.shape
         dev = tokens.device
         if cache is None:
             cache = self.empty_cache(B, device=dev)
+        # full attention without a mask needs every query valid, known here without reading the device
+        all_valid = lengths is None or (
+            self.cfg.attention == "full" and lengths.device.type == "cpu" and bool((lengths >= L).all())
+        )
         lengths = torch.full((B,), L, dtype=torch.int64, device=dev) if lengths is None else lengths.to(dev, torch.int64)
         seen = cache.seen.to(dev)
         ar = torch.arange(L, device=dev)
@@ -406,26 +495,57 @@ class LM(nn.Module):
         rope = rope_angles(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
 
         x = self.drop(self.embed(tokens))  # [B, L, d]
+        full_bias = None
+        if self.cfg.attention == "full":
+            cache_pos = cache.layers[0].attn.full_pos.to(dev)  # every layer caches the same positions
+            cut = self.cfg.max_context is not None and self.cfg.max_context < L
+            if cache_pos.shape[1] or not all_valid or cut:
+                full_bias = full_attention_bias(cache_pos, pos, valid, self.cfg.max_context, self.compute_dtype(dev))
         layers, selections = [], []
         for blk, lc in zip(self.blocks, cache.layers):
-            x, lc, sel = blk(x, rope, pos, valid, seen, lengths, lc, decode, with_selection)
+            x, lc, sel = blk(x, rope, pos, valid, seen, lengths, lc, decode, with_selection, full_bias)
             layers.append(lc)
             selections.append(sel)
         h = self.norm_f(x)  # [B, L, d]
-        flags = [s.overflow for s in selections if s is not None]  # on device: one host sync for all layers
-        overflowed = bool(torch.stack(flags).gt(0).any()) if flags and not decode else False
-        if overflowed:
-            warnings.warn(
-                "SparseK threshold state overflowed its cap: selection is no longer exact; raise attention.threshold_cap",
-                ThresholdOverflowWarning, stacklevel=3,
-            )
+        flags = [s.overflow for s in selections if s is not None]
+        overflow = torch.stack(flags).gt(0).any() if flags and not decode else None  # [] bool, on the device
+        overflowed = None
+        if check_overflow:
+            overflowed = bool(overflow) if overflow is not None else False  # one host sync for all layers
+            if overflowed:
+                warnings.warn(
+                    "SparseK threshold state overflowed its cap: selection is no longer exact; raise attention.threshold_cap",
+                    ThresholdOverflowWarning, stacklevel=3,
+                )
         new_cache = ModelCache(seen=seen + lengths, layers=layers)
-        return LMOutput(logits=None, cache=new_cache, selections=selections, overflowed=overflowed, hidden=h)
+        return LMOutput(logits=None, cache=new_cache, selections=selections, overflowed=overflowed, hidden=h, overflow=overflow)
 
-    def forward(self, tokens: torch.Tensor, cache: ModelCache | None = None, lengths: torch.Tensor | None = None) -> LMOutput:
-        """Logits [B, L, V] of one chunk and the next cache; cache=None is an unchunked pass from 0."""
-        out = self.hidden(tokens, cache=cache, lengths=lengths)
-        out.logits = self.head(out.hidden)
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype activations take here: autocast's when it is on, else the weights'."""
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.embed.weight.dtype
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: ModelCache | None = None,
+        lengths: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        check_overflow: bool = True,
+    ) -> LMOutput:
+        """Logits [B, L, V] of one chunk and the next cache; cache=None is an unchunked pass from 0.
+
+        With targets [B, L] (IGNORE where there is none): `loss_sum`, the summed cross-entropy, computed
+        slice by slice without the logits (longtrain.model.loss), and logits=None. It is computed here,
+        inside the module, so that DDP and FSDP see the head's weight used in their forward.
+        """
+        out = self.hidden(tokens, cache=cache, lengths=lengths, check_overflow=check_overflow)
+        if targets is None:
+            out.logits = self.head(out.hidden)
+        else:
+            weight = self.embed.weight if self.unembed is None else self.unembed.weight
+            out.loss_sum = linear_cross_entropy(out.hidden, weight, targets.to(out.hidden.device), slice_fn=self.loss_slice)
         return out
 
     def decode(self, tokens: torch.Tensor, cache: ModelCache, selections: bool = False) -> LMOutput:

@@ -48,11 +48,15 @@ class TrainState:
     step: int = 0  # last completed optimizer step
     tokens: int = 0  # trained on since step 0
     best_valid_loss: float | None = None
+    grad_scaler: dict[str, Any] | None = None  # train.precision fp16: the loss scaler's state_dict
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> TrainState:
         """The state a checkpoint's meta.json records."""
-        return cls(step=meta["step"], tokens=meta["tokens"], best_valid_loss=meta.get("best_valid_loss"))
+        return cls(
+            step=meta["step"], tokens=meta["tokens"], best_valid_loss=meta.get("best_valid_loss"),
+            grad_scaler=meta.get("grad_scaler"),
+        )
 
 
 class Checkpointer:
@@ -127,6 +131,7 @@ class Checkpointer:
                 "step": state.step,
                 "tokens": state.tokens,
                 "best_valid_loss": state.best_valid_loss,
+                **({"grad_scaler": state.grad_scaler} if state.grad_scaler else {}),
                 "data_stream": stream.state_dict(),  # every row's, the same on every rank
                 "layout": layout.to_meta(),
                 "corpus": corpus.fingerprint,

@@ -269,18 +269,22 @@ class NoMetrics:
 # ------------------------------------------------------------------ the model
 
 
-def wrap_model(model: nn.Module, parallel: str, device: torch.device, ranks: Ranks, *, find_unused: bool = False) -> nn.Module:
+def wrap_model(
+    model: nn.Module, parallel: str, device: torch.device, ranks: Ranks, *, find_unused: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
     """The model as the ranks train it: DDP (several ranks), FSDP2 (sharded), or itself (one rank, ddp).
 
     `find_unused`: some parameters get no gradient in some steps (train.freeze), which DDP must look for.
+    `compute_dtype` (train.precision): FSDP gathers the parameters in it for the forward.
     """
     if parallel == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # Inputs are not cast: the per-row cache carries float64 score statistics and fp32 scores.
-        if device.type == "cuda":  # bf16 compute, fp32 gradient reduction; the fp32 master copy stays sharded
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
-        else:  # the CPU trains in fp32
+        if compute_dtype != torch.float32:  # bf16 compute, fp32 gradient reduction; the fp32 master copy stays sharded
+            mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        else:  # fp32 (the CPU's default)
             mp = MixedPrecisionPolicy(cast_forward_inputs=False)
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
         for block in getattr(model, "blocks", []):

@@ -20,12 +20,14 @@ from longtrain.train.recipe import TrainConfig
 SCORE_PARAMS = "*scorer.weight"  # the SparseK scoring vectors (train.score_lr_scale)
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, *, fused: bool = False) -> torch.optim.AdamW:
     """AdamW with decoupled weight decay on matrices only (nanoGPT's split).
 
     Weights with 2+ dimensions (linear layers, embeddings) decay; biases,
-    norm gains and scoring vectors do not. The for-each implementation is
-    used everywhere so a resumed run takes bitwise the same steps.
+    norm gains and scoring vectors do not. `fused` (the trainer's choice on CUDA) is torch's fused
+    kernel: one launch for all parameters, no host sync, and it skips a step on the device when a
+    loss scaler found inf gradients; otherwise the for-each implementation. Either is deterministic,
+    so a resumed run takes bitwise the same steps (as long as it resumes on the same kind of device).
 
     Fine-tuning adds groups, only when asked (so older checkpoints resume): the scoring vectors
     under `train.score_lr_scale` (`lr_scale`), and the parameters that `train.freeze` holds
@@ -47,9 +49,16 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         })
         group["params"].append(p)
     groups = [g for key, g in groups.items() if g["params"] or key[1:] == (1.0, 0)]
-    return torch.optim.AdamW(
-        groups, lr=lr_at(1, cfg), betas=tuple(cfg.betas), foreach=True, fused=False
-    )
+    optimizer = torch.optim.AdamW(groups, lr=lr_at(1, cfg), betas=tuple(cfg.betas), foreach=not fused, fused=fused)
+    optimizer.register_load_state_dict_pre_hook(_keep_implementation)
+    return optimizer
+
+
+def _keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """A checkpoint's groups carry the implementation that saved them (a CPU run's for-each, a GPU's
+    fused); the resuming optimizer keeps its own, and torch then places the step counters for it."""
+    impl = {key: optimizer.defaults[key] for key in ("fused", "foreach")}
+    return {**state_dict, "param_groups": [{**g, **impl} for g in state_dict["param_groups"]]}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -80,8 +89,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float, *, step: int | None = No
         group["lr"] = lr * scale
 
 
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
-    """Clip the global gradient norm (0 turns clipping off); returns the norm before clipping.
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm (0 turns clipping off); returns the norm before clipping, a 0-d
+    tensor on the gradients' device (reading it is a host sync: the trainer does so at its log lines).
 
     With FSDP the gradients are shards (DTensors): their norm is a partial sum that `full_tensor`
     completes over the ranks, so every rank clips by the norm of the whole gradient.
@@ -92,4 +102,4 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float
         total = total.full_tensor()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return float(total)
+    return total

@@ -127,12 +127,23 @@ class AttentionConfig(_Section):
     scan: Literal["auto", "host", "device"] = Field(
         "auto", description="selection scan: auto (device on CUDA), host (CPU heaps) or device (GPU wavelet)"
     )
+    max_context: int | None = Field(
+        None, ge=1, description="full attention only: each query sees at most this many keys (itself "
+        "included), so the cache keeps the last max_context - 1 keys: a sliding window computed by SDPA, "
+        "with memory that stops growing. null: the whole document. May change on resume (e.g. after an "
+        "out-of-memory stop); the attention then changes from that step on"
+    )
 
     @model_validator(mode="after")
     def _type_matches_sizes(self) -> AttentionConfig:
         # The used sizes are required and positive; the unused ones must be absent or 0 and
         # become 0, so the model always reads two ints.
         problems = size_problems(self.type, self.topk, self.window)
+        if self.max_context is not None and self.type != "full":
+            problems.append(
+                f"attention.max_context caps full attention's growing cache; type {self.type} has a fixed-size "
+                "cache already (topk + window); hint: remove max_context, or use type full"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         for name in ("topk", "window"):
@@ -176,7 +187,16 @@ class TrainConfig(_Section):
         "ddp", description="with several ranks (torchrun): ddp replicates the model, fsdp shards parameters, "
         "gradients and optimizer state (FSDP2) for models that do not fit one device"
     )
-    compile: bool = Field(False, description="torch.compile the model")
+    compile: bool = Field(
+        False, description="torch.compile what surrounds the attention op (norms, projections, RoPE, MLPs, "
+        "residuals, the loss); the op keeps its own kernels. Costs a compile at the start (and one for "
+        "validation)"
+    )
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="compute precision: bf16 or fp16 autocast (fp16 with a loss scaler), or fp32; "
+        "auto is bf16 on CUDA and fp32 on the CPU. Weights, optimizer state, scores and thresholds stay "
+        "fp32; the KV cache is kept in the compute dtype"
+    )
     valid_every: int = Field(
         0, ge=0, description="steps between validation passes, plus one at the last step of a run at "
         "least this long (a shorter run is not validated); 0 turns it off"
@@ -198,6 +218,15 @@ class TrainConfig(_Section):
     freeze: FreezeConfig | None = Field(
         None, description="train only some parameters for the first steps (scorer-first warm-up)"
     )
+
+    @model_validator(mode="after")
+    def _fp16_not_sharded(self) -> TrainConfig:
+        if self.precision == "fp16" and self.parallel == "fsdp":
+            raise ValueError(
+                "train.precision fp16 is not supported with train.parallel fsdp (its loss scaler would need "
+                "sharded inf checks); hint: use precision bf16 with fsdp, or fp16 with ddp"
+            )
+        return self
 
     def warmup(self) -> int:
         """The warmup actually used: warmup_steps, or a tenth of a run shorter than it."""
@@ -321,7 +350,8 @@ def recipe_hash(recipe: Recipe, sections: Iterable[str] = ("model", "attention",
     """Stable hash of the sections that decide what a checkpoint can be loaded into.
 
     `attention.backend` and `attention.scan` are left out: they pick implementations, not
-    results, so a run started on the CPU may resume on a GPU.
+    results, so a run started on the CPU may resume on a GPU. `attention.max_context` is left out
+    too: it is what a full-attention run that ran out of memory resumes with.
     """
     dump = recipe.model_dump(mode="json", include=set(sections))
     for key, default in _MODEL_FIELDS_ADDED_LATER.items():  # so runs saved before them still resume
@@ -329,6 +359,7 @@ def recipe_hash(recipe: Recipe, sections: Iterable[str] = ("model", "attention",
             dump["model"].pop(key)
     dump.get("attention", {}).pop("backend", None)
     dump.get("attention", {}).pop("scan", None)
+    dump.get("attention", {}).pop("max_context", None)  # a memory cap the user may change on resume
     canonical = json.dumps(dump, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 

@@ -17,6 +17,14 @@ The run dir is safe to point at: one `fit` holds it at a time (`RunLock`), setup
 and from where to resume before anything is written (a refused resume leaves the directory as
 it was), and files a fresh start would replace are moved aside with a message, never deleted.
 
+Speed: one process makes no host synchronisation in a step outside the attention op. The loss, the
+gradient norm and the threshold-overflow flag stay on the device until `read_back`, at each log line
+(`logging.every`) and before validation and checkpoints: that is where a NaN loss stops the run
+(before anything is saved), where an overflow warning appears (so up to `logging.every` steps after
+it happened) and where metrics.jsonl gets the steps since the last log line. With `train.compile` the
+model's blocks around the op are compiled; the KV cache is kept in the compute dtype
+(`train.precision`); the head's loss is computed slice by slice (longtrain.model.loss).
+
 Under `torchrun` each rank runs this same loop on its own rows of the global batch
 (longtrain.train.distributed): rank 0 alone holds the run dir, prints, writes metrics and run
 files and commits checkpoints; decisions one rank takes for all (which checkpoint, whether to
@@ -27,22 +35,26 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from longtrain.console import make_console
 from longtrain.data import IGNORE, DocumentStream, PreparedCorpus, iter_valid_chunks, prepare_corpus
-from longtrain.model import LM, LMConfig
+from longtrain.data.stream import Chunk
+from longtrain.model import LM, LMConfig, ThresholdOverflowWarning
 from longtrain.model.attention_types import kv_entries
 from longtrain.train import distributed
 from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainState
 from longtrain.train.diagnostics import SelectionDiagnostics
 from longtrain.train.distributed import Ranks
+from longtrain.train import memory
 from longtrain.train.init import apply_freeze, init_from_checkpoint
 from longtrain.train.metrics import (
     METRICS_FILE,
@@ -62,6 +74,9 @@ from longtrain.train.run_dir import RunLock, move_aside
 from longtrain.train.signals import StopSignal, kill_for_tests_after
 
 RECIPE_FILE = "recipe.yaml"
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COMPILE_BACKEND_ENV = "LONGTRAIN_COMPILE_BACKEND"  # train.compile's backend: inductor, or aot_eager to debug
+COMPILE_MODE_ENV = "LONGTRAIN_COMPILE_MODE"  # torch.compile's mode to try, e.g. max-autotune-no-cudagraphs
 
 
 class TrainingError(Exception):
@@ -128,6 +143,8 @@ class Trainer:
         self.rank_notes: list[str] = []
         self.stop_agreed: int | None = None  # with several ranks: the signal any rank got, as all ranks know it
         self._warned_overflow = False
+        self.pending: list[dict] = []  # step records not yet written (their numbers may still be on the device)
+        self.overflow: torch.Tensor | None = None  # [] bool on the device: a threshold state overflowed since the last read
 
     # ------------------------------------------------------------------ the outline
 
@@ -140,7 +157,7 @@ class Trainer:
                     return self.result(seconds=0.0)
                 self.start_run()
                 t_start = time.monotonic()
-                with self.stop, self.display, self.metrics:
+                with self.stop, self.display, self.metrics, self.out_of_memory_help():
                     while self.state.step < self.cfg.steps and not self.stopping:
                         record = self.train_step()
                         if self.validation_due():
@@ -201,16 +218,24 @@ class Trainer:
         self.model = self.build_model(self.device)
         if self.cfg.init_from and self.resume_from is None:  # fine-tuning: weights only, the rest starts fresh
             self.init_notes = init_from_checkpoint(self.model, self.cfg.init_from, self.recipe)
+        if self.cfg.compile:  # before DDP/FSDP wrap it (torchtitan's order)
+            mode = {"mode": os.environ[COMPILE_MODE_ENV]} if os.environ.get(COMPILE_MODE_ENV) else {}
+            self.model.compile_blocks(backend=os.environ.get(COMPILE_BACKEND_ENV, "inductor"), **mode)
         self.train_model = self.parallelize()
         self.optimizer = self.build_optimizer()
+        # fp16: the loss scaler (its scale and growth tracker are in the checkpoint); otherwise it passes through
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.stream = self.build_stream()
-        self.cache = self.model.empty_cache(self.cfg.batch_docs, device=self.device, dtype=torch.float32)
+        self.cache = self.model.empty_cache(self.cfg.batch_docs, device=self.device, dtype=self.compute_dtype)
         self.selection = SelectionDiagnostics(self.model)  # per-layer pool statistics, summed on the device
         if self.resume_from is not None:
-            self.state, self.cache = self.checkpointer.restore(
+            self.state, cache = self.checkpointer.restore(
                 self.resume_from, model=self.train_model, optimizer=self.optimizer, stream=self.stream,
                 hashes=self.hashes, device=self.device, ranks=self.ranks, layout=self.layout(),
             )
+            self.cache = cache.with_kv_dtype(self.compute_dtype)  # older checkpoints kept a float32 cache
+            if self.state.grad_scaler and self.scaler.is_enabled():
+                self.scaler.load_state_dict(self.state.grad_scaler)
         self.start = replace(self.state)  # a copy: the state changes every step
 
     def read_inputs(self) -> dict | None:
@@ -273,10 +298,13 @@ class Trainer:
         cfg = self.cfg
         # train.freeze: DDP must look for parameters without gradients (FSDP2 follows requires_grad by itself)
         freezes = cfg.freeze is not None and cfg.freeze.steps > 0
-        return distributed.wrap_model(self.model, cfg.parallel, self.device, self.ranks, find_unused=freezes)
+        return distributed.wrap_model(
+            self.model, cfg.parallel, self.device, self.ranks, find_unused=freezes, compute_dtype=self.compute_dtype
+        )
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        return build_optimizer(self.model, self.cfg)  # FSDP: over the shards, after parallelize()
+        # FSDP: over the shards, after parallelize(); fused on CUDA (one kernel, no host sync)
+        return build_optimizer(self.model, self.cfg, fused=self.device.type == "cuda")
 
     def build_stream(self) -> DocumentStream:
         cfg, ranks = self.cfg, self.ranks
@@ -285,8 +313,28 @@ class Trainer:
             rank=ranks.rank, world_size=ranks.world_size,
         )
 
+    def device_type(self) -> str:
+        """cuda or cpu: this rank's device, or (a dry run starts none) the one train.device would pick."""
+        if hasattr(self, "device"):
+            return self.device.type
+        return "cuda" if self.cfg.device == "cuda" or (self.cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+    @property
+    def precision(self) -> str:
+        """train.precision, with auto resolved: bf16 on CUDA, fp32 on the CPU."""
+        if self.cfg.precision != "auto":
+            return self.cfg.precision
+        return "bf16" if self.device_type() == "cuda" else "fp32"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype activations and the KV cache take (weights and optimizer state stay float32)."""
+        return COMPUTE_DTYPES[self.precision]
+
     def autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+        if self.precision == "fp32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     # ------------------------------------------------------------------ the run starts: writes
 
@@ -354,17 +402,56 @@ class Trainer:
             lines.append(describe(r.data.recall))
         if self.ranks.parallel or self.cfg.parallel == "fsdp":
             lines.append(self.ranks_line())
+        lines.append(
+            f"compute: {self.precision}" + (" autocast" if self.precision != "fp32" else "")
+            + f", KV cache in {self.precision}" + (", loss scaling" if self.precision == "fp16" else "")
+            + (", compiled around the attention op" if cfg.compile else "")
+        )
+        lines += self.memory_lines()
         if self.resume_from is not None:
             lines.append(f"resuming from {self.resume_from} (step {self.state.step}, {self.state.tokens:,} tokens)")
         return lines + self.notes()
 
+    def memory_device(self) -> torch.device:
+        return self.device if hasattr(self, "device") else torch.device(self.device_type())
+
+    def estimate_memory(self, position: int) -> int:
+        """Estimated peak memory of a step with the rows at `position` (longtrain.train.memory)."""
+        return memory.estimate_training_bytes(
+            self.recipe, n_params=self.model.num_params(), vocab_size=self.model.cfg.vocab_size,
+            position=position, compute_dtype=self.compute_dtype,
+        )
+
+    def memory_lines(self) -> list[str]:
+        """The estimated peak memory at the furthest position the run reaches, and a warning if it does not fit."""
+        att = self.recipe.attention
+        position = memory.longest_position(self.corpus, self.cfg)
+        need, dev = self.estimate_memory(position), self.memory_device()
+        have = memory.device_memory_bytes(dev)
+        where = f"{memory.gib(have)} of {dev}" if dev.type == "cuda" else f"{memory.gib(have)} of RAM"
+        per = " per rank" if self.ranks.parallel else ""
+        if att.type == "full":
+            grows = f"full attention: it grows with the position, up to the longest document ({position:,} tokens)"
+            if att.max_context:
+                grows = f"full attention capped at attention.max_context = {att.max_context:,} keys"
+            line = f"memory: about {memory.gib(need)}{per} at document position {position:,} ({grows}); {where}"
+        else:
+            line = f"memory: about {memory.gib(need)}{per} at any document position (the KV cache has a fixed size); {where}"
+        if need <= have:
+            return [line]
+        fits = None
+        if att.type == "full":
+            fits = memory.max_context_that_fits(
+                self.recipe, budget=int(0.9 * have), n_params=self.model.num_params(),
+                vocab_size=self.model.cfg.vocab_size, compute_dtype=self.compute_dtype,
+            )
+        return [line, f"warning: this run needs about {memory.gib(need)} at document position {position:,} but {dev} "
+                f"has {memory.gib(have)}: it will likely run out of memory. To fit: {memory.advice(self.recipe, suggest_max_context=fits)}"]
+
     def ranks_line(self) -> str:
         """How the batch is spread over the ranks, and how rows take documents."""
         w, b = self.ranks.world_size, self.cfg.batch_docs
-        if hasattr(self, "device"):
-            kind = self.device.type
-        else:  # a dry run starts no ranks
-            kind = "cuda" if self.cfg.device == "cuda" or (self.cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+        kind = self.device_type()
         backend = f"{'nccl' if kind == 'cuda' else 'gloo'} on {kind}"
         how = "each rank holds a shard of the parameters, gradients and optimizer state (FSDP2)" if self.cfg.parallel == "fsdp" \
             else "each rank holds the whole model (DDP)"
@@ -391,7 +478,12 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> dict:
-        """One optimizer step over `grad_accum` chunks; returns its metrics record."""
+        """One optimizer step over `grad_accum` chunks; returns its metrics record.
+
+        One process reads nothing back from the device here (the op aside): the record's loss and
+        gradient norm stay tensors until `read_back`, which runs when this step ends a log interval or
+        precedes validation or a checkpoint.
+        """
         t0 = time.perf_counter()
         cfg = self.cfg
         step = self.state.step + 1
@@ -402,52 +494,117 @@ class Trainer:
         world = self.ranks.world_size
         loss_sum, step_tokens = torch.zeros((), device=self.device), 0
         for i in range(cfg.grad_accum):
-            chunk = self.stream.next_chunk()
-            step_tokens += chunk.global_tokens  # every rank's rows: the stream knows them all
-            chunk = chunk.to(self.device)
-            self.cache = self.cache.reset_rows(chunk.reset)  # a new document starts with an empty cache
+            host = self.stream.next_chunk()
+            step_tokens += host.global_tokens  # every rank's rows: the stream knows them all
+            chunk = self.to_device(host)
+            if host.reset.numpy().any():  # a new document starts with an empty cache (read on the host copy)
+                self.cache = self.cache.reset_rows(chunk.reset)
             # several ranks: gradients are reduced once per step, in the backward of its last chunk
             with distributed.gradient_sync(self.train_model, i == cfg.grad_accum - 1):
                 with self.autocast():
-                    out = self.train_model(chunk.tokens, cache=self.cache, lengths=chunk.lengths)
+                    out = self.train_model(
+                        chunk.tokens, cache=self.cache, lengths=chunk.lengths, targets=chunk.targets, check_overflow=False
+                    )
                 # this rank's share of the chunk's mean loss over every rank's targets
-                loss = lm_loss(out.logits, chunk.targets, denominator=chunk.global_targets)
+                loss = out.loss_sum / max(host.global_targets, 1)
                 # DDP and FSDP average gradients over the ranks: times the world size, the average is the
                 # sum of the shares, the gradient of the global mean (one rank: the mean itself)
-                (loss * world / cfg.grad_accum).backward()  # gradients stop at the (detached) cache
+                self.scaler.scale(loss * world / cfg.grad_accum).backward()  # gradients stop at the (detached) cache
             self.selection.update(self.cache, out)  # this rank's rows
-            self.cache = out.cache
-            loss_sum += loss.detach()  # summed on the device: one host sync per step, below
-            if out.overflowed:
-                self.warn_overflow()
+            self.cache = self.carry(out.cache, host)
+            loss_sum += loss.detach()  # summed on the device
+            if out.overflow is not None:
+                self.overflow = out.overflow if self.overflow is None else self.overflow | out.overflow
         loss = self.agree(loss_sum) / cfg.grad_accum
-        if not math.isfinite(loss):
-            where = f"; the last good checkpoint is {self.last_saved}" if self.last_saved else ""
-            raise TrainingError(
-                f"loss is {loss} at step {step}: stopping without saving{where}. "
-                "Lower train.lr or raise train.warmup_steps, then resume."
-            )
-        grad_norm = clip_grad_norm(self.train_model.parameters(), cfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.optimizer_step()
         self.state.step, self.state.tokens = step, self.state.tokens + step_tokens
-        self.last_loss = loss
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0  # without a sync: the time to queue the step (exact over a log interval)
         self.train_seconds += seconds
-        return {
+        record = {
             "step": step, "loss": loss, "tokens": self.state.tokens, "lr": lr, "grad_norm": grad_norm,
             "memory_bytes": peak_memory_bytes(self.device),  # rank 0's
             "doc_positions": [offset for _, offset in self.stream.rows],  # every rank's rows
             "step_s": round(seconds, 4),
         }
+        self.pending.append(record)
+        if self.read_back_due():
+            self.read_back()
+        return record
 
-    def agree(self, loss_sum: torch.Tensor) -> float:
+    def to_device(self, chunk: Chunk) -> Chunk:
+        """The chunk on this rank's device. To a GPU it goes from pinned memory without waiting: a copy
+        from pageable memory would wait for the device to finish its queue (a host sync per chunk)."""
+        if self.device.type != "cuda":
+            return chunk.to(self.device)
+        pinned = {f.name: getattr(chunk, f.name) for f in fields(chunk)}
+        pinned = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in pinned.items()}
+        return Chunk(**pinned).to(self.device, non_blocking=True)
+
+    def carry(self, cache, host: Chunk):
+        """The cache the next chunk continues from. Full attention: cut to the longest current document
+        (rows that finished a document leave only dead keys behind), read from the host copy of the chunk."""
+        if self.recipe.attention.type != "full":
+            return cache
+        return cache.keep_last(int(np.max(host.doc_offset.numpy() + host.lengths.numpy(), initial=0)))
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Unscale (fp16), clip, step and clear the gradients; returns the norm before clipping, on the device.
+
+        fp16: a step whose gradients hold inf or NaN is skipped (by the fused optimizer on the device) and
+        the loss scale backs off.
+        """
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = clip_grad_norm(self.train_model.parameters(), self.cfg.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def read_back_due(self) -> bool:
+        """This step prints a log line, validates or saves a checkpoint: its numbers are needed now."""
+        step = self.state.step
+        return step % self.recipe.logging.every == 0 or self.validation_due() or self.save_due()
+
+    def read_back(self) -> None:
+        """The pending steps' losses and gradient norms from the device, in one host sync.
+
+        A NaN or infinite loss stops the run here, before any validation or checkpoint of a later
+        step: the steps before it are written to metrics.jsonl, the checkpoint on disk is the last good one.
+        """
+        unread = [(r, key) for r in self.pending for key in ("loss", "grad_norm") if isinstance(r[key], torch.Tensor)]
+        flags = [self.overflow] if self.overflow is not None else []
+        if unread or flags:
+            values = torch.stack([r[key].detach().float().reshape(()) for r, key in unread] + [f.float() for f in flags])
+            numbers = values.tolist()
+            for (r, key), value in zip(unread, numbers):
+                r[key] = value
+            if flags and numbers[-1] > 0:
+                self.warn_overflow()
+            self.overflow = None
+        if unread:
+            self.pending[-1]["cache_fill"] = self.cache.fill()  # for the display's log line
+        step = self.state.step
+        if self.pending and (step % self.recipe.logging.every == 0 or step == self.cfg.steps) and (selection := self.selection.read()):
+            self.pending[-1]["selection"] = selection  # per layer (this rank's rows); one host read per log line
+        for i, r in enumerate(self.pending):
+            if not math.isfinite(r["loss"]):
+                self.write_records(self.pending[:i])  # they have been through log_step
+                del self.pending[:]
+                where = f"; the last good checkpoint is {self.last_saved}" if self.last_saved else ""
+                raise TrainingError(
+                    f"loss is {r['loss']} at step {r['step']}: stopping without saving{where}. "
+                    "Lower train.lr or raise train.warmup_steps, then resume."
+                )
+        self.last_loss = self.pending[-1]["loss"] if self.pending else self.last_loss
+
+    def agree(self, loss_sum: torch.Tensor) -> torch.Tensor | float:
         """The step's summed loss over every rank, and whether any rank was asked to stop (one collective).
 
-        Every rank then takes the same decisions: NaN, stop, save.
+        Every rank then takes the same decisions: NaN, stop, save. One rank: the loss stays on the device.
+        Several: the collective and its read-back are a host sync per step (the stop vote is needed now).
         """
         if not self.ranks.parallel:
-            return loss_sum.item()
+            return loss_sum
         votes = torch.stack([loss_sum.float(), torch.tensor(float(self.stop.requested), device=self.device)])
         total, stops = distributed.all_reduce_sum(votes).tolist()
         if stops and self.stop_agreed is None:
@@ -469,9 +626,15 @@ class Trainer:
     def warn_overflow(self) -> None:
         if not self._warned_overflow:
             self._warned_overflow = True
+            # the model's Python warning too (training reads the flag here, not in every forward)
+            warnings.warn(
+                "SparseK threshold state overflowed its cap: selection is no longer exact; raise attention.threshold_cap",
+                ThresholdOverflowWarning, stacklevel=2,
+            )
             self.warn(
-                "a layer's SparseK threshold state hit its cap (attention.threshold_cap); "
-                "thresholds are approximate from here. Raise attention.threshold_cap to keep them exact."
+                f"a layer's SparseK threshold state hit its cap (attention.threshold_cap) by step {self.state.step} "
+                "(it is read at log lines, so it may have happened up to logging.every steps earlier); "
+                "thresholds are approximate from there. Raise attention.threshold_cap to keep them exact."
             )
 
     def validation_due(self) -> bool:
@@ -480,7 +643,9 @@ class Trainer:
     def validate(self) -> dict:
         """A validation pass; returns its part of the step's record."""
         t0 = time.perf_counter()
-        loss = evaluate(self.model, self.corpus, self.cfg, self.device, self.ranks)  # sharded over the ranks
+        loss = evaluate(  # sharded over the ranks, in the training's precision
+            self.model, self.corpus, self.cfg, self.device, self.ranks, autocast=self.autocast, cache_dtype=self.compute_dtype,
+        )
         self.final_valid_loss = loss
         if self.state.best_valid_loss is None or loss < self.state.best_valid_loss:
             self.state.best_valid_loss = loss
@@ -489,20 +654,23 @@ class Trainer:
         return {"valid_loss": loss, "valid_ppl": ppl, "valid_s": round(time.perf_counter() - t0, 4)}
 
     def log_step(self, record: dict, *, elapsed: float) -> None:
-        """metrics.jsonl (and TensorBoard), then the console."""
+        """metrics.jsonl (and TensorBoard), then the console: every pending step once this one has been read back."""
+        record["elapsed_s"] = round(elapsed, 4)  # since this session's loop started (exact at read-back steps)
+        if not any(isinstance(record[k], torch.Tensor) for k in ("loss", "grad_norm")):
+            self.write_records(self.pending)
+            del self.pending[:]
+
+    def write_records(self, records: list[dict]) -> None:
         rows = self.stream.progress()["rows"]
-        step = record["step"]
-        if (step % self.recipe.logging.every == 0 or step == self.cfg.steps) and (selection := self.selection.read()):
-            record["selection"] = selection  # per layer (this rank's rows); one host read per log line
-        stats = StepStats(
-            step=record["step"], loss=record["loss"], lr=record["lr"], grad_norm=record["grad_norm"],
-            tokens=record["tokens"], seconds=record["step_s"], rows=[RowProgress(r["doc"], r["offset"], r["len"]) for r in rows],
-            cache_fill=self.cache.fill(), memory_bytes=record["memory_bytes"], selection=record.get("selection"),
-        )
-        self.display.update(stats)
-        record["tokens_per_s"] = round(self.display.tokens_per_s(), 1)  # over the display's recent window
-        record["elapsed_s"] = round(elapsed, 4)  # since this session's loop started
-        self.metrics.log(record)
+        for record in records:
+            stats = StepStats(
+                step=record["step"], loss=record["loss"], lr=record["lr"], grad_norm=record["grad_norm"],
+                tokens=record["tokens"], seconds=record["step_s"], rows=[RowProgress(r["doc"], r["offset"], r["len"]) for r in rows],
+                cache_fill=record.pop("cache_fill", None), memory_bytes=record["memory_bytes"], selection=record.get("selection"),
+            )
+            self.display.update(stats)
+            record["tokens_per_s"] = round(self.display.tokens_per_s(), 1)  # over the display's recent window
+            self.metrics.log(record)
 
     def save_due(self) -> bool:
         step = self.state.step
@@ -510,12 +678,45 @@ class Trainer:
 
     def save(self) -> None:
         """A checkpoint; with several ranks every rank writes its part and rank 0 commits it."""
+        self.read_back()  # a NaN since the last read stops here, unsaved (a no-op when already read)
+        self.write_records(self.pending)
+        del self.pending[:]
+        self.state.grad_scaler = self.scaler.state_dict() if self.scaler.is_enabled() else None
         self.last_saved = self.checkpointer.save(
             self.state, model=self.train_model, optimizer=self.optimizer, cache=self.cache, stream=self.stream,
             hashes=self.hashes, recipe=self.recipe, corpus=self.corpus, ranks=self.ranks, layout=self.layout(),
         )
         self.display.message(f"saved checkpoint {self.last_saved}")
         kill_for_tests_after(self.state.step, self.ranks.rank)
+
+    @contextmanager
+    def out_of_memory_help(self):
+        """An out-of-memory error becomes a TrainingError that says what to change, not a traceback."""
+        try:
+            yield
+        except RuntimeError as e:  # torch.OutOfMemoryError (CUDA), or the CPU allocator's RuntimeError
+            text = str(e)
+            if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()):
+                raise
+            raise TrainingError(self.out_of_memory_message(text)) from None
+
+    def out_of_memory_message(self, error: str) -> str:
+        step = self.state.step + 1
+        positions = [offset for _, offset in self.stream.rows] if hasattr(self, "stream") else []
+        where = f" (document positions {', '.join(f'{p:,}' for p in positions)})" if positions else ""
+        dev = self.memory_device()
+        have = memory.device_memory_bytes(dev)
+        fits = None
+        if self.recipe.attention.type == "full":
+            fits = memory.max_context_that_fits(
+                self.recipe, budget=int(0.9 * have), n_params=self.model.num_params(),
+                vocab_size=self.model.cfg.vocab_size, compute_dtype=self.compute_dtype,
+            )
+        first = error.strip().splitlines()[0][:300] if error.strip() else "out of memory"
+        resume = (f"The last checkpoint is {self.last_saved}: rerun the same command with the change to resume from it."
+                  if self.last_saved else "No checkpoint was saved yet; rerun with the change.")
+        return (f"out of memory at step {step}{where} on {dev} ({memory.gib(have)}): {first}\n"
+                f"To fit: {memory.advice(self.recipe, suggest_max_context=fits)}.\n{resume}")
 
     def result(self, *, seconds: float) -> FitResult:
         return FitResult(
@@ -540,48 +741,46 @@ def _n(count: int, noun: str) -> str:
     return f"{count:,} {noun}{'' if count == 1 else 's'}"
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, denominator: int | None = None) -> torch.Tensor:
-    """Mean next-token cross-entropy over the positions that have a target.
-
-    With `denominator`, the sum over this chunk's targets divided by it: a rank's share of the mean
-    over every rank's targets (at least 1, so a chunk without targets adds 0).
-    """
-    flat_logits, flat_targets = logits.float().flatten(0, 1), targets.flatten()
-    if denominator is None:
-        return F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE)
-    return F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE, reduction="sum") / max(denominator, 1)
-
-
 @torch.no_grad()
-def evaluate(model: LM, corpus: PreparedCorpus, cfg, device: torch.device, ranks: Ranks = Ranks()) -> float:
+def evaluate(
+    model: LM, corpus: PreparedCorpus, cfg, device: torch.device, ranks: Ranks = Ranks(), *,
+    autocast=nullcontext, cache_dtype: torch.dtype = torch.float32,
+) -> float:
     """Validation loss over held-out documents, read chunk-recurrently like training.
 
+    `autocast` and `cache_dtype`: the training's precision (the trainer passes its own). The summed
+    loss stays on the device until the end (one host sync per pass).
     With several ranks each reads its rows of every group of documents, in lockstep (a sharded
     model needs every rank in every forward), and the token-weighted sums are added over the ranks.
     """
     model.eval()
     docs = len(corpus.valid) if cfg.valid_docs is None else min(cfg.valid_docs, len(corpus.valid))
     rows = max(1, min(cfg.batch_docs, math.ceil(docs / ranks.world_size)))
-    cache = model.empty_cache(rows, device=device, dtype=torch.float32)
-    total, count = 0.0, 0
+    cache = model.empty_cache(rows, device=device, dtype=cache_dtype)
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     chunks = iter_valid_chunks(
         corpus.valid, cfg.chunk_size, batch_rows=rows, max_docs=cfg.valid_docs, max_tokens=cfg.valid_tokens,
         rank=ranks.rank, world_size=ranks.world_size,
     )
     sharded = distributed.is_sharded(model)
-    for chunk in chunks:
-        if not sharded and not bool(chunk.lengths.any()):  # this rank's rows are idle here (FSDP still joins in)
+    full = distributed.unwrap(model).cfg.attention == "full"
+    for host in chunks:
+        lengths = host.lengths.numpy()
+        if not sharded and not lengths.any():  # this rank's rows are idle here (FSDP still joins in)
             continue
-        chunk = chunk.to(device)
+        chunk = host.to(device)
         cache = cache.reset_rows(chunk.reset)
-        out = model(chunk.tokens, cache=cache, lengths=chunk.lengths)
+        with autocast():
+            out = model(chunk.tokens, cache=cache, lengths=chunk.lengths, targets=chunk.targets)
         cache = out.cache
-        n = int((chunk.targets != IGNORE).sum())
-        if n:
-            total += float(lm_loss(out.logits, chunk.targets)) * n
-            count += n
+        if full:  # the longest current document is all a full-attention cache needs
+            cache = cache.keep_last(int(np.max(host.doc_offset.numpy() + lengths, initial=0)))
+        total += out.loss_sum.double()
+        count += int((host.targets != IGNORE).sum())
     model.train()
     if ranks.parallel:
-        sums = distributed.all_reduce_sum(torch.tensor([total, count], dtype=torch.float64, device=device))
+        sums = distributed.all_reduce_sum(torch.stack([total, torch.tensor(float(count), dtype=torch.float64, device=device)]))
         total, count = sums.tolist()
+    else:
+        total = float(total)
     return total / max(count, 1)

@@ -55,17 +55,17 @@ def test_missing_recipe_and_bad_keys_are_named(workspace):
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workspace, monkeypatch):
     tmp, recipe = workspace
-    import longtrain.train.trainer as trainer
+    import longtrain.model.model as model
 
     calls = {"n": 0}
-    real = trainer.lm_loss
+    real = model.linear_cross_entropy
 
-    def poisoned(logits, targets, **kw):
+    def poisoned(h, weight, targets, **kw):
         calls["n"] += 1
-        loss = real(logits, targets, **kw)
+        loss = real(h, weight, targets, **kw)
         return loss * float("nan") if calls["n"] == 3 else loss
 
-    monkeypatch.setattr(trainer, "lm_loss", poisoned)
+    monkeypatch.setattr(model, "linear_cross_entropy", poisoned)
     r = cli("fit", recipe(steps=6, every=2), "--run-dir", tmp / "nan")
     assert r.exit_code == 1, r.output
     assert "loss is nan at step 3" in r.output and "step-00000002" in r.output

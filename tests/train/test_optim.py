@@ -41,9 +41,9 @@ def test_weight_decay_only_on_matrices():
 def test_clip_grad_norm_reports_the_norm_before_clipping():
     p = torch.nn.Parameter(torch.zeros(4))
     p.grad = torch.full((4,), 2.0)  # norm 4
-    assert clip_grad_norm([p], 0.0) == pytest.approx(4.0)
+    assert float(clip_grad_norm([p], 0.0)) == pytest.approx(4.0)
     assert torch.equal(p.grad, torch.full((4,), 2.0))  # 0 = off
-    assert clip_grad_norm([p], 1.0) == pytest.approx(4.0)
+    assert float(clip_grad_norm([p], 1.0)) == pytest.approx(4.0)
     assert p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
 
 
@@ -55,3 +55,28 @@ def test_a_warmup_longer_than_the_run_warms_up_over_its_first_tenth():
     assert TrainConfig(steps=5, warmup_steps=100).warmup() == 0  # shorter than 10 steps: none
     assert lr_at(1, TrainConfig(steps=5, lr=1e-3, warmup_steps=100)) > 0
     assert TrainConfig(steps=200, warmup_steps=100).warmup() == 100  # a warmup that fits is kept
+
+
+def test_fused_adamw_steps_like_foreach_and_resumes_either_way():
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5))  # noqa: E731
+    a, b = make(), make()
+    b.load_state_dict(a.state_dict())
+    cfg = TrainConfig(steps=10, lr=1e-2, warmup_steps=0)
+    opt_a, opt_b = build_optimizer(a, cfg), build_optimizer(b, cfg, fused=True)
+    x = torch.randn(4, 6)
+    for _ in range(3):
+        for m, opt in ((a, opt_a), (b, opt_b)):
+            m(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert (p - q).abs().max() <= 1e-6
+    # a for-each checkpoint resumed by a fused optimizer (CPU run -> GPU run) stays fused, and back
+    resumed = build_optimizer(b, cfg, fused=True)
+    resumed.load_state_dict(opt_a.state_dict())
+    assert all(g["fused"] and not g["foreach"] for g in resumed.param_groups)
+    assert all(s["step"].dtype == torch.float32 for s in resumed.state.values())
+    back = build_optimizer(a, cfg)
+    back.load_state_dict(opt_b.state_dict())
+    assert all(g["foreach"] and not g["fused"] for g in back.param_groups)

@@ -1,0 +1,150 @@
+"""How much device memory a training run needs, before it starts; and what to say when it runs out.
+
+`estimate_training_bytes` adds up, for one chunk of a step (per rank):
+  - weights, gradients and AdamW's two moments in float32 (16 bytes per parameter), plus the
+    compute-dtype copies autocast makes of the weights;
+  - the activations autograd keeps per layer: measured once on a small copy of one block (same style,
+    MLP ratio and precision, on the CPU) and scaled to d_model, plus the attention op's own (queries,
+    the keys and values it reads, output);
+  - the KV cache, twice (the chunk's input cache and the one it builds);
+  - full attention only: the keys grow with the position (up to the longest document, or
+    attention.max_context), and the chunk's mask [B, L, keys] (one tensor shared by the layers);
+  - the head's loss: one slice of logits and the head's gradients (longtrain.model.loss);
+and 15% for the allocator's fragmentation and kernel workspaces. It is a rough estimate (the
+benchmark `benchmarks/fit_throughput.py` prints it beside the measured peak); its purpose is the
+warning before a run that cannot fit, which names the remedies (`advice`).
+
+`device_memory_bytes` is the device's total memory (psutil's total RAM on the CPU). The environment
+variable LONGTRAIN_DEVICE_MEMORY (bytes, or e.g. "12GiB") overrides it, to rehearse a smaller device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import psutil
+import torch
+
+from longtrain.model.loss import SLICE_ELEMENTS
+
+DEVICE_MEMORY_ENV = "LONGTRAIN_DEVICE_MEMORY"
+FRAGMENTATION = 1.15
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
+          "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{DEVICE_MEMORY_ENV}={text!r}: expected bytes, e.g. 80GiB or 85899345920")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Total memory of `device` (LONGTRAIN_DEVICE_MEMORY overrides it)."""
+    if os.environ.get(DEVICE_MEMORY_ENV):
+        return parse_bytes(os.environ[DEVICE_MEMORY_ENV])
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return psutil.virtual_memory().total
+
+
+def gib(n: float) -> str:
+    """A size for people: GiB, or MiB below one GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+@functools.lru_cache(maxsize=32)
+def activation_bytes_per_token(style: str, mlp_ratio: float, dtype: torch.dtype) -> float:
+    """Bytes autograd keeps per token and per unit of d_model for one block outside the attention op.
+
+    Measured on a block of width 64 (the same style, MLP ratio and autocast dtype) with
+    saved-tensor hooks; weight copies are left out (they are counted with the weights).
+    """
+    from longtrain.model.model import LM, LMConfig, rope_angles
+
+    d, B, L = 64, 2, 47  # an odd token count: no weight's size is a multiple of it
+    cfg = LMConfig(vocab_size=8, layers=1, d_model=d, heads=1, style=style, mlp_ratio=mlp_ratio, attention="sw", window=2)
+    with torch.random.fork_rng(devices=[]):  # the run's random streams (dropout, a resumed RNG) stay untouched
+        blk = LM(cfg).blocks[0]
+        x = torch.randn(B, L, d, requires_grad=True)
+    weights = {tuple(p.shape) for p in blk.parameters()} | {tuple(p.shape[::-1]) for p in blk.parameters()}
+    rope = rope_angles(torch.arange(L)[None].expand(B, L), cfg.rotary_dim, cfg.rope_theta)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() % (B * L) == 0 and tuple(t.shape) not in weights:  # activations, not (copies of) weights
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            h, q, k, v = blk.enter(x, *rope)
+            blk.leave(x, q)  # q stands in for the op's output (same shape)
+    return sum(saved.values()) / (B * L * d)
+
+
+def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position: int, compute_dtype: torch.dtype) -> int:
+    """Peak memory of one training chunk with the rows at document position `position` (per rank)."""
+    m, att, cfg = recipe.model, recipe.attention, recipe.train
+    e = torch.empty((), dtype=compute_dtype).element_size()
+    d, layers, B, L = m.d_model, m.layers, cfg.batch_docs, cfg.chunk_size
+    H, Hkv = m.heads, m.kv_heads or m.heads
+    D = d // H
+    mlp_ratio = (m.intermediate_size / d) if m.intermediate_size else m.mlp_ratio
+
+    state = n_params * (16 + (e if e < 4 else 0))
+    acts = layers * B * L * d * activation_bytes_per_token(m.style, mlp_ratio, compute_dtype)
+    kv = Hkv * D * 2 * e  # bytes of one cached key and its value
+    if att.type == "full":
+        keys = min(position, (att.max_context - 1 + L) if att.max_context else position)  # the chunk sees
+        # the chunk's input cache and the one it builds (whose keys SDPA keeps for the backward);
+        # grouped-query attention repeats the keys for SDPA's masked kernels
+        cache = layers * B * (max(keys - L, 0) + keys) * kv
+        op_keys = layers * B * keys * kv * (H // Hkv) if H != Hkv else 0
+        mask = B * L * keys * e
+    else:
+        cached = (att.topk or 0) + max((att.window or 0) - 1, 0)
+        cache = 2 * layers * B * cached * kv
+        op_keys = layers * B * (cached + L) * kv  # the op's [pool][tail][chunk] keys and values
+        mask = 0
+    op = layers * B * (2 * L * H * D * e + 4 * L * H) + op_keys  # q and o, a float32 row statistic
+    rows = max(1, SLICE_ELEMENTS // vocab_size)
+    loss = min(rows, B * L) * vocab_size * (2 * e + 8) + B * L * d * 4 + vocab_size * d * 4
+    embed = 3 * B * L * d * 4  # the embedding's output, the final norm's input and output
+    return int(FRAGMENTATION * (state + acts + op + cache + mask + loss + embed))
+
+
+def longest_position(corpus, cfg) -> int:
+    """The furthest document position a run reaches: its longest training document, or validation's."""
+    train = int(corpus.train.lengths.max()) if len(corpus.train) else 0
+    valid = min(int(corpus.valid.lengths.max()), cfg.valid_tokens) if cfg.valid_every and len(corpus.valid) else 0
+    return max(train, valid, 1)
+
+
+def max_context_that_fits(recipe, *, budget: int, **kw) -> int | None:
+    """The largest attention.max_context (a power of two ≥ 1024) whose estimate fits in `budget` bytes."""
+    fits = None
+    mc = 1024
+    while mc <= 2**24:
+        r = recipe.model_copy(update={"attention": recipe.attention.model_copy(update={"max_context": mc})})
+        if estimate_training_bytes(r, position=mc + recipe.train.chunk_size, **kw) > budget:
+            break
+        fits, mc = mc, mc * 2
+    return fits
+
+
+def advice(recipe, *, suggest_max_context: int | None = None) -> str:
+    """What to change when a run does not fit its device."""
+    cfg, att = recipe.train, recipe.attention
+    tips = [f"a smaller train.chunk_size (now {cfg.chunk_size}; --set train.chunk_size={max(cfg.chunk_size // 2, 1)}), "
+            f"or fewer train.batch_docs (now {cfg.batch_docs})"]
+    if att.type == "full":
+        mc = f"--set attention.max_context={suggest_max_context}" if suggest_max_context else "--set attention.max_context=N"
+        tips.append(f"cap full attention's cache with {mc} (each query then sees the last N keys: a sliding window)")
+        tips.append("or train with attention.type sparsek+sw, whose cache has a fixed size")
+    elif cfg.precision in ("fp32",):
+        tips.append("or train.precision bf16")
+    return "; ".join(tips)

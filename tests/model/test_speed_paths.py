@@ -1,0 +1,122 @@
+"""The trainer's fast paths in the model: the sliced head loss, compiled blocks, max_context, the cache dtype.
+
+Each is checked against its plain counterpart on fresh random inputs in float64 (compiled with the
+aot_eager backend: the same graphs without Inductor's code generation, which is slow on a CI CPU).
+"""
+
+import pytest
+import torch
+
+from longtrain.model import LM, LMConfig
+from longtrain.model.loss import linear_cross_entropy, linear_cross_entropy_reference
+
+SMALL = dict(vocab_size=61, layers=2, d_model=32, heads=4)
+
+
+def make(**kw) -> LM:
+    torch.manual_seed(0)
+    return LM(LMConfig(**{**SMALL, **kw})).double()
+
+
+@pytest.mark.parametrize("N, V, rows", [(37, 53, 10), (64, 29, 64), (5, 300, 1)])
+def test_sliced_loss_equals_cross_entropy_and_keeps_no_full_logits(N, V, rows):
+    torch.manual_seed(N)
+    h = torch.randn(N, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, 16, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, V, (N,))
+    t[::3] = -100  # positions without a target
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(tuple(x.shape)) or x, lambda x: x):
+        got = linear_cross_entropy(h, w, t, slice_rows=rows)
+    ref = linear_cross_entropy_reference(h, w, t)
+    assert abs(got.item() - ref.item()) <= 1e-10 * abs(ref.item())
+    g_got = torch.autograd.grad(got * 1.5, (h, w))
+    g_ref = torch.autograd.grad(ref * 1.5, (h, w))
+    for a, b in zip(g_got, g_ref):
+        assert (a - b).abs().max() <= 1e-12
+    assert sorted(saved) == sorted([(N, 16), (V, 16)])  # what backward keeps: dh and dW, never [N, V] logits
+    with torch.no_grad():  # validation: the loss alone
+        assert abs(linear_cross_entropy(h, w, t, slice_rows=rows).item() - ref.item()) <= 1e-10 * abs(ref.item())
+
+
+def test_sliced_loss_under_bf16_autocast_matches_to_rounding():
+    torch.manual_seed(1)
+    h = torch.randn(2, 40, 32, requires_grad=True)
+    w = torch.randn(97, 32, requires_grad=True)
+    t = torch.randint(0, 97, (2, 40))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, ref = linear_cross_entropy(h, w, t, slice_rows=16), linear_cross_entropy_reference(h, w, t)
+    assert got.dtype == ref.dtype == torch.float32
+    assert abs(got.item() - ref.item()) <= 1e-3 * ref.item()
+    for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(ref, (h, w))):
+        assert a.dtype == b.dtype == torch.float32
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max()
+
+
+def test_forward_with_targets_is_the_loss_of_the_logits():
+    model = make(attention="sparsek+sw", topk=4, window=6)
+    tokens = torch.randint(0, 61, (2, 50))
+    targets = torch.randint(0, 61, (2, 50))
+    targets[1, 30:] = -100
+    out = model(tokens, targets=targets)
+    ref = linear_cross_entropy_reference(model(tokens).hidden, model.unembed.weight if model.unembed else model.embed.weight, targets)
+    assert out.logits is None and abs(out.loss_sum.item() - ref.item()) <= 1e-9 * ref.item()
+    out.loss_sum.backward()
+    assert model.embed.weight.grad is not None  # gpt2 ties the head to the embedding
+
+
+def test_compiled_blocks_equal_eager_chunked_and_unchunked():
+    torch._dynamo.reset()
+    kw = dict(style="llama", kv_heads=2, attention="sparsek+sw", topk=5, window=8)
+    eager, compiled = make(**kw), make(**kw)
+    compiled.compile_blocks(backend="aot_eager")
+    tokens, targets = torch.randint(0, 61, (2, 90)), torch.randint(0, 61, (2, 90))
+    ref = eager(tokens, targets=targets)
+    cache, loss = compiled.empty_cache(2, dtype=torch.float64), 0.0
+    for s in range(0, 90, 30):  # chunked and compiled: the same hidden states and loss as one eager pass
+        out = compiled(tokens[:, s : s + 30], cache=cache, targets=targets[:, s : s + 30])
+        assert (out.hidden - ref.hidden[:, s : s + 30]).abs().max() <= 1e-9
+        cache, loss = out.cache, loss + out.loss_sum
+    assert abs(loss.item() - ref.loss_sum.item()) <= 1e-9 * ref.loss_sum.item()
+    first = eager(tokens[:, :30], targets=targets[:, :30]).loss_sum
+    first.backward()  # gradients of the first chunk: compiled == eager
+    compiled.zero_grad()
+    compiled(tokens[:, :30], targets=targets[:, :30]).loss_sum.backward()
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert (p.grad - q.grad).abs().max() <= 1e-9, name
+
+
+@torch.no_grad()
+def test_max_context_is_a_sliding_window_for_full_attention():
+    full, sw = make(attention="full", max_context=12), make(attention="sw", window=12)
+    sw.load_state_dict(full.state_dict())  # the same weights (neither has a scorer)
+    tokens = torch.randint(0, 61, (2, 80))
+    ref = sw(tokens).logits
+    assert (full(tokens).logits - ref).abs().max() <= 1e-9  # unchunked
+    cache, parts = full.empty_cache(2, dtype=torch.float64), []
+    for s in range(0, 80, 7):  # chunks shorter and longer than nothing in particular
+        out = full(tokens[:, s : s + 7], cache=cache)
+        cache, parts = out.cache, parts + [out.logits]
+        assert cache.layers[0].attn.full_k.shape[1] <= 11  # the last max_context - 1 keys
+    assert (torch.cat(parts, 1) - ref).abs().max() <= 1e-9
+    with pytest.raises(ValueError, match="max_context"):
+        make(attention="sw", window=4, max_context=8)
+
+
+@torch.no_grad()
+def test_kv_dtype_cast_and_keep_last():
+    model = make(attention="sparsek+sw", topk=4, window=6)
+    cache = model(torch.randint(0, 61, (2, 30))).cache
+    half = cache.with_kv_dtype(torch.bfloat16)
+    a, b = cache.layers[0].attn, half.layers[0].attn
+    assert b.pool_k.dtype == b.tail_v.dtype == torch.bfloat16
+    assert b.pool_u.dtype == a.pool_u.dtype and b.thr_u.dtype == torch.float64  # scores and thresholds keep theirs
+    assert torch.equal(b.pool_k.double(), a.pool_k.to(torch.bfloat16).double())
+    assert half.keep_last(3).layers[0].attn is b  # fixed-size caches are left alone
+
+    full = make(attention="full")
+    cache = full(torch.randint(0, 61, (2, 30))).cache
+    cut = cache.reset_rows(torch.tensor([True, False])).keep_last(10)
+    attn = cut.layers[1].attn
+    assert attn.full_k.shape[1] == 10 and torch.equal(attn.full_pos[1], torch.arange(20, 30))
+    assert (attn.full_pos[0] == -1).all()
