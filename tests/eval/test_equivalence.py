@@ -54,6 +54,38 @@ def test_a_broken_cache_fails(tmp_path):
     assert res.exit_code == 1, res.output
     run = json.loads(out.read_text())["runs"][0]
     assert run["selection_agreement"] < 1.0 and run["max_abs_logit_diff"] > 1e-9
+    # Every layer loses its pool at the first boundary: the first query of the second chunk diverges there.
+    assert [la["layer"] for la in run["layers"]] == [0, 1]
+    for la in run["layers"]:
+        assert la["first_divergence"] == 500 and la["agreement"] < 1.0
+        assert la["theta_pos"][0] != la["theta_pos"][1] and len(la["tau"]) == 2
+    assert "first divergent" in res.output
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "bfloat16-weights"])
+def test_bfloat16_modes_report_every_layer(tmp_path, dtype):
+    out = tmp_path / "out.json"
+    res = verify("--tokens", "1200", "--chunk-size", "300", "--dtype", dtype, "--json", str(out))
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert report["dtype"] == dtype and report["min_agreement"] == 0.999
+    run = report["runs"][0]
+    assert [la["layer"] for la in run["layers"]] == [0, 1]
+    for la in run["layers"]:
+        assert la["agreement"] >= 0.999 and (la["first_divergence"] is None) == (la["agreement"] == 1.0)
+
+
+def test_bfloat16_is_autocast_over_float32_weights():
+    """--dtype bfloat16 runs as `longtrain fit` trains: float32 weights and residual stream, bf16 matmuls."""
+    from longtrain.eval.equivalence import DTYPES, precision_context
+
+    model = LM(LMConfig(vocab_size=64, layers=1, d_model=32, heads=2, attention="sparsek+sw", topk=4, window=4))
+    model = model.to("cpu", DTYPES["bfloat16"])
+    assert model.embed.weight.dtype == torch.float32
+    with precision_context("bfloat16", torch.device("cpu")):
+        out = model(torch.randint(0, 64, (1, 20)))
+    assert out.hidden.dtype == torch.float32 and out.logits.dtype == torch.bfloat16
+    assert DTYPES["bfloat16-weights"] == torch.bfloat16
 
 
 def test_float32_thresholds_can_be_set():
@@ -110,6 +142,7 @@ def test_recipe_checkpoint_and_text(tmp_path, self_contained):
         (["--tokens", "1"], "--tokens"),
         (["--chunk-size", "0"], "--chunk-size"),
         (["--dtype", "float16"], "--dtype"),
+        (["--dtype", "bf16"], "bfloat16-weights"),
         (["--device", "tpu"], "--device"),
         (["--text", "/nonexistent/doc.txt"], "no such file"),
         (["--recipe", "/nonexistent/r.yaml"], "not found"),
