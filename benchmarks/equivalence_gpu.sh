@@ -11,6 +11,8 @@
 # trained: a short gutenberg-sparsek run (DATA/train, DATA/valid; stopped by SIGINT after TRAIN_SECONDS,
 #          which saves a checkpoint), then the same table over DATA/valid's books as one document.
 # Results: OUT/log.txt and OUT/results.tgz (every JSON); BEFORE may be left unset to measure AFTER alone.
+# trained also leaves the checkpoint's weights as OUT/model.safetensors.part-* (+ recipe, tokenizer in the
+# tgz); CKPT=folder holding those skips training and measures that checkpoint. ORDER picks the runs.
 set -uo pipefail
 STAGE=$1
 TOKENS=${TOKENS:-1048576}
@@ -61,18 +63,29 @@ random)
     ;;
 trained)
     RUN=/tmp/gs-run
-    echo "=== train gutenberg-sparsek for ${TRAIN_SECONDS:-150} s"
-    (cd "$AFTER" && PYTHONPATH="/tmp/site:$PWD" timeout -s INT "${TRAIN_SECONDS:-150}" python -m longtrain.cli fit gutenberg-sparsek \
-        --run-dir "$RUN" --set data.path="$DATA/train" --set data.valid="$DATA/valid" --set train.valid_every=0 \
-        --set checkpoint.every=100000 --set logging.progress=false --set logging.every=100)
-    echo "(exit $?)"
-    cp "$RUN/metrics.jsonl" "$RES/train-metrics.jsonl" 2>/dev/null
+    if [ -n "${CKPT:-}" ]; then  # a checkpoint brought back from an earlier call: CKPT/{model.safetensors.part-*,recipe.yaml,tokenizer.json}
+        echo "=== rebuild the checkpoint from $CKPT"
+        (cd "$AFTER" && PYTHONPATH="/tmp/site:$PWD" python benchmarks/equivalence_gpu_ckpt.py rebuild "$CKPT" "$RUN")
+    else
+        echo "=== train gutenberg-sparsek for ${TRAIN_SECONDS:-150} s"
+        (cd "$AFTER" && PYTHONPATH="/tmp/site:$PWD" timeout -s INT "${TRAIN_SECONDS:-150}" python -m longtrain.cli fit gutenberg-sparsek \
+            --run-dir "$RUN" --set data.path="$DATA/train" --set data.valid="$DATA/valid" --set train.valid_every=0 \
+            --set checkpoint.every=100000 --set logging.progress=false --set logging.every=100)
+        echo "(exit $?)"
+        cp "$RUN/metrics.jsonl" "$RES/train-metrics.jsonl" 2>/dev/null
+        # The weights in parts small enough to come back (OUT takes files of at most 16 MiB), for a later call.
+        (cd "$AFTER" && PYTHONPATH="/tmp/site:$PWD" python benchmarks/equivalence_gpu_ckpt.py export "$RUN" "$OUT")
+    fi
     cat "$DATA"/valid/*.txt > /tmp/doc.txt
-    for tree in ${BEFORE:+before} after; do
-        dir=$AFTER; [ $tree = before ] && dir=$BEFORE
-        for dtype in float32 bfloat16; do verify "$dir" "trained-$tree" $dtype --checkpoint "$RUN" --text /tmp/doc.txt; done
+    for item in ${ORDER:-after:float32 after:bfloat16 before:bfloat16 before:float32 diag-before:bfloat16 diag-after:bfloat16}; do
+        tree=${item%%:*} dtype=${item#*:}
+        dir=$AFTER; case $tree in *before) dir=${BEFORE:-};; esac
+        [ -z "$dir" ] && continue
+        case $tree in
+        diag-*) diagnose "$dir" "trained-${tree#diag-}" "$dtype" --chunk-size 3001 --checkpoint "$RUN" --text /tmp/doc.txt;;
+        *) verify "$dir" "trained-$tree" "$dtype" --checkpoint "$RUN" --text /tmp/doc.txt;;
+        esac
     done
-    [ -n "${BEFORE:-}" ] && diagnose "$BEFORE" trained-before bfloat16 --chunk-size 3001 --checkpoint "$RUN" --text /tmp/doc.txt
     ;;
 esac
 save

