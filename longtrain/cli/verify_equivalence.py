@@ -17,12 +17,17 @@ def verify_equivalence(
     text: Path = typer.Option(None, "--text", help="a text file as the document (default: random tokens)"),
     tokens: int = typer.Option(65536, "--tokens", help="document length in tokens (truncates --text)"),
     chunk_size: list[int] = typer.Option(None, "--chunk-size", help="chunk size (repeatable; default 1024, 4096, 3001)"),
-    dtype: str = typer.Option(None, "--dtype", help="float64 | float32 | bfloat16 (default: float64 on cpu, float32 on cuda)"),
+    dtype: str = typer.Option(
+        None, "--dtype",
+        help="float64 | float32 | bfloat16 | bfloat16-weights (default: float64 on cpu, float32 on cuda). bfloat16 is "
+             "bf16 autocast over float32 weights, the precision `longtrain fit` trains in; bfloat16-weights casts the "
+             "whole model to bf16 (bf16 residual stream)",
+    ),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
     seed: int = typer.Option(0, "--seed", help="seed of the random model and tokens"),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
     max_logit_diff: float = typer.Option(None, "--max-logit-diff", help="pass threshold (default: 1e-9 float64, 1e-2 float32, 0.5 bfloat16)"),
-    min_agreement: float = typer.Option(None, "--min-agreement", help="pass threshold on selection agreement (default: 1 float64, 0.99 float32, 0.8 bfloat16)"),
+    min_agreement: float = typer.Option(None, "--min-agreement", help="pass threshold on every layer's selection agreement (default: 1 float64, 0.9999 float32, 0.999 bfloat16)"),
 ) -> None:
     """Check that reading a document in chunks gives what one unchunked pass gives (exit 0 pass, 1 fail, 2 usage)."""
     from longtrain.eval.equivalence import UsageError, run_command

@@ -45,8 +45,10 @@ class Scorer(nn.Module):
         """(u [B, L, G], next score_sum, next score_sumsq)."""
         sd = score_dtype(x.dtype)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            r = x.to(sd) @ self.weight.to(sd).t()  # [B, L, G]
-        r64 = torch.where(valid[..., None], r.to(torch.float64), 0.0)
+            # float64 from the first operation: a float32 product's last bit depends on the kernel the
+            # matmul picks for the chunk's shape, and one ulp of u can swap two keys at the k-th score.
+            r = x.to(torch.float64) @ self.weight.to(torch.float64).t()  # [B, L, G]
+        r64 = torch.where(valid[..., None], r, 0.0)
         # Prefix sums that start from the carried totals: [carry, r_0, r_1, ...] -> drop the carry.
         csum = torch.cat([score_sum[:, None].to(r64), r64], 1).cumsum(1)[:, 1:]  # [B, L, G]
         csq = torch.cat([score_sumsq[:, None].to(r64), r64 * r64], 1).cumsum(1)[:, 1:]

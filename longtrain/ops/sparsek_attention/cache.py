@@ -4,15 +4,17 @@ After a row has processed document positions [0, t) it holds (DESIGN.md section 
   - the pool: K, V, u, position of the top-k candidates (positions <= t - max(w, 1));
   - the tail: K, V, u of positions t-(w-1) .. t-1 (slot s <-> position t-(w-1)+s);
   - the threshold state: the scores still above tau (no K/V), split into saturated and fractional;
-  - t itself (`seen`).
-Everything but K and V is the selection's state (selection.SelectionState), which the cache extends:
+  - t itself (`seen`);
+  - the positions of the pool at the last query tile start a = t - t mod G (no K/V): a chunk that
+    starts inside a tile lays that tile out as the unchunked pass does (aligned.py).
+Everything but K, V and the tile's pool is the selection's state (selection.SelectionState), which the cache extends:
 the scans read the cache's own tensors. KV memory is k + w - 1 entries whatever the document length;
 every tensor is detached.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 import torch
 
@@ -25,6 +27,24 @@ class SparseKCache(SelectionState):
     pool_v: torch.Tensor  # [B, K, Hkv, D]
     tail_k: torch.Tensor  # [B, W-1, Hkv, D]
     tail_v: torch.Tensor  # [B, W-1, Hkv, D]
+    # The pool at query tile start `tile_pool_at` (positions ascending, -1 empty; at = -1: unknown).
+    # Optional so that caches saved before they existed still load (unknown: exact, maybe not bitwise).
+    tile_pool_pos: torch.Tensor | None = None  # [B, K] int64
+    tile_pool_at: torch.Tensor | None = None  # [B] int64
+
+    def __post_init__(self):
+        if self.tile_pool_pos is None or self.tile_pool_at is None:
+            B, dev = self.seen.shape[0], self.seen.device
+            self.tile_pool_pos = torch.full((B, self.pool_pos.shape[1]), -1, dtype=torch.int64, device=dev)
+            self.tile_pool_at = torch.full((B,), -1, dtype=torch.int64, device=dev)
+
+    @classmethod
+    def from_state_dict(cls, d: dict[str, torch.Tensor]) -> "SparseKCache":
+        """As the selection state's, the tile's pool optional (caches saved before it existed: unknown)."""
+        missing = [f.name for f in fields(cls) if f.name not in d and f.default is MISSING]
+        if missing:
+            raise KeyError(f"{cls.__name__} state is missing {missing}")
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     @classmethod
     def empty(
@@ -48,6 +68,8 @@ class SparseKCache(SelectionState):
             pool_v=torch.zeros(batch, topk, kv_heads, head_dim, **kv),
             tail_k=torch.zeros(batch, tail, kv_heads, head_dim, **kv),
             tail_v=torch.zeros(batch, tail, kv_heads, head_dim, **kv),
+            tile_pool_pos=torch.full((batch, topk), -1, dtype=torch.int64, device=device),  # the empty pool at 0
+            tile_pool_at=torch.zeros(batch, dtype=torch.int64, device=device),
         )
 
     def reset_rows(self, mask: torch.Tensor) -> "SparseKCache":

@@ -20,15 +20,30 @@ import torch
 VARIANTS = ("hard_k_soft_v", "soft_kv", "straight_through")
 
 
-def block_key_indices(block_pool: torch.Tensor, n_ext: int, topk: int, window: int, tail_slots: int, block: int, n_blocks: int):
-    """Ext indices [B, nb, K + w + G - 1] of each query block's keys (-1: none)."""
+def pools_by_position(block_pool: torch.Tensor, pos_ext: torch.Tensor) -> torch.Tensor:
+    """Each block's pool [B, nb, K] in ascending key position (empty slots first): the layout a block's
+    pool keys are summed in must not depend on the scan's slot history, which differs between a
+    chunked and an unchunked pass (issue 24); the kernels order their pool tiles the same way."""
+    B, nb, K = block_pool.shape
+    kpos = pos_ext.gather(1, block_pool.clamp(min=0).reshape(B, nb * K)).view(B, nb, K)
+    order = torch.where(block_pool >= 0, kpos, -1).argsort(dim=-1, stable=True)
+    return block_pool.gather(-1, order)
+
+
+def block_key_indices(block_pool: torch.Tensor, n_ext: int, topk: int, window: int, tail_slots: int, block: int, n_blocks: int,
+                      pos_ext: torch.Tensor | None = None):
+    """Ext indices [B, nb, K + w + G - 1] of each query block's keys (-1: none); with pos_ext, each
+    block's pool in ascending position."""
     B, dev = block_pool.shape[0], block_pool.device
     band = window + block - 1
     # Ext index of position p is topk + tail_slots + (p - t0); the band starts at i0 - w + 1.
     start = topk + tail_slots - window + 1 + torch.arange(n_blocks, device=dev) * block  # [nb]
     band_idx = start[:, None] + torch.arange(band, device=dev)[None, :]  # [nb, band]
     band_idx = torch.where((band_idx >= topk) & (band_idx < n_ext), band_idx, -1)
-    return torch.cat([block_pool[:, :n_blocks], band_idx.expand(B, -1, -1)], dim=-1)
+    pool = block_pool[:, :n_blocks]
+    if pos_ext is not None:
+        pool = pools_by_position(pool, pos_ext.to(dev))
+    return torch.cat([pool, band_idx.expand(B, -1, -1)], dim=-1)
 
 
 def sparsek_attention_core_naive(
@@ -59,7 +74,7 @@ def sparsek_attention_core_naive(
     Lp = nb * block
     dev = q.device
 
-    keys = block_key_indices(block_pool.to(dev), N, topk, window, tail_slots, block, nb)  # [B, nb, Kb]
+    keys = block_key_indices(block_pool.to(dev), N, topk, window, tail_slots, block, nb, pos_ext=pos_ext)  # [B, nb, Kb]
     Kb = keys.shape[-1]
 
     def pad_q(x, value):  # [B, L] -> [B, Lp]

@@ -5,7 +5,9 @@ A chunk call runs four stages, each a public function that benchmarks and tests 
   2. select (longtrain.ops.selection): the selection scan, continuing from the cache's threshold state;
   3. attend: the attention core (the naive reference or the Triton kernels, one signature);
   4. next_cache: the top-k pool after the chunk and the last w-1 positions as the tail, detached.
-Everything stored in the cache is detached: gradients stop at the chunk boundary.
+Everything stored in the cache is detached: gradients stop at the chunk boundary. Without gradients
+the core's query tiles sit at absolute positions (aligned.py), so each query is computed bitwise as in
+the unchunked pass wherever the chunk starts (issue 24).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from longtrain.ops.selection import ExtendedScores, ScanResult, ThresholdFn, lay_out_scores, select
 from longtrain.ops.selection.chunk import carried, check_scan, next_state, triton_available
+from longtrain.ops.sparsek_attention.aligned import aligned_inputs, next_tile_pool, query_tile
 from longtrain.ops.sparsek_attention.cache import SparseKCache
 from longtrain.ops.sparsek_attention.naive import VARIANTS, sparsek_attention_core_naive
 
@@ -92,28 +95,45 @@ def lay_out_keys(cache: SparseKCache, k: torch.Tensor, v: torch.Tensor, u: torch
 
 def attend(q: torch.Tensor, keys: ExtendedKeys, scan: ScanResult, tau: torch.Tensor, *, window: int,
            variant: str = "hard_k_soft_v", scale: float | None = None, block: int = 64,
-           backend: str = "auto") -> torch.Tensor:
+           backend: str = "auto", tile_pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Stage 3: o [B, L, H, D] of the chunk's queries q over their window and selected keys, gated by tau
-    [B, L] (differentiable: ThresholdFn of the chunk's scores in the op)."""
+    [B, L] (differentiable: ThresholdFn of the chunk's scores in the op).
+
+    Without gradients the query tiles sit at absolute positions (aligned.py); tile_pool, the cache's
+    (tile_pool_pos, tile_pool_at), lets a chunk that starts inside a tile lay it out to the bit as the
+    unchunked pass does (None: the same results, maybe not to the bit)."""
+    name = _pick_backend(backend, q)
     core = sparsek_attention_core_naive
-    if _pick_backend(backend, q) == "triton":
+    if name == "triton":
         from longtrain.ops.sparsek_attention.triton_core import sparsek_attention_core_triton as core
 
-    return core(q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, scan.theta_u, scan.theta_pos, tau, scan.block_pool,
-                topk=keys.topk, window=window, tail_slots=keys.tail_slots, variant=variant, scale=scale, block=block)
+    args = (q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, scan.theta_u, scan.theta_pos, tau, scan.block_pool)
+    aligned = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys.k, keys.v, keys.u)))
+    if aligned:
+        args, cut_back = aligned_inputs(q, keys, scan, tau, tile_pool, window=window, tile=query_tile(name, block),
+                                        block=block)
+    o = core(*args, topk=keys.topk, window=window, tail_slots=keys.tail_slots, variant=variant, scale=scale,
+             block=block)
+    return cut_back(o) if aligned else o
 
 
 @torch.no_grad()
-def next_cache(cache: SparseKCache, keys: ExtendedKeys, scan: ScanResult) -> SparseKCache:
-    """Stage 4: the cache after the chunk: the selection's next state and the K, V of its pool and tail."""
+def next_cache(cache: SparseKCache, keys: ExtendedKeys, scan: ScanResult, *, window: int | None = None,
+               tile: int | None = None, block: int = 64) -> SparseKCache:
+    """Stage 4: the cache after the chunk: the selection's next state and the K, V of its pool and tail;
+    with window and tile (the core's query tile, aligned.query_tile) also the pool at the last tile start."""
     rows = carried(keys, scan)
     okv = rows.pool_ok[:, :, None, None]
+    tile_pool = (cache.tile_pool_pos, cache.tile_pool_at)
+    if window is not None and tile is not None:
+        tile_pool = next_tile_pool(tile_pool, keys, scan, tile=tile, window=window, block=block)
     return SparseKCache(
         **next_state(cache, keys, scan, rows).tensors(),
         pool_k=torch.where(okv, keys.k[rows.rows, rows.pool], 0).to(cache.pool_k.dtype),
         pool_v=torch.where(okv, keys.v[rows.rows, rows.pool], 0).to(cache.pool_v.dtype),
         tail_k=keys.k[rows.rows, rows.tail].to(cache.tail_k.dtype),
         tail_v=keys.v[rows.rows, rows.tail].to(cache.tail_v.dtype),
+        tile_pool_pos=tile_pool[0], tile_pool_at=tile_pool[1],
     )
 
 
@@ -147,8 +167,10 @@ def sparsek_attention_chunk(
     keys = lay_out_keys(cache, k, v, u, lengths)
     sel = select(keys, cache, window=window, block=block, scan=scan)
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
-    o = attend(q, keys, sel, tau, window=window, variant=variant, scale=scale, block=block, backend=backend)
-    return o, next_cache(cache, keys, sel), ChunkSelection.of(sel, u)
+    o = attend(q, keys, sel, tau, window=window, variant=variant, scale=scale, block=block, backend=backend,
+               tile_pool=(cache.tile_pool_pos, cache.tile_pool_at))
+    tile = query_tile(_pick_backend(backend, q), block)
+    return o, next_cache(cache, keys, sel, window=window, tile=tile, block=block), ChunkSelection.of(sel, u)
 
 
 def sparsek_attention(

@@ -121,6 +121,16 @@ def _strides(**tensors) -> dict:
     return out
 
 
+def _by_position(cut, pi, pu, pos):
+    """The forward's pool tiles in ascending key position (empty slots first), as naive.pools_by_position:
+    summed in an order that does not depend on the scans' slot history (issue 24). The backward keeps
+    the stable slots its pool walk follows; its dq recomputes p from the log-sum-exp in any order."""
+    B, nt, K = pi.shape
+    kpos = pos.gather(1, pi.long().clamp(0, pos.shape[1] - 1).view(B, nt * K)).view(B, nt, K)  # (-1: empty)
+    order = torch.where(pi >= 0, kpos, -1).argsort(dim=-1, stable=True)
+    return cut.gather(-1, order), pi.gather(-1, order), pu.gather(-1, order)
+
+
 class _SparseKTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool, meta):
@@ -145,16 +155,18 @@ class _SparseKTriton(torch.autograd.Function):
                 bp = bp.contiguous()
             cut, pi, pu, flush, reach = _cut(bp, u, pos, qpos, thu, thp, L, G, topk, cfg["walk"]["BN"], tail_slots,
                                              window)
+            cut_f, pi_f, pu_f = _by_position(cut, pi, pu, pos)
         else:
             cut = pi = flush = reach = torch.full((B, nt, 1), -1, dtype=torch.int32, device=dev)
             pu = torch.full((B, nt, 1), float("inf"), device=dev)
+            cut_f, pi_f, pu_f = cut, pi, pu
         o = _empty((B, L, H, D), q.dtype, dev)
         lse = _empty((B, H, L), torch.float32, dev)  # base-2 log-sum-exp
         common = dict(G=G, D=D, VARIANT=VARIANT_CODE[variant], HAS_TOPK=topk > 0, PREC=prec)
         scan = dict(u_ptr=u, pos_ptr=pos, q_pos_ptr=qpos, theta_u_ptr=thu, theta_pos_ptr=thp)
         sizes = dict(n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_tiles=nt, topk=topk, window=window)
         _fwd_kernel[(nt, B * H)](
-            q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, **scan, tau_ptr=tau_c, cut_ptr=cut, pool_idx_ptr=pi, pool_u_ptr=pu,
+            q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, **scan, tau_ptr=tau_c, cut_ptr=cut_f, pool_idx_ptr=pi_f, pool_u_ptr=pu_f,
             reach_ptr=reach, o_ptr=o, lse_ptr=lse, **_strides(q=q, k=k_ext, v=v_ext, o=o), **sizes, tail=tail_slots,
             scale2=scale * LOG2E.value, **cfg["fwd"], **common,
         )

@@ -100,8 +100,14 @@ def _cut_kernel(
 def _fwd_update(m_i, l_i, acc, s, g, v, scale2, NO_GATE: tl.constexpr, VARIANT: tl.constexpr,
                 PREC: tl.constexpr):
     """Online softmax step with masked unscaled logits s [G, BN] and gates g; m_i, the log-sum-exp
-    and scale2 (scale * log2 e) in log2 units: the scale goes into exp2's argument (one FMA)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
+    and scale2 (scale * log2 e) in log2 units: the scale goes into exp2's argument (one FMA).
+
+    The running max is rounded up to a whole number (log2 units): p is rounded to v's dtype (bf16:
+    8 bits) before the value dot, and which running max a key meets depends on the tiles it was
+    visited in, i.e. on where the chunk boundaries fall. With a whole-number max, two visits of the
+    same key differ by a power of two, so p rounds to the same half-precision mantissa and the
+    output no longer depends on the tiling beyond float32 accumulation order (issue 24)."""
+    m_new = tl.maximum(m_i, tl.ceil(tl.max(s, 1) * scale2))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay NaN-free
     p = tl.exp2(s * scale2 - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
