@@ -12,11 +12,12 @@ the sampled token fed back on the device (no host round trip per token):
   - decode tok/s (eager): the same step launched op by op;
   - chunk op, L = 1: the chunk op on one token (`model(tokens[:, None], cache)`), the path a token
     took before the decode step (first prompt length only);
-  - peak memory: the CUDA allocator's peak over prefill and decoding, weights included (reset
-    after the model is built, so every row starts from the weights alone).
+  - peak memory: the CUDA allocator's peak over prefill and decoding, weights included;
+  - peak above start: that peak less what was allocated when the row started (the weights and, on
+    the H100, about one KV cache left behind by each earlier row in the same process).
 
 With SparseK+SW the cache holds k + w - 1 entries per layer whatever the prompt, so the 64k and 1M
-rows must show the same peak memory within 5%: the script checks and reports it. Full attention
+rows must need the same memory within 5% (peak above start): the script checks and reports it. Full attention
 is skipped at 1M: its O(n^2) prefill alone would take far longer than this benchmark. Writes
 OUT/generate.json and OUT/generate.md.
 """
@@ -171,8 +172,11 @@ def main() -> None:
     big = sorted(sk)[-2:]
     check = None
     if len(big) == 2:
-        a, b = (sk[n]["peak_memory_bytes"] for n in big)
-        check = {"prompts": big, "peak_memory_bytes": [a, b], "ratio": b / a, "within_5_percent": abs(b / a - 1) <= 0.05}
+        # The row's own memory: its peak over what was allocated when it started (the weights, and on a
+        # GPU whatever earlier rows left behind: ~one KV cache per row was measured there, see benchmarks/README).
+        a, b = (working_bytes(sk[n]) for n in big)
+        check = {"prompts": big, "working_bytes": [a, b], "peak_memory_bytes": [sk[n]["peak_memory_bytes"] for n in big],
+                 "ratio": b / a, "within_5_percent": abs(b / a - 1) <= 0.05}
     report = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "commit": _commit(), "dtype": str(dtype).removeprefix("torch."),
@@ -185,23 +189,29 @@ def main() -> None:
     (args.out / "generate.md").write_text(markdown(report))
     if check is not None:
         verdict = "yes" if check["within_5_percent"] else "NO"
-        console.print(f"SparseK+SW peak memory at {big[0]:,} vs {big[1]:,} tokens: ratio {check['ratio']:.4f}; within 5%: {verdict}")
+        console.print(f"SparseK+SW peak above start at {big[0]:,} vs {big[1]:,} tokens: ratio {check['ratio']:.4f}; within 5%: {verdict}")
+
+
+def working_bytes(r: dict) -> int:
+    """A row's peak memory above what was allocated when it started (the whole peak where not recorded)."""
+    return r["peak_memory_bytes"] - r.get("allocated_at_start_bytes", 0)
 
 
 def _cells(r: dict) -> list[str]:
     mib = 2**20
     if "skipped" in r:
-        return [r["attention"], f"{r['prompt_tokens']:,}", "skipped", "", "", "", "", "", r["skipped"]]
+        return [r["attention"], f"{r['prompt_tokens']:,}", "skipped", "", "", "", "", "", "", r["skipped"]]
     return [
         r["attention"], f"{r['prompt_tokens']:,}", f"{r['prefill_tokens_per_s']:,.0f}", f"{r['decode_tokens_per_s']:,.1f}",
         f"{r['decode_tokens_per_s_eager']:,.1f}" if "decode_tokens_per_s_eager" in r else "—",
         f"{r['chunk_op_tokens_per_s']:,.1f}" if "chunk_op_tokens_per_s" in r else "—",
-        f"{r['peak_memory_bytes'] / mib:,.0f}", f"{r['kv_entries_per_layer']:,}", f"{r['kv_cache_bytes'] / mib:,.1f}",
+        f"{r['peak_memory_bytes'] / mib:,.0f}", f"{working_bytes(r) / mib:,.0f}", f"{r['kv_entries_per_layer']:,}",
+        f"{r['kv_cache_bytes'] / mib:,.1f}",
     ]
 
 
 HEAD = ["attention", "prompt tokens", "prefill tok/s", "decode tok/s", "decode tok/s (eager)", "chunk op, L = 1 (tok/s)",
-        "peak memory (MiB)", "KV entries / layer", "cache (MiB)"]
+        "peak memory (MiB)", "peak above start (MiB)", "KV entries / layer", "cache (MiB)"]
 
 
 def render(report: dict) -> Table:
@@ -220,7 +230,7 @@ def markdown(report: dict) -> str:
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in report["rows"]]
     c = report["sparsek_peak_memory_check"]
     if c:
-        lines += ["", f"SparseK+SW peak memory {c['prompts'][0]:,} vs {c['prompts'][1]:,} tokens: ratio {c['ratio']:.4f} "
+        lines += ["", f"SparseK+SW peak above start {c['prompts'][0]:,} vs {c['prompts'][1]:,} tokens: ratio {c['ratio']:.4f} "
                       f"(within 5%: {'yes' if c['within_5_percent'] else 'no'})"]
     return "\n".join(lines) + "\n"
 

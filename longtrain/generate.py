@@ -118,7 +118,8 @@ class Decoder:
         B = self._cache.batch_size
         dev = self.model.embed.weight.device
         self._tokens = torch.zeros(B, dtype=torch.int64, device=dev)
-        static = self._cache
+        # The graph updates its cache in place: it gets its own copy, the caller's cache stays as it was.
+        static = self._cache = self._cache.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up off the capture (the decode step is functional: the cache is untouched)

@@ -34,6 +34,7 @@ from longtrain.ops.sparsek_attention import (
     SparseKCache,
     sparsek_attention_chunk,
     sparsek_attention_decode,
+    starts_inside_tile,
 )
 
 
@@ -202,10 +203,11 @@ class Attention(nn.Module):
         decode: bool = False,  # L = 1, every row valid: the op's decode step instead of a chunk
         with_selection: bool = True,  # decode: also report what was selected (a few ops per layer)
         full_bias: torch.Tensor | None = None,  # full attention: the chunk's mask (full_attention_bias)
+        align: bool | None = None,  # no gradients: lay query tiles at absolute positions (the op's `align`)
     ) -> tuple[torch.Tensor, LayerCache, ChunkSelection | None]:
         B, L, _ = x.shape
         q, k, v = self.project(x, *rope)
-        o, new, sel = self.attend(x, q, k, v, pos, valid, seen, lengths, cache, decode, with_selection, full_bias)
+        o, new, sel = self.attend(x, q, k, v, pos, valid, seen, lengths, cache, decode, with_selection, full_bias, align)
         return self.o_proj(o.reshape(B, L, -1)), new, sel  # [B, L, d]
 
     def attend(
@@ -222,6 +224,7 @@ class Attention(nn.Module):
         decode: bool = False,
         with_selection: bool = True,
         full_bias: torch.Tensor | None = None,
+        align: bool | None = None,
     ) -> tuple[torch.Tensor, LayerCache, ChunkSelection | None]:
         """The attention op between the projections and o_proj: o [B, L, H, D], the next cache, the selection.
 
@@ -255,7 +258,7 @@ class Attention(nn.Module):
         else:
             o, attn_cache, sel = sparsek_attention_chunk(
                 qf, kf, vf, uf, cache.attn, topk=self.topk, window=self.window, variant=cfg.variant,
-                lengths=lf, backend=cfg.backend, scan=cfg.scan,
+                lengths=lf, backend=cfg.backend, scan=cfg.scan, align=align,
             )
         if G > 1:
             o = o.view(B, G, L, H // G, D).transpose(1, 2)
@@ -375,10 +378,11 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x)))
 
     def forward(self, x, rope, pos, valid, seen, lengths, cache: LayerCache, decode: bool = False,
-                with_selection: bool = True, full_bias: torch.Tensor | None = None):
+                with_selection: bool = True, full_bias: torch.Tensor | None = None, align: bool | None = None):
         enter, leave = self.compiled or (self.enter, self.leave)
         h, q, k, v = enter(x, *rope)
-        o, cache, sel = self.attn.attend(h, q, k, v, pos, valid, seen, lengths, cache, decode, with_selection, full_bias)
+        o, cache, sel = self.attn.attend(h, q, k, v, pos, valid, seen, lengths, cache, decode, with_selection, full_bias,
+                                         align)
         return leave(x, o), cache, sel
 
 
@@ -501,9 +505,14 @@ class LM(nn.Module):
             cut = self.cfg.max_context is not None and self.cfg.max_context < L
             if cache_pos.shape[1] or not all_valid or cut:
                 full_bias = full_attention_bias(cache_pos, pos, valid, self.cfg.max_context, self.compute_dtype(dev))
+        align = None
+        if not decode and self.cfg.attention != "full" and not torch.is_grad_enabled():
+            # One host read per chunk: the aligned layout (exact to the bit, slower) only where a row's
+            # chunk starts inside a query tile; a chunk starting on a tile edge is laid out as the unchunked pass.
+            align = starts_inside_tile(seen, dtype=self.compute_dtype(dev), backend=self.cfg.backend)
         layers, selections = [], []
         for blk, lc in zip(self.blocks, cache.layers):
-            x, lc, sel = blk(x, rope, pos, valid, seen, lengths, lc, decode, with_selection, full_bias)
+            x, lc, sel = blk(x, rope, pos, valid, seen, lengths, lc, decode, with_selection, full_bias, align)
             layers.append(lc)
             selections.append(sel)
         h = self.norm_f(x)  # [B, L, d]

@@ -49,9 +49,12 @@ class Scorer(nn.Module):
             # matmul picks for the chunk's shape, and one ulp of u can swap two keys at the k-th score.
             r = x.to(torch.float64) @ self.weight.to(torch.float64).t()  # [B, L, G]
         r64 = torch.where(valid[..., None], r, 0.0)
-        # Prefix sums that start from the carried totals: [carry, r_0, r_1, ...] -> drop the carry.
-        csum = torch.cat([score_sum[:, None].to(r64), r64], 1).cumsum(1)[:, 1:]  # [B, L, G]
-        csq = torch.cat([score_sumsq[:, None].to(r64), r64 * r64], 1).cumsum(1)[:, 1:]
+        # Prefix sums that start from the carried totals: [carry, r_0, r_1, ...] -> drop the carry. One
+        # cumsum for both (a column is summed in order whatever its neighbours: the same bits, half the
+        # launches of a sequential kernel that costs ~1 ms per layer per step at 16k tokens on an H100).
+        carry = torch.cat([score_sum, score_sumsq], -1)[:, None].to(r64)  # [B, 1, 2G]
+        both = torch.cat([carry, torch.cat([r64, r64 * r64], -1)], 1).cumsum(1)[:, 1:]  # [B, L, 2G]
+        csum, csq = both.split(r64.shape[-1], -1)  # [B, L, G] each
         if self.timestep_norm:
             count = (seen[:, None] + valid.cumsum(1)).clamp(min=1).to(torch.float64)[..., None]  # [B, L, 1]
             mean = csum / count

@@ -120,3 +120,20 @@ def test_kv_dtype_cast_and_keep_last():
     attn = cut.layers[1].attn
     assert attn.full_k.shape[1] == 10 and torch.equal(attn.full_pos[1], torch.arange(20, 30))
     assert (attn.full_pos[0] == -1).all()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("attention", ["sparsek+sw", "full"])
+def test_cache_clone_is_equal_and_shares_nothing(attention):
+    # The CUDA-graph decoder updates its copy in place: the caller's cache must not move with it.
+    from longtrain.generate import cache_tensors
+
+    model = make(attention=attention, topk=4, window=6) if attention != "full" else make(attention="full")
+    cache = model(torch.randint(0, 61, (2, 30))).cache
+    copy = cache.clone()
+    pairs = list(zip(cache_tensors(cache), cache_tensors(copy)))
+    assert len(pairs) > 3
+    for a, b in pairs:
+        assert torch.equal(a, b) and (a.numel() == 0 or a.data_ptr() != b.data_ptr())
+    copy.seen.add_(1)
+    assert not torch.equal(cache.seen, copy.seen)

@@ -18,7 +18,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
 
-from longtrain.ops.sparsek_attention import SparseKCache, sparsek_attention_chunk  # noqa: E402
+from longtrain.ops.sparsek_attention import SparseKCache, sparsek_attention_chunk, starts_inside_tile  # noqa: E402
+from longtrain.ops.sparsek_attention.aligned import query_tile  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -31,7 +32,7 @@ def inputs(B, T, H, Hkv, D, dtype, seed):
 
 
 @torch.no_grad()
-def run(x, schedule, *, topk, window, backend):
+def run(x, schedule, *, topk, window, backend, align=None):
     """Outputs [B, T, H, D] and fingerprints [B, T] of calls taking schedule[i][b] tokens of row b each."""
     q, k, v, u = x
     B, T, Hkv, D = k.shape
@@ -44,7 +45,7 @@ def run(x, schedule, *, topk, window, backend):
                                                               (0, 0) * (t.dim() - 2) + (0, L - lens[b])) for b in range(B)])
         o, cache, sel = sparsek_attention_chunk(
             take(q), take(k), take(v), take(u), cache, topk=topk, window=window, backend=backend, scan="host",
-            lengths=torch.tensor(lens, device=DEV),
+            lengths=torch.tensor(lens, device=DEV), align=align,
         )
         for b in range(B):
             o_all[b, seen[b] : seen[b] + lens[b]] = o[b, : lens[b]]
@@ -82,3 +83,22 @@ def test_chunked_output_is_bitwise_the_unchunked_output(backend, dtype, case):
     assert torch.equal(fp, fp_ref)
     differ = o != o_ref
     assert not differ.any(), f"{differ.float().mean():.2%} of outputs differ, by up to {(o - o_ref).abs().max():.2e}"
+
+
+@pytest.mark.parametrize("backend,dtype", [("naive", torch.bfloat16), ("triton", torch.float16)])
+def test_chunks_on_tile_edges_need_no_aligned_layout(backend, dtype):
+    """align=False (what the model passes when every row starts on a tile edge) is bitwise too there."""
+    G = query_tile(backend, 64)
+    T = 3 * G + 17
+    x = inputs(2, T, 2, 1, 16, dtype, seed=7)
+    kw = dict(topk=24, window=16, backend=backend)
+    o_ref, fp_ref = run(x, [[T, T]], **kw)
+    o, fp = run(x, [[G, 2 * G], [2 * G, G], [17, 17]], align=False, **kw)
+    assert torch.equal(fp, fp_ref) and torch.equal(o, o_ref)
+
+
+def test_starts_inside_tile_reads_the_rows_offsets():
+    G = query_tile("naive", 64)
+    on_edge = torch.tensor([0, G, 5 * G], device=DEV)
+    assert not starts_inside_tile(on_edge, dtype=torch.float64, backend="naive")
+    assert starts_inside_tile(on_edge + torch.tensor([0, 0, 1], device=DEV), dtype=torch.float64, backend="naive")

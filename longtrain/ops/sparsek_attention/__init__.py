@@ -9,6 +9,7 @@ from longtrain.ops.sparsek_attention.decode import (
 from longtrain.ops.sparsek_attention.naive import VARIANTS
 from longtrain.ops.sparsek_attention.op import (
     ChunkSelection, ExtendedKeys, attend, lay_out_keys, next_cache, sparsek_attention, sparsek_attention_chunk,
+    starts_inside_tile,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "sparsek_attention_chunk",
     "sparsek_attention_decode",
     "sparsek_attention_decode_reference",
+    "starts_inside_tile",
 ]

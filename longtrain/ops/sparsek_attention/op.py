@@ -82,6 +82,13 @@ def _pick_backend(backend: str, q: torch.Tensor) -> str:
     return backend
 
 
+def starts_inside_tile(seen: torch.Tensor, *, dtype: torch.dtype, backend: str = "auto", block: int = 64) -> bool:
+    """Whether some row's next chunk (at positions seen [B] ..) starts inside a query tile of the core
+    that `backend` picks for queries of `dtype` on seen's device: where `align` matters. One host read."""
+    name = _pick_backend(backend, torch.empty(0, dtype=dtype, device=seen.device))
+    return bool((seen % query_tile(name, block)).ne(0).any())
+
+
 def lay_out_keys(cache: SparseKCache, k: torch.Tensor, v: torch.Tensor, u: torch.Tensor,
                  lengths: torch.Tensor | None = None) -> ExtendedKeys:
     """Stage 1: the chunk's keys k, v [B, L, Hkv, D] and scores u [B, L] after the cache's pool and tail."""
@@ -95,20 +102,23 @@ def lay_out_keys(cache: SparseKCache, k: torch.Tensor, v: torch.Tensor, u: torch
 
 def attend(q: torch.Tensor, keys: ExtendedKeys, scan: ScanResult, tau: torch.Tensor, *, window: int,
            variant: str = "hard_k_soft_v", scale: float | None = None, block: int = 64,
-           backend: str = "auto", tile_pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+           backend: str = "auto", tile_pool: tuple[torch.Tensor, torch.Tensor] | None = None,
+           align: bool | None = None) -> torch.Tensor:
     """Stage 3: o [B, L, H, D] of the chunk's queries q over their window and selected keys, gated by tau
     [B, L] (differentiable: ThresholdFn of the chunk's scores in the op).
 
     Without gradients the query tiles sit at absolute positions (aligned.py); tile_pool, the cache's
     (tile_pool_pos, tile_pool_at), lets a chunk that starts inside a tile lay it out to the bit as the
-    unchunked pass does (None: the same results, maybe not to the bit)."""
+    unchunked pass does (None: the same results, maybe not to the bit). align=False skips that layout
+    (for chunks known to start on a tile edge, where the plain layout is already the unchunked pass's)."""
     name = _pick_backend(backend, q)
     core = sparsek_attention_core_naive
     if name == "triton":
         from longtrain.ops.sparsek_attention.triton_core import sparsek_attention_core_triton as core
 
     args = (q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, scan.theta_u, scan.theta_pos, tau, scan.block_pool)
-    aligned = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys.k, keys.v, keys.u)))
+    aligned = align is not False and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys.k, keys.v, keys.u)))
     if aligned:
         args, cut_back = aligned_inputs(q, keys, scan, tau, tile_pool, window=window, tile=query_tile(name, block),
                                         block=block)
@@ -152,12 +162,16 @@ def sparsek_attention_chunk(
     backend: str = "auto",
     block: int = 64,
     scan: str = "auto",
+    align: bool | None = None,
 ) -> tuple[torch.Tensor, SparseKCache, ChunkSelection]:
     """SparseK attention of one chunk continuing from `cache`; returns (o, next cache, selection).
 
     backend: the attention core ("triton" kernels or the "naive" reference; auto: kernels on CUDA).
     scan: the selection scan ("device": wavelet scan on the tensors' device, exact selection, tau
     to rounding; "host": the CPU heaps; auto: device on CUDA unless the scores are float64).
+    align: without gradients, lay the query tiles at absolute positions (aligned.py: bitwise the
+    unchunked pass when the chunk starts inside a tile; slower). None: always; False: never (the caller
+    knows every row starts on a tile edge: starts_inside_tile).
     """
     _check(q, k, v, u, topk, window, variant, backend, scan)
     if cache.topk != topk or cache.tail_slots != max(window - 1, 0):
@@ -168,8 +182,11 @@ def sparsek_attention_chunk(
     sel = select(keys, cache, window=window, block=block, scan=scan)
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
     o = attend(q, keys, sel, tau, window=window, variant=variant, scale=scale, block=block, backend=backend,
-               tile_pool=(cache.tile_pool_pos, cache.tile_pool_at))
-    tile = query_tile(_pick_backend(backend, q), block)
+               tile_pool=(cache.tile_pool_pos, cache.tile_pool_at), align=align)
+    # The pool at the last tile start serves only later aligned chunks (no gradients): training skips it,
+    # keeping the cache's older (tile_pool_pos, tile_pool_at), still true of that older tile start.
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, u))
+    tile = None if training else query_tile(_pick_backend(backend, q), block)
     return o, next_cache(cache, keys, sel, window=window, tile=tile, block=block), ChunkSelection.of(sel, u)
 
 
@@ -196,6 +213,7 @@ def sparsek_attention(
         q.shape[0], topk, window, k.shape[2], k.shape[3], dtype=k.dtype, score_dtype=u.dtype, device=q.device
     )
     o, _, _ = sparsek_attention_chunk(
-        q, k, v, u, cache, topk=topk, window=window, variant=variant, scale=scale, backend=backend, scan=scan
+        q, k, v, u, cache, topk=topk, window=window, variant=variant, scale=scale, backend=backend, scan=scan,
+        align=False,  # position 0 is a tile edge
     )
     return o
