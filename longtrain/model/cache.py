@@ -113,13 +113,7 @@ class ModelCache:
 
     def clone(self) -> "ModelCache":
         """A copy that shares no tensor with this cache (a CUDA graph's buffers are updated in place)."""
-
-        def copied(x):
-            return replace(x, **{f.name: getattr(x, f.name).clone() for f in fields(x)
-                                 if isinstance(getattr(x, f.name), torch.Tensor)})
-
-        layers = [LayerCache(copied(layer.attn), layer.score_sum.clone(), layer.score_sumsq.clone()) for layer in self.layers]
-        return ModelCache(seen=self.seen.clone(), layers=layers)
+        return ModelCache.from_state_dict({name: t.clone() for name, t in self.state_dict().items()})
 
     def keep_last(self, n: int) -> "ModelCache":
         """Full-attention caches cut to their last `n` keys (SparseK caches have a fixed size: unchanged).

@@ -28,8 +28,6 @@ def linear_cross_entropy_reference(
     targets: torch.Tensor,  # [...] int64, IGNORE_INDEX where there is none
     *,
     ignore_index: int = IGNORE_INDEX,
-    slice_rows: int | None = None,  # unused: the signature of linear_cross_entropy
-    slice_fn: Callable | None = None,  # unused
 ) -> torch.Tensor:
     """Sum over the targets of −log softmax(h Wᵀ)[target], in float32 (float64 for float64 inputs)."""
     logits = F.linear(h, weight)  # [..., V]
@@ -52,9 +50,9 @@ def loss_slice(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ign
     loss = torch.where(keep, lse - picked, 0.0).sum()
     if not want_grad:
         return loss, None
-    grad = torch.exp(lf - lse[:, None])  # softmax [n, V]
-    grad = grad - F.one_hot(safe, lf.shape[-1]).to(grad.dtype)
-    grad = torch.where(keep[:, None], grad, 0.0)
+    w = keep[:, None].to(lf.dtype)  # [n, 1]: rows without a target get no gradient
+    grad = torch.exp(lf - lse[:, None]) * w  # softmax [n, V]
+    grad.scatter_add_(1, safe[:, None], -w)  # − one-hot, in place: no second [n, V] tensor
     return loss, grad.to(logits.dtype)
 
 
@@ -67,12 +65,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=acc, device=h.device)
         dh = torch.empty(h.shape, dtype=acc, device=h.device) if ctx.needs_input_grad[0] else None
         dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+        w_g = None  # the head in the gradient's dtype, cast once
         for start in range(0, h.shape[0], slice_rows):
             hs = h[start : start + slice_rows]  # [n, d]
             loss, g = slice_fn(hs, weight, targets[start : start + slice_rows], ignore_index, True)
             total += loss
             if dh is not None:
-                dh[start : start + slice_rows] = g @ weight.to(g.dtype)  # [n, d]
+                w_g = weight.to(g.dtype) if w_g is None else w_g
+                dh[start : start + slice_rows] = g @ w_g  # [n, d]
             if dw is not None:
                 dw += g.t() @ hs.to(g.dtype)  # [V, d], summed over the slices in float32
         ctx.save_for_backward(dh, dw)

@@ -21,7 +21,6 @@ import math
 
 import torch
 
-STATS = ("pool_age_mean", "pool_age_max", "pool_churn", "tau", "active", "u_mean", "u_std")
 # Accumulator columns: sums and counts (max for the age).
 _AGE_SUM, _AGE_N, _AGE_MAX, _NEW, _SLOTS, _TAU, _ACTIVE, _TAU_N, _U, _U2, _U_N = range(11)
 

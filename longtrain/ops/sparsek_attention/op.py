@@ -82,6 +82,12 @@ def _pick_backend(backend: str, q: torch.Tensor) -> str:
     return backend
 
 
+def _differentiable(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records this chunk (training): its tiles then start at the chunk start (the
+    backward's pool walk needs stable slots), and no later aligned chunk reads its tile's pool."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def starts_inside_tile(seen: torch.Tensor, *, dtype: torch.dtype, backend: str = "auto", block: int = 64) -> bool:
     """Whether some row's next chunk (at positions seen [B] ..) starts inside a query tile of the core
     that `backend` picks for queries of `dtype` on seen's device: where `align` matters. One host read."""
@@ -117,8 +123,7 @@ def attend(q: torch.Tensor, keys: ExtendedKeys, scan: ScanResult, tau: torch.Ten
         from longtrain.ops.sparsek_attention.triton_core import sparsek_attention_core_triton as core
 
     args = (q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, scan.theta_u, scan.theta_pos, tau, scan.block_pool)
-    aligned = align is not False and not (
-        torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys.k, keys.v, keys.u)))
+    aligned = align is not False and not _differentiable(q, keys.k, keys.v, keys.u)
     if aligned:
         args, cut_back = aligned_inputs(q, keys, scan, tau, tile_pool, window=window, tile=query_tile(name, block),
                                         block=block)
@@ -183,10 +188,9 @@ def sparsek_attention_chunk(
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
     o = attend(q, keys, sel, tau, window=window, variant=variant, scale=scale, block=block, backend=backend,
                tile_pool=(cache.tile_pool_pos, cache.tile_pool_at), align=align)
-    # The pool at the last tile start serves only later aligned chunks (no gradients): training skips it,
-    # keeping the cache's older (tile_pool_pos, tile_pool_at), still true of that older tile start.
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, u))
-    tile = None if training else query_tile(_pick_backend(backend, q), block)
+    # Training skips the pool at the last tile start, keeping the cache's older (tile_pool_pos,
+    # tile_pool_at): still true of that older tile start.
+    tile = None if _differentiable(q, k, v, u) else query_tile(_pick_backend(backend, q), block)
     return o, next_cache(cache, keys, sel, window=window, tile=tile, block=block), ChunkSelection.of(sel, u)
 
 
