@@ -1,16 +1,21 @@
 """Does the SparseK pool keep what matters? Train recall-sparsek and recall-sw (same KV budget),
 then measure exact recall against distance, at the training length and 4x longer (issue 17).
 
-Parts (each fits a 10-minute device call; a training part stops gracefully at --budget-s with a
-checkpoint, and calling it again resumes where it stopped):
+Two stages. `circuit` trains recipes/recall-circuit.yaml (full attention on short documents dense in
+facts: the circuit that matches a key and copies its value). `train` starts each model from it
+(`train.init_from`) on the long documents; several models train at once, one process each (the
+4 x 256 model leaves most of a GPU idle). A training part stops gracefully at --budget-s with a
+checkpoint, and calling it again resumes where it stopped.
 
-    python benchmarks/recall_experiment.py --out $OUT --part train --model sparsek
-    python benchmarks/recall_experiment.py --out $OUT --part train --model sw
+    python benchmarks/recall_experiment.py --out $OUT --part circuit
+    python benchmarks/recall_experiment.py --out $OUT --part train --model sparsek,sw,sparsek-mimic
     python benchmarks/recall_experiment.py --out $OUT --part eval      # every trained model in $OUT/runs
-    python benchmarks/recall_experiment.py --out $OUT --part plot      # recall.png, table.md from recall.json
+    python benchmarks/recall_experiment.py --out $OUT --part plot      # recall.png, table.md from eval/*.json
+    python benchmarks/recall_experiment.py --out $OUT --part all --model sparsek,sw   # the four in a row
 
 --model also takes the ablations below (recall-sparsek with one setting changed). Runs live in
-$OUT/runs/<model>; eval writes $OUT/recall.json, plot writes $OUT/recall.png and $OUT/table.md.
+$OUT/runs/<model> (the circuit in $OUT/circuit); eval writes $OUT/eval/<model>.json, plot writes
+$OUT/recall.json, $OUT/recall.png and $OUT/table.md.
 
 Evaluation settings (fresh documents of the evaluation stream, never seen in training):
     train   the training documents' length, distances and fact count
@@ -33,9 +38,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+CIRCUIT = ROOT / "recipes" / "recall-circuit.yaml"
 RECIPES = {"sparsek": ROOT / "recipes" / "recall-sparsek.yaml", "sw": ROOT / "recipes" / "recall-sw.yaml"}
 # Ablations: recall-sparsek with one setting changed (the issue's candidates).
 ABLATIONS = {
+    "sparsek-nofreeze": ["train.freeze.steps=0"],  # the scorer learns with everything else from step 1
     "sparsek-slope1e-3": ["attention.eps_slope=1.0e-3"],  # the default slope
     "sparsek-noslope": ["attention.eps_slope=0.0"],
     "sparsek-notsn": ["attention.timestep_norm=false"],
@@ -63,34 +70,49 @@ def model_args(model: str) -> tuple[Path, list[str]]:
 # ----------------------------------------------------------------------------- train
 
 
-def train(out: Path, model: str, budget_s: float, extra: list[str]) -> None:
-    """`longtrain fit` into out/runs/<model>; SIGTERM at the budget (it saves and exits; rerun resumes)."""
-    recipe, sets = model_args(model)
-    run_dir = out / "runs" / model
+def fit(recipe: Path, run_dir: Path, sets: list[str], log_path: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "longtrain.cli", "fit", str(recipe), "--run-dir", str(run_dir)]
-    for s in sets + extra:
+    for s in sets:
         cmd += ["--set", s]
-    log(f"$ {' '.join(cmd)}   (budget {budget_s:.0f} s)")
+    if (run_dir / "checkpoints").is_dir():
+        cmd += ["--resume", "auto"]
+    log(f"$ {' '.join(cmd)}")
+    with open(log_path, "a") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_all(procs: dict[str, subprocess.Popen], budget_s: float) -> None:
+    """Wait for every process; SIGTERM those still running at the budget (they save and exit)."""
     t0 = time.monotonic()
-    with open(out / f"fit-{model}.log", "a") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for name, proc in procs.items():
         try:
-            rc = proc.wait(timeout=budget_s)
+            rc = proc.wait(timeout=max(1.0, budget_s - (time.monotonic() - t0)))
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)  # the trainer finishes its step, saves a checkpoint, exits
             rc = proc.wait()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()] if (run_dir / "metrics.jsonl").exists() else []
-    last = records[-1] if records else {}
-    log(f"{model}: exit {rc} after {time.monotonic() - t0:.0f} s; step {last.get('step')}, loss {last.get('loss')}, "
-        f"{last.get('tokens')} tokens; log in {out / f'fit-{model}.log'}")
-    tail = (out / f"fit-{model}.log").read_text().splitlines()[-6:]
-    log("\n".join("  | " + line for line in tail))
+            log(f"{name}: stopped at the budget (resume by running this part again)")
+        log(f"{name}: exit {rc} after {time.monotonic() - t0:.0f} s")
 
 
-# ----------------------------------------------------------------------------- eval
+def circuit(out: Path, budget_s: float, extra: list[str]) -> None:
+    """Stage 1: recall-circuit into out/circuit."""
+    wait_all({"circuit": fit(CIRCUIT, out / "circuit", extra, out / "fit-circuit.log")}, budget_s)
 
 
-def evaluate(out: Path, docs: int, device: str) -> None:
+def train(out: Path, models: list[str], budget_s: float, extra: list[str]) -> None:
+    """Stage 2: each model from the circuit's weights into out/runs/<model>, all at once."""
+    if not (out / "circuit" / "checkpoints").is_dir():
+        raise SystemExit(f"no circuit in {out / 'circuit'}: run --part circuit first")
+    procs = {}
+    for model in models:
+        recipe, sets = model_args(model)
+        sets = [f"train.init_from={out / 'circuit'}", *sets, *extra]
+        procs[model] = fit(recipe, out / "runs" / model, sets, out / f"fit-{model}.log")
+    wait_all(procs, budget_s)
+
+
+def evaluate_one(out: Path, run_dir: Path, docs: int, device: str) -> None:
+    """Recall of one trained run in every setting: out/eval/<run name>.json."""
     import torch
 
     from longtrain.data.recall import chance_level
@@ -98,35 +120,57 @@ def evaluate(out: Path, docs: int, device: str) -> None:
     from longtrain.train.checkpointer import load_checkpoint
 
     device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    results = {"settings": {}, "models": {}}
-    for run_dir in sorted((out / "runs").iterdir()):
-        if not (run_dir / "checkpoints").is_dir():
-            continue
-        ckpt = load_checkpoint(run_dir, device=device)
-        att, rc = ckpt.recipe.attention, ckpt.recipe.data.recall
-        settings = {
-            "train": {},
-            "4x": {"doc_tokens": 4 * rc.doc_tokens, "facts": 4 * rc.facts},
-            "4x-far": {"doc_tokens": 4 * rc.doc_tokens, "max_distance": 4 * rc.max_distance},
-        }
-        entry = {
-            "checkpoint": str(ckpt.path), "step": ckpt.step, "attention": att.type, "topk": att.topk,
-            "window": att.window, "kv_budget": att.topk + att.window, "eps_slope": att.eps_slope,
-            "timestep_norm": att.timestep_norm, "variant": att.variant, "score_init": att.score_init,
-            "train": training_summary(run_dir), "recall": {},
-        }
-        for name, over in settings.items():
-            _, cfg = recall_config(ckpt.recipe, **over)
-            results["settings"][name] = {**cfg.model_dump(), "chance": chance_level(cfg)}
-            t0 = time.monotonic()
-            buckets = measure_recall(ckpt, docs=docs, **over)
-            entry["recall"][name] = buckets
-            cells = "  ".join(f"{b['start']}+:{b['accuracy']:.2f}" for b in buckets if b["trials"])
-            log(f"{run_dir.name} {name} ({time.monotonic() - t0:.0f} s): {cells}")
-        results["models"][run_dir.name] = entry
-        del ckpt
-    (out / "recall.json").write_text(json.dumps(results, indent=1))
-    log(f"wrote {out / 'recall.json'}")
+    ckpt = load_checkpoint(run_dir, device=device)
+    att, rc = ckpt.recipe.attention, ckpt.recipe.data.recall
+    settings = {
+        "train": {},
+        "4x": {"doc_tokens": 4 * rc.doc_tokens, "facts": 4 * rc.facts},
+        "4x-far": {"doc_tokens": 4 * rc.doc_tokens, "max_distance": 4 * rc.max_distance},
+    }
+    budget = (att.topk or 0) + (att.window or 0)  # full attention: no fixed budget
+    entry = {
+        "checkpoint": str(ckpt.path), "step": ckpt.step, "attention": att.type, "topk": att.topk,
+        "window": att.window, "kv_budget": budget or None, "eps_slope": att.eps_slope,
+        "timestep_norm": att.timestep_norm, "variant": att.variant, "score_init": att.score_init,
+        "train": training_summary(run_dir), "recall": {},
+    }
+    result = {"settings": {}, "model": entry}
+    for name, over in settings.items():
+        _, cfg = recall_config(ckpt.recipe, **over)
+        result["settings"][name] = {**cfg.model_dump(), "chance": chance_level(cfg)}
+        t0 = time.monotonic()
+        buckets = measure_recall(ckpt, docs=docs, **over)
+        entry["recall"][name] = buckets
+        cells = "  ".join(f"{b['start']}+:{b['accuracy']:.2f}" for b in buckets if b["trials"])
+        log(f"{run_dir.name} {name} ({time.monotonic() - t0:.0f} s): {cells}")
+    (out / "eval").mkdir(exist_ok=True)
+    (out / "eval" / f"{run_dir.name}.json").write_text(json.dumps(result, indent=1))
+
+
+def evaluate(out: Path, models: list[str] | None, docs: int, device: str) -> None:
+    """Every trained run (or the named ones) at once, one process each."""
+    runs = sorted(d for d in (out / "runs").iterdir() if (d / "checkpoints").is_dir()) if (out / "runs").is_dir() else []
+    runs = [d for d in runs if models is None or d.name in models]
+    if not runs:
+        raise SystemExit(f"no trained run in {out / 'runs'}")
+    procs = {}
+    for run_dir in runs:
+        cmd = [sys.executable, __file__, "--out", str(out), "--part", "eval-one", "--run", str(run_dir),
+               "--docs", str(docs), "--device", device]
+        procs[run_dir.name] = subprocess.Popen(cmd, cwd=ROOT)
+    for name, proc in procs.items():
+        log(f"eval {name}: exit {proc.wait()}")
+
+
+def merged_results(out: Path) -> dict:
+    """out/eval/*.json as one {"settings", "models"} (the settings of the last model read)."""
+    res = {"settings": {}, "models": {}}
+    for f in sorted((out / "eval").glob("*.json")):
+        one = json.loads(f.read_text())
+        res["settings"] = one["settings"]
+        res["models"][f.stem] = one["model"]
+    (out / "recall.json").write_text(json.dumps(res, indent=1))
+    return res
 
 
 def training_summary(run_dir: Path) -> dict:
@@ -152,7 +196,7 @@ def plot(out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    res = json.loads((out / "recall.json").read_text())
+    res = merged_results(out)
     fig, axes = plt.subplots(1, len(SETTINGS), figsize=(5.2 * len(SETTINGS), 4.2), sharey=True)
     for ax, setting in zip(axes, SETTINGS):
         s = res["settings"][setting]
@@ -161,7 +205,7 @@ def plot(out: Path) -> None:
             mid = [math.sqrt(x["start"] * (x["end"] - 1)) for x in b]
             ax.plot(mid, [x["accuracy"] for x in b], marker="o", label=f"{name} (k={m['topk']}, w={m['window']})")
         ax.axhline(s["chance"]["exact"], color="grey", ls=":", lw=1, label="chance")
-        budgets = {m["kv_budget"] for m in res["models"].values()}
+        budgets = {m["kv_budget"] for m in res["models"].values() if m["kv_budget"]}
         for kv in budgets:
             ax.axvline(16 * kv, color="grey", ls="--", lw=0.8)
         ax.set_xscale("log", base=2)
@@ -205,19 +249,29 @@ def markdown_table(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="output folder (runs, logs, JSON, PNG)")
-    ap.add_argument("--part", choices=("train", "eval", "plot"), required=True)
-    ap.add_argument("--model", default="sparsek", help=f"train: {', '.join([*RECIPES, *ABLATIONS])}")
-    ap.add_argument("--budget-s", type=float, default=540.0, help="train: stop (with a checkpoint) after this many seconds")
-    ap.add_argument("--set", dest="sets", action="append", default=[], help="train: extra recipe override (repeatable)")
+    ap.add_argument("--part", choices=("circuit", "train", "eval", "eval-one", "plot", "all"), required=True)
+    ap.add_argument("--model", default="sparsek,sw", help=f"comma-separated: {', '.join([*RECIPES, *ABLATIONS])}")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="circuit/train: stop (with a checkpoint) after this many seconds")
+    ap.add_argument("--circuit-budget-s", type=float, default=300.0, help="all: the circuit's budget (--budget-s is the models')")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="extra recipe override for every model (repeatable)")
+    ap.add_argument("--circuit-set", dest="circuit_sets", action="append", default=[], help="circuit: recipe override (repeatable)")
     ap.add_argument("--docs", type=int, default=64, help="eval: documents per setting")
+    ap.add_argument("--run", type=Path, help="eval-one: the run dir")
     ap.add_argument("--device", default="auto")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    if a.part == "train":
-        train(a.out, a.model, a.budget_s, a.sets)
-    elif a.part == "eval":
-        evaluate(a.out, a.docs, a.device)
-    else:
+    models = [m for m in a.model.split(",") if m]
+    for m in models:
+        model_args(m)  # an unknown name fails before anything runs
+    if a.part in ("circuit", "all"):  # a finished circuit resumes to "nothing to do"
+        circuit(a.out, a.circuit_budget_s if a.part == "all" else a.budget_s, a.circuit_sets)
+    if a.part in ("train", "all"):
+        train(a.out, models, a.budget_s, a.sets)
+    if a.part in ("eval", "all"):
+        evaluate(a.out, models, a.docs, a.device)
+    if a.part == "eval-one":
+        evaluate_one(a.out, a.run, a.docs, a.device)
+    if a.part in ("plot", "all"):
         plot(a.out)
 
 
