@@ -106,7 +106,7 @@ def train(out: Path, models: list[str], budget_s: float, extra: list[str]) -> No
     procs = {}
     for model in models:
         recipe, sets = model_args(model)
-        sets = [f"train.init_from={out / 'circuit'}", *sets, *extra]
+        sets = [f"train.init_from={out / 'circuit'}", f"tokenizer.path={out / 'circuit' / 'tokenizer.json'}", *sets, *extra]
         procs[model] = fit(recipe, out / "runs" / model, sets, out / f"fit-{model}.log")
     wait_all(procs, budget_s)
 
