@@ -56,6 +56,30 @@ def is_held_out(i: int, fraction: float) -> bool:
     return math.floor((i + 1) * fraction) > math.floor(i * fraction)
 
 
+def split_held_out(docs: TokenDocs, fraction: float) -> tuple[TokenDocs, TokenDocs]:
+    """(train, valid): the documents whose source index `is_held_out` go to valid."""
+    held = np.array([is_held_out(int(i), fraction) for i in docs.source_ids], dtype=bool)
+    return docs.subset(np.flatnonzero(~held)), docs.subset(np.flatnonzero(held))
+
+
+def corpus_documents(
+    data: DataConfig, tok: Tokenizer, cache_dir: Path, progress: bool = True, *, source: Source | None = None
+) -> tuple[TokenDocs, dict]:
+    """Every document of the recipe's source in `tok`, before a `data.valid` fraction splits them:
+    the source tokenized, or for `recall` the generated documents (not their filler). `fit` and
+    `eval` both read them here, so a run's validation documents are the same for both."""
+    if data.source == "recall":
+        from .recall import make_filler, recall_documents
+
+        filler, filler_key = make_filler(data, tok, cache_dir, progress)
+        return recall_documents(data, tok, filler, filler_key, cache_dir, progress)
+    source = source if source is not None else load_source(data)
+    tok_hash = hashlib.blake2b(tok.to_str().encode(), digest_size=16).hexdigest()
+    docs, stats = tokenize_source(source, tok, data.min_doc_tokens, cache_dir, tok_hash, "train", progress)
+    _check_kept(docs, stats, source, data.min_doc_tokens)
+    return docs, stats
+
+
 def prepare_corpus(
     data: DataConfig,
     tokenizer: TokenizerConfig,
@@ -75,19 +99,11 @@ def prepare_corpus(
     eod = eod_id(tok)
     tok_hash = hashlib.blake2b(tok.to_str().encode(), digest_size=16).hexdigest()
 
-    if recall:
-        from .recall import make_filler, recall_documents
-
-        filler, filler_key = make_filler(data, tok, cache_dir, progress)
-        docs, train_stats = recall_documents(data, tok, filler, filler_key, cache_dir, progress)
-    else:
-        docs, train_stats = tokenize_source(source, tok, data.min_doc_tokens, cache_dir, tok_hash, "train", progress)
-        _check_kept(docs, train_stats, source, data.min_doc_tokens)
+    docs, train_stats = corpus_documents(data, tok, cache_dir, progress, source=source)
     stats = {"train": train_stats}
     train, valid = docs, TokenDocs.empty()
     if fraction is not None:
-        held = np.array([is_held_out(int(i), fraction) for i in docs.source_ids], dtype=bool)
-        train, valid = docs.subset(np.flatnonzero(~held)), docs.subset(np.flatnonzero(held))
+        train, valid = split_held_out(docs, fraction)
         if len(valid) == 0 or len(train) == 0:
             raise DataError(
                 f"data.valid: {fraction} of {len(docs)} kept documents leaves "

@@ -1,7 +1,8 @@
 """The documents `longtrain eval` reads, as token documents in the checkpoint's tokenizer.
 
 Default: the run's validation documents, found the way `fit` found them (the recipe's `data:`
-section, `longtrain.data.prepare`): a fraction of the source held out by position, or a separate
+section, `longtrain.data.prepare.corpus_documents`): a fraction of the source held out by position
+(for `data.source: recall`, of the generated recall documents, not of their filler), or a separate
 path. They go through the same on-disk token cache, keyed by content, tokenizer and
 `min_doc_tokens`, so on the machine that trained the run nothing is tokenized again. A checkpoint
 copied elsewhere reads its recipe's data source there (the cache is rebuilt once).
@@ -14,11 +15,9 @@ from __future__ import annotations
 
 import hashlib
 
-import numpy as np
-
 from longtrain.data import DataError, TokenDocs, default_cache_dir
-from longtrain.data.prepare import is_held_out, tokenize_source
-from longtrain.data.sources import files_source, load_source
+from longtrain.data.prepare import corpus_documents, split_held_out, tokenize_source
+from longtrain.data.sources import files_source
 from longtrain.eval.tasks import EvalError, EvalUsageError
 
 MIN_TOKENS = 2  # a document needs a token to predict
@@ -47,9 +46,8 @@ def eval_documents(recipe, tokenizer, data: str | None, *, progress: bool = True
             source = files_source(d.valid, d.text_field, "data.valid")
             docs, _ = tokenize_source(source, tokenizer, d.min_doc_tokens, cache_dir, tok, "valid", progress)
             return docs
-        docs, _ = tokenize_source(load_source(d), tokenizer, d.min_doc_tokens, cache_dir, tok, "corpus", progress)
-        held = np.array([is_held_out(int(i), d.valid) for i in docs.source_ids], dtype=bool)
-        valid = docs.subset(np.flatnonzero(held))
+        docs, _ = corpus_documents(d, tokenizer, cache_dir, progress)  # recall: the generated documents
+        _, valid = split_held_out(docs, d.valid)
     except DataError as e:
         if data is not None:
             raise EvalUsageError(f"--data {data}: {e}") from None

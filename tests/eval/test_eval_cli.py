@@ -125,3 +125,41 @@ def test_bad_options(runs, tmp_path):
     _check_error(evaluate(ckpt, "--plot", str(tmp_path / "x.jpg")), 2, "must end in .png")
     _check_error(evaluate(ckpt, "--json", str(tmp_path / "no" / "x.json")), 2, "does not exist")
     _check_error(evaluate(ckpt, "--dtype", "float16"), 2, "--dtype")
+
+
+def test_a_recall_runs_documents_are_its_held_out_recall_documents(tmp_path):
+    """`data.source: recall`: eval reads the generated documents `fit` held out, not their filler."""
+    from longtrain.data.recall import FILLER_WORDS, Symbols
+    from longtrain.data.tokenizer import train_bpe
+    from longtrain.model import LM, LMConfig
+    from longtrain.train.checkpoint import CheckpointManager
+    from longtrain.train.checkpointer import checkpoint_files
+    from longtrain.train.recipe import load_recipe
+
+    rng = np.random.default_rng(0)
+    tok = train_bpe([" ".join(rng.choice(FILLER_WORDS, 3000))], vocab_size=300)
+    recall = {"docs": 6, "doc_tokens": 192, "facts": 2, "min_distance": 16, "max_distance": 96, "key_length": 2,
+              "value_length": 2, "seed": 3}
+    recipe = load_recipe("quickstart", [
+        "model.layers=2", "model.d_model=32", "model.heads=2", "attention.topk=8", "attention.window=8",
+        "data.source=recall", f"data.recall={json.dumps(recall)}", "data.valid=0.34", "data.min_doc_tokens=100",
+        "tokenizer.vocab_size=300", "train.chunk_size=64", "train.batch_docs=2", "train.device=cpu",
+    ])
+    model = LM(LMConfig.from_recipe(recipe.model, recipe.attention, vocab_size=tok.get_vocab_size()))
+    run = tmp_path / "run"
+    CheckpointManager(run, keep=1).save(1, tensors={"model": model.state_dict()}, meta={}, files=checkpoint_files(recipe, tok))
+
+    tok_file = tmp_path / "tok.json"
+    tok_file.write_text(tok.to_str())
+    valid = prepare_corpus(recipe.data, TokenizerConfig(path=str(tok_file)), progress=False).valid
+    docs = eval_documents(recipe, tok, None, progress=False)
+    assert len(docs) == len(valid) == 2
+    assert all(np.array_equal(docs.doc(i), valid.doc(i)) for i in range(len(docs)))
+    sym = Symbols.of(tok)
+    assert all((docs.doc(i) == sym.query).sum() == recall["facts"] for i in range(len(docs)))  # recall documents
+
+    out = tmp_path / "ppl.json"
+    res = evaluate(str(run), "--task", "ppl", "--docs", "8", "--device", "cpu", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    ppl = json.loads(out.read_text())["results"][0]["ppl"]
+    assert ppl["documents"] == 2 and ppl["tokens"] == 2 * (recall["doc_tokens"] - 1)
