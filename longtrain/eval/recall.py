@@ -78,27 +78,42 @@ def measure_recall(
     device = next(model.parameters()).device
     chunk = chunk_size or recipe.train.chunk_size
     rows = min(batch_rows, docs)
-    preds = [np.zeros(len(d.tokens) + 1, dtype=np.int64) for d in recall_docs]  # argmax at each input position
+    # Only the positions that predict a query's value token (the one before each) go through the head:
+    # no [B, L, V] logits, and the predictions stay on the device until the loop ends.
+    start = value_offset(cfg)
+    vpos = [d.query_pos[:, None] + start + np.arange(cfg.value_length)[None] for d in recall_docs]  # [F, Lv] each
+    wanted = [np.zeros(len(d.tokens) + 1, dtype=bool) for d in recall_docs]  # per input position
+    for w, v in zip(wanted, vpos):
+        w[v - 1] = True
+    argmax, where = [], []  # predictions [n] per chunk, on the device; (document, position) of each, on the host
     cache = model.empty_cache(rows, device=device, dtype=torch.float32)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     model.eval()
-    for ch in iter_valid_chunks(token_docs, chunk, batch_rows=rows):
-        ch = ch.to(device)
+    for host in iter_valid_chunks(token_docs, chunk, batch_rows=rows):
+        ch = host.to(device)
         cache = cache.reset_rows(ch.reset)
-        with autocast:
-            out = model(ch.tokens, cache=cache, lengths=ch.lengths)
-        cache = out.cache
-        argmax = out.logits.argmax(-1).cpu().numpy()  # [B, L]
-        for b, (d, o, n) in enumerate(zip(ch.doc_index.tolist(), ch.doc_offset.tolist(), ch.lengths.tolist())):
+        rows_at, cols_at = [], []  # this chunk's value positions: row, index within the chunk
+        for b, (d, o, n) in enumerate(zip(host.doc_index.tolist(), host.doc_offset.tolist(), host.lengths.tolist())):
             if d >= 0 and n > 0:
-                preds[d][o : o + n] = argmax[b, :n]
+                t = np.flatnonzero(wanted[d][o : o + n])
+                rows_at += [b] * len(t)
+                cols_at += t.tolist()
+                where += [(d, o + i) for i in t.tolist()]
+        with autocast:
+            out = model.hidden(ch.tokens, cache=cache, lengths=ch.lengths)
+            if rows_at:
+                h = out.hidden[torch.tensor(rows_at, device=device), torch.tensor(cols_at, device=device)]  # [n, d]
+                argmax.append(model.head(h).argmax(-1))  # [n]
+        cache = out.cache
+    preds = [np.full(len(d.tokens) + 1, -1, dtype=np.int64) for d in recall_docs]  # argmax at each value position
+    if argmax:
+        for (d, pos), a in zip(where, torch.cat(argmax).cpu().tolist()):  # the one host read
+            preds[d][pos] = a
 
     # Per query: is each value token the argmax at the position before it?
-    start = value_offset(cfg)
     dist, exact, symbol = [], [], []
-    for doc, pred in zip(recall_docs, preds):
-        vpos = doc.query_pos[:, None] + start + np.arange(cfg.value_length)[None]  # [F, Lv]
-        hit = pred[vpos - 1] == doc.tokens[vpos]
+    for doc, pred, v in zip(recall_docs, preds, vpos):
+        hit = pred[v - 1] == doc.tokens[v]  # [F, Lv]
         dist.append(doc.distances)
         exact.append(hit.all(1))
         symbol.append(hit.mean(1))

@@ -56,11 +56,17 @@ class RecallingModel(torch.nn.Module):
         super().__init__()
         self.dummy = torch.nn.Parameter(torch.zeros(1))
         self.sym, self.cfg, self.reach, self.vocab = Symbols.of(tok), cfg, reach, tok.get_vocab_size()
+        self.head_rows = 0
 
     def empty_cache(self, rows, **_):
         return Memory([[] for _ in range(rows)])
 
-    def forward(self, tokens, cache, lengths):
+    def head(self, h):
+        """The hidden states are the logits already; counts the positions it is asked about."""
+        self.head_rows += h.shape[0]
+        return h
+
+    def hidden(self, tokens, cache, lengths):
         B, L = tokens.shape
         logits = torch.zeros(B, L, self.vocab)
         new = []
@@ -81,7 +87,7 @@ class RecallingModel(torch.nn.Module):
                                 guess = window[j + v0 + t]
                 logits[b, i, guess] = 1.0
             new.append(seen if self.reach is None else seen[-self.reach :])
-        return SimpleNamespace(logits=logits, cache=Memory(new))
+        return SimpleNamespace(hidden=logits, cache=Memory(new))
 
 
 def loaded(tok, model, chunk=128):
@@ -90,8 +96,10 @@ def loaded(tok, model, chunk=128):
 
 def test_perfect_memory_recalls_everything(tok, tmp_path):
     cfg = RecallConfig(**RECALL)
-    buckets = measure_recall(loaded(tok, RecallingModel(tok, cfg, None)), docs=4, cache_dir=tmp_path)
+    model = RecallingModel(tok, cfg, None)
+    buckets = measure_recall(loaded(tok, model), docs=4, cache_dir=tmp_path)
     assert [b["start"] for b in buckets] == default_edges(cfg)[:-1] == [12, 24, 48, 96, 192, 384]
+    assert model.head_rows == 4 * cfg.facts * cfg.value_length  # only the value positions reach the head
     assert sum(b["trials"] for b in buckets) == 4 * cfg.facts
     assert all(b["accuracy"] == 1.0 and b["symbol_accuracy"] == 1.0 for b in buckets if b["trials"])
 
