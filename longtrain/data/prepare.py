@@ -33,7 +33,7 @@ from .cache import EntryWriter, TokenDocs, cached_file, cached_tokens, default_c
 from .config import DataConfig, TokenizerConfig
 from .errors import DataError
 from .sources import Source, files_source, load_source
-from .tokenizer import TRAIN_SAMPLE_CHARS, eod_id, load_tokenizer, sample_for_training, train_bpe
+from .tokenizer import TRAIN_SAMPLE_CHARS, eod_id, load_tokenizer, sample_for_training, tokenizer_hash, train_bpe
 
 BATCH_CHARS = 1_000_000  # characters per encode_batch call: ~100 MB of encodings at most
 PIECE_CHARS = 65_536  # long documents are encoded in pieces of about this size, in parallel
@@ -67,14 +67,15 @@ def corpus_documents(
 ) -> tuple[TokenDocs, dict]:
     """Every document of the recipe's source in `tok`, before a `data.valid` fraction splits them:
     the source tokenized, or for `recall` the generated documents (not their filler). `fit` and
-    `eval` both read them here, so a run's validation documents are the same for both."""
+    `eval` both read them here, so a run's validation documents are the same for both. `source`:
+    `load_source(data)` when the caller has it already (opening a files source reads every byte)."""
     if data.source == "recall":
         from .recall import make_filler, recall_documents
 
-        filler, filler_key = make_filler(data, tok, cache_dir, progress)
+        filler, filler_key = make_filler(data, tok, cache_dir, progress, source=source)
         return recall_documents(data, tok, filler, filler_key, cache_dir, progress)
     source = source if source is not None else load_source(data)
-    tok_hash = hashlib.blake2b(tok.to_str().encode(), digest_size=16).hexdigest()
+    tok_hash = tokenizer_hash(tok)
     docs, stats = tokenize_source(source, tok, data.min_doc_tokens, cache_dir, tok_hash, "train", progress)
     _check_kept(docs, stats, source, data.min_doc_tokens)
     return docs, stats
@@ -97,7 +98,7 @@ def prepare_corpus(
     # recall: the fraction holds out generated documents, not filler, so the tokenizer sees all filler.
     tok = _get_tokenizer(tokenizer, source, None if recall else fraction, cache_dir)
     eod = eod_id(tok)
-    tok_hash = hashlib.blake2b(tok.to_str().encode(), digest_size=16).hexdigest()
+    tok_hash = tokenizer_hash(tok)
 
     docs, train_stats = corpus_documents(data, tok, cache_dir, progress, source=source)
     stats = {"train": train_stats}

@@ -44,7 +44,7 @@ from .cache import EntryWriter, TokenDocs, cached_tokens
 from .config import DataConfig, RecallConfig
 from .errors import DataError
 from .sources import Source, files_source
-from .tokenizer import eod_id
+from .tokenizer import eod_id, tokenizer_hash
 
 GENERATOR_VERSION = 1  # part of the cache key: bump when the documents a config makes change
 KEY_SYMBOLS = "abcdefghijklmnopqrstuvwxyz"
@@ -197,17 +197,19 @@ def filler_source(data: DataConfig) -> Source:
     return files_source(data.path, data.text_field)
 
 
-def make_filler(data: DataConfig, tok: Tokenizer, cache_dir: Path, progress: bool = True) -> tuple[Filler, str]:
-    """The filler for `tok` and a fingerprint of its content (part of the cache key)."""
+def make_filler(
+    data: DataConfig, tok: Tokenizer, cache_dir: Path, progress: bool = True, *, source: Source | None = None
+) -> tuple[Filler, str]:
+    """The filler for `tok` and a fingerprint of its content (part of the cache key). `source`: the
+    `filler_source(data)` the caller opened already (a files source reads every byte to hash them)."""
     from .prepare import tokenize_source  # prepare imports this module
 
     cfg = data.recall
-    source = filler_source(data)
+    source = source if source is not None else filler_source(data)
     n = cfg.doc_tokens - 1  # filler tokens per document, before its EOD
     if cfg.filler == "words":
         return word_filler(tok, n), source.fingerprint
-    tok_hash = hashlib.blake2b(tok.to_str().encode(), digest_size=16).hexdigest()
-    docs, _ = tokenize_source(source, tok, n + 1, cache_dir, tok_hash, "filler", progress)
+    docs, _ = tokenize_source(source, tok, n + 1, cache_dir, tokenizer_hash(tok), "filler", progress)
     return Filler(docs=docs, n=n), source.fingerprint
 
 
@@ -279,10 +281,9 @@ def recall_documents(
     """The training stream's `recall.docs` documents (seed `recall.seed`), through the token cache."""
     cfg = data.recall
     sym, eod = Symbols.of(tok), eod_id(tok)
-    tok_hash = hashlib.blake2b(tok.to_str().encode(), digest_size=16).hexdigest()
     settings = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
     key = hashlib.blake2b(
-        f"recall:{GENERATOR_VERSION}:{settings}:{tok_hash}:{filler_key}".encode(), digest_size=16
+        f"recall:{GENERATOR_VERSION}:{settings}:{tokenizer_hash(tok)}:{filler_key}".encode(), digest_size=16
     ).hexdigest()
 
     def build(writer: EntryWriter) -> dict:

@@ -9,6 +9,7 @@ a large corpus.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -37,6 +38,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         # A tokenizer without one gets ours, as a special token at the end of its vocabulary.
         tok.add_special_tokens([EOD])
     return tok
+
+
+def tokenizer_hash(tok: Tokenizer) -> str:
+    """A hash of the whole tokenizer (vocabulary, merges, pre-tokenizer): part of every token cache key."""
+    return hashlib.blake2b(tok.to_str().encode(), digest_size=16).hexdigest()
 
 
 def eod_id(tok: Tokenizer) -> int | None:

@@ -13,19 +13,13 @@ copied elsewhere reads its recipe's data source there (the cache is rebuilt once
 
 from __future__ import annotations
 
-import hashlib
-
 from longtrain.data import DataError, TokenDocs, default_cache_dir
 from longtrain.data.prepare import corpus_documents, split_held_out, tokenize_source
 from longtrain.data.sources import files_source
+from longtrain.data.tokenizer import tokenizer_hash
 from longtrain.eval.tasks import EvalError, EvalUsageError
 
 MIN_TOKENS = 2  # a document needs a token to predict
-
-
-def tokenizer_hash(tokenizer) -> str:
-    """As prepare_corpus keys the token cache."""
-    return hashlib.blake2b(tokenizer.to_str().encode(), digest_size=16).hexdigest()
 
 
 def eval_documents(recipe, tokenizer, data: str | None, *, progress: bool = True) -> TokenDocs:

@@ -92,13 +92,19 @@ def test_stream_reads_recall_documents_in_whole_chunks(tmp_path):
         assert (chunk.lengths == 256).all()
 
 
-def test_files_filler_and_a_filler_too_short(tmp_path):
+def test_files_filler_and_a_filler_too_short(tmp_path, monkeypatch):
+    import longtrain.data.sources
+
     books = tmp_path / "books"
     books.mkdir()
     for i in range(3):
         (books / f"b{i}.txt").write_text(make_text(i, 900))
+    opened = []  # every files source opened reads (and hashes) every byte of the books
+    files_source = longtrain.data.sources.files_source
+    monkeypatch.setattr("longtrain.data.recall.files_source", lambda *a: opened.append(a) or files_source(*a))
     data = DataConfig(source="recall", path=str(books), recall={**CFG, "filler": "files", "docs": 4})
     corpus = prepare_corpus(data, TokenizerConfig(vocab_size=300), cache_dir=tmp_path / "c", progress=False)
+    assert len(opened) == 1  # the filler books are read once, for the tokenizer and the filler both
     assert len(corpus.train) == 4
     text = corpus.tokenizer.decode(corpus.train.doc(0).tolist())
     assert "@" in text and "?" in text and " the " in text
