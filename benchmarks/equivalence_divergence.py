@@ -22,15 +22,11 @@ import argparse
 import json
 import math
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from longtrain.eval.equivalence import load_model, load_tokens
-
-MODES = {"float64": (torch.float64, None), "float32": (torch.float32, None),
-         "bfloat16": (torch.float32, torch.bfloat16), "bfloat16-weights": (torch.bfloat16, None)}
+from longtrain.eval.equivalence import PRECISIONS, load_model, load_tokens, precision_context
 
 
 class Recorder:
@@ -156,14 +152,14 @@ def main(argv=None):
     ap.add_argument("--text", type=Path)
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--chunk-size", type=int, action="append", required=True)
-    ap.add_argument("--dtype", default="bfloat16", choices=list(MODES))
+    ap.add_argument("--dtype", default="bfloat16", choices=list(PRECISIONS))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
 
     model, tokenizer = load_model(None, a.checkpoint, a.seed)
-    wdt, ac = MODES[a.dtype]
+    wdt, ac = PRECISIONS[a.dtype]
     dev = torch.device(a.device)
     model = model.to(dev, wdt).eval()
     if wdt == torch.float64:
@@ -171,7 +167,7 @@ def main(argv=None):
     tokens = load_tokens(a.text, a.tokens, model.cfg.vocab_size, tokenizer, a.seed).to(dev)
     k, w = model.cfg.topk, model.cfg.window
     act = ac or wdt
-    ctx = torch.autocast(dev.type, dtype=ac) if ac is not None else nullcontext()
+    ctx = precision_context(a.dtype, dev)
     rec = Recorder(model)
     result = dict(dtype=a.dtype, tokens=tokens.numel(), device=str(dev), model=model.cfg.to_dict(), runs=[])
     with ctx:

@@ -113,24 +113,22 @@ def train(out: Path, models: list[str], budget_s: float, extra: list[str]) -> No
 
 def evaluate_one(out: Path, run_dir: Path, docs: int, device: str) -> None:
     """Recall of one trained run in every setting: out/eval/<run name>.json."""
-    import torch
-
     from longtrain.data.recall import chance_level
+    from longtrain.eval.passkey import kv_budget
     from longtrain.eval.recall import measure_recall, recall_config
+    from longtrain.eval.runner import pick_device
     from longtrain.train.checkpointer import load_checkpoint
 
-    device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    ckpt = load_checkpoint(run_dir, device=device)
+    ckpt = load_checkpoint(run_dir, device=pick_device(device))
     att, rc = ckpt.recipe.attention, ckpt.recipe.data.recall
     settings = {
         "train": {},
         "4x": {"doc_tokens": 4 * rc.doc_tokens, "facts": 4 * rc.facts},
         "4x-far": {"doc_tokens": 4 * rc.doc_tokens, "max_distance": 4 * rc.max_distance},
     }
-    budget = (att.topk or 0) + (att.window or 0)  # full attention: no fixed budget
     entry = {
         "checkpoint": str(ckpt.path), "step": ckpt.step, "attention": att.type, "topk": att.topk,
-        "window": att.window, "kv_budget": budget or None, "eps_slope": att.eps_slope,
+        "window": att.window, "kv_budget": kv_budget(ckpt.model.cfg), "eps_slope": att.eps_slope,
         "timestep_norm": att.timestep_norm, "variant": att.variant, "score_init": att.score_init,
         "train": training_summary(run_dir), "recall": {},
     }
@@ -174,7 +172,9 @@ def merged_results(out: Path) -> dict:
 
 
 def training_summary(run_dir: Path) -> dict:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from longtrain.train.metrics import METRICS_FILE, read_metrics
+
+    records = read_metrics(run_dir / METRICS_FILE)
     last = records[-1]
     valid = [r for r in records if "valid_loss" in r]
     train_s = sum(r.get("step_s", 0.0) for r in records)

@@ -34,19 +34,17 @@ def inspect(
     content = raw.decode("utf-8", errors="replace")
     if not content.strip():
         raise fail(f"--text {text} is empty: give a text with some words in it", 2)
-    if device not in ("cpu", "cuda", "auto"):
-        raise fail(f"--device {device}: use cpu, cuda or auto", 2)
-
-    import torch
 
     from longtrain.eval.inspect import InspectError, render_html, render_png, selection_map
+    from longtrain.eval.runner import pick_device
+    from longtrain.eval.tasks import EvalUsageError
     from longtrain.train.checkpoint import CheckpointError
     from longtrain.train.checkpointer import load_checkpoint
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise fail("--device cuda: no CUDA device is visible; use --device cpu", 2)
+    try:
+        device = pick_device(device)
+    except EvalUsageError as e:
+        raise fail(str(e), 2)
     try:
         loaded = load_checkpoint(checkpoint, device=device)
         sm = selection_map(loaded, content, layer=layer)

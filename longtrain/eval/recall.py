@@ -162,6 +162,7 @@ def check(recipe, opts) -> None:
 
 
 def run(ctx):
+    from longtrain.eval.passkey import kv_budget
     from longtrain.eval.tasks import EvalError, TaskResult
 
     settings = _settings(ctx.ckpt.recipe, ctx.opts)
@@ -171,7 +172,7 @@ def run(ctx):
     except DataError as e:
         raise EvalError(f"--task recall: {e}") from None
     chance = chance_level(cfg)
-    budget = None if ctx.ckpt.model.cfg.attention == "full" else ctx.ckpt.model.cfg.topk + ctx.ckpt.model.cfg.window
+    budget = kv_budget(ctx.ckpt.model.cfg)
     rows = [(f"recall at {b['start']:,}–{b['end'] - 1:,}", f"{b['accuracy']:.3f}  ({b['trials']} queries)"
              + (" ›16(k+w)" if budget and b["start"] >= 16 * budget else ""))
             for b in buckets if b["trials"]]

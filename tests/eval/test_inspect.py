@@ -86,6 +86,7 @@ def test_the_map_matches_a_chunked_read_of_the_text(sparsek_run):
         (["--text", "page.txt", "--out", "x.pdf"], 2, "must end in .html or .png"),
         (["--text", "page.txt", "--out", "x.html", "--layer", "3"], 2, "out of range: the model has 3 layers (0..2)"),
         (["--text", "empty.txt", "--out", "x.html"], 2, "is empty"),
+        (["--text", "page.txt", "--out", "x.html", "--device", "tpu"], 2, "--device must be auto, cpu or cuda; got 'tpu'"),
     ],
 )
 def test_bad_input_is_named(sparsek_run, tmp_path, monkeypatch, args, code, message):
