@@ -11,6 +11,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+def line_length(cfg: RecallConfig) -> int:
+    """Tokens of one fact or query line of the recall task: newline, marker, key, '=', value, newline."""
+    return cfg.key_length + cfg.value_length + 4
+
+
 class RecallConfig(BaseModel):
     """`data.recall:` the long-range recall task (longtrain/data/recall.py).
 
@@ -38,7 +43,7 @@ class RecallConfig(BaseModel):
 
     @model_validator(mode="after")
     def _distances_fit(self) -> RecallConfig:
-        line = self.key_length + self.value_length + 4  # newline, marker, key, '=', value, newline
+        line = line_length(self)
         if self.min_distance > self.max_distance:
             raise ValueError(f"recall.min_distance ({self.min_distance}) exceeds recall.max_distance ({self.max_distance})")
         if self.min_distance < line:

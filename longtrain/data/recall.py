@@ -41,7 +41,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .cache import EntryWriter, TokenDocs, cached_tokens
-from .config import DataConfig, RecallConfig
+from .config import DataConfig, RecallConfig, line_length
 from .errors import DataError
 from .sources import Source, files_source
 from .tokenizer import eod_id, tokenizer_hash
@@ -64,11 +64,6 @@ FILLER_WORDS = (
     "three river house letter morning captain garden window silence evening mountain quiet ship coffee "
     "wander road night water light stone field friend voice door table paper winter summer forest"
 ).split()
-
-
-def line_length(cfg: RecallConfig) -> int:
-    """Tokens of one fact or query line: newline, marker, key, '=', value, newline."""
-    return cfg.key_length + cfg.value_length + 4
 
 
 def chance_level(cfg: RecallConfig) -> dict[str, float]:

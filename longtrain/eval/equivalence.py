@@ -206,7 +206,7 @@ class _LayerTally:
 
     def add(self, s: int, got, ref) -> torch.Tensor:
         """Count chunk [s, s + c) of one layer; returns its per-query mismatch [c] (bool)."""
-        fp, thp, tau = ref
+        fp = ref[0]  # (fingerprint, theta_pos, tau) [rows, T] of the reference
         c = got.fingerprint.shape[1]
         diff = got.fingerprint != fp[:, s : s + c]  # [rows, c]
         self.same += diff.numel() - diff.sum()

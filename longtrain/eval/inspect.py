@@ -52,8 +52,9 @@ def selecting_layers(model) -> list[int]:
 
 
 @torch.no_grad()
-def selection_map(loaded, text: str, *, layer: int | None = None, chunk_size: int | None = None) -> SelectionMap:
-    """Scores and final pool of `text` under a loaded checkpoint (`load_checkpoint(...)`)."""
+def selection_map(loaded, text: str, *, layer: int | None = None) -> SelectionMap:
+    """Scores and final pool of `text` under a loaded checkpoint (`load_checkpoint(...)`), read in
+    chunks of the recipe's train.chunk_size."""
     model, recipe = loaded.model, loaded.recipe
     cfg = model.cfg
     layers = selecting_layers(model)
@@ -72,7 +73,7 @@ def selection_map(loaded, text: str, *, layer: int | None = None, chunk_size: in
         raise InspectError("the text has no tokens (is the file empty?)")
 
     device = next(model.parameters()).device
-    chunk = chunk_size or recipe.train.chunk_size
+    chunk = recipe.train.chunk_size
     tokens = torch.tensor([ids], dtype=torch.int64, device=device)
     cache = model.empty_cache(1, device=device, dtype=torch.float32)
     u_parts: list[list[torch.Tensor]] = [[] for _ in layers]

@@ -20,6 +20,8 @@ from longtrain.data import DataConfig, DataError, iter_valid_chunks
 from longtrain.data.config import RecallConfig
 from longtrain.data.recall import chance_level, generate_documents, make_filler, value_offset
 
+ROWS = 8  # documents read side by side
+
 
 def recall_config(recipe, **overrides) -> tuple[DataConfig, RecallConfig]:
     """The checkpoint's recall settings (the defaults for a model not trained on recall) with
@@ -56,7 +58,6 @@ def measure_recall(
     seed: int | None = None,
     edges: list[int] | None = None,
     chunk_size: int | None = None,
-    batch_rows: int = 8,
     cache_dir: Path | None = None,
 ) -> list[dict]:
     """Recall of one loaded checkpoint (`load_checkpoint(...)`) per distance bucket:
@@ -77,7 +78,7 @@ def measure_recall(
 
     device = next(model.parameters()).device
     chunk = chunk_size or recipe.train.chunk_size
-    rows = min(batch_rows, docs)
+    rows = min(ROWS, docs)
     # Only the positions that predict a query's value token (the one before each) go through the head:
     # no [B, L, V] logits, and the predictions stay on the device until the loop ends.
     start = value_offset(cfg)
