@@ -82,9 +82,9 @@ def selection_map(loaded, text: str, *, layer: int | None = None) -> SelectionMa
         out = model.hidden(tokens[:, o : o + chunk], cache=cache)
         cache = out.cache
         for slot, i in enumerate(layers):
-            u_parts[slot].append(out.selections[i].u.to(torch.float64).mean(0).cpu())  # [L]: groups averaged
+            u_parts[slot].append(out.selections[i].u.to(torch.float64).mean(0))  # [L]: groups averaged, on the device
     T = len(ids)
-    u = np.stack([torch.cat(parts).numpy() for parts in u_parts])  # [layers, T]
+    u = torch.stack([torch.cat(parts) for parts in u_parts]).cpu().numpy()  # [layers, T]: one copy to the host
     in_pool = np.zeros((len(layers), T), dtype=bool)
     for slot, i in enumerate(layers):
         pos = cache.layers[i].attn.pool_pos.cpu().numpy().ravel()
