@@ -430,6 +430,10 @@ def run_command(
         raise UsageError(f"LONGTRAIN_FAULT must be one of {FAULTS}; got {fault!r}")
     if json_path is not None and not json_path.parent.is_dir():
         raise UsageError(f"--json {json_path}: folder {json_path.parent} does not exist")
+    if min_agreement is not None and not 0.0 <= min_agreement <= 1.0:
+        raise UsageError(f"--min-agreement is a fraction of queries: give a value from 0 to 1; got {min_agreement:g}")
+    if max_logit_diff is not None and not max_logit_diff >= 0.0:
+        raise UsageError(f"--max-logit-diff is an absolute difference: give a value of at least 0; got {max_logit_diff:g}")
     d_max, a_min = DEFAULT_THRESHOLDS[dtype]
     d_max = d_max if max_logit_diff is None else max_logit_diff
     a_min = a_min if min_agreement is None else min_agreement

@@ -81,24 +81,44 @@ def test_chunked_is_bitwise_unchunked_in_every_precision(tmp_path, dtype):
             assert la["agreement"] == 1.0 and la["first_divergence"] is None
 
 
-def test_bfloat16_is_autocast_over_float32_weights():
-    """--dtype bfloat16 runs as `longtrain fit` trains: float32 weights and residual stream, bf16 matmuls."""
-    from longtrain.eval.equivalence import DTYPES, precision_context
+@pytest.mark.parametrize("dtype, weights, hidden, logits", [
+    ("bfloat16", torch.float32, torch.float32, torch.bfloat16),  # as `longtrain fit` trains: autocast over float32
+    ("bfloat16-weights", torch.bfloat16, torch.bfloat16, torch.bfloat16),  # the whole model, residual stream too
+])
+def test_the_precision_modes_are_what_the_passes_run_in(monkeypatch, dtype, weights, hidden, logits):
+    """--dtype bfloat16 runs the passes as `longtrain fit` trains: float32 weights and residual stream,
+    bf16 matmuls; bfloat16-weights casts the model. Read inside the command's own reference pass."""
+    import longtrain.eval.equivalence as equivalence
 
-    model = LM(LMConfig(vocab_size=64, layers=1, d_model=32, heads=2, attention="sparsek+sw", topk=4, window=4))
-    model = model.to("cpu", DTYPES["bfloat16"])
-    assert model.embed.weight.dtype == torch.float32
-    with precision_context("bfloat16", torch.device("cpu")):
-        out = model(torch.randint(0, 64, (1, 20)))
-    assert out.hidden.dtype == torch.float32 and out.logits.dtype == torch.bfloat16
-    assert DTYPES["bfloat16-weights"] == torch.bfloat16
+    seen = {}
+    reference_pass = equivalence.reference_pass
+
+    def spy(model, tokens):
+        out = model(tokens[None, :8])
+        seen.update(weights=model.embed.weight.dtype, hidden=out.hidden.dtype, logits=out.logits.dtype)
+        return reference_pass(model, tokens)
+
+    monkeypatch.setattr(equivalence, "reference_pass", spy)
+    res = verify("--tokens", "200", "--chunk-size", "100", "--dtype", dtype)
+    assert res.exit_code == 0, res.output
+    assert seen == {"weights": weights, "hidden": hidden, "logits": logits}
 
 
-def test_float32_thresholds_can_be_set():
-    assert verify("--tokens", "1200", "--chunk-size", "300", "--dtype", "float32").exit_code == 0
-    # The thresholds are the ones applied: an impossible one fails (on the CPU the passes agree to the bit).
-    res = verify("--tokens", "1200", "--chunk-size", "300", "--dtype", "float32", "--min-agreement", "1.5")
+def test_each_threshold_is_applied(tmp_path):
+    """A broken cache (its pool dropped at each boundary) moves the logits and the selections; each
+    threshold alone fails the run (exit 1) when exceeded, and a loose pair lets it pass."""
+    broken = {"LONGTRAIN_FAULT": "drop_pool"}
+    args = ["--tokens", "600", "--chunk-size", "300"]
+    out = tmp_path / "out.json"
+    res = verify(*args, "--min-agreement", "0", "--json", str(out), env=broken)  # only the logit threshold (1e-9)
     assert res.exit_code == 1, res.output
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["max_abs_logit_diff"] > 1e-9 and run["passed"] is False and "FAILED" in res.output
+    res = verify(*args, "--max-logit-diff", "1e9", env=broken)  # only the agreement threshold (1.0)
+    assert res.exit_code == 1, res.output
+    res = verify(*args, "--max-logit-diff", "1e9", "--min-agreement", "0", "--json", str(out), env=broken)
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["runs"][0]["max_abs_logit_diff"] == run["max_abs_logit_diff"]
 
 
 def _tiny_checkpoint(run: Path, *, self_contained: bool):
@@ -156,6 +176,9 @@ def test_recipe_checkpoint_and_text(tmp_path, self_contained):
         (["--recipe", "quickstart", "--checkpoint", "x"], "not both"),
         (["--json", "/nonexistent/dir/out.json"], "does not exist"),
         (["--tokens", "many"], "Invalid value"),
+        (["--min-agreement", "1.5"], "--min-agreement is a fraction of queries: give a value from 0 to 1; got 1.5"),
+        (["--min-agreement", "-0.1"], "from 0 to 1; got -0.1"),
+        (["--max-logit-diff", "-1"], "--max-logit-diff is an absolute difference: give a value of at least 0; got -1"),
     ],
 )
 def test_bad_usage_exits_2_with_a_message(args, message):

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from longtrain.data.config import DataConfig, RecallConfig, TokenizerConfig
-from longtrain.data.recall import FILLER_WORDS, Symbols, value_offset
+from longtrain.data.recall import FILLER_WORDS, Symbols, generate_documents, make_filler, value_offset
 from longtrain.data.tokenizer import train_bpe
-from longtrain.eval.recall import default_edges, measure_recall
+from longtrain.eval.recall import default_edges, measure_recall, recall_config
 from longtrain.model import LM, LMConfig
 from longtrain.train.recipe import AttentionConfig, ModelConfig, Recipe, TrainConfig
 
@@ -118,11 +118,36 @@ def test_a_limited_memory_recalls_exactly_what_it_reaches(tok, tmp_path):
 
 
 def test_a_real_model_is_read_through_its_cache(tok, tmp_path):
-    cfg = RecallConfig(**RECALL)
-    model = LM(LMConfig(vocab_size=tok.get_vocab_size(), layers=2, d_model=32, heads=2, topk=8, window=8))
-    buckets = measure_recall(loaded(tok, model.eval(), chunk=100), docs=2, min_distance=12, max_distance=200, cache_dir=tmp_path)
-    assert sum(b["trials"] for b in buckets) == 2 * cfg.facts
-    assert all(0.0 <= b["accuracy"] <= 1.0 for b in buckets if b["trials"])
+    """A random LM read in chunks of 100 through its cache scores what one unchunked pass per document
+    predicts (float32 on the CPU: chunked = unchunked to the bit). Its digit embeddings are scaled up so
+    the argmax at a value position is some digit, often the right one: the scores are not all zero."""
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=tok.get_vocab_size(), layers=2, d_model=32, heads=2, topk=8, window=8)).eval()
+    with torch.no_grad():
+        model.embed.weight[torch.from_numpy(Symbols.of(tok).values).long()] *= 20  # tied head: digits win the argmax
+    ckpt = loaded(tok, model, chunk=100)
+    buckets = measure_recall(ckpt, docs=3, min_distance=12, max_distance=200, cache_dir=tmp_path)
+
+    data, cfg = recall_config(ckpt.recipe, min_distance=12, max_distance=200)
+    filler, _ = make_filler(data, tok, tmp_path, progress=False)
+    _, docs = generate_documents(cfg, tok, filler, seed=cfg.seed, n_docs=3)
+    dist, exact, symbol = [], [], []
+    for doc in docs:
+        with torch.no_grad():
+            pred = model(torch.from_numpy(doc.tokens).long()[None]).logits[0].argmax(-1).numpy()  # unchunked
+        v = doc.query_pos[:, None] + value_offset(cfg) + np.arange(cfg.value_length)[None]  # [F, Lv]
+        hit = pred[v - 1] == doc.tokens[v]
+        dist += doc.distances.tolist()
+        exact += hit.all(1).tolist()
+        symbol += hit.mean(1).tolist()
+    dist, exact, symbol = np.array(dist), np.array(exact), np.array(symbol)
+    assert [b["start"] for b in buckets] == default_edges(cfg)[:-1]
+    for b in buckets:
+        m = (dist >= b["start"]) & (dist < b["end"])
+        assert b["trials"] == m.sum()
+        if b["trials"]:
+            assert b["accuracy"] == exact[m].mean() and b["symbol_accuracy"] == pytest.approx(symbol[m].mean(), abs=1e-12)
+    assert sum(b["trials"] for b in buckets) == 3 * cfg.facts and symbol.mean() > 0
 
 
 def test_bad_edges_are_refused(tok, tmp_path):
