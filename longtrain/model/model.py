@@ -42,6 +42,14 @@ class ThresholdOverflowWarning(UserWarning):
     """A SparseK threshold state hit its cap: selection is no longer exact (raise threshold_cap)."""
 
 
+def warn_threshold_overflow(stacklevel: int = 2) -> None:
+    """The Python warning for an overflowed threshold state (a forward that reads the flag, or the trainer)."""
+    warnings.warn(
+        "SparseK threshold state overflowed its cap: selection is no longer exact; raise attention.threshold_cap",
+        ThresholdOverflowWarning, stacklevel=stacklevel + 1,  # + 1: this function's frame
+    )
+
+
 @dataclass
 class LMConfig:
     vocab_size: int
@@ -284,9 +292,9 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)  # no L x L mask
         else:
             o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias.to(q.dtype))
-        if self.cfg.max_context is not None:  # keep what the next chunk's queries can see
-            keep = self.cfg.max_context - 1
-            k_all, v_all, pos_all = (t[:, t.shape[1] - min(keep, t.shape[1]):].clone() for t in (k_all, v_all, pos_all))
+        keep = None if self.cfg.max_context is None else self.cfg.max_context - 1  # what the next chunk's queries can see
+        if keep is not None and k_all.shape[1] > keep:  # a copy: the dropped keys' memory is freed
+            k_all, v_all, pos_all = (t[:, t.shape[1] - keep:].clone() for t in (k_all, v_all, pos_all))
         new = FullKVCache(k_all.detach(), v_all.detach(), pos_all)
         return o.transpose(1, 2), new  # [B, L, H, D]
 
@@ -522,10 +530,7 @@ class LM(nn.Module):
         if check_overflow:
             overflowed = bool(overflow) if overflow is not None else False  # one host sync for all layers
             if overflowed:
-                warnings.warn(
-                    "SparseK threshold state overflowed its cap: selection is no longer exact; raise attention.threshold_cap",
-                    ThresholdOverflowWarning, stacklevel=3,
-                )
+                warn_threshold_overflow(stacklevel=3)
         new_cache = ModelCache(seen=seen + lengths, layers=layers)
         return LMOutput(logits=None, cache=new_cache, selections=selections, overflowed=overflowed, hidden=h, overflow=overflow)
 

@@ -27,6 +27,7 @@ import re
 import psutil
 import torch
 
+from longtrain.model.attention_types import kv_entries
 from longtrain.model.loss import SLICE_ELEMENTS
 
 DEVICE_MEMORY_ENV = "LONGTRAIN_DEVICE_MEMORY"
@@ -49,11 +50,6 @@ def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return psutil.virtual_memory().total
-
-
-def gib(n: float) -> str:
-    """A size for people: GiB, or MiB below one GiB."""
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 @functools.lru_cache(maxsize=32)
@@ -106,7 +102,7 @@ def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position:
         op_keys = layers * B * keys * kv * (H // Hkv) if H != Hkv else 0
         mask = B * L * keys * e
     else:
-        cached = (att.topk or 0) + max((att.window or 0) - 1, 0)
+        cached = kv_entries(att.type, att.topk or 0, att.window or 0)
         cache = 2 * layers * B * cached * kv
         op_keys = layers * B * (cached + L) * kv  # the op's [pool][tail][chunk] keys and values
         mask = 0

@@ -221,7 +221,7 @@ class ProgressDisplay:
         if s.cache_fill is not None:
             parts.append(f"cache {100 * s.cache_fill:.0f}%")
         if s.memory_bytes is not None:
-            parts.append(f"mem {_bytes(s.memory_bytes)}")
+            parts.append(f"mem {gib(s.memory_bytes)}")
         parts.append(f"eta {_duration(self._eta(s))}")
         return " | ".join(parts)
 
@@ -241,7 +241,7 @@ class ProgressDisplay:
             Text(f"gnorm {s.grad_norm:.3f}"),
             Text(f"{_si(self.tokens_per_s())} tok/s"),
             Text(f"cache {100 * s.cache_fill:.0f}%" if s.cache_fill is not None else ""),
-            Text(f"mem {_bytes(s.memory_bytes)}" if s.memory_bytes is not None else ""),
+            Text(f"mem {gib(s.memory_bytes)}" if s.memory_bytes is not None else ""),
         )
         rows = Text("  ".join(f"row {i}: {r.describe()}" for i, r in enumerate(s.rows)), style="dim")
         if not self._selection:
@@ -271,11 +271,9 @@ def _si(x: float) -> str:
     return f"{x:.0f}"
 
 
-def _bytes(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n / 2**10:.0f} KiB"
+def gib(n: float) -> str:
+    """A size for people: GiB, or MiB below one GiB (the progress display, memory warnings)."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _duration(seconds: float) -> str:

@@ -37,7 +37,6 @@ import gc
 import math
 import os
 import time
-import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -48,7 +47,7 @@ import torch
 from longtrain.console import make_console
 from longtrain.data import IGNORE, DocumentStream, PreparedCorpus, iter_valid_chunks, prepare_corpus
 from longtrain.data.stream import Chunk
-from longtrain.model import LM, LMConfig, ThresholdOverflowWarning
+from longtrain.model import LM, LMConfig, warn_threshold_overflow
 from longtrain.model.attention_types import kv_entries
 from longtrain.train import distributed
 from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainState
@@ -63,6 +62,7 @@ from longtrain.train.metrics import (
     ProgressDisplay,
     RowProgress,
     StepStats,
+    gib,
     peak_memory_bytes,
     tensorboard_missing,
 )
@@ -428,25 +428,29 @@ class Trainer:
         position = memory.longest_position(self.corpus, self.cfg)
         need, dev = self.estimate_memory(position), self.memory_device()
         have = memory.device_memory_bytes(dev)
-        where = f"{memory.gib(have)} of {dev}" if dev.type == "cuda" else f"{memory.gib(have)} of RAM"
+        where = f"{gib(have)} of {dev}" if dev.type == "cuda" else f"{gib(have)} of RAM"
         per = " per rank" if self.ranks.parallel else ""
         if att.type == "full":
             grows = f"full attention: it grows with the position, up to the longest document ({position:,} tokens)"
             if att.max_context:
                 grows = f"full attention capped at attention.max_context = {att.max_context:,} keys"
-            line = f"memory: about {memory.gib(need)}{per} at document position {position:,} ({grows}); {where}"
+            line = f"memory: about {gib(need)}{per} at document position {position:,} ({grows}); {where}"
         else:
-            line = f"memory: about {memory.gib(need)}{per} at any document position (the KV cache has a fixed size); {where}"
+            line = f"memory: about {gib(need)}{per} at any document position (the KV cache has a fixed size); {where}"
         if need <= have:
             return [line]
+        return [line, f"warning: this run needs about {gib(need)} at document position {position:,} but {dev} "
+                f"has {gib(have)}: it will likely run out of memory. To fit: {self.fit_advice(have)}"]
+
+    def fit_advice(self, have: int) -> str:
+        """What to change so the run fits in `have` bytes; full attention: the largest max_context that does."""
         fits = None
-        if att.type == "full":
+        if self.recipe.attention.type == "full":
             fits = memory.max_context_that_fits(
                 self.recipe, budget=int(0.9 * have), n_params=self.model.num_params(),
                 vocab_size=self.model.cfg.vocab_size, compute_dtype=self.compute_dtype,
             )
-        return [line, f"warning: this run needs about {memory.gib(need)} at document position {position:,} but {dev} "
-                f"has {memory.gib(have)}: it will likely run out of memory. To fit: {memory.advice(self.recipe, suggest_max_context=fits)}"]
+        return memory.advice(self.recipe, suggest_max_context=fits)
 
     def ranks_line(self) -> str:
         """How the batch is spread over the ranks, and how rows take documents."""
@@ -627,10 +631,7 @@ class Trainer:
         if not self._warned_overflow:
             self._warned_overflow = True
             # the model's Python warning too (training reads the flag here, not in every forward)
-            warnings.warn(
-                "SparseK threshold state overflowed its cap: selection is no longer exact; raise attention.threshold_cap",
-                ThresholdOverflowWarning, stacklevel=2,
-            )
+            warn_threshold_overflow(stacklevel=2)
             self.warn(
                 f"a layer's SparseK threshold state hit its cap (attention.threshold_cap) by step {self.state.step} "
                 "(it is read at log lines, so it may have happened up to logging.every steps earlier); "
@@ -706,17 +707,11 @@ class Trainer:
         where = f" (document positions {', '.join(f'{p:,}' for p in positions)})" if positions else ""
         dev = self.memory_device()
         have = memory.device_memory_bytes(dev)
-        fits = None
-        if self.recipe.attention.type == "full":
-            fits = memory.max_context_that_fits(
-                self.recipe, budget=int(0.9 * have), n_params=self.model.num_params(),
-                vocab_size=self.model.cfg.vocab_size, compute_dtype=self.compute_dtype,
-            )
         first = error.strip().splitlines()[0][:300] if error.strip() else "out of memory"
         resume = (f"The last checkpoint is {self.last_saved}: rerun the same command with the change to resume from it."
                   if self.last_saved else "No checkpoint was saved yet; rerun with the change.")
-        return (f"out of memory at step {step}{where} on {dev} ({memory.gib(have)}): {first}\n"
-                f"To fit: {memory.advice(self.recipe, suggest_max_context=fits)}.\n{resume}")
+        return (f"out of memory at step {step}{where} on {dev} ({gib(have)}): {first}\n"
+                f"To fit: {self.fit_advice(have)}.\n{resume}")
 
     def result(self, *, seconds: float) -> FitResult:
         return FitResult(

@@ -63,7 +63,7 @@ def test_plain_lines_every_n_steps_when_not_a_terminal():
     lines = out.getvalue().splitlines()
     assert [line.split(" | ")[0] for line in lines[:3]] == ["step 10/25", "step 20/25", "step 25/25"]
     assert "loss 2.0000 | ppl 7.39 | lr 3.00e-04 | gnorm 0.750" in lines[0]
-    assert "cache 50%" in lines[0] and "mem 300.0 MiB" in lines[0] and "eta " in lines[0]
+    assert "cache 50%" in lines[0] and "mem 300 MiB" in lines[0] and "eta " in lines[0]
     assert lines[3] == "valid ppl 7.39"
 
 
