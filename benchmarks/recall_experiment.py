@@ -50,6 +50,8 @@ ABLATIONS = {
     "sparsek-softkv": ["attention.variant=soft_kv"],
     "sparsek-st": ["attention.variant=straight_through"],
     "sparsek-scorelr10": ["train.score_lr_scale=10.0"],
+    "sparsek-scorelr30": ["train.score_lr_scale=30.0"],
+    "sparsek-scorelr100": ["train.score_lr_scale=100.0"],
     "sparsek-only": ["attention.type=sparsek", "attention.topk=64", "attention.window=0"],
 }
 SETTINGS = ("train", "4x", "4x-far")
