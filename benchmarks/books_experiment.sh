@@ -13,6 +13,9 @@
 #                       one training run (model-seed) of STEPS steps (default 1500, or the
 #                       calibration's). It stops with a checkpoint at 540 s; run the same PART again
 #                       to resume it where it stopped (the cosine schedule spans all STEPS).
+#   prepare             train the tokenizer and tokenize the books once (the token cache), no GPU
+#   parallel            prepare, then the four runs at once (one process each) within BUDGET: what
+#                       one device call allows when its files do not outlive it
 #   eval                perplexity by position bucket of every finished run on VALID_DIR
 #   summary             OUT/books.md: mean ppl per bucket per model, the seeds' spread, the difference
 #   picture             `longtrain inspect` of sparsek-0 on a book page: HTML (every layer) and PNG
@@ -95,6 +98,27 @@ PY
     train "$model" "$seed" "$(steps_for)" "$OUT/runs/$PART" >> "$OUT/train-$PART.log" 2>&1
     tail -4 "$OUT/train-$PART.log"
     ;;
+  prepare)
+    python - "${sparsek[@]}" "${common[@]}" <<'PY'
+import sys
+from longtrain.data import prepare_corpus
+from longtrain.train.recipe import load_recipe
+args = sys.argv[1:]
+sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+r = load_recipe(args[0], sets)
+c = prepare_corpus(r.data, r.tokenizer, progress=False)
+print(f"prepared: {len(c.train)} training and {len(c.valid)} validation documents")
+PY
+    ;;
+  parallel)
+    bash "$0" "$TRAIN" "$VALID" "$OUT" prepare
+    for part in sparsek-0 sparsek-1 sw-0 sw-1; do
+      model=${part%-*}; seed=${part#*-}
+      train "$model" "$seed" "$(steps_for)" "$OUT/runs/$part" >> "$OUT/train-$part.log" 2>&1 &
+    done
+    wait
+    for part in sparsek-0 sparsek-1 sw-0 sw-1; do tail -2 "$OUT/train-$part.log"; done
+    ;;
   eval)
     runs=()
     for r in "$OUT"/runs/*; do [[ -d "$r/checkpoints" ]] && runs+=("$r"); done
@@ -154,5 +178,5 @@ text = ("Perplexity by position bucket on the validation books (mean over seeds 
 print(text)
 PY
     ;;
-  *) echo "unknown PART $PART (calibrate | sparsek-0 | sparsek-1 | sw-0 | sw-1 | eval | summary | picture)"; exit 2 ;;
+  *) echo "unknown PART $PART (calibrate | sparsek-0 | sparsek-1 | sw-0 | sw-1 | prepare | parallel | eval | summary | picture)"; exit 2 ;;
 esac
