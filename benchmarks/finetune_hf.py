@@ -218,7 +218,7 @@ class Bench:
         t = time.monotonic()
         loaded = load_checkpoint(path, device=self.device)
         data = DataConfig(source="files", path=str(self.valid), min_doc_tokens=1024 if self.args.tiny else 4096)
-        corpus = prepare_corpus(data, TokenizerConfig(path=str(path / "tokenizer.json")), run_dir=self.work / "eval-corpus", progress=False)
+        corpus = prepare_corpus(data, TokenizerConfig(path=str(path / "tokenizer.json")), progress=False)
         cfg = SimpleNamespace(batch_docs=min(4, s["eval_docs"]), chunk_size=s["ft_chunk"], valid_docs=s["eval_docs"], valid_tokens=s["eval_tokens"])
         loss = evaluate(loaded.model, SimpleNamespace(valid=corpus.train), cfg, torch.device(self.device))
         out = {"loss": loss, "ppl": math.exp(min(loss, 700)), "docs": min(s["eval_docs"], len(corpus.train)), "tokens_per_doc": s["eval_tokens"],
