@@ -49,6 +49,20 @@ def source_model_and_tokenizer(source: str | Path) -> tuple[dict, Path]:
     return model, tok_path
 
 
+def check_init_source(source: str | Path) -> None:
+    """Refuse a `train.init_from` that cannot be read before the data is prepared (a recipe may take its
+    tokenizer from that run: without this, its missing tokenizer.json would be the first error)."""
+    from longtrain.train.checkpointer import resolve_checkpoint
+
+    try:
+        resolve_checkpoint(source)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"train.init_from: {e}. Train or import that model first (`longtrain fit RECIPE --run-dir DIR`, "
+            "`longtrain import HF_DIR --out DIR`), or point train.init_from at it"
+        ) from None
+
+
 @torch.no_grad()
 def init_from_checkpoint(model: nn.Module, source: str | Path, recipe) -> list[str]:
     """Load the source's weights into `model` (a longtrain LM); returns lines that say what happened.

@@ -54,7 +54,7 @@ from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainStat
 from longtrain.train.diagnostics import SelectionDiagnostics
 from longtrain.train.distributed import Ranks
 from longtrain.train import memory
-from longtrain.train.init import apply_freeze, init_from_checkpoint
+from longtrain.train.init import apply_freeze, check_init_source, init_from_checkpoint
 from longtrain.train.metrics import (
     METRICS_FILE,
     TENSORBOARD_DIR,
@@ -242,6 +242,8 @@ class Trainer:
         """The corpus, and the checkpoint to resume with its meta checked against this recipe (or None)."""
         # rank 0 picks the checkpoint (validating it whole) and tells the others
         self.resume_from = self.last_saved = distributed.on_main(lambda: self.checkpointer.to_resume(self.resume), self.ranks)
+        if self.cfg.init_from and self.resume_from is None:  # a fresh fine-tuning run reads its source first
+            check_init_source(self.cfg.init_from)
         self.corpus = self.prepare_data()
         self.hashes = Checkpointer.hashes(self.recipe, self.corpus.tokenizer)
         if self.resume_from is None:

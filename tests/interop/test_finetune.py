@@ -180,3 +180,16 @@ def test_model_hash_of_existing_recipes_is_unchanged():
     assert recipe_hash(load_recipe("quickstart"), ("model",)) == "de235a4e9353dc803d7026594d8f19b583552679e27b8d6a5d33e3e7a735049c"
     assert recipe_hash(load_recipe("gutenberg-sparsek"), ("model",)) == "6109fdbec2cca71b197a3b9a88d8748de24aa506a7e11606a025a2570d3d8ad7"
     assert recipe_hash(load_recipe("quickstart", ["model.norm_eps=1e-6"]), ("model",)) != "de235a4e9353dc803d7026594d8f19b583552679e27b8d6a5d33e3e7a735049c"
+
+
+def test_a_missing_init_source_is_named_before_its_tokenizer(tmp_path):
+    """recall-sparsek takes its weights and tokenizer from recall-circuit's run: when that run is missing,
+    the error names train.init_from and what to do (not the tokenizer file), and the run dir stays absent."""
+    run = tmp_path / "run"
+    result = CliRunner().invoke(app, ["fit", "recall-sparsek", "--run-dir", str(run),
+                                      "--set", f"train.init_from={tmp_path / 'circuit'}",
+                                      "--set", f"tokenizer.path={tmp_path / 'circuit' / 'tokenizer.json'}"])
+    msg = " ".join(result.output.split())
+    assert result.exit_code == 1, result.output
+    assert f"train.init_from: {tmp_path / 'circuit'} does not exist" in msg and "longtrain fit RECIPE" in msg
+    assert "tokenizer" not in msg and not run.exists()
