@@ -20,14 +20,20 @@ import torch
 VARIANTS = ("hard_k_soft_v", "soft_kv", "straight_through")
 
 
-def pools_by_position(block_pool: torch.Tensor, pos_ext: torch.Tensor) -> torch.Tensor:
-    """Each block's pool [B, nb, K] in ascending key position (empty slots first): the layout a block's
-    pool keys are summed in must not depend on the scan's slot history, which differs between a
-    chunked and an unchunked pass (issue 24); the kernels order their pool tiles the same way."""
+def position_order(block_pool: torch.Tensor, pos_ext: torch.Tensor) -> torch.Tensor:
+    """The permutation [B, nb, K] that puts each block's pool (ext indices, -1 empty) in ascending key
+    position, empty slots first: the order a block's pool keys are summed in must not depend on the
+    scan's slot history, which differs between a chunked and an unchunked pass (issue 24). The naive
+    core and the Triton forward both order their pool tiles by it."""
     B, nb, K = block_pool.shape
-    kpos = pos_ext.gather(1, block_pool.clamp(min=0).reshape(B, nb * K)).view(B, nb, K)
-    order = torch.where(block_pool >= 0, kpos, -1).argsort(dim=-1, stable=True)
-    return block_pool.gather(-1, order)
+    idx = block_pool.long().clamp(0, pos_ext.shape[1] - 1)
+    kpos = pos_ext.gather(1, idx.reshape(B, nb * K)).view(B, nb, K)
+    return torch.where(block_pool >= 0, kpos, -1).argsort(dim=-1, stable=True)
+
+
+def pools_by_position(block_pool: torch.Tensor, pos_ext: torch.Tensor) -> torch.Tensor:
+    """Each block's pool [B, nb, K] in ascending key position (position_order)."""
+    return block_pool.gather(-1, position_order(block_pool, pos_ext))
 
 
 def block_key_indices(block_pool: torch.Tensor, n_ext: int, topk: int, window: int, tail_slots: int, block: int, n_blocks: int,

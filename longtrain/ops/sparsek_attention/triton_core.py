@@ -17,7 +17,7 @@ import warnings
 import torch
 import triton
 
-from longtrain.ops.sparsek_attention.naive import sparsek_attention_core_naive
+from longtrain.ops.sparsek_attention.naive import position_order, sparsek_attention_core_naive
 from longtrain.ops.sparsek_attention.triton_bwd import _dkv_band_kernel, _dkv_pool_kernel, _dq_kernel
 from longtrain.ops.sparsek_attention.triton_fwd import _cut_kernel, _fwd_kernel
 from longtrain.ops.sparsek_attention.triton_tiles import LOG2E, VARIANT_CODE
@@ -122,12 +122,10 @@ def _strides(**tensors) -> dict:
 
 
 def _by_position(cut, pi, pu, pos):
-    """The forward's pool tiles in ascending key position (empty slots first), as naive.pools_by_position:
-    summed in an order that does not depend on the scans' slot history (issue 24). The backward keeps
-    the stable slots its pool walk follows; its dq recomputes p from the log-sum-exp in any order."""
-    B, nt, K = pi.shape
-    kpos = pos.gather(1, pi.long().clamp(0, pos.shape[1] - 1).view(B, nt * K)).view(B, nt, K)  # (-1: empty)
-    order = torch.where(pi >= 0, kpos, -1).argsort(dim=-1, stable=True)
+    """The forward's pool tiles in ascending key position (naive.position_order): summed in an order that
+    does not depend on the scans' slot history (issue 24). The backward keeps the stable slots its pool
+    walk follows; its dq recomputes p from the log-sum-exp in any order."""
+    order = position_order(pi, pos)
     return cut.gather(-1, order), pi.gather(-1, order), pu.gather(-1, order)
 
 
