@@ -257,7 +257,7 @@ def main() -> None:
     ap.add_argument("--part", choices=("circuit", "train", "eval", "eval-one", "plot", "all"), required=True)
     ap.add_argument("--model", default="sparsek,sw", help=f"comma-separated: {', '.join([*RECIPES, *ABLATIONS])}")
     ap.add_argument("--budget-s", type=float, default=540.0, help="circuit/train: stop (with a checkpoint) after this many seconds")
-    ap.add_argument("--circuit-budget-s", type=float, default=300.0, help="all: the circuit's budget (--budget-s is the models')")
+    ap.add_argument("--circuit-budget-s", type=float, default=540.0, help="all: the circuit's budget (--budget-s is the models')")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra recipe override for every model (repeatable)")
     ap.add_argument("--circuit-set", dest="circuit_sets", action="append", default=[], help="circuit: recipe override (repeatable)")
     ap.add_argument("--docs", type=int, default=64, help="eval: documents per setting")
