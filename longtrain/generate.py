@@ -21,7 +21,7 @@ import time
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -59,14 +59,6 @@ def prefill(
 
 
 # ----------------------------------------------------------------------------- decoding
-
-
-def cache_tensors(cache: ModelCache) -> list[torch.Tensor]:
-    """Every tensor of a cache, in a fixed order (for copying one cache into another)."""
-    out = [cache.seen]
-    for layer in cache.layers:
-        out += [getattr(layer.attn, f.name) for f in fields(layer.attn)] + [layer.score_sum, layer.score_sumsq]
-    return out
 
 
 class Decoder:
@@ -129,8 +121,7 @@ class Decoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = self.model.decode(self._tokens, static)
-            pairs = [(a, b) for a, b in zip(cache_tensors(static), cache_tensors(out.cache)) if a is not b]
-            torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])  # the next cache, in place
+            static.copy_(out.cache)  # the next cache, in place
         self.graph, self._logits = graph, out.logits[:, 0]
 
 

@@ -115,6 +115,21 @@ class ModelCache:
         """A copy that shares no tensor with this cache (a CUDA graph's buffers are updated in place)."""
         return ModelCache.from_state_dict({name: t.clone() for name, t in self.state_dict().items()})
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache itself (no copies), in a fixed order: two caches of one model pair up
+        (copying one into another's buffers, as a CUDA graph's replay needs)."""
+        out = [self.seen]
+        for layer in self.layers:
+            out += [getattr(layer.attn, f.name) for f in fields(layer.attn)] + [layer.score_sum, layer.score_sumsq]
+        return out
+
+    def copy_(self, other: "ModelCache") -> "ModelCache":
+        """Copy `other` into this cache's tensors, in place (those it shares with this one are left); returns self."""
+        pairs = [(a, b) for a, b in zip(self.tensors(), other.tensors()) if a is not b]
+        if pairs:
+            torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
+        return self
+
     def keep_last(self, n: int) -> "ModelCache":
         """Full-attention caches cut to their last `n` keys (SparseK caches have a fixed size: unchanged).
 

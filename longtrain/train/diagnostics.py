@@ -37,15 +37,25 @@ class SelectionDiagnostics:
     def update(self, before, out) -> None:
         """After one chunk: `before` the ModelCache the chunk started from (rows already reset),
         `out` the model's LMOutput (its cache and selections)."""
+        self.add(self.chunk_stats(before, out))
+
+    def chunk_stats(self, before, out) -> torch.Tensor | None:
+        """One chunk's statistics [layers, 11] (device ops only: a CUDA graph replays them); None when no
+        layer selects."""
         if not self.layers:
-            return
+            return None
         rows = []
         for i in self.layers:
             a0, a1, sel = before.layers[i].attn, out.cache.layers[i].attn, out.selections[i]
             rows.append(self._chunk_stats(a0, a1, sel))
-        acc = torch.stack(rows)  # [layers, 11]
+        return torch.stack(rows)  # [layers, 11]
+
+    def add(self, acc: torch.Tensor | None) -> None:
+        """Accumulate one chunk's statistics (a copy is kept: `acc` may be a graph's buffer)."""
+        if acc is None:
+            return
         if self._acc is None:
-            self._acc = acc
+            self._acc = acc.clone()
         else:
             self._acc = torch.cat([self._acc[:, :_AGE_MAX] + acc[:, :_AGE_MAX],
                                    torch.maximum(self._acc[:, _AGE_MAX:_NEW], acc[:, _AGE_MAX:_NEW]),
@@ -61,7 +71,7 @@ class SelectionDiagnostics:
         in_pool = (pos >= 0) & active_row[:, None]
         age = (seen1[:, None] - 1 - pos).to(f64)
         age_sum = torch.where(in_pool, age, 0.0).sum()
-        age_max = torch.where(in_pool, age, -math.inf).amax() if pos.numel() else torch.tensor(-math.inf, dtype=f64, device=pos.device)
+        age_max = torch.where(in_pool, age, -math.inf).amax() if pos.numel() else torch.full((), -math.inf, dtype=f64, device=pos.device)
         # Churn over rows that continue a document; new = past the previous chunk's candidates.
         cont = in_pool & (seen0 > 0)[:, None]
         new = cont & (pos > (seen0 - max(self.window, 1))[:, None])

@@ -192,6 +192,11 @@ class TrainConfig(_Section):
         "residuals, the loss); the op keeps its own kernels. Costs a compile at the start (and one for "
         "validation)"
     )
+    cuda_graphs: bool = Field(
+        True, description="on CUDA, capture one chunk's forward and backward as a CUDA graph and replay it "
+        "for every chunk (the same kernels; the host no longer holds the GPU up). Used where it can be: "
+        "one process, a fixed-size cache (not full attention), no dropout, not fp16, no parameter frozen"
+    )
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="compute precision: bf16 or fp16 autocast (fp16 with a loss scaler), or fp32; "
         "auto is bf16 on CUDA and fp32 on the CPU. Weights, optimizer state, scores and thresholds stay "

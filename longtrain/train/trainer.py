@@ -72,6 +72,7 @@ from longtrain.train.recipe import Recipe, recipe_to_yaml
 from longtrain.train.rng import seed_everything
 from longtrain.train.run_dir import RunLock, move_aside
 from longtrain.train.signals import StopSignal, kill_for_tests_after
+from longtrain.train.step_graph import ChunkGraph, ChunkInputs, ChunkResult
 
 RECIPE_FILE = "recipe.yaml"
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -145,6 +146,8 @@ class Trainer:
         self._warned_overflow = False
         self.pending: list[dict] = []  # step records not yet written (their numbers may still be on the device)
         self.overflow: torch.Tensor | None = None  # [] bool on the device: a threshold state overflowed since the last read
+        self.chunk_graph: ChunkGraph | None = None  # the training pass of one chunk as a CUDA graph (train.cuda_graphs)
+        self.graphs_off: str | None = None  # why no graph is used (set in setup)
 
     # ------------------------------------------------------------------ the outline
 
@@ -228,6 +231,7 @@ class Trainer:
         self.stream = self.build_stream()
         self.cache = self.model.empty_cache(self.cfg.batch_docs, device=self.device, dtype=self.compute_dtype)
         self.selection = SelectionDiagnostics(self.model)  # per-layer pool statistics, summed on the device
+        self.graphs_off = self.graph_unusable()
         if self.resume_from is not None:
             self.state, cache = self.checkpointer.restore(
                 self.resume_from, model=self.train_model, optimizer=self.optimizer, stream=self.stream,
@@ -407,7 +411,7 @@ class Trainer:
         lines.append(
             f"compute: {self.precision}" + (" autocast" if self.precision != "fp32" else "")
             + f", KV cache in {self.precision}" + (", loss scaling" if self.precision == "fp16" else "")
-            + (", compiled around the attention op" if cfg.compile else "")
+            + (", compiled around the attention op" if cfg.compile else "") + self.graph_note()
         )
         lines += self.memory_lines()
         if self.resume_from is not None:
@@ -505,22 +509,16 @@ class Trainer:
             chunk = self.to_device(host)
             if host.reset.numpy().any():  # a new document starts with an empty cache (read on the host copy)
                 self.cache = self.cache.reset_rows(chunk.reset)
+            inputs = ChunkInputs(tokens=chunk.tokens, lengths=chunk.lengths, targets=chunk.targets,
+                                 weight=self.host_scalar(1.0 / max(host.global_targets, 1)))
             # several ranks: gradients are reduced once per step, in the backward of its last chunk
             with distributed.gradient_sync(self.train_model, i == cfg.grad_accum - 1):
-                with self.autocast():
-                    out = self.train_model(
-                        chunk.tokens, cache=self.cache, lengths=chunk.lengths, targets=chunk.targets, check_overflow=False
-                    )
-                # this rank's share of the chunk's mean loss over every rank's targets
-                loss = out.loss_sum / max(host.global_targets, 1)
-                # DDP and FSDP average gradients over the ranks: times the world size, the average is the
-                # sum of the shares, the gradient of the global mean (one rank: the mean itself)
-                self.scaler.scale(loss * world / cfg.grad_accum).backward()  # gradients stop at the (detached) cache
-            self.selection.update(self.cache, out)  # this rank's rows
-            self.cache = self.carry(out.cache, host)
-            loss_sum += loss.detach()  # summed on the device
-            if out.overflow is not None:
-                self.overflow = out.overflow if self.overflow is None else self.overflow | out.overflow
+                result = self.run_chunk(inputs, first_of_step=i == 0)
+            self.selection.add(result.stats)  # this rank's rows
+            self.cache = self.carry(result.cache, host)
+            loss_sum += result.loss_sum * inputs.weight  # this rank's share of the chunk's mean loss, on the device
+            if result.overflow is not None:
+                self.overflow = result.overflow.clone() if self.overflow is None else self.overflow | result.overflow
         loss = self.agree(loss_sum) / cfg.grad_accum
         grad_norm = self.optimizer_step()
         self.state.step, self.state.tokens = step, self.state.tokens + step_tokens
@@ -546,6 +544,79 @@ class Trainer:
         pinned = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in pinned.items()}
         return Chunk(**pinned).to(self.device, non_blocking=True)
 
+    def host_scalar(self, value: float) -> torch.Tensor:
+        """A float32 scalar on the device, sent as the chunk is (from pinned memory, without waiting)."""
+        t = torch.tensor(value, dtype=torch.float32)
+        return t.to(self.device) if self.device.type != "cuda" else t.pin_memory().to(self.device, non_blocking=True)
+
+    def chunk_pass(self, inputs: ChunkInputs, cache) -> ChunkResult:
+        """Forward, loss and backward of one chunk from `cache` (gradients stop at the detached cache):
+        what a CUDA graph captures and replays (longtrain.train.step_graph)."""
+        with self.autocast():
+            out = self.train_model(inputs.tokens, cache=cache, lengths=inputs.lengths, targets=inputs.targets,
+                                   check_overflow=False)
+        # DDP and FSDP average gradients over the ranks: times the world size, the average is the sum of
+        # the ranks' shares, the gradient of the global mean (one rank: the mean itself)
+        scale = self.ranks.world_size / self.cfg.grad_accum
+        self.scaler.scale(out.loss_sum * inputs.weight * scale).backward()
+        return ChunkResult(loss_sum=out.loss_sum.detach(), cache=out.cache, overflow=out.overflow,
+                           stats=self.selection.chunk_stats(cache, out))
+
+    def run_chunk(self, inputs: ChunkInputs, *, first_of_step: bool) -> ChunkResult:
+        """One chunk's pass, replayed from the CUDA graph where the run allows one (captured at the first
+        chunk of the session's second step: the first compiles the kernels), else eagerly."""
+        if self.chunk_graph is not None and not self.chunk_graph.fits(inputs):
+            self.release_graph()
+        if self.chunk_graph is None and first_of_step and self.graph_wanted() and self.state.step > self.start.step:
+            try:
+                self.chunk_graph = ChunkGraph(self.chunk_pass, inputs, self.cache, self.trainable())
+            except RuntimeError as e:  # an op that cannot be captured: the run goes on eagerly
+                self.graphs_off = f"its capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                self.warn(f"training without CUDA graphs: {self.graphs_off}")
+                self.release_graph()
+        if self.chunk_graph is not None:
+            if self.graph_wanted():
+                return self.chunk_graph(inputs, self.cache)
+            self.release_graph()  # e.g. a parameter frozen again: its gradient must stay None
+        return self.chunk_pass(inputs, self.cache)
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.train_model.parameters() if p.requires_grad]
+
+    def graph_unusable(self) -> str | None:
+        """Why this run replays no CUDA graph of its chunks (None: it does, where train.cuda_graphs allows)."""
+        if not self.cfg.cuda_graphs:
+            return "train.cuda_graphs is false"
+        if self.device_type() != "cuda":
+            return "not on CUDA"
+        if self.ranks.parallel:
+            return "several ranks (DDP/FSDP hooks run per chunk)"
+        if self.recipe.attention.type == "full":
+            return "full attention's cache grows chunk by chunk"
+        if self.recipe.model.dropout > 0:
+            return "dropout draws new masks per chunk"
+        if self.precision == "fp16":
+            return "fp16 loss scaling"
+        return None
+
+    def graph_note(self) -> str:
+        """The summary's words on CUDA graphs (nothing on the CPU)."""
+        why = self.graph_unusable()
+        if why is None:
+            return ", one CUDA graph per chunk (from the second step)"
+        return "" if why == "not on CUDA" else f", no CUDA graph: {why}"
+
+    def graph_wanted(self) -> bool:
+        """The run allows a graph now: the reasons above, and no parameter frozen (train.freeze) at this step."""
+        return self.graphs_off is None and all(p.requires_grad for p in self.train_model.parameters())
+
+    def release_graph(self) -> None:
+        """Back to eager chunks: the cache leaves the graph's buffers and gradients are freed again."""
+        if self.chunk_graph is not None:
+            self.cache = self.cache.clone()
+            self.chunk_graph = None
+            self.optimizer.zero_grad(set_to_none=True)
+
     def carry(self, cache, host: Chunk):
         """The cache the next chunk continues from. Full attention: cut to the longest current document
         (rows that finished a document leave only dead keys behind), read from the host copy of the chunk."""
@@ -563,7 +634,8 @@ class Trainer:
         grad_norm = clip_grad_norm(self.train_model.parameters(), self.cfg.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        # a CUDA graph writes into the gradients it was captured with: zero them in place
+        self.optimizer.zero_grad(set_to_none=self.chunk_graph is None)
         return grad_norm
 
     def read_back_due(self) -> bool:

@@ -125,15 +125,20 @@ def test_kv_dtype_cast_and_keep_last():
 @torch.no_grad()
 @pytest.mark.parametrize("attention", ["sparsek+sw", "full"])
 def test_cache_clone_is_equal_and_shares_nothing(attention):
-    # The CUDA-graph decoder updates its copy in place: the caller's cache must not move with it.
-    from longtrain.generate import cache_tensors
-
+    # The CUDA-graph decoder and training step update their copy in place: the caller's cache must not move with it.
     model = make(attention=attention, topk=4, window=6) if attention != "full" else make(attention="full")
     cache = model(torch.randint(0, 61, (2, 30))).cache
     copy = cache.clone()
-    pairs = list(zip(cache_tensors(cache), cache_tensors(copy)))
+    pairs = list(zip(cache.tensors(), copy.tensors()))
     assert len(pairs) > 3
     for a, b in pairs:
         assert torch.equal(a, b) and (a.numel() == 0 or a.data_ptr() != b.data_ptr())
     copy.seen.add_(1)
     assert not torch.equal(cache.seen, copy.seen)
+    if attention == "full":  # a full-attention cache grows: copy_ needs equal shapes
+        return
+    # copy_ writes another cache into this one's own tensors
+    fresh = model.empty_cache(2)
+    kept = fresh.tensors()
+    assert fresh.copy_(cache) is fresh and all(a is b for a, b in zip(fresh.tensors(), kept))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.tensors(), cache.tensors()))

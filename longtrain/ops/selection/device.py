@@ -58,8 +58,8 @@ def scan_chunk_device(keys: ExtendedScores, state: ThresholdState, *, window: in
     inputs = dict(u_ext=keys.u.detach(), pos_ext=keys.pos, thr_u=state.thr_u, thr_count=state.thr_count,
                   overflow=state.overflow, seen=keys.seen, lengths=keys.lengths, tau_prev=state.tau.to(torch.float64))
     static = dict(n_queries=keys.n_queries, topk=keys.topk, window=window, block=block)
-    if not (CUDA_GRAPHS and keys.u.is_cuda):
-        return _scan(**inputs, **static)
+    if not (CUDA_GRAPHS and keys.u.is_cuda) or torch.cuda.is_current_stream_capturing():
+        return _scan(**inputs, **static)  # inside a capture (the trainer's chunk graph) the launches are recorded there
     key = (tuple(static.values()), tuple((t.shape, t.dtype, t.device) for t in inputs.values()))
     if key not in _graphs:
         if len(_graphs) >= _MAX_GRAPHS:

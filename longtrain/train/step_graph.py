@@ -1,0 +1,86 @@
+"""One training chunk replayed from a CUDA graph (`train.cuda_graphs`): forward, loss and backward in one launch.
+
+A chunk of the 12-layer model is a few thousand kernel launches (projections, the op's scan and
+kernels, the cache update, the backward of each). Queued one by one from Python they take longer
+than the GPU takes to run them: the GPU waits for the host. Every chunk of a run has the same
+shape (the stream pads a document's last chunk), so the trainer captures its chunk pass once --
+forward, loss, backward into the gradients, the selection statistics and the next cache -- and
+replays it for every chunk after: the same kernels on the same inputs, so the same results as
+running the pass eagerly (tests/gpu/test_step_graph_gpu.py compares them on the device).
+
+What a capture needs, and how it is provided here:
+  - inputs at fixed addresses: the chunk's tokens, lengths, targets and loss weight are copied into
+    the graph's buffers, and the cache lives in the graph's own buffers, which each replay updates
+    in place (as generate.Decoder does when decoding);
+  - gradients at fixed addresses: created before the capture, zeroed in place (not freed) by the
+    optimizer step, accumulated into by every replay as backward does;
+  - no host synchronisation inside: the training pass already makes none (tests/ops/test_host_sync.py).
+The trainer decides where a graph cannot be used (Trainer.graph_unusable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from longtrain.model.cache import ModelCache
+
+
+@dataclass
+class ChunkInputs:
+    """One chunk as the training pass reads it, on the device."""
+
+    tokens: torch.Tensor  # [B, L] int64
+    lengths: torch.Tensor  # [B] int64
+    targets: torch.Tensor  # [B, L] int64, IGNORE where there is none
+    weight: torch.Tensor  # [] float32: 1 / the targets of the chunk over every rank (its share of the mean loss)
+
+
+@dataclass
+class ChunkResult:
+    """What the training pass of one chunk leaves (besides the gradients it accumulates)."""
+
+    loss_sum: torch.Tensor  # [] summed cross-entropy over this rank's targets, detached
+    cache: ModelCache  # the cache the next chunk continues from
+    overflow: torch.Tensor | None  # [] bool: a threshold state hit its cap (None: nothing selects)
+    stats: torch.Tensor | None  # [layers, 11] SelectionDiagnostics.chunk_stats (None: nothing selects)
+
+
+ChunkPass = Callable[[ChunkInputs, ModelCache], ChunkResult]
+
+
+class ChunkGraph:
+    """`chunk_pass` captured for one chunk shape, with its input buffers, its cache and the gradients it writes."""
+
+    def __init__(self, chunk_pass: ChunkPass, inputs: ChunkInputs, cache: ModelCache, params: list[torch.nn.Parameter]):
+        self.inputs = ChunkInputs(**{f.name: getattr(inputs, f.name).clone() for f in fields(ChunkInputs)})
+        self.cache = cache.clone()  # the graph's own: every replay leaves the next cache in it
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.grads = [p.grad for p in params]  # held: the graph writes into them
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the capture (lazy initialisation, workspaces)
+            chunk_pass(self.inputs, self.cache)
+        torch.cuda.current_stream().wait_stream(side)
+        torch._foreach_zero_(self.grads)  # the warm-up's gradients: a capture starts a step, from zero
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            out = chunk_pass(self.inputs, self.cache)
+            self.cache.copy_(out.cache)  # the next cache, in place
+        self.out = ChunkResult(loss_sum=out.loss_sum, cache=self.cache, overflow=out.overflow, stats=out.stats)
+
+    def fits(self, inputs: ChunkInputs) -> bool:
+        return all(getattr(inputs, f.name).shape == getattr(self.inputs, f.name).shape for f in fields(ChunkInputs))
+
+    def __call__(self, inputs: ChunkInputs, cache: ModelCache) -> ChunkResult:
+        """Replay on `inputs` from `cache`. The result's tensors are the graph's buffers: the next replay
+        overwrites them (its cache is this graph's cache, which is meant to be carried on)."""
+        torch._foreach_copy_([getattr(self.inputs, f.name) for f in fields(ChunkInputs)],
+                             [getattr(inputs, f.name) for f in fields(ChunkInputs)])
+        self.cache.copy_(cache)  # nothing to copy when the trainer carries the graph's own cache on
+        self.graph.replay()
+        return self.out
