@@ -16,7 +16,10 @@ back, as a log line does), and prints one table, per step:
   other kernels      elementwise, norms, RoPE, the loss's softmax, ...
   GPU idle           wall time minus the device's busy time: Python, launches, host work
 Device time is attributed by where a kernel was launched (record_function ranges this script wraps
-around longtrain's functions), falling back to the kernel's name. Writes DIR/fit_profile.json, the
+around longtrain's functions), falling back to the kernel's name (always, for the kernels a CUDA graph
+replays: they have no launching host op; `--set train.cuda_graphs=false` attributes by range). The
+ranges' own device-side spans are not kernels and are not counted (before 2026-11-24 they were,
+which made "other kernels" and "device busy" too large). Writes DIR/fit_profile.json, the
 top kernels and host ops as DIR/fit_profile.txt and, with --trace, DIR/fit_profile_trace.json
 (a Chrome/Perfetto trace). Takes about a minute on an H100 (most of it building the corpus and the
 token cache, shared with fit_throughput.py's work folder).
@@ -152,8 +155,8 @@ def attribute(events, steps: int, wall_s: float) -> dict:
             device_ms[kernel_group(k.name, g)] += k.duration / 1e3
             attributed[k.name] += k.duration
     kernels = Counter()
-    for e in events:
-        if e.device_type == DeviceType.CUDA:
+    for e in events:  # kernels (and copies): not the device-side spans of the record_function ranges
+        if e.device_type == DeviceType.CUDA and group_of_range(e.name) is None:
             us = e.time_range.end - e.time_range.start
             kernels[e.name] += us
     for name, us in kernels.items():  # launched without a linked host op (e.g. some Triton launches)
@@ -170,7 +173,7 @@ def attribute(events, steps: int, wall_s: float) -> dict:
         "device_ms_per_step": per(device_ms),
         "host_ms_per_step": per(host_ms),
         "host_syncs_per_step": {k: v / steps for k, v in sync_calls.items()},
-        "top_kernels_ms_per_step": {k: round(v / 1e3 / steps, 3) for k, v in kernels.most_common(25)},
+        "top_kernels_ms_per_step": {k: round(v / 1e3 / steps, 3) for k, v in kernels.most_common(60)},
     }
 
 

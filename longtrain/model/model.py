@@ -172,6 +172,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, d, bias=bias)
         G = cfg.score_group_count
         self.scorer = Scorer(d, G, timestep_norm=cfg.timestep_norm, eps_slope=cfg.eps_slope) if G else None
+        self.compiled_scorer = None  # the scorer compiled by LM.compile_blocks (its float64 elementwise work fused)
         # What the op is called with (sw is SparseK with k = 0); LMConfig holds 0 for an unused size.
         self.topk, self.window = cfg.topk, cfg.window
 
@@ -244,7 +245,8 @@ class Attention(nn.Module):
             o, attn_cache = self._full(q, k, v, pos, valid, cache.attn, full_bias)
             return o, LayerCache(attn_cache, cache.score_sum, cache.score_sumsq), None
         if self.scorer is not None:
-            u, ssum, ssq = self.scorer(x, pos, valid, seen, cache.score_sum, cache.score_sumsq)  # u [B, L, G]
+            scorer = self.scorer if self.compiled_scorer is None else self.compiled_scorer
+            u, ssum, ssq = scorer(x, pos, valid, seen, cache.score_sum, cache.score_sumsq)  # u [B, L, G]
         else:  # sliding window: nothing is selected, the op ignores the scores
             u = torch.zeros(B, L, 1, dtype=score_dtype(x.dtype), device=x.device)
             ssum, ssq = cache.score_sum, cache.score_sumsq
@@ -424,11 +426,14 @@ class LM(nn.Module):
 
     def compile_blocks(self, **compile_kwargs) -> None:
         """torch.compile what surrounds the attention op: each block's norm, projections and RoPE before
-        it, o_proj, residuals and MLP after it, and the head's loss per slice. The op itself (kernels,
-        selection scan, cache update) stays outside the compiled graphs. The blocks share one compiled
-        graph per region (same code and shapes); gradients and results equal eager to rounding."""
+        it, the scorer, o_proj, residuals and MLP after it, and the head's loss per slice. The op itself
+        (kernels, selection scan, cache update) stays outside the compiled graphs. The blocks share one
+        compiled graph per region (same code and shapes); gradients and results equal eager to rounding."""
         for blk in self.blocks:
             blk.compiled = (torch.compile(blk.enter, **compile_kwargs), torch.compile(blk.leave, **compile_kwargs))
+            if blk.attn.scorer is not None:
+                # its bound forward, not the module: a compiled module would join the state dict's names
+                blk.attn.compiled_scorer = torch.compile(blk.attn.scorer.forward, **compile_kwargs)
         self.loss_slice = torch.compile(loss_slice, **compile_kwargs)
 
     @torch.no_grad()

@@ -21,9 +21,10 @@ Speed: one process makes no host synchronisation in a step outside the attention
 gradient norm and the threshold-overflow flag stay on the device until `read_back`, at each log line
 (`logging.every`) and before validation and checkpoints: that is where a NaN loss stops the run
 (before anything is saved), where an overflow warning appears (so up to `logging.every` steps after
-it happened) and where metrics.jsonl gets the steps since the last log line. With `train.compile` the
-model's blocks around the op are compiled; the KV cache is kept in the compute dtype
-(`train.precision`); the head's loss is computed slice by slice (longtrain.model.loss).
+it happened) and where metrics.jsonl gets the steps since the last log line. On CUDA the model's
+blocks around the op are compiled (`train.compile`) and each chunk's forward and backward is replayed
+from one CUDA graph (`train.cuda_graphs`, longtrain.train.step_graph); the KV cache is kept in the
+compute dtype (`train.precision`); the head's loss is computed slice by slice (longtrain.model.loss).
 
 Under `torchrun` each rank runs this same loop on its own rows of the global batch
 (longtrain.train.distributed): rank 0 alone holds the run dir, prints, writes metrics and run
@@ -221,7 +222,7 @@ class Trainer:
         self.model = self.build_model(self.device)
         if self.cfg.init_from and self.resume_from is None:  # fine-tuning: weights only, the rest starts fresh
             self.init_notes = init_from_checkpoint(self.model, self.cfg.init_from, self.recipe)
-        if self.cfg.compile:  # before DDP/FSDP wrap it (torchtitan's order)
+        if self.compiles:  # before DDP/FSDP wrap it (torchtitan's order)
             mode = {"mode": os.environ[COMPILE_MODE_ENV]} if os.environ.get(COMPILE_MODE_ENV) else {}
             self.model.compile_blocks(backend=os.environ.get(COMPILE_BACKEND_ENV, "inductor"), **mode)
         self.train_model = self.parallelize()
@@ -333,6 +334,11 @@ class Trainer:
         return "bf16" if self.device_type() == "cuda" else "fp32"
 
     @property
+    def compiles(self) -> bool:
+        """train.compile, with unset resolved: on CUDA, not on the CPU (Inductor's CPU code takes long to build)."""
+        return self.cfg.compile if self.cfg.compile is not None else self.device_type() == "cuda"
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype activations and the KV cache take (weights and optimizer state stay float32)."""
         return COMPUTE_DTYPES[self.precision]
@@ -411,7 +417,7 @@ class Trainer:
         lines.append(
             f"compute: {self.precision}" + (" autocast" if self.precision != "fp32" else "")
             + f", KV cache in {self.precision}" + (", loss scaling" if self.precision == "fp16" else "")
-            + (", compiled around the attention op" if cfg.compile else "") + self.graph_note()
+            + (", compiled around the attention op" if self.compiles else "") + self.graph_note()
         )
         lines += self.memory_lines()
         if self.resume_from is not None:

@@ -70,6 +70,7 @@ def test_compiled_blocks_equal_eager_chunked_and_unchunked():
     kw = dict(style="llama", kv_heads=2, attention="sparsek+sw", topk=5, window=8)
     eager, compiled = make(**kw), make(**kw)
     compiled.compile_blocks(backend="aot_eager")
+    assert compiled.state_dict().keys() == eager.state_dict().keys()  # checkpoints keep their names
     tokens, targets = torch.randint(0, 61, (2, 90)), torch.randint(0, 61, (2, 90))
     ref = eager(tokens, targets=targets)
     cache, loss = compiled.empty_cache(2, dtype=torch.float64), 0.0
