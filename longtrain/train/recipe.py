@@ -195,7 +195,7 @@ class TrainConfig(_Section):
     cuda_graphs: bool = Field(
         True, description="on CUDA, capture one chunk's forward and backward as a CUDA graph and replay it "
         "for every chunk (the same kernels; the host no longer holds the GPU up). Used where it can be: "
-        "one process, a fixed-size cache (not full attention), no dropout, not fp16, no parameter frozen"
+        "one process, a fixed-size cache (not full attention), no dropout, not fp16, no train.freeze"
     )
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="compute precision: bf16 or fp16 autocast (fp16 with a loss scaler), or fp32; "

@@ -571,19 +571,15 @@ class Trainer:
     def run_chunk(self, inputs: ChunkInputs, *, first_of_step: bool) -> ChunkResult:
         """One chunk's pass, replayed from the CUDA graph where the run allows one (captured at the first
         chunk of the session's second step: the first compiles the kernels), else eagerly."""
-        if self.chunk_graph is not None and not self.chunk_graph.fits(inputs):
-            self.release_graph()
         if self.chunk_graph is None and first_of_step and self.graph_wanted() and self.state.step > self.start.step:
             try:
                 self.chunk_graph = ChunkGraph(self.chunk_pass, inputs, self.cache, self.trainable())
             except RuntimeError as e:  # an op that cannot be captured: the run goes on eagerly
                 self.graphs_off = f"its capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
                 self.warn(f"training without CUDA graphs: {self.graphs_off}")
-                self.release_graph()
-        if self.chunk_graph is not None:
-            if self.graph_wanted():
-                return self.chunk_graph(inputs, self.cache)
-            self.release_graph()  # e.g. a parameter frozen again: its gradient must stay None
+        if self.chunk_graph is not None and self.chunk_graph.fits(inputs):
+            return self.chunk_graph(inputs, self.cache)
+        # eagerly (also a chunk of another shape after a capture: its backward adds into the same gradients)
         return self.chunk_pass(inputs, self.cache)
 
     def trainable(self) -> list[torch.nn.Parameter]:
@@ -603,6 +599,10 @@ class Trainer:
             return "dropout draws new masks per chunk"
         if self.precision == "fp16":
             return "fp16 loss scaling"
+        if self.cfg.freeze is not None and self.cfg.freeze.steps > 0:
+            # measured on an H100: after the frozen steps the replayed gradients differed from eager ones
+            # (0.2% in the gradient norm at the first thawed step); the cause is not found yet
+            return "train.freeze"
         return None
 
     def graph_note(self) -> str:
@@ -613,15 +613,8 @@ class Trainer:
         return "" if why == "not on CUDA" else f", no CUDA graph: {why}"
 
     def graph_wanted(self) -> bool:
-        """The run allows a graph now: the reasons above, and no parameter frozen (train.freeze) at this step."""
-        return self.graphs_off is None and all(p.requires_grad for p in self.train_model.parameters())
-
-    def release_graph(self) -> None:
-        """Back to eager chunks: the cache leaves the graph's buffers and gradients are freed again."""
-        if self.chunk_graph is not None:
-            self.cache = self.cache.clone()
-            self.chunk_graph = None
-            self.optimizer.zero_grad(set_to_none=True)
+        """The run allows a graph (graph_unusable) and its capture has not failed."""
+        return self.graphs_off is None
 
     def carry(self, cache, host: Chunk):
         """The cache the next chunk continues from. Full attention: cut to the longest current document

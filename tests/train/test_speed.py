@@ -192,3 +192,25 @@ def test_recipe_refuses_max_context_without_full_attention_and_fp16_with_fsdp(wo
         load_recipe(recipe(), ["attention.max_context=64"])
     with pytest.raises(RecipeError, match="fp16 is not supported with train.parallel fsdp"):
         load_recipe(recipe(), ["train.precision=fp16", "train.parallel=fsdp"])
+
+
+def test_cuda_graphs_are_used_where_a_run_allows_them(workspace, monkeypatch):
+    """The reasons a run trains without CUDA graphs, as its summary line states them (CUDA pretended:
+    the decision reads the recipe and the device type only; the graphs themselves: tests/gpu)."""
+    tmp, recipe = workspace
+    path = recipe()
+
+    def unusable(*overrides):
+        return Trainer(load_recipe(path, list(overrides)), run_dir=tmp / "r").graph_unusable()
+
+    assert unusable() == "not on CUDA"
+    monkeypatch.setattr(Trainer, "device_type", lambda self: "cuda")
+    assert unusable() is None
+    assert "false" in unusable("train.cuda_graphs=false")
+    assert "full attention" in unusable("attention.type=full", "attention.topk=0", "attention.window=0")
+    assert "dropout" in unusable("model.dropout=0.1")
+    assert "fp16" in unusable("train.precision=fp16")
+    assert "freeze" in unusable("train.freeze.steps=2")
+    t = Trainer(load_recipe(path, []), run_dir=tmp / "r")
+    assert t.compiles and "one CUDA graph per chunk" in t.graph_note()  # both on by default on CUDA
+    assert not Trainer(load_recipe(path, ["train.compile=false"]), run_dir=tmp / "r").compiles
