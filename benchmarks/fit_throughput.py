@@ -2,11 +2,12 @@
 
     python benchmarks/fit_throughput.py --out DIR [--cases 768x2048,768x4096,...] [--steps 25]
     python benchmarks/fit_throughput.py --out DIR --small        # a tiny CPU version, to check the script
-    python benchmarks/fit_throughput.py --out DIR --set train.compile=true --label compiled   # every fit run with it
-    python benchmarks/fit_throughput.py --out DIR --ab train.compile=true --anchors ''          # A/B in one table
+    python benchmarks/fit_throughput.py --out DIR --set train.compile=false --label eager   # every fit run with it
+    python benchmarks/fit_throughput.py --out DIR --ab train.cuda_graphs=false --anchors ''    # A/B in one table
 
 For each row (model × chunk length; rows × chunk >= 16k tokens per step) it runs the real CLI,
-`python -m longtrain.cli fit RECIPE` in a subprocess, once per attention type (SparseK+SW k = w = 512,
+`python -m longtrain.cli fit RECIPE` in a subprocess with fit's defaults (on CUDA: compiled blocks and
+a CUDA graph per chunk), once per attention type (SparseK+SW k = w = 512,
 SW 1024, SparseK-only k = 1024), and reads tokens/s over steps 5..N-1 and the peak memory from
 `metrics.jsonl`. The trainer reads the device back only at its log lines (logging.every = 5 here), so
 `elapsed_s` is exact at steps 5, 10, ...: the rate is taken between step 5 and the last step. Two
@@ -16,7 +17,7 @@ anchors are measured in-process on the same token counts:
   sdpa  the same with SDPA full causal attention over the chunk (no cache: what a user who truncates
         documents to the chunk length would run).
 `--set KEY=VALUE` (repeatable) passes an override to every fit run; `--ab KEY=VALUE` (repeatable)
-runs every fit a second time with it and adds a row per variant (e.g. train.compile=true). The
+runs every fit a second time with it and adds a row per variant (e.g. train.cuda_graphs=false). The
 trainer's own memory estimate (its `memory: about ...` line) is recorded beside the measured peak.
 A last pair of runs reads one synthetic document of 1M+ tokens in one row (chunk 4096) with SparseK+SW
 and SW and compares the peak memory when the row is at position 16k with the peak at the end.
