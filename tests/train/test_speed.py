@@ -214,3 +214,49 @@ def test_cuda_graphs_are_used_where_a_run_allows_them(workspace, monkeypatch):
     t = Trainer(load_recipe(path, []), run_dir=tmp / "r")
     assert t.compiles and "one CUDA graph per chunk" in t.graph_note()  # both on by default on CUDA
     assert not Trainer(load_recipe(path, ["train.compile=false"]), run_dir=tmp / "r").compiles
+
+
+class StandInGraph:
+    """ChunkGraph's interface around the eager pass (CUDA graphs need a GPU; tests/gpu replays real ones):
+    checks when the trainer captures and that its gradients, kept and zeroed in place, add up as eager ones."""
+
+    built: list[int] = []
+
+    def __init__(self, chunk_pass, inputs, cache, params):
+        StandInGraph.built.append(len(params))
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.params, self.grads, self.chunk_pass = params, [p.grad for p in params], chunk_pass
+
+    def fits(self, inputs):
+        return True
+
+    def __call__(self, inputs, cache):
+        assert all(p.grad is g for p, g in zip(self.params, self.grads))  # never freed between steps
+        return self.chunk_pass(inputs, cache)
+
+
+def test_trainer_captures_at_its_second_step_and_falls_back_if_the_capture_fails(workspace, monkeypatch):
+    import longtrain.train.trainer as trainer_module
+
+    tmp, recipe = workspace
+    path = recipe(steps=4, every=2)
+    common = ["--set", "train.grad_accum=2", "--set", "train.valid_every=0"]
+    assert cli("fit", path, "--run-dir", tmp / "eager", *common).exit_code == 0
+
+    monkeypatch.setattr(Trainer, "graph_unusable", lambda self: None)  # as on CUDA
+    monkeypatch.setattr(trainer_module, "ChunkGraph", StandInGraph)
+    StandInGraph.built = []
+    r = cli("fit", path, "--run-dir", tmp / "graph", *common)
+    assert r.exit_code == 0, r.output
+    assert len(StandInGraph.built) == 1 and StandInGraph.built[0] > 0  # captured once, with every parameter
+    assert losses(tmp / "graph") == losses(tmp / "eager")
+
+    def broken(self, *args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(StandInGraph, "__init__", broken)
+    r = cli("fit", path, "--run-dir", tmp / "fallback", *common)
+    assert r.exit_code == 0 and "training without CUDA graphs: its capture failed" in r.output, r.output
+    assert losses(tmp / "fallback") == losses(tmp / "eager")
