@@ -35,13 +35,13 @@ class SelectionDiagnostics:
         self._acc: torch.Tensor | None = None  # [layers, 11] float64 on the model's device
 
     def update(self, before, out) -> None:
-        """After one chunk: `before` the ModelCache the chunk started from (rows already reset),
-        `out` the model's LMOutput (its cache and selections)."""
+        """After one chunk: chunk_stats and add in one call."""
         self.add(self.chunk_stats(before, out))
 
     def chunk_stats(self, before, out) -> torch.Tensor | None:
-        """One chunk's statistics [layers, 11] (device ops only: a CUDA graph replays them); None when no
-        layer selects."""
+        """One chunk's statistics [layers, 11] (device ops only: a CUDA graph replays them), from `before`,
+        the ModelCache the chunk started from (rows already reset), and `out`, the model's LMOutput; None
+        when no layer selects. `add` accumulates them."""
         if not self.layers:
             return None
         rows = []

@@ -507,7 +507,6 @@ class Trainer:
         set_lr(self.optimizer, lr, step=step, cfg=cfg)
         apply_freeze(self.model, cfg.freeze, step)  # train.freeze: which parameters learn at this step
         self.train_model.train()
-        world = self.ranks.world_size
         loss_sum, step_tokens = torch.zeros((), device=self.device), 0
         for i in range(cfg.grad_accum):
             host = self.stream.next_chunk()
@@ -516,7 +515,7 @@ class Trainer:
             if host.reset.numpy().any():  # a new document starts with an empty cache (read on the host copy)
                 self.cache = self.cache.reset_rows(chunk.reset)
             inputs = ChunkInputs(tokens=chunk.tokens, lengths=chunk.lengths, targets=chunk.targets,
-                                 weight=self.host_scalar(1.0 / max(host.global_targets, 1)))
+                                 weight=self.send(torch.tensor(1.0 / max(host.global_targets, 1))))
             # several ranks: gradients are reduced once per step, in the backward of its last chunk
             with distributed.gradient_sync(self.train_model, i == cfg.grad_accum - 1):
                 result = self.run_chunk(inputs, first_of_step=i == 0)
@@ -542,18 +541,16 @@ class Trainer:
         return record
 
     def to_device(self, chunk: Chunk) -> Chunk:
-        """The chunk on this rank's device. To a GPU it goes from pinned memory without waiting: a copy
+        """The chunk on this rank's device (each tensor through `send`)."""
+        return Chunk(**{f.name: self.send(v) if isinstance(v := getattr(chunk, f.name), torch.Tensor) else v
+                        for f in fields(chunk)})
+
+    def send(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on this rank's device. To a GPU it goes from pinned memory without waiting: a copy
         from pageable memory would wait for the device to finish its queue (a host sync per chunk)."""
         if self.device.type != "cuda":
-            return chunk.to(self.device)
-        pinned = {f.name: getattr(chunk, f.name) for f in fields(chunk)}
-        pinned = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in pinned.items()}
-        return Chunk(**pinned).to(self.device, non_blocking=True)
-
-    def host_scalar(self, value: float) -> torch.Tensor:
-        """A float32 scalar on the device, sent as the chunk is (from pinned memory, without waiting)."""
-        t = torch.tensor(value, dtype=torch.float32)
-        return t.to(self.device) if self.device.type != "cuda" else t.pin_memory().to(self.device, non_blocking=True)
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def chunk_pass(self, inputs: ChunkInputs, cache) -> ChunkResult:
         """Forward, loss and backward of one chunk from `cache` (gradients stop at the detached cache):
@@ -571,7 +568,8 @@ class Trainer:
     def run_chunk(self, inputs: ChunkInputs, *, first_of_step: bool) -> ChunkResult:
         """One chunk's pass, replayed from the CUDA graph where the run allows one (captured at the first
         chunk of the session's second step: the first compiles the kernels), else eagerly."""
-        if self.chunk_graph is None and first_of_step and self.graph_wanted() and self.state.step > self.start.step:
+        # graphs_off: graph_unusable()'s reason, or a failed capture's
+        if self.chunk_graph is None and first_of_step and self.graphs_off is None and self.state.step > self.start.step:
             try:
                 self.chunk_graph = ChunkGraph(self.chunk_pass, inputs, self.cache, self.trainable())
             except RuntimeError as e:  # an op that cannot be captured: the run goes on eagerly
@@ -612,10 +610,6 @@ class Trainer:
         if why is None:
             return ", one CUDA graph per chunk (from the second step)"
         return "" if why == "not on CUDA" else f", no CUDA graph: {why}"
-
-    def graph_wanted(self) -> bool:
-        """The run allows a graph (graph_unusable) and its capture has not failed."""
-        return self.graphs_off is None
 
     def carry(self, cache, host: Chunk):
         """The cache the next chunk continues from. Full attention: cut to the longest current document
