@@ -21,6 +21,10 @@ def inspect(
         False, "--without-slope", help="shade by u − ε·j, the scorer's part, instead of u itself"
     ),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or auto"),
+    max_tokens: int = typer.Option(
+        None, "--max-tokens", min=1, help="read at most the text's first N tokens (default 20,000: about 0.4 KB of HTML "
+        "per token and layer)", show_default=False,
+    ),
 ) -> None:
     """Show which tokens the SparseK pool keeps: every token shaded by its score u, the pool at the end of the text boxed, one panel per layer."""
     suffix = out.suffix.lower()
@@ -30,12 +34,15 @@ def inspect(
         raise fail(f"--out {out}: the folder {out.parent} does not exist; create it first", 2)
     if not text.is_file():
         raise fail(f"--text {text}: no such file; give a UTF-8 text file", 2)
-    raw = text.read_bytes()
-    content = raw.decode("utf-8", errors="replace")
-    if not content.strip():
-        raise fail(f"--text {text} is empty: give a text with some words in it", 2)
+    from longtrain.eval.inspect import (
+        MAX_TOKENS, InspectError, check_png_size, first_tokens, read_text, render_html, render_png, selecting_layers,
+        selection_map,
+    )
 
-    from longtrain.eval.inspect import InspectError, render_html, render_png, selection_map
+    try:  # a binary or empty file is refused before the checkpoint is read
+        content = read_text(text.read_bytes(), str(text))
+    except InspectError as e:
+        raise fail(str(e), 2)
     from longtrain.eval.runner import pick_device
     from longtrain.eval.tasks import EvalUsageError
     from longtrain.train.checkpoint import CheckpointError
@@ -47,6 +54,13 @@ def inspect(
         raise fail(str(e), 2)
     try:
         loaded = load_checkpoint(checkpoint, device=device)
+        limit = max_tokens or MAX_TOKENS
+        content, n_tokens = first_tokens(loaded.tokenizer, content, limit)
+        if n_tokens > limit:
+            print(f"note: read the first {limit:,} tokens of {text} (it has more); --max-tokens N reads more")
+        if suffix == ".png":  # before the model pass: a text too long for a PNG is refused in a second
+            n_layers = 1 if layer is not None else len(selecting_layers(loaded.model))
+            check_png_size(content, n_layers, layer_given=layer is not None)
         sm = selection_map(loaded, content, layer=layer)
         title = f"{text.name} through {loaded.path} (step {loaded.step})"
         if suffix == ".html":
@@ -57,4 +71,4 @@ def inspect(
         raise fail(str(e), 1)
     except InspectError as e:
         raise fail(str(e), 2)
-    print(f"wrote {out}: {sm.n_tokens:,} tokens, layer(s) {', '.join(map(str, sm.layers))}")
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): {sm.n_tokens:,} tokens, layer(s) {', '.join(map(str, sm.layers))}")

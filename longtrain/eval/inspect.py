@@ -18,6 +18,7 @@ import torch
 
 PNG_MAX_ROWS = 1500  # text rows over all panels; a larger PNG is unreadable (use HTML or --layer)
 PNG_COLS = 100  # characters per row in the PNG
+MAX_TOKENS = 20_000  # tokens read by default: about 0.4 KB of HTML per token and layer, a second or two per layer on a CPU
 
 
 class InspectError(Exception):
@@ -49,6 +50,53 @@ class SelectionMap:
 
 def selecting_layers(model) -> list[int]:
     return [i for i, blk in enumerate(model.blocks) if blk.attn.topk > 0]
+
+
+def read_text(raw: bytes, name: str) -> str:
+    """The file's bytes as text; InspectError for a binary or non-UTF-8 file (before any model work)."""
+    nul = raw.find(b"\x00")
+    if nul >= 0:
+        raise InspectError(
+            f"--text {name} holds NUL bytes (the first at byte {nul:,}): it is a binary file, not text; "
+            "give a UTF-8 text file"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InspectError(
+            f"--text {name} is not UTF-8 text (byte {e.start:,} is {raw[e.start:e.start + 1]!r}); "
+            "give a UTF-8 text file (convert it first, e.g. iconv -t UTF-8)"
+        ) from None
+    if not text.strip():
+        raise InspectError(f"--text {name} is empty: give a text with some words in it")
+    return text
+
+
+def first_tokens(tokenizer, text: str, max_tokens: int) -> tuple[str, int]:
+    """(the text up to the end of its `max_tokens`-th token, the text's token count).
+
+    Only the first 32 characters per allowed token are tokenized, so a huge file costs no more than a
+    long enough prefix; the count is then a lower bound (the caller says "more than")."""
+    head = text[: 32 * max_tokens]
+    offsets = tokenizer.encode(head, add_special_tokens=False).offsets
+    if len(offsets) <= max_tokens:
+        return head, len(offsets)
+    return head[: offsets[max_tokens - 1][1]], len(offsets)
+
+
+def check_png_size(text: str, n_layers: int, *, layer_given: bool) -> None:
+    """Refuse a PNG taller than PNG_MAX_ROWS text rows over its panels (checked before the model pass)."""
+    rows = len(_grid(text, PNG_COLS)[0])
+    total = rows * n_layers
+    if total <= PNG_MAX_ROWS:
+        return
+    fixes = ["a shorter text (or a smaller --max-tokens)", "write HTML (--out FILE.html)"]
+    if not layer_given and n_layers > 1:
+        fixes.insert(0, "pick one layer with --layer")
+    raise InspectError(
+        f"the text makes {rows:,} rows of {PNG_COLS} characters per layer, {total:,} for {n_layers} layer(s): too tall "
+        f"for a PNG (at most {PNG_MAX_ROWS:,}). " + ", ".join(fixes[:-1]) + f" or {fixes[-1]}."
+    )
 
 
 @torch.no_grad()
@@ -199,14 +247,8 @@ def render_png(sm: SelectionMap, path: Path, *, title: str, without_slope: bool 
     from matplotlib.patches import Rectangle
     from matplotlib.textpath import TextPath
 
+    check_png_size(sm.text, len(sm.layers), layer_given=len(sm.layers) == 1)
     rows, row_of, col_of = _grid(sm.text, PNG_COLS)
-    total = len(rows) * len(sm.layers)
-    if total > PNG_MAX_ROWS:
-        raise InspectError(
-            f"the text makes {len(rows)} rows of {PNG_COLS} characters per layer, {total} for {len(sm.layers)} "
-            f"layer(s): too tall for a PNG (at most {PNG_MAX_ROWS}). Pick one layer with --layer, a shorter text, "
-            "or write HTML (--out FILE.html)."
-        )
     shades = shade_values(sm, without_slope)
     owner = _char_owner(sm)
     window = sm.in_window()

@@ -113,3 +113,48 @@ def test_a_missing_checkpoint_is_named(tmp_path):
     (tmp_path / "page.txt").write_text(TEXT)
     r = invoke(tmp_path / "nothing", "--text", tmp_path / "page.txt", "--out", tmp_path / "x.html")
     assert r.exit_code == 1 and "does not exist" in r.output
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4, "binary file"), (b"caf\xe9 au lait\n" * 3, "not UTF-8 text (byte 3")],
+)
+def test_a_binary_or_non_utf8_file_is_refused_before_the_checkpoint_is_read(tmp_path, content, message):
+    (tmp_path / "blob").write_bytes(content)
+    r = invoke(tmp_path / "no-checkpoint-here", "--text", tmp_path / "blob", "--out", tmp_path / "x.html")
+    assert r.exit_code == 2 and message in " ".join(r.output.split())
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_a_long_text_is_read_up_to_max_tokens(sparsek_run, tmp_path, monkeypatch):
+    import longtrain.eval.inspect as inspect_module
+
+    long = TEXT * 20
+    (tmp_path / "long.txt").write_text(long)
+    capped = invoke(sparsek_run, "--text", tmp_path / "long.txt", "--out", tmp_path / "cap.html", "--max-tokens", 100)
+    assert capped.exit_code == 0, capped.output
+    assert "read the first 100 tokens" in capped.output and "wrote" in capped.output
+    tokens = int(re.search(r"MB\): (\d+) tokens", capped.output).group(1))
+    assert 95 <= tokens <= 101
+    monkeypatch.setattr(inspect_module, "MAX_TOKENS", 60)  # the default cap applies without the flag
+    default = invoke(sparsek_run, "--text", tmp_path / "long.txt", "--out", tmp_path / "default.html")
+    assert default.exit_code == 0 and "read the first 60 tokens" in default.output
+    assert (tmp_path / "default.html").stat().st_size < (tmp_path / "cap.html").stat().st_size < 200_000
+
+
+def test_a_png_too_tall_is_refused_before_the_model_pass(sparsek_run, tmp_path, monkeypatch):
+    import longtrain.eval.inspect as inspect_module
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the model pass ran before the size check")
+
+    monkeypatch.setattr(inspect_module, "selection_map", no_pass)
+    (tmp_path / "tall.txt").write_text("the ship\n" * 800)  # 800 rows per layer: 2,400 for three layers
+    every = invoke(sparsek_run, "--text", tmp_path / "tall.txt", "--out", tmp_path / "x.png", "--max-tokens", 10_000)
+    msg = " ".join(every.output.split())
+    assert every.exit_code == 2 and "too tall for a PNG" in msg and "pick one layer with --layer" in msg
+    (tmp_path / "tall.txt").write_text("the ship\n" * 1600)
+    one = invoke(sparsek_run, "--text", tmp_path / "tall.txt", "--out", tmp_path / "x.png", "--layer", 1, "--max-tokens", 10_000)
+    msg = " ".join(one.output.split())
+    assert one.exit_code == 2 and "too tall for a PNG" in msg and "--layer" not in msg
+    assert not (tmp_path / "x.png").exists()
