@@ -28,11 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
+from longtrain.paths import user_cache_root
+
 FORMAT = 1
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("LONGTRAIN_CACHE") or Path.home() / ".cache" / "longtrain" / "tokens")
+    return Path(os.environ.get("LONGTRAIN_CACHE") or user_cache_root() / "tokens")
 
 
 class TokenDocs:

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+
+from longtrain.paths import use_user_numba_cache
+
+use_user_numba_cache()  # before the decorators below: they fix where the cache lives
+
+from numba import njit  # noqa: E402
 
 from longtrain.ops.selection.state import INF, ExtendedScores, ScanResult, ThresholdState, move_together
 
