@@ -78,6 +78,11 @@ class ModelCache:
         return self.seen.shape[0]
 
     @property
+    def grows(self) -> bool:
+        """Full attention's cache: it keeps every key, so it grows chunk by chunk (SparseK's has a fixed size)."""
+        return any(isinstance(layer.attn, FullKVCache) for layer in self.layers)
+
+    @property
     def kv_entries_per_layer(self) -> int:
         """KV capacity of one layer per row: k + w - 1 (a full-attention cache: its current length)."""
         attn = self.layers[0].attn

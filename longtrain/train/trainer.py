@@ -39,10 +39,9 @@ import math
 import os
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from longtrain.console import make_console
@@ -50,6 +49,7 @@ from longtrain.data import IGNORE, DocumentStream, PreparedCorpus, iter_valid_ch
 from longtrain.data.stream import Chunk
 from longtrain.model import LM, LMConfig, warn_threshold_overflow
 from longtrain.model.attention_types import kv_entries
+from longtrain.model.chunks import ChunkReader, send
 from longtrain.train import distributed
 from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainState
 from longtrain.train.diagnostics import SelectionDiagnostics
@@ -181,7 +181,7 @@ class Trainer:
         """
         if not self.ranks.active:
             return
-        for name in ("train_model", "model", "optimizer", "cache"):
+        for name in ("train_model", "model", "optimizer", "reader"):
             self.__dict__.pop(name, None)
         gc.collect()
         distributed.teardown()
@@ -230,7 +230,8 @@ class Trainer:
         # fp16: the loss scaler (its scale and growth tracker are in the checkpoint); otherwise it passes through
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.stream = self.build_stream()
-        self.cache = self.model.empty_cache(self.cfg.batch_docs, device=self.device, dtype=self.compute_dtype)
+        self.reader = ChunkReader(self.model.empty_cache(self.cfg.batch_docs, device=self.device, dtype=self.compute_dtype),
+                                  self.device)  # each row's documents, chunk by chunk through the cache
         self.selection = SelectionDiagnostics(self.model)  # per-layer pool statistics, summed on the device
         self.graphs_off = self.graph_unusable()
         if self.resume_from is not None:
@@ -238,7 +239,7 @@ class Trainer:
                 self.resume_from, model=self.train_model, optimizer=self.optimizer, stream=self.stream,
                 hashes=self.hashes, device=self.device, ranks=self.ranks, layout=self.layout(),
             )
-            self.cache = cache.with_kv_dtype(self.compute_dtype)  # older checkpoints kept a float32 cache
+            self.reader.cache = cache.with_kv_dtype(self.compute_dtype)  # older checkpoints kept a float32 cache
             if self.state.grad_scaler and self.scaler.is_enabled():
                 self.scaler.load_state_dict(self.state.grad_scaler)
         self.start = replace(self.state)  # a copy: the state changes every step
@@ -511,17 +512,17 @@ class Trainer:
         for i in range(cfg.grad_accum):
             host = self.stream.next_chunk()
             step_tokens += host.global_tokens  # every rank's rows: the stream knows them all
-            chunk = self.to_device(host)
-            if host.reset.numpy().any():  # a new document starts with an empty cache (read on the host copy)
-                self.cache = self.cache.reset_rows(chunk.reset)
-            inputs = ChunkInputs(tokens=chunk.tokens, lengths=chunk.lengths, targets=chunk.targets,
-                                 weight=self.send(torch.tensor(1.0 / max(host.global_targets, 1))))
+            weight = send(torch.tensor(1.0 / max(host.global_targets, 1)), self.device)
+
+            def train_pass(chunk: Chunk, cache, first_of_step=i == 0) -> ChunkResult:
+                inputs = ChunkInputs(tokens=chunk.tokens, lengths=chunk.lengths, targets=chunk.targets, weight=weight)
+                return self.run_chunk(inputs, cache, first_of_step=first_of_step)
+
             # several ranks: gradients are reduced once per step, in the backward of its last chunk
             with distributed.gradient_sync(self.train_model, i == cfg.grad_accum - 1):
-                result = self.run_chunk(inputs, first_of_step=i == 0)
+                _, result = self.reader.read(host, train_pass)  # rows reset, the pass, the cache carried on
             self.selection.add(result.stats)  # this rank's rows
-            self.cache = self.carry(result.cache, host)
-            loss_sum += result.loss_sum * inputs.weight  # this rank's share of the chunk's mean loss, on the device
+            loss_sum += result.loss_sum * weight  # this rank's share of the chunk's mean loss, on the device
             if result.overflow is not None:
                 self.overflow = result.overflow.clone() if self.overflow is None else self.overflow | result.overflow
         loss = self.agree(loss_sum) / cfg.grad_accum
@@ -540,17 +541,10 @@ class Trainer:
             self.read_back()
         return record
 
-    def to_device(self, chunk: Chunk) -> Chunk:
-        """The chunk on this rank's device (each tensor through `send`)."""
-        return Chunk(**{f.name: self.send(v) if isinstance(v := getattr(chunk, f.name), torch.Tensor) else v
-                        for f in fields(chunk)})
-
-    def send(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on this rank's device. To a GPU it goes from pinned memory without waiting: a copy
-        from pageable memory would wait for the device to finish its queue (a host sync per chunk)."""
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+    @property
+    def cache(self):
+        """The cache the next chunk continues from (what a checkpoint saves)."""
+        return self.reader.cache
 
     def chunk_pass(self, inputs: ChunkInputs, cache) -> ChunkResult:
         """Forward, loss and backward of one chunk from `cache` (gradients stop at the detached cache):
@@ -565,20 +559,20 @@ class Trainer:
         return ChunkResult(loss_sum=out.loss_sum.detach(), cache=out.cache, overflow=out.overflow,
                            stats=self.selection.chunk_stats(cache, out))
 
-    def run_chunk(self, inputs: ChunkInputs, *, first_of_step: bool) -> ChunkResult:
+    def run_chunk(self, inputs: ChunkInputs, cache, *, first_of_step: bool) -> ChunkResult:
         """One chunk's pass, replayed from the CUDA graph where the run allows one (captured at the first
         chunk of the session's second step: the first compiles the kernels), else eagerly."""
         # graphs_off: graph_unusable()'s reason, or a failed capture's
         if self.chunk_graph is None and first_of_step and self.graphs_off is None and self.state.step > self.start.step:
             try:
-                self.chunk_graph = ChunkGraph(self.chunk_pass, inputs, self.cache, self.trainable())
+                self.chunk_graph = ChunkGraph(self.chunk_pass, inputs, cache, self.trainable())
             except RuntimeError as e:  # an op that cannot be captured: the run goes on eagerly
                 self.graphs_off = f"its capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
                 self.warn(f"training without CUDA graphs: {self.graphs_off}")
         if self.chunk_graph is not None and self.chunk_graph.fits(inputs):
-            return self.chunk_graph(inputs, self.cache)
+            return self.chunk_graph(inputs, cache)
         # eagerly (also a chunk of another shape after a capture: its backward adds into the same gradients)
-        return self.chunk_pass(inputs, self.cache)
+        return self.chunk_pass(inputs, cache)
 
     def trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.train_model.parameters() if p.requires_grad]
@@ -610,13 +604,6 @@ class Trainer:
         if why is None:
             return ", one CUDA graph per chunk (from the second step)"
         return "" if why == "not on CUDA" else f", no CUDA graph: {why}"
-
-    def carry(self, cache, host: Chunk):
-        """The cache the next chunk continues from. Full attention: cut to the longest current document
-        (rows that finished a document leave only dead keys behind), read from the host copy of the chunk."""
-        if self.recipe.attention.type != "full":
-            return cache
-        return cache.keep_last(int(np.max(host.doc_offset.numpy() + host.lengths.numpy(), initial=0)))
 
     def optimizer_step(self) -> torch.Tensor:
         """Unscale (fp16), clip, step and clear the gradients; returns the norm before clipping, on the device.
@@ -819,25 +806,20 @@ def evaluate(
     model.eval()
     docs = len(corpus.valid) if cfg.valid_docs is None else min(cfg.valid_docs, len(corpus.valid))
     rows = max(1, min(cfg.batch_docs, math.ceil(docs / ranks.world_size)))
-    cache = model.empty_cache(rows, device=device, dtype=cache_dtype)
     total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     chunks = iter_valid_chunks(
         corpus.valid, cfg.chunk_size, batch_rows=rows, max_docs=cfg.valid_docs, max_tokens=cfg.valid_tokens,
         rank=ranks.rank, world_size=ranks.world_size,
     )
     sharded = distributed.is_sharded(model)
-    full = distributed.unwrap(model).cfg.attention == "full"
-    for host in chunks:
-        lengths = host.lengths.numpy()
-        if not sharded and not lengths.any():  # this rank's rows are idle here (FSDP still joins in)
-            continue
-        chunk = host.to(device)
-        cache = cache.reset_rows(chunk.reset)
+    busy = (c for c in chunks if sharded or c.lengths.numpy().any())  # idle rows skip a chunk (FSDP still joins in)
+
+    def loss_pass(chunk, cache):
         with autocast():
-            out = model(chunk.tokens, cache=cache, lengths=chunk.lengths, targets=chunk.targets)
-        cache = out.cache
-        if full:  # the longest current document is all a full-attention cache needs
-            cache = cache.keep_last(int(np.max(host.doc_offset.numpy() + lengths, initial=0)))
+            return model(chunk.tokens, cache=cache, lengths=chunk.lengths, targets=chunk.targets)
+
+    reader = ChunkReader(model.empty_cache(rows, device=device, dtype=cache_dtype), device)
+    for host, _, out in reader(busy, loss_pass):
         total += out.loss_sum.double()
         count += int((host.targets != IGNORE).sum())
     model.train()

@@ -1,0 +1,115 @@
+"""Reading documents chunk by chunk through the model's cache: the loop every reader shares.
+
+Training, validation, the eval tasks, verify-equivalence and generation's prefill all read a
+document the same way (Algorithm 3 of the paper): per chunk, the rows that start a new document
+have their cache reset, the model runs on the chunk from the cache, and the cache it returns is
+carried on to the next chunk. `ChunkReader` is that loop; each caller supplies only its pass over
+one chunk (`forward(chunk, cache)`: a forward, a forward with the loss, or the trainer's training
+pass, which a CUDA graph may replay), because that is what differs between them.
+
+Carrying: full attention's cache grows with every chunk; rows that finished a document leave only
+dead keys behind, so it is cut to the longest current document (read from the host copy of the
+chunk, no device sync). A SparseK cache has a fixed size and is carried as it is.
+
+Chunk size: a reader reads in the chunks it is asked for, else the run's training chunk
+(`chunk_size`); generation's prefill reads at least PREFILL_CHUNK tokens at a time (speed only:
+chunked and unchunked reads give the same results, docs/DESIGN.md section 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from longtrain.data.stream import IGNORE, Chunk
+from longtrain.model.cache import ModelCache
+
+PREFILL_CHUNK = 4096  # a prompt's chunks at least this long: fewer, larger launches
+
+
+def chunk_size(requested: int | None, trained: int, *, prefill: bool = False) -> int:
+    """The chunk a reader reads: `requested` (a --chunk-size flag), else the training chunk; a prefill
+    reads at least PREFILL_CHUNK tokens at a time."""
+    if requested is not None:
+        return requested
+    return max(PREFILL_CHUNK, trained) if prefill else trained
+
+
+# One chunk (on the device) from a cache -> what the pass returns: anything with the next `.cache`
+# (LMOutput, the trainer's ChunkResult).
+Forward = Callable[[Chunk, ModelCache], Any]
+
+
+def send(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU it goes from pinned memory without waiting: a copy from
+    pageable memory would wait for the device to finish its queue (a host sync per chunk)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_device(chunk: Chunk, device: torch.device) -> Chunk:
+    """The chunk on `device` (each tensor through `send`)."""
+    return Chunk(**{f.name: send(v, device) if isinstance(v := getattr(chunk, f.name), torch.Tensor) else v
+                    for f in fields(chunk)})
+
+
+def longest_document(host: Chunk) -> int:
+    """Keys of the longest current document once the chunk is read (what a full-attention cache keeps)."""
+    return int(np.max(host.doc_offset.numpy() + host.lengths.numpy(), initial=0))
+
+
+def split_rows(ids: torch.Tensor, size: int, *, seen: torch.Tensor | None = None) -> Iterator[Chunk]:
+    """ids [B, T] (on the host) as chunks of `size` tokens: B rows of one document each, every row
+    full; `seen` [B] (host): the tokens each row's cache has read already (None: none, the first
+    chunk resets the rows). A chunk's targets are the next tokens of ids (IGNORE past its end)."""
+    B, T = ids.shape
+    before = torch.zeros(B, dtype=torch.int64) if seen is None else seen.to(torch.int64)
+    for s in range(0, T, size):
+        tokens = ids[:, s : s + size]  # [B, L]
+        L = tokens.shape[1]
+        targets = torch.full((B, L), IGNORE, dtype=torch.int64)
+        nxt = ids[:, s + 1 : s + 1 + L]
+        targets[:, : nxt.shape[1]] = nxt
+        yield Chunk(
+            tokens=tokens, targets=targets, lengths=torch.full((B,), L, dtype=torch.int64),
+            reset=torch.full((B,), s == 0 and seen is None), doc_index=torch.arange(B),
+            doc_offset=before + s, doc_len=before + T,
+        )
+
+
+class ChunkReader:
+    """Reads chunks through one model cache, carried from each chunk to the next (see the module doc).
+
+    `reader.cache` is the cache the next chunk continues from: set it to start elsewhere (a resumed
+    run's checkpoint), read it after the last chunk (prefill).
+    """
+
+    def __init__(self, cache: ModelCache, device: torch.device):
+        self.cache = cache
+        self.device = device
+
+    def read(self, host: Chunk, forward: Forward) -> tuple[Chunk, Any]:
+        """One chunk (host: as the data gave it, on the CPU): (the chunk on the device, what forward returned)."""
+        chunk = to_device(host, self.device)
+        if host.reset.numpy().any():  # a new document starts with an empty cache (read on the host copy)
+            self.cache = self.cache.reset_rows(chunk.reset)
+        out = forward(chunk, self.cache)
+        self.cache = self.carry(out.cache, host)
+        return chunk, out
+
+    def __call__(self, chunks: Iterable[Chunk], forward: Forward) -> Iterator[tuple[Chunk, Chunk, Any]]:
+        """Every chunk in turn: (host chunk, device chunk, what forward returned)."""
+        for host in chunks:
+            chunk, out = self.read(host, forward)
+            yield host, chunk, out
+
+    @staticmethod
+    def carry(cache: ModelCache, host: Chunk) -> ModelCache:
+        """The cache the next chunk continues from: a full-attention cache cut to the longest current
+        document (rows that finished one leave only dead keys behind); a fixed-size cache as it is."""
+        return cache.keep_last(longest_document(host)) if cache.grows else cache
