@@ -1,7 +1,8 @@
 """`longtrain export CHECKPOINT --out HF_DIR`: a longtrain checkpoint as a Hugging Face model folder.
 
 Writes `config.json`, `model.safetensors` and `tokenizer.json` (plus a small `tokenizer_config.json`
-so `AutoTokenizer` finds it). The llama style becomes `LlamaForCausalLM`; gptneox becomes
+so `AutoTokenizer` finds it). The llama style becomes `LlamaForCausalLM` (`Qwen2ForCausalLM` with q/k/v
+biases, `MistralForCausalLM` for a Mistral import or a plain sliding window); gptneox becomes
 `GPTNeoXForCausalLM` (q, k and v fused back into query_key_value), and so does gpt2 (a GPT-NeoX
 without parallel residual, with tied embeddings and full rotary). Weights are written in `--dtype`
 (default float32, longtrain's own); an import exported in its source dtype gives back bitwise the
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from longtrain.interop.hf_families import LLAMA, STYLE_FAMILY, HFFormatError, fuse_qkv, hf_config
+from longtrain.interop.hf_families import LLAMA_LIKE, HFFormatError, export_family, fuse_qkv, hf_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPARSEK_NOTE = (
@@ -31,11 +32,11 @@ SPARSEK_NOTE = (
 )
 
 
-def hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """The HF tensors of a longtrain LM (its family follows the style), scoring vectors included."""
+def hf_state_dict(model, source_type: str | None = None) -> dict[str, torch.Tensor]:
+    """The HF tensors of a longtrain LM (its family: hf_families.export_family), scoring vectors included."""
     cfg = model.cfg
-    fam = STYLE_FAMILY[cfg.style]
-    if fam is not LLAMA and cfg.kv_heads != cfg.heads:
+    fam = export_family(cfg, source_type)
+    if fam not in LLAMA_LIKE and cfg.kv_heads != cfg.heads:
         raise HFFormatError(f"GPT-NeoX has no grouped-query attention: this {cfg.style} model has kv_heads {cfg.kv_heads} ≠ heads {cfg.heads}")
     state = model.state_dict()
     out: dict[str, torch.Tensor] = {}
@@ -68,10 +69,11 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32"
     loaded = load_checkpoint(checkpoint, dtype=torch.float32)
     model, tok = loaded.model, loaded.tokenizer
     cfg = model.cfg
-    fam = STYLE_FAMILY[cfg.style]
-    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state_dict(model).items()}
+    imported = loaded.meta.get("imported_from", {})
+    source, source_type = imported.get("config", {}), imported.get("model_type")
+    fam = export_family(cfg, source_type)
+    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_state_dict(model, source_type).items()}
 
-    source = loaded.meta.get("imported_from", {}).get("config", {})
     eos = eod_id(tok)
     bos = next((tok.token_to_id(t) for t in ("<s>", "<|begin_of_text|>") if tok.token_to_id(t) is not None), eos)
     config = hf_config(fam, cfg, bos=bos, eos=eos, dtype=dtype, max_positions=max_positions or source.get("max_position_embeddings", 2048))

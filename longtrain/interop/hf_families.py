@@ -1,4 +1,7 @@
-"""The two Hugging Face families longtrain reads and writes: one small table each.
+"""The Hugging Face families longtrain reads and writes: one small table each.
+
+Llama (Llama 1-3, TinyLlama), Mistral (a Llama with a sliding window in its config) and Qwen2 (a
+Llama with biases on q, k and v) share the llama block style; GPT-NeoX (Pythia) has its own.
 
 A family says which `config.json` keys make longtrain's `model:` recipe section (and which settings it
 cannot represent), and how tensor names map between the layouts. `{i}` stands for the layer index.
@@ -7,7 +10,10 @@ GPT-NeoX fuses q, k and v into one `query_key_value` projection whose output row
 (`split_qkv`, `fuse_qkv`).
 
 Both the config formats of transformers 4 (`rope_theta`, `rotary_pct`, `rotary_emb_base`,
-`rope_scaling`) and 5 (`rope_parameters`) are read; export writes both.
+`rope_scaling`) and 5 (`rope_parameters`) are read; export writes both. Scaled RoPE (linear, dynamic,
+yarn, llama3) becomes the recipe's `model.rope_scaling` (longtrain.model.rope); export writes it back,
+a dynamic (NTK-aware) one as plain RoPE with the larger base longtrain uses (transformers would
+otherwise recompute it from each forward's length).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from longtrain.model.rope import ROPE_TYPES, ntk_theta
 
 
 class HFFormatError(Exception):
@@ -82,8 +90,34 @@ GPT_NEOX = Family(
     ignored=("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq"),
 )
 
-FAMILIES = {f.model_type: f for f in (LLAMA, GPT_NEOX)}
+MISTRAL = Family(model_type="mistral", architecture="MistralForCausalLM", style="llama", names=LLAMA.names,
+                 score=LLAMA.score, ignored=LLAMA.ignored)
+QWEN2 = Family(
+    model_type="qwen2", architecture="Qwen2ForCausalLM", style="llama", score=LLAMA.score, ignored=LLAMA.ignored,
+    names=LLAMA.names | {f"blocks.{{i}}.attn.{p}_proj.bias": f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv"},
+)
+LLAMA_LIKE = (LLAMA, MISTRAL, QWEN2)
+
+FAMILIES = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, GPT_NEOX)}
 STYLE_FAMILY = {"llama": LLAMA, "gptneox": GPT_NEOX, "gpt2": GPT_NEOX}  # gpt2 style = non-parallel, tied NeoX
+
+
+def export_family(cfg, source_type: str | None) -> Family:
+    """The family a longtrain model is written as: its style's, Qwen2 for q/k/v biases, Mistral for a
+    Mistral import or a llama-style model whose attention is a plain sliding window."""
+    family = STYLE_FAMILY[cfg.style]
+    if family is LLAMA and cfg.qkv_bias:
+        return QWEN2
+    if family is LLAMA and (source_type == "mistral" or sliding_window_of(cfg) is not None):
+        return MISTRAL
+    return family
+
+
+def sliding_window_of(cfg) -> int | None:
+    """What transformers' `sliding_window` must be to compute what an LMConfig's attention does, if it can."""
+    if cfg.attention == "full":
+        return cfg.max_context
+    return cfg.window if cfg.attention == "sw" else None
 
 
 def family_of(config: dict[str, Any]) -> Family:
@@ -96,15 +130,53 @@ def family_of(config: dict[str, Any]) -> Family:
 # ----------------------------------------------------------------------------- config.json -> model:
 
 
-def _rope(config: dict[str, Any], default_partial: float) -> tuple[float, float]:
-    """(rope_theta, partial rotary fraction) from either config format; refuses scaled RoPE."""
+def _rope(config: dict[str, Any], default_partial: float) -> tuple[float, float, dict | None]:
+    """(rope_theta, partial rotary fraction, longtrain's rope_scaling or None) from either config format."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", None):
-        raise HFFormatError(f"RoPE scaling {kind!r} is not supported (only plain RoPE); the model's config has {params}")
     theta = params.get("rope_theta", config.get("rope_theta", config.get("rotary_emb_base", 10000.0)))
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", config.get("rotary_pct", default_partial)))
-    return float(theta), float(partial)
+    if kind in ("default", None):
+        return float(theta), float(partial), None
+    if kind not in ROPE_TYPES:
+        raise HFFormatError(
+            f"RoPE scaling {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)}, or plain RoPE); the model's config has {params}"
+        )
+    max_pos = config.get("max_position_embeddings")
+    orig = params.get("original_max_position_embeddings", config.get("original_max_position_embeddings", max_pos))
+    scaling: dict[str, Any] = {"type": kind, "factor": params.get("factor")}
+    if kind == "dynamic":  # transformers' dynamic formula divides by max_position_embeddings
+        scaling["original_context"] = max_pos
+    elif kind != "linear":
+        scaling["original_context"] = orig
+    if kind == "yarn":
+        if scaling["factor"] is None and max_pos and orig:
+            scaling["factor"] = max_pos / orig
+        truncate = params.get("truncate")
+        scaling |= {k: params.get(k) for k in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")}
+        scaling["truncate"] = True if truncate is None else bool(truncate)
+    if kind == "llama3":
+        scaling |= {k: params.get(k) for k in ("low_freq_factor", "high_freq_factor")}
+    scaling = {k: v for k, v in scaling.items() if v is not None}
+    if scaling.get("factor") is None or (kind != "linear" and not scaling.get("original_context")):
+        raise HFFormatError(f"RoPE scaling {kind!r} lacks its factor or original context (max_position_embeddings); the model's config has {params}")
+    return float(theta), float(partial), scaling
+
+
+def hf_rope_parameters(model) -> dict[str, Any]:
+    """transformers' rope_parameters (v5; v4 reads the same dict as rope_scaling) for an LMConfig."""
+    theta, s = model.rope_theta, model.rope_scaling
+    if s is None or s["type"] == "dynamic":  # dynamic: the fixed NTK base longtrain uses, as plain RoPE
+        theta = theta if s is None else ntk_theta(model.rotary_dim, theta, s)
+        return {"rope_type": "default", "rope_theta": theta}
+    from longtrain.model.rope import scaling_factor
+
+    out = {"rope_type": s["type"], "rope_theta": theta, "factor": scaling_factor(s)}
+    if s["type"] != "linear":
+        out["original_max_position_embeddings"] = s["original_context"]
+    keys = {"llama3": ("low_freq_factor", "high_freq_factor"),
+            "yarn": ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")}.get(s["type"], ())
+    return out | {k: s[k] for k in keys if s.get(k) is not None}
 
 
 def _need(config: dict[str, Any], *keys: str) -> None:
@@ -119,8 +191,9 @@ def model_section(family: Family, config: dict[str, Any]) -> dict[str, Any]:
     d, heads = config["hidden_size"], config["num_attention_heads"]
     if d % heads:
         raise HFFormatError(f"hidden_size {d} is not a multiple of num_attention_heads {heads}")
-    act = config.get("hidden_act", "silu" if family is LLAMA else "gelu")
-    want_act = "silu" if family is LLAMA else "gelu"
+    llama_like = family in LLAMA_LIKE
+    act = config.get("hidden_act", "silu" if llama_like else "gelu")
+    want_act = "silu" if llama_like else "gelu"
     if act != want_act:
         raise HFFormatError(f"hidden_act {act!r} is not supported for {family.model_type} (only {want_act!r})")
     section = {
@@ -133,28 +206,33 @@ def model_section(family: Family, config: dict[str, Any]) -> dict[str, Any]:
         "tied_embeddings": bool(config.get("tie_word_embeddings", False)),
         "init_std": config.get("initializer_range", 0.02),
     }
-    if family is LLAMA:
-        theta, partial = _rope(config, 1.0)
+    if llama_like:
+        theta, partial, scaling = _rope(config, 1.0)
         kv = config.get("num_key_value_heads") or heads
         head_dim = config.get("head_dim") or d // heads
-        unsupported = [
-            f"{k} = {config[k]}" for k, ok in (("attention_bias", False), ("mlp_bias", False)) if config.get(k, ok) != ok
-        ]
+        checks = (("attention_bias", False), ("mlp_bias", False)) if family is LLAMA else ()
+        if family is QWEN2:
+            checks = (("use_sliding_window", False),)  # per-layer windows (max_window_layers) are not represented
+        unsupported = [f"{k} = {config[k]}" for k, ok in checks if config.get(k, ok) != ok]
         if head_dim != d // heads:
             unsupported.append(f"head_dim = {head_dim} (≠ hidden_size / num_attention_heads = {d // heads})")
         if partial != 1.0:
             unsupported.append(f"partial_rotary_factor = {partial}")
         if unsupported:
-            raise HFFormatError(f"this Llama config is not supported: {'; '.join(unsupported)}")
+            raise HFFormatError(f"this {family.model_type} config is not supported: {'; '.join(unsupported)}")
         section |= {"kv_heads": kv, "rope_theta": theta, "norm_eps": config.get("rms_norm_eps", 1e-6)}
+        if family is QWEN2:
+            section["qkv_bias"] = True
     else:
-        theta, partial = _rope(config, 0.25)
+        theta, partial, scaling = _rope(config, 0.25)
         if not config.get("attention_bias", True):
             raise HFFormatError("this GPT-NeoX config is not supported: attention_bias = false")
         section |= {
             "rope_theta": theta, "rotary_pct": partial, "norm_eps": config.get("layer_norm_eps", 1e-5),
             "parallel_residual": bool(config.get("use_parallel_residual", True)),
         }
+    if scaling is not None:
+        section["rope_scaling"] = scaling
     return section
 
 
@@ -179,20 +257,26 @@ def hf_config(family: Family, model, *, bos: int | None, eos: int | None, dtype:
         "eos_token_id": eos,
         "torch_dtype": dtype,
         "dtype": dtype,
-        "rope_theta": c.rope_theta,
         "use_cache": True,
     }
-    if family is LLAMA:
+    rope = hf_rope_parameters(c)
+    config |= {"rope_theta": rope["rope_theta"], "rope_scaling": rope if rope["rope_type"] != "default" else None}
+    if family in LLAMA_LIKE:
         config |= {
             "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-            "rms_norm_eps": c.norm_eps, "attention_bias": False, "mlp_bias": False, "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "rms_norm_eps": c.norm_eps, "rope_parameters": rope,
         }
+        if family is LLAMA:
+            config |= {"attention_bias": False, "mlp_bias": False}
+        if family is MISTRAL:
+            config["sliding_window"] = sliding_window_of(c)
+        if family is QWEN2:
+            config |= {"use_sliding_window": False, "sliding_window": None}
     else:
         config |= {
             "hidden_act": "gelu", "layer_norm_eps": c.norm_eps, "use_parallel_residual": c.parallel_residual,
-            "rotary_pct": c.rotary_pct, "rotary_emb_base": c.rope_theta, "attention_bias": True,
-            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta, "partial_rotary_factor": c.rotary_pct},
+            "rotary_pct": c.rotary_pct, "rotary_emb_base": rope["rope_theta"], "attention_bias": True,
+            "rope_parameters": rope | {"partial_rotary_factor": c.rotary_pct},
         }
     return config
 

@@ -2,8 +2,8 @@
 
 Reads `config.json`, the safetensors weights (one file, or shards listed by
 `model.safetensors.index.json`) with `safetensors` and `tokenizer.json` with `tokenizers`: no network
-and no `transformers`. Families: Llama (TinyLlama and the like) and GPT-NeoX (Pythia); see
-hf_families. Writes `RUN_DIR/checkpoints/step-00000000/` (float32 weights in longtrain's layout, the
+and no `transformers`. Families: Llama (1-3, TinyLlama), Mistral, Qwen2 and GPT-NeoX (Pythia),
+with plain or scaled RoPE (linear, dynamic, yarn, llama3); see hf_families. Writes `RUN_DIR/checkpoints/step-00000000/` (float32 weights in longtrain's layout, the
 recipe, the tokenizer) and `RUN_DIR/recipe.yaml`, so `fit` (through `train.init_from`), `eval`,
 `generate` and `verify-equivalence` take it like any checkpoint. Imported with `--attention full`, the
 model computes what the Hugging Face one does (CI compares logits with `transformers`).
@@ -224,12 +224,14 @@ def import_hf(
     manager = CheckpointManager(out, keep=1)
     if manager.steps() or (out / "recipe.yaml").exists():
         raise HFFormatError(f"{out} already holds a run (recipe.yaml or checkpoints); choose another --out or remove it")
+    folder = read_folder(hf_dir)
+    # Mistral's sliding window: full attention keeps it (max_context: what transformers computes), sw takes it as w.
+    sliding = folder.config.get("sliding_window") if folder.family.model_type == "mistral" else None
     uses = USES[attention]  # longtrain.model.attention_types: which of k, w the type has
     uses_k, uses_w = "topk" in uses, "window" in uses
     topk = (topk if topk is not None else DEFAULT_K) if uses_k else 0
-    window = (window if window is not None else DEFAULT_W) if uses_w else 0
-
-    folder = read_folder(hf_dir)
+    window = (window if window is not None else sliding if attention == "sw" and sliding else DEFAULT_W) if uses_w else 0
+    max_context = sliding if attention == "full" else None
     tok_file = folder.path / TOKENIZER_FILE
     if not tok_file.is_file():
         raise HFFormatError(
@@ -241,6 +243,13 @@ def import_hf(
     except DataError as e:
         raise HFFormatError(str(e)) from None
     section, state, notes = convert(folder, attention=attention, topk=topk, window=window, score_init=score_init, score_groups=score_groups, seed=seed)
+    if sliding:
+        notes.append(
+            f"sliding window {sliding} (config.json): kept as attention.max_context (remove it for whole-document attention)"
+            if attention == "full" else f"sliding window {sliding} (config.json): attention {attention} uses w = {window}"
+        )
+    if section.get("rope_scaling"):
+        notes.append(f"RoPE scaling: {section['rope_scaling']} (model.rope_scaling)")
     rows = state["embed.weight"].shape[0]
     if raw_tok.get_vocab_size() > rows:
         raise HFFormatError(
@@ -251,7 +260,8 @@ def import_hf(
     recipe = Recipe.model_validate({
         "name": folder.path.name,
         "model": section,
-        "attention": {"type": attention, "topk": topk, "window": window, "score_init": score_init, "score_groups": score_groups},
+        "attention": {"type": attention, "topk": topk, "window": window, "score_init": score_init, "score_groups": score_groups,
+                      "max_context": max_context},
         "tokenizer": {"path": str((out / TOKENIZER_FILE).resolve())},
         "train": {"steps": 1000, "lr": 3e-4, "warmup_steps": 100, "warmup_start_ratio": 0.1, "init_from": None},
     })
@@ -263,7 +273,7 @@ def import_hf(
     path = manager.save(0, tensors={"model": state}, meta=meta, files=checkpoint_files(recipe, tokenizer))
     header = (
         f"# imported from {folder.path.resolve()} by `longtrain import`; its train/data sections are placeholders:\n"
-        f"# fine-tune with `longtrain fit finetune-{'llama' if folder.family.model_type == 'llama' else 'pythia'} "
+        f"# fine-tune with `longtrain fit finetune-{'llama' if folder.family.style == 'llama' else 'pythia'} "
         f"--set train.init_from={out}`\n"
     )
     (out / "recipe.yaml").write_text(header + recipe_to_yaml(recipe))

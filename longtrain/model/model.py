@@ -1,6 +1,6 @@
 """A decoder-only Transformer with SparseK attention that reads a document chunk by chunk.
 
-One flat file in the nanoGPT manner: config, RoPE, attention, MLPs, blocks, the LM. Block styles:
+One flat file in the nanoGPT manner: config, attention, MLPs, blocks, the LM (RoPE: model/rope.py). Block styles:
   gpt2     LayerNorm, GELU MLP, biases, tied embeddings, RoPE (the paper's from-scratch model)
   llama    RMSNorm, SwiGLU MLP, no biases, untied head, RoPE, grouped-query attention (TinyLlama)
   gptneox  LayerNorm, GELU MLP, biases, untied head, parallel residual, partial RoPE (Pythia)
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from longtrain.model.attention_types import AttentionType, selects, size_problems
 from longtrain.model.cache import FullKVCache, LayerCache, ModelCache
 from longtrain.model.loss import linear_cross_entropy, loss_slice
+from longtrain.model.rope import apply_rope, rope_angles, scaling_problems
 from longtrain.model.scoring import Scorer, mimic_score_weight, score_dtype
 from longtrain.ops.sparsek_attention import (
     ChunkSelection,
@@ -66,6 +67,8 @@ class LMConfig:
     parallel_residual: bool | None = None  # x + attn(n1(x)) + mlp(n2(x)); None: the style's default
     dropout: float = 0.0
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # longtrain.model.rope: linear, dynamic (NTK-aware), yarn or llama3; None: plain
+    qkv_bias: bool | None = None  # biases on q, k and v (Qwen2); None: the style's default
     init_std: float = 0.02
     attention: AttentionType = "sparsek+sw"
     topk: int = 0
@@ -92,7 +95,7 @@ class LMConfig:
         self.intermediate_size = self.intermediate_size or int(self.mlp_ratio * self.d_model)
         self.tied_embeddings = st.tied if self.tied_embeddings is None else self.tied_embeddings
         self.parallel_residual = st.parallel_residual if self.parallel_residual is None else self.parallel_residual
-        problems = size_problems(self.attention, self.topk, self.window)
+        problems = size_problems(self.attention, self.topk, self.window) + scaling_problems(self.rope_scaling)
         if self.max_context is not None and (self.attention != "full" or self.max_context < 1):
             problems.append(f"max_context ({self.max_context}) caps full attention's cache: it needs attention full and a value >= 1")
         if problems:
@@ -110,6 +113,8 @@ class LMConfig:
             intermediate_size=model.intermediate_size, norm_eps=model.norm_eps, tied_embeddings=model.tied_embeddings,
             rotary_pct=model.rotary_pct, parallel_residual=model.parallel_residual,
             rope_theta=model.rope_theta, init_std=model.init_std, attention=attention.type,
+            rope_scaling=model.rope_scaling.model_dump() if getattr(model, "rope_scaling", None) else None,
+            qkv_bias=getattr(model, "qkv_bias", None),
             topk=attention.topk or 0, window=attention.window or 0, variant=attention.variant,
             score_groups=attention.score_groups, timestep_norm=attention.timestep_norm,
             eps_slope=attention.eps_slope, score_init=attention.score_init,
@@ -137,25 +142,6 @@ class LMConfig:
         return asdict(self)
 
 
-# ----------------------------------------------------------------------------- RoPE
-
-
-def rope_angles(pos: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, L, R/2] (float64) at absolute positions pos [B, L]: exact for any chunking."""
-    inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=pos.device) / rotary_dim)
-    ang = pos.to(torch.float64)[..., None] * inv_freq  # [B, L, R/2]
-    return ang.cos(), ang.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (GPT-NeoX / Llama layout) on the first R = 2·cos.shape[-1] dims of x [B, L, H, D]."""
-    c, s = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)  # [B, L, 1, R/2]
-    R = 2 * c.shape[-1]
-    x1, x2 = x[..., : R // 2], x[..., R // 2 : R]
-    rotated = [x1 * c - x2 * s, x2 * c + x1 * s]
-    return torch.cat(rotated if R == x.shape[-1] else [*rotated, x[..., R:]], dim=-1)  # partial: the rest passes
-
-
 # ----------------------------------------------------------------------------- attention
 
 
@@ -166,9 +152,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         H, Hkv, D, d = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.d_model
-        self.q_proj = nn.Linear(d, H * D, bias=bias)
-        self.k_proj = nn.Linear(d, Hkv * D, bias=bias)
-        self.v_proj = nn.Linear(d, Hkv * D, bias=bias)
+        qkv_bias = bias if cfg.qkv_bias is None else cfg.qkv_bias
+        self.q_proj = nn.Linear(d, H * D, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, Hkv * D, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, Hkv * D, bias=qkv_bias)
         self.o_proj = nn.Linear(H * D, d, bias=bias)
         G = cfg.score_group_count
         self.scorer = Scorer(d, G, timestep_norm=cfg.timestep_norm, eps_slope=cfg.eps_slope) if G else None
@@ -509,7 +496,7 @@ class LM(nn.Module):
         ar = torch.arange(L, device=dev)
         pos = seen[:, None] + ar[None]  # [B, L] absolute document positions
         valid = ar[None] < lengths[:, None]  # [B, L]
-        rope = rope_angles(pos, self.cfg.rotary_dim, self.cfg.rope_theta)
+        rope = rope_angles(pos, self.cfg.rotary_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
 
         x = self.drop(self.embed(tokens))  # [B, L, d]
         full_bias = None

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from longtrain.data.config import DataConfig, TokenizerConfig
 from longtrain.model.attention_types import USES, AttentionType, size_problems
+from longtrain.model.rope import scaling_problems
 
 
 def _builtin_recipes_dir() -> Path:
@@ -43,6 +44,37 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class RopeScalingConfig(_Section):
+    """RoPE rescaled for contexts longer than the model was trained on (longtrain.model.rope)."""
+
+    type: Literal["linear", "dynamic", "yarn", "llama3"] = Field(
+        description="linear (position interpolation), dynamic (NTK-aware: the paper's fine-tuning), yarn or llama3"
+    )
+    factor: float | None = Field(None, ge=1, description="context extension factor; null: target_length / original_context")
+    original_context: int | None = Field(
+        None, ge=1, description="the context the model was trained on (max_position_embeddings of its config.json)"
+    )
+    target_length: int | None = Field(
+        None, ge=1, description="the context to reach; sets factor when it is null (dynamic: the length whose "
+        "NTK frequencies are used; default factor × original_context)"
+    )
+    low_freq_factor: float = Field(1.0, gt=0, description="llama3: wavelengths above original_context / this are interpolated")
+    high_freq_factor: float = Field(4.0, gt=0, description="llama3: wavelengths below original_context / this are kept")
+    beta_fast: float = Field(32.0, gt=0, description="yarn: dims turning more often than this over the context are kept")
+    beta_slow: float = Field(1.0, gt=0, description="yarn: dims turning less often than this are interpolated")
+    attention_factor: float | None = Field(None, gt=0, description="yarn: scale of cos and sin; null: 0.1 ln(factor) + 1")
+    mscale: float | None = Field(None, description="yarn (DeepSeek): attention_factor = mscale(factor, mscale) / mscale(factor, mscale_all_dim)")
+    mscale_all_dim: float | None = Field(None, description="yarn (DeepSeek): see mscale")
+    truncate: bool = Field(True, description="yarn: round the ramp's ends to whole dims")
+
+    @model_validator(mode="after")
+    def _complete(self) -> RopeScalingConfig:
+        problems = scaling_problems(self.model_dump())
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
 class ModelConfig(_Section):
     style: Literal["gpt2", "llama", "gptneox"] = Field(
         "gpt2", description="block style: gpt2 (LayerNorm, GELU MLP), llama (RMSNorm, SwiGLU MLP) or "
@@ -60,6 +92,11 @@ class ModelConfig(_Section):
     )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout probability, in [0, 1)")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency")
+    rope_scaling: RopeScalingConfig | None = Field(
+        None, description="RoPE for longer contexts, e.g. {type: dynamic, target_length: 8192, original_context: 2048} "
+        "(the paper's NTK-aware interpolation to 4x); null: plain RoPE"
+    )
+    qkv_bias: bool | None = Field(None, description="biases on the q, k and v projections (Qwen2); null: the style's default")
     init_std: float = Field(0.02, gt=0, le=1, description="standard deviation of the weight init")
     # What imported checkpoints vary; the defaults give the models longtrain always built.
     intermediate_size: int | None = Field(
@@ -348,6 +385,7 @@ def recipe_to_yaml(recipe: Recipe) -> str:
 
 _MODEL_FIELDS_ADDED_LATER = {
     "intermediate_size": None, "norm_eps": 1e-5, "tied_embeddings": None, "rotary_pct": 1.0, "parallel_residual": None,
+    "rope_scaling": None, "qkv_bias": None,
 }
 
 

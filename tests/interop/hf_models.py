@@ -55,6 +55,28 @@ def llama(**kw):
     return model.eval()
 
 
+def qwen2(**kw):
+    """Biases on q, k and v (none on o), GQA, tied head."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=40, rope_theta=8000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(Qwen2Config(**(cfg | kw)))
+    _perturb(model)
+    return model.eval()
+
+
+def mistral(**kw):
+    """A Llama with a sliding window of 16 keys."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=40, rope_theta=5000.0, rms_norm_eps=1e-6, sliding_window=16, tie_word_embeddings=False)
+    model = MistralForCausalLM(MistralConfig(**(cfg | kw)))
+    _perturb(model)
+    return model.eval()
+
+
 def gpt_neox(**kw):
     """Partial rotary (a quarter of each 16-dim head), parallel residual, untied head, biases."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM

@@ -150,9 +150,9 @@ def test_folder_without_config_or_weights(folders, tmp_path):
 def test_unsupported_model_type_and_settings(folders, tmp_path):
     _, dirs, _ = folders
     gpt2 = edited(dirs["llama"], tmp_path / "gpt2", model_type="gpt2")
-    assert "model_type 'gpt2' is not supported (supported: llama, gpt_neox)" in refused("import", gpt2, "--out", tmp_path / "r")
-    scaled = edited(dirs["llama"], tmp_path / "scaled", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0})
-    assert "RoPE scaling 'linear' is not supported" in refused("import", scaled, "--out", tmp_path / "r")
+    assert "model_type 'gpt2' is not supported (supported: llama, mistral, qwen2, gpt_neox)" in refused("import", gpt2, "--out", tmp_path / "r")
+    scaled = edited(dirs["llama"], tmp_path / "scaled", rope_parameters={"rope_type": "linear", "rope_theta": 5000.0})
+    assert "RoPE scaling 'linear' lacks its factor or original context" in refused("import", scaled, "--out", tmp_path / "r")
 
 
 def test_weights_that_disagree_with_the_config(folders, tmp_path):
