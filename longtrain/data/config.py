@@ -111,3 +111,6 @@ class TokenizerConfig(BaseModel):
 
     path: str | None = None  # an existing tokenizer.json, or null to train one
     vocab_size: int = Field(8192, ge=260)  # byte-level BPE trained on the corpus
+    # The end-of-document token by name (a model's own eos, set by `longtrain import` when the tokenizer
+    # has none of the usual names); null: the first of EOD_CANDIDATES, else <|endoftext|> is added.
+    eod_token: str | None = None

@@ -131,7 +131,7 @@ def prepare_corpus(
 
 def _get_tokenizer(cfg: TokenizerConfig, source: Source, fraction: float | None, cache_dir: Path) -> Tokenizer:
     if cfg.path:
-        return load_tokenizer(cfg.path)
+        return load_tokenizer(cfg.path, cfg.eod_token)
     # Training is deterministic given its inputs, so the result is cached under their hash.
     key = f"{source.fingerprint}:{cfg.vocab_size}:{fraction}:{TRAIN_SAMPLE_CHARS}"
     name = hashlib.blake2b(key.encode(), digest_size=16).hexdigest()

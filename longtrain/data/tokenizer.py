@@ -23,7 +23,9 @@ EOD_CANDIDATES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 TRAIN_SAMPLE_CHARS = 16_000_000  # enough for a few-thousand-token vocabulary; ~10 s on 2 cores
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def load_tokenizer(path: str | Path, eod_token: str | None = None) -> Tokenizer:
+    """A tokenizer.json; `eod_token` names its end-of-document token (tokenizer.eod_token), else one of
+    EOD_CANDIDATES is used, else <|endoftext|> is added."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise DataError(f"tokenizer.path {str(path)!r} does not exist. Give a tokenizer.json, or null to train one.")
@@ -34,7 +36,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             f"The tokenizer file {str(path)!r} does not load ({e}). "
             "It must be a tokenizer.json saved by the `tokenizers` library; or set tokenizer.path: null to train one."
         ) from e
-    if eod_id(tok) is None:
+    if eod_token is not None:
+        if tok.token_to_id(eod_token) is None:
+            raise DataError(f"tokenizer.eod_token {eod_token!r} is not a token of {str(path)!r}; name one of its tokens, or null")
+        tok.longtrain_eod = eod_token  # read by eod_id and tokenizer_hash
+    elif eod_id(tok) is None:
         # A tokenizer without one gets ours, as a special token at the end of its vocabulary.
         tok.add_special_tokens([EOD])
     return tok
@@ -42,11 +48,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 def tokenizer_hash(tok: Tokenizer) -> str:
     """A hash of the whole tokenizer (vocabulary, merges, pre-tokenizer): part of every token cache key."""
-    return hashlib.blake2b(tok.to_str().encode(), digest_size=16).hexdigest()
+    named = getattr(tok, "longtrain_eod", None)  # another end-of-document token: other token streams
+    return hashlib.blake2b((tok.to_str() + (f"\0{named}" if named else "")).encode(), digest_size=16).hexdigest()
 
 
 def eod_id(tok: Tokenizer) -> int | None:
-    for name in EOD_CANDIDATES:
+    named = getattr(tok, "longtrain_eod", None)  # tokenizer.eod_token, set by load_tokenizer
+    for name in (named,) if named else EOD_CANDIDATES:
         i = tok.token_to_id(name)
         if i is not None:
             return i

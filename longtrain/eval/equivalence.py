@@ -363,7 +363,7 @@ def load_model(recipe: Path | None, checkpoint: Path | None, seed: int):
     except RecipeError as e:
         raise UsageError(str(e)) from None
     try:
-        tokenizer = load_tokenizer(r.tokenizer.path) if r.tokenizer.path else None
+        tokenizer = load_tokenizer(r.tokenizer.path, r.tokenizer.eod_token) if r.tokenizer.path else None
     except DataError as e:
         raise UsageError(str(e)) from None
     vocab = tokenizer.get_vocab_size() if tokenizer is not None else r.tokenizer.vocab_size

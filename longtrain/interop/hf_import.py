@@ -238,8 +238,10 @@ def import_hf(
             f"{folder.path} has no tokenizer.json (the fast-tokenizer file). If it has a slow tokenizer only, write one with "
             "transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)"
         )
+    tokenizer = _original_tokenizer(tok_file)
+    eod_token, eod_note = _end_of_document(folder, tokenizer)
     try:
-        raw_tok = load_tokenizer(tok_file)  # adds an end-of-document token if it has none
+        raw_tok = load_tokenizer(tok_file, eod_token)  # adds an end-of-document token if it has none
     except DataError as e:
         raise HFFormatError(str(e)) from None
     section, state, notes = convert(folder, attention=attention, topk=topk, window=window, score_init=score_init, score_groups=score_groups, seed=seed)
@@ -248,6 +250,7 @@ def import_hf(
             f"sliding window {sliding} (config.json): kept as attention.max_context (remove it for whole-document attention)"
             if attention == "full" else f"sliding window {sliding} (config.json): attention {attention} uses w = {window}"
         )
+    notes.append(eod_note)
     if section.get("rope_scaling"):
         notes.append(f"RoPE scaling: {section['rope_scaling']} (model.rope_scaling)")
     rows = state["embed.weight"].shape[0]
@@ -262,14 +265,13 @@ def import_hf(
         "model": section,
         "attention": {"type": attention, "topk": topk, "window": window, "score_init": score_init, "score_groups": score_groups,
                       "max_context": max_context},
-        "tokenizer": {"path": str((out / TOKENIZER_FILE).resolve())},
+        "tokenizer": {"path": str((out / TOKENIZER_FILE).resolve()), "eod_token": eod_token},
         "train": {"steps": 1000, "lr": 3e-4, "warmup_steps": 100, "warmup_start_ratio": 0.1, "init_from": None},
     })
     meta = {
         "step": 0, "tokens": 0,
         "imported_from": {"path": str(folder.path.resolve()), "model_type": folder.family.model_type, "config": folder.config},
     }
-    tokenizer = _original_tokenizer(tok_file)
     path = manager.save(0, tensors={"model": state}, meta=meta, files=checkpoint_files(recipe, tokenizer))
     header = (
         f"# imported from {folder.path.resolve()} by `longtrain import`; its train/data sections are placeholders:\n"
@@ -279,6 +281,34 @@ def import_hf(
     (out / "recipe.yaml").write_text(header + recipe_to_yaml(recipe))
     (out / TOKENIZER_FILE).write_text(tokenizer.to_str())
     return path, notes
+
+
+def _end_of_document(folder: HFFolder, tokenizer) -> tuple[str | None, str]:
+    """(tokenizer.eod_token for the recipe, a note): the tokenizer's usual names first (longtrain.data.
+    tokenizer.EOD_CANDIDATES), else the model's own eos_token_id (config.json, then generation_config.json)."""
+    from longtrain.data.tokenizer import EOD, EOD_CANDIDATES, eod_id
+
+    named = eod_id(tokenizer)
+    if named is not None:
+        return None, f"end of document: {tokenizer.id_to_token(named)!r} (token {named})"
+    sources = [("config.json", folder.config)]
+    gen = folder.path / "generation_config.json"
+    if gen.is_file():
+        try:
+            sources.append(("generation_config.json", json.loads(gen.read_text())))
+        except ValueError as e:
+            raise HFFormatError(f"{gen} does not parse as JSON: {e}") from None
+    for file, config in sources:
+        ids = config.get("eos_token_id")
+        for i in ids if isinstance(ids, list) else [ids]:
+            if isinstance(i, int) and tokenizer.id_to_token(i) is not None:
+                return tokenizer.id_to_token(i), f"end of document: {tokenizer.id_to_token(i)!r} (eos_token_id {i} of {file})"
+    return None, (
+        f"end of document: the tokenizer has none of {', '.join(EOD_CANDIDATES)} and neither config.json nor "
+        f"generation_config.json gives an eos_token_id the tokenizer knows, so {EOD} is added as token "
+        f"{tokenizer.get_vocab_size()} (its embedding row is untrained); to use one of the tokenizer's own tokens "
+        "instead, set tokenizer.eod_token in the fine-tuning recipe"
+    )
 
 
 def _original_tokenizer(path: Path):

@@ -257,7 +257,7 @@ def load_recipe_and_tokenizer(path: Path):
             "and its recipe names no tokenizer.path; copy the run's tokenizer.json into the checkpoint folder"
         )
     try:
-        tokenizer = load_tokenizer(tok_path)
+        tokenizer = load_tokenizer(tok_path, recipe.tokenizer.eod_token)
     except DataError as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
     return recipe, tokenizer

@@ -30,8 +30,9 @@ from longtrain.train import checkpoint as ckpt
 from longtrain.train.checkpoint import CheckpointError
 
 
-def source_model_and_tokenizer(source: str | Path) -> tuple[dict, Path]:
-    """The `model:` section and tokenizer.json of a checkpoint or run dir (for a recipe that leaves them out)."""
+def source_model_and_tokenizer(source: str | Path) -> tuple[dict, Path, str | None]:
+    """The `model:` section, tokenizer.json and tokenizer.eod_token of a checkpoint or run dir (for a
+    recipe that leaves them out)."""
     from longtrain.train.checkpointer import RECIPE_FILE, TOKENIZER_FILE, _beside, resolve_checkpoint
     from longtrain.train.recipe import RecipeError
 
@@ -43,10 +44,11 @@ def source_model_and_tokenizer(source: str | Path) -> tuple[dict, Path]:
     if recipe_path is None or tok_path is None:
         missing = RECIPE_FILE if recipe_path is None else TOKENIZER_FILE
         raise RecipeError(f"train.init_from: checkpoint {path} has no {missing}; give the recipe a `model:` section and tokenizer.path")
-    model = (yaml.safe_load(recipe_path.read_text()) or {}).get("model")
+    raw = yaml.safe_load(recipe_path.read_text()) or {}
+    model = raw.get("model")
     if not isinstance(model, dict):
         raise RecipeError(f"train.init_from: {recipe_path} has no `model:` section")
-    return model, tok_path
+    return model, tok_path, (raw.get("tokenizer") or {}).get("eod_token")
 
 
 def check_init_source(source: str | Path) -> None:

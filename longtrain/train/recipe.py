@@ -400,6 +400,8 @@ def recipe_hash(recipe: Recipe, sections: Iterable[str] = ("model", "attention",
     for key, default in _MODEL_FIELDS_ADDED_LATER.items():  # so runs saved before them still resume
         if key in dump.get("model", {}) and dump["model"][key] == default:
             dump["model"].pop(key)
+    if dump.get("tokenizer", {}).get("eod_token", 0) is None:  # added later: runs saved before it still resume
+        dump["tokenizer"].pop("eod_token")
     dump.get("attention", {}).pop("backend", None)
     dump.get("attention", {}).pop("scan", None)
     dump.get("attention", {}).pop("max_context", None)  # a memory cap the user may change on resume
@@ -424,12 +426,14 @@ def _fill_from_init_source(raw: dict[str, Any], path: Path) -> None:
         return
     from longtrain.train.init import source_model_and_tokenizer
 
-    source_model, tokenizer_path = source_model_and_tokenizer(source)  # RecipeError if it cannot be read
+    source_model, tokenizer_path, eod_token = source_model_and_tokenizer(source)  # RecipeError if it cannot be read
     if not model_complete:
         raw["model"] = {**source_model, **(model if isinstance(model, dict) else {})}
     tok = raw.setdefault("tokenizer", {})
     if isinstance(tok, dict) and not tok.get("path"):
         tok["path"] = str(tokenizer_path)
+        if eod_token is not None:
+            tok.setdefault("eod_token", eod_token)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

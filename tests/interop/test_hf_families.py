@@ -139,3 +139,44 @@ def test_unsupported_rope_type_and_qwen2_windows_are_refused(tmp_path):
     result = cli("import", tmp_path / "q", "--out", tmp_path / "run")
     assert result.exit_code == 1 and "use_sliding_window = True" in " ".join(result.output.split())
     assert not (tmp_path / "run").exists()
+
+
+def plain_tokenizer():
+    """A BPE whose special tokens have none of the usual end-of-document names."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|begin|>", "<|eot_id|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([hf.text(7, 2000)], trainer)
+    return tok
+
+
+@pytest.mark.parametrize("where", ["config", "generation_config", "nowhere"])
+def test_end_of_document_from_the_models_eos_token_id(where, tmp_path):
+    from longtrain.data.tokenizer import EOD, eod_id
+
+    tok = plain_tokenizer()
+    eot = tok.token_to_id("<|eot_id|>")
+    model = hf.llama(eos_token_id=[eot] if where == "config" else None)
+    hf.save(model, tmp_path / "hf", tok)
+    if where == "generation_config":
+        (tmp_path / "hf/generation_config.json").write_text(json.dumps({"eos_token_id": [eot, 0]}))
+    result = cli("import", tmp_path / "hf", "--out", tmp_path / "run", "--attention", "full")
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    loaded = load_checkpoint(tmp_path / "run")
+    if where == "nowhere":
+        assert loaded.recipe.tokenizer.eod_token is None and "is added as token 290" in out and "tokenizer.eod_token" in out
+        assert eod_id(loaded.tokenizer) == tok.get_vocab_size() and loaded.tokenizer.token_to_id(EOD) is not None
+        return
+    file = "config.json" if where == "config" else "generation_config.json"
+    assert f"end of document: '<|eot_id|>' (eos_token_id {eot} of {file})" in out
+    assert loaded.recipe.tokenizer.eod_token == "<|eot_id|>"
+    assert eod_id(loaded.tokenizer) == eot and loaded.tokenizer.get_vocab_size() == tok.get_vocab_size()  # nothing added
+    # A fine-tuning recipe that takes its tokenizer from the import keeps the token.
+    from longtrain.train.recipe import load_recipe
+
+    r = load_recipe("finetune-llama", [f"train.init_from={tmp_path / 'run'}"])
+    assert r.tokenizer.eod_token == "<|eot_id|>"
