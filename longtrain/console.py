@@ -23,3 +23,8 @@ def make_console(*, stderr: bool = False) -> Console:
             color_system=None,
         )
     return console
+
+
+def plural(count: int, noun: str) -> str:
+    """`1 document`, `2 documents`, `1,024 steps`."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"

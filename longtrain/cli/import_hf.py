@@ -14,11 +14,18 @@ from longtrain.cli.app import app, fail
 def import_hf(
     hf_dir: Path = typer.Argument(..., help="Hugging Face model folder: config.json, *.safetensors (or a sharded index), tokenizer.json"),
     out: Path = typer.Option(..., "--out", help="run directory to create (its checkpoint is RUN_DIR/checkpoints/step-00000000)"),
-    attention: str = typer.Option("sparsek+sw", "--attention", help="sparsek+sw | sparsek | sw | full (full: the model as it was)"),
-    topk: int = typer.Option(None, "--topk", help="k, SparseK keys per query (default 512, the paper's fine-tuning)"),
-    window: int = typer.Option(None, "--window", help="w, sliding-window width (default 512)"),
+    attention: str = typer.Option(
+        None, "--attention", help="sparsek+sw | sparsek | sw | full (full: the model as it was). Default: a folder "
+        "`longtrain export` wrote keeps its own (config.json's longtrain_sparsek), any other gets sparsek+sw",
+        show_default=False,
+    ),
+    topk: int = typer.Option(None, "--topk", help="k, SparseK keys per query (default: the export's own, else 512, the paper's fine-tuning)"),
+    window: int = typer.Option(None, "--window", help="w, sliding-window width (default: the export's own, else 512)"),
     score_init: str = typer.Option("mimic", "--score-init", help="mimic (w = W_Q W_Kᵀ 1 / ||·||, paper 3.5) | random"),
-    score_groups: str = typer.Option("shared", "--score-groups", help="shared (one scoring vector per layer) | per_kv_head"),
+    score_groups: str = typer.Option(
+        None, "--score-groups", help="shared (one scoring vector per layer) | per_kv_head (default: the export's own, else shared)",
+        show_default=False,
+    ),
     seed: int = typer.Option(0, "--seed", help="seed of a random score init"),
 ) -> None:
     """Convert a Hugging Face model folder into a longtrain run dir that fit/eval/generate take (no network)."""
@@ -30,17 +37,20 @@ def import_hf(
     choices = {"--attention": (attention, tuple(USES)), "--score-init": (score_init, ("mimic", "random")),
                "--score-groups": (score_groups, ("shared", "per_kv_head"))}
     for flag, (value, allowed) in choices.items():
-        if value not in allowed:
+        if value is not None and value not in allowed:
             raise fail(f"{flag} {value!r}: choose one of {', '.join(allowed)}", 2)
-    for flag, value, used in (("--topk", topk, "topk" in USES[attention]), ("--window", window, "window" in USES[attention])):
+    for flag, value in (("--topk", topk), ("--window", window)):
+        used = attention is None or flag[2:] in USES[attention]  # unset: the folder's type decides
         if value is not None and (value < 1 or not used):
             raise fail(f"{flag} {value}: " + ("must be at least 1" if used else f"attention {attention} has no {flag[2:]}"), 2)
     try:
-        path, notes = run_import(hf_dir, out, attention=attention, topk=topk, window=window, score_init=score_init, score_groups=score_groups, seed=seed)
+        path, notes, finetune = run_import(
+            hf_dir, out, attention=attention, topk=topk, window=window, score_init=score_init, score_groups=score_groups, seed=seed
+        )
     except (HFFormatError, CheckpointError) as e:
         raise fail(str(e), 1)
     console = Console(soft_wrap=True)
     for note in notes:
-        console.print(note)
-    console.print(f"imported {hf_dir} → {path}")
-    console.print(f"fine-tune: longtrain fit recipes/finetune-<pythia|llama>.yaml --set train.init_from={out}")
+        console.print(note, markup=False)
+    console.print(f"imported {hf_dir} → {path}", markup=False)
+    console.print(f"fine-tune: longtrain fit {finetune} --set train.init_from={out}", markup=False)

@@ -119,12 +119,14 @@ def _span(start: int, end: int) -> str:
 
 
 def run(ctx: EvalContext) -> TaskResult:
+    from longtrain.console import plural
+
     recipe, opts = ctx.ckpt.recipe, ctx.opts
     res = perplexity_by_position(
         ctx.ckpt.model, ctx.documents(), chunk_size=opts.chunk_size or recipe.train.chunk_size, max_docs=opts.docs,
         max_tokens=opts.tokens, rows=recipe.train.batch_docs, progress=ctx.progress,
     )
-    rows = [(f"all positions ({res['documents']} docs)", f"{res['loss']:.4f} · ppl {res['ppl']:.2f} · {res['tokens']:,} tok")]
+    rows = [(f"all positions ({plural(res['documents'], 'doc')})", f"{res['loss']:.4f} · ppl {res['ppl']:.2f} · {res['tokens']:,} tok")]
     for b in res["buckets"]:
         rows.append((f"positions {_span(b['start'], b['end'])}", f"{b['loss']:.4f} · ppl {b['ppl']:.2f} · {b['tokens']:,} tok"))
     return TaskResult(json=res, rows=rows)

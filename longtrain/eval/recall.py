@@ -162,6 +162,21 @@ def check(recipe, opts) -> None:
         raise EvalUsageError(f"--task recall: {e}") from None
 
 
+def bucket_rows(buckets: list[dict], budget: int | None) -> list[tuple[str, str]]:
+    """The table's rows, one per bucket with queries. A row is named by its doubling range (from
+    `start` to 2·start − 1) so checkpoints of recipes with other distance ranges line up side by side;
+    the last bucket, which holds max_distance, says where it really ends when that differs."""
+    rows = []
+    for b in buckets:
+        if not b["trials"]:
+            continue
+        start, last = b["start"], b["end"] - 1
+        ends = "" if last == 2 * start - 1 else f", to {last:,}"
+        far = " ›16(k+w)" if budget and start >= 16 * budget else ""
+        rows.append((f"recall at {start:,}–{2 * start - 1:,}", f"{b['accuracy']:.3f}  ({b['trials']} queries{ends}){far}"))
+    return rows
+
+
 def run(ctx):
     from longtrain.eval.passkey import kv_budget
     from longtrain.eval.tasks import EvalError, TaskResult
@@ -174,9 +189,7 @@ def run(ctx):
         raise EvalError(f"--task recall: {e}") from None
     chance = chance_level(cfg)
     budget = kv_budget(ctx.ckpt.model.cfg)
-    rows = [(f"recall at {b['start']:,}–{b['end'] - 1:,}", f"{b['accuracy']:.3f}  ({b['trials']} queries)"
-             + (" ›16(k+w)" if budget and b["start"] >= 16 * budget else ""))
-            for b in buckets if b["trials"]]
+    rows = bucket_rows(buckets, budget)
     notes = [f"recall: exact match of {cfg.value_length}-digit values in documents of {cfg.doc_tokens:,} tokens "
              f"({cfg.facts} facts each); chance {chance['exact']:.3g}; ›16(k+w): at least 16 times the KV budget"]
     return TaskResult(json={"settings": cfg.model_dump(), "chance": chance, "buckets": buckets}, rows=rows, notes=notes)

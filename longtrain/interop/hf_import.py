@@ -201,21 +201,63 @@ def _scores(folder: HFFolder, cfg, state, score_names: dict[str, str], how: str,
     return out
 
 
+FINETUNE_RECIPES = {"llama": "finetune-llama", "gptneox": "finetune-pythia"}  # block style -> built-in recipe
+SAVED_SETTINGS = ("variant", "timestep_norm", "eps_slope")  # what an export records beside type, k, w and groups
+
+
+def attention_settings(
+    saved: dict[str, Any] | None, attention: str | None, topk: int | None, window: int | None, score_groups: str | None,
+    *, sw_window: int | None = None,
+) -> tuple[dict[str, Any], str]:
+    """The imported run's attention section and a note on where it came from.
+
+    A folder `longtrain export` wrote records its attention under config.json's `longtrain_sparsek`:
+    what the flags leave unset comes from there (k and w only when the type uses them), the rest from
+    the defaults (sparsek+sw, k = w = 512, shared score groups; type sw: w = `sw_window`, a Mistral's own)."""
+    from longtrain.model.attention_types import USES
+
+    saved = saved if isinstance(saved, dict) and saved.get("attention") in USES else None
+    given = {"--attention": attention, "--topk": topk, "--window": window, "--score-groups": score_groups}
+    attention = attention or (saved["attention"] if saved else "sparsek+sw")
+    from_saved = []
+    section: dict[str, Any] = {"type": attention}
+    for key, flag, value, default in (("topk", "--topk", topk, DEFAULT_K), ("window", "--window", window, DEFAULT_W)):
+        if key not in USES[attention]:
+            if value is not None:  # the CLI checks a type it was given; this one came from the folder
+                raise HFFormatError(f"{flag} {value}: attention {attention} (config.json's longtrain_sparsek) has no {key}; "
+                                    "give --attention sparsek+sw (or another type with it)")
+            section[key] = 0
+        elif value is not None:
+            section[key] = value
+        elif saved and key in USES[saved["attention"]] and saved.get(key):
+            section[key], _ = saved[key], from_saved.append(key)
+        else:
+            section[key] = sw_window if key == "window" and attention == "sw" and sw_window else default
+    section["score_groups"] = score_groups or (saved or {}).get("score_groups", "shared")
+    if saved:
+        section |= {k: saved[k] for k in SAVED_SETTINGS if k in saved}
+        from_saved += [k for k in ("attention", "score_groups") if given[f"--{k.replace('_', '-')}"] is None and k in saved]
+    where = f"; {', '.join(from_saved)} from config.json's longtrain_sparsek" if saved and from_saved else ""
+    note = f"attention: {attention} (k={section['topk']}, w={section['window']}){where}"
+    return section, note
+
+
 def import_hf(
     hf_dir: str | Path,
     out: str | Path,
     *,
-    attention: str = "sparsek+sw",
+    attention: str | None = None,
     topk: int | None = None,
     window: int | None = None,
     score_init: str = "mimic",
-    score_groups: str = "shared",
+    score_groups: str | None = None,
     seed: int = 0,
-) -> tuple[Path, list[str]]:
-    """Convert `hf_dir` into the run dir `out`; returns (checkpoint path, notes)."""
+) -> tuple[Path, list[str], str]:
+    """Convert `hf_dir` into the run dir `out`; returns (checkpoint path, notes, the built-in fine-tuning recipe).
+
+    Unset attention settings come from the folder's `longtrain_sparsek` (an export), else the defaults."""
     from longtrain.data import DataError
     from longtrain.data.tokenizer import load_tokenizer
-    from longtrain.model.attention_types import USES
     from longtrain.train.checkpoint import CheckpointManager
     from longtrain.train.checkpointer import TOKENIZER_FILE, checkpoint_files
     from longtrain.train.recipe import Recipe, recipe_to_yaml
@@ -227,10 +269,10 @@ def import_hf(
     folder = read_folder(hf_dir)
     # Mistral's sliding window: full attention keeps it (max_context: what transformers computes), sw takes it as w.
     sliding = folder.config.get("sliding_window") if folder.family.model_type == "mistral" else None
-    uses = USES[attention]  # longtrain.model.attention_types: which of k, w the type has
-    uses_k, uses_w = "topk" in uses, "window" in uses
-    topk = (topk if topk is not None else DEFAULT_K) if uses_k else 0
-    window = (window if window is not None else sliding if attention == "sw" and sliding else DEFAULT_W) if uses_w else 0
+    settings, attention_note = attention_settings(
+        folder.config.get("longtrain_sparsek"), attention, topk, window, score_groups, sw_window=sliding
+    )
+    attention, topk, window, score_groups = (settings[k] for k in ("type", "topk", "window", "score_groups"))
     max_context = sliding if attention == "full" else None
     tok_file = folder.path / TOKENIZER_FILE
     if not tok_file.is_file():
@@ -245,6 +287,7 @@ def import_hf(
     except DataError as e:
         raise HFFormatError(str(e)) from None
     section, state, notes = convert(folder, attention=attention, topk=topk, window=window, score_init=score_init, score_groups=score_groups, seed=seed)
+    notes.insert(1, attention_note)
     if sliding:
         notes.append(
             f"sliding window {sliding} (config.json): kept as attention.max_context (remove it for whole-document attention)"
@@ -263,8 +306,7 @@ def import_hf(
     recipe = Recipe.model_validate({
         "name": folder.path.name,
         "model": section,
-        "attention": {"type": attention, "topk": topk, "window": window, "score_init": score_init, "score_groups": score_groups,
-                      "max_context": max_context},
+        "attention": {**settings, "score_init": score_init, "max_context": max_context},
         "tokenizer": {"path": str((out / TOKENIZER_FILE).resolve()), "eod_token": eod_token},
         "train": {"steps": 1000, "lr": 3e-4, "warmup_steps": 100, "warmup_start_ratio": 0.1, "init_from": None},
     })
@@ -273,14 +315,14 @@ def import_hf(
         "imported_from": {"path": str(folder.path.resolve()), "model_type": folder.family.model_type, "config": folder.config},
     }
     path = manager.save(0, tensors={"model": state}, meta=meta, files=checkpoint_files(recipe, tokenizer))
+    finetune = FINETUNE_RECIPES[folder.family.style]
     header = (
         f"# imported from {folder.path.resolve()} by `longtrain import`; its train/data sections are placeholders:\n"
-        f"# fine-tune with `longtrain fit finetune-{'llama' if folder.family.style == 'llama' else 'pythia'} "
-        f"--set train.init_from={out}`\n"
+        f"# fine-tune with `longtrain fit {finetune} --set train.init_from={out}`\n"
     )
     (out / "recipe.yaml").write_text(header + recipe_to_yaml(recipe))
     (out / TOKENIZER_FILE).write_text(tokenizer.to_str())
-    return path, notes
+    return path, notes, finetune
 
 
 def _end_of_document(folder: HFFolder, tokenizer) -> tuple[str | None, str]:

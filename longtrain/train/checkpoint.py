@@ -263,11 +263,11 @@ def check_compatible(meta: Mapping[str, Any], hashes: Mapping[str, str], *, path
     saved = meta.get("hashes", {})
     differ = [key for key, value in hashes.items() if saved.get(key) != value]
     if differ:
-        what = ", ".join(_WHAT.get(key, key) for key in differ)
+        what = " and ".join(_WHAT.get(key, key) for key in differ)
         raise CheckpointError(
-            f"checkpoint {path} was written with a different {what} than this recipe; "
-            "refusing to resume. Start a fresh run with `--resume never` (it overwrites this "
-            "run's checkpoints) or choose another `--run-dir`."
+            f"checkpoint {path} does not match this recipe's {what}; refusing to resume. Start a fresh "
+            "run with `--resume never` (it moves this run's checkpoints and metrics aside, as "
+            "`longtrain fit -h` says) or choose another `--run-dir`."
         )
 
 

@@ -30,8 +30,8 @@ from longtrain.train import checkpoint as ckpt
 from longtrain.train.checkpoint import CheckpointError
 
 
-def source_model_and_tokenizer(source: str | Path) -> tuple[dict, Path, str | None]:
-    """The `model:` section, tokenizer.json and tokenizer.eod_token of a checkpoint or run dir (for a
+def source_model_and_tokenizer(source: str | Path) -> tuple[dict, Path, str | None, dict]:
+    """The `model:` section, tokenizer.json, tokenizer.eod_token and `attention:` section of a checkpoint or run dir (for a
     recipe that leaves them out)."""
     from longtrain.train.checkpointer import RECIPE_FILE, TOKENIZER_FILE, _beside, resolve_checkpoint
     from longtrain.train.recipe import RecipeError
@@ -45,10 +45,10 @@ def source_model_and_tokenizer(source: str | Path) -> tuple[dict, Path, str | No
         missing = RECIPE_FILE if recipe_path is None else TOKENIZER_FILE
         raise RecipeError(f"train.init_from: checkpoint {path} has no {missing}; give the recipe a `model:` section and tokenizer.path")
     raw = yaml.safe_load(recipe_path.read_text()) or {}
-    model = raw.get("model")
+    model, attention = raw.get("model"), raw.get("attention")
     if not isinstance(model, dict):
         raise RecipeError(f"train.init_from: {recipe_path} has no `model:` section")
-    return model, tok_path, (raw.get("tokenizer") or {}).get("eod_token")
+    return model, tok_path, (raw.get("tokenizer") or {}).get("eod_token"), attention if isinstance(attention, dict) else {}
 
 
 def check_init_source(source: str | Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from longtrain.data.config import DataConfig, TokenizerConfig
 from longtrain.model.attention_types import USES, AttentionType, size_problems
@@ -311,6 +311,8 @@ class Recipe(_Section):
     train: TrainConfig
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    # attention keys (topk, window) the recipe left unset and train.init_from's run gave (load_recipe)
+    _from_init_source: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _vocab_fits_tokenizer(self) -> Recipe:
@@ -368,9 +370,11 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
     raw = _read_yaml(path)
     override_paths = _apply_overrides(raw, overrides)
     raw.setdefault("name", path.stem)
-    _fill_from_init_source(raw, path)
+    inherited = _fill_from_init_source(raw, path)
     try:
-        return Recipe.model_validate(raw)
+        recipe = Recipe.model_validate(raw)
+        recipe._from_init_source = inherited
+        return recipe
     except ValidationError as e:
         problems = [_describe(err, override_paths) for err in e.errors()]
         noun = "problem" if len(problems) == 1 else "problems"
@@ -409,12 +413,14 @@ def recipe_hash(recipe: Recipe, sections: Iterable[str] = ("model", "attention",
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _fill_from_init_source(raw: dict[str, Any], path: Path) -> None:
-    """A fine-tuning recipe (train.init_from set) may leave out `model:` and tokenizer.path: they come
-    from the source checkpoint, so nobody copies a model's shape by hand. Keys the recipe's `model:`
-    does set win (e.g. `--set model.rope_theta=...`). A complete recipe (as saved in a run) never
-    reads the source, so a fine-tuned checkpoint loads after its source is gone."""
-    train, model, tok = raw.get("train"), raw.get("model"), raw.get("tokenizer")
+def _fill_from_init_source(raw: dict[str, Any], path: Path) -> list[str]:
+    """A fine-tuning recipe (train.init_from set) may leave out `model:`, tokenizer.path and
+    attention.topk / attention.window: they come from the source checkpoint, so nobody copies a model's
+    shape by hand and an import's `--topk 32 --window 32` carry on. Keys the recipe does set win (e.g.
+    `--set model.rope_theta=...`, `--set attention.topk=64`). A complete recipe (as saved in a run)
+    never reads the source, so a fine-tuned checkpoint loads after its source is gone.
+    Returns the attention keys taken from the source."""
+    train, model, tok, att = raw.get("train"), raw.get("model"), raw.get("tokenizer"), raw.get("attention")
     source = train.get("init_from") if isinstance(train, dict) else None
     model_complete = isinstance(model, dict) and all(k in model for k in ("layers", "d_model", "heads"))
     if not source and not model_complete and isinstance(train, dict) and "init_from" in train:
@@ -422,11 +428,13 @@ def _fill_from_init_source(raw: dict[str, Any], path: Path) -> None:
             f"recipe {path}: train.init_from is not set, and this fine-tuning recipe takes its model from it; "
             "add --set train.init_from=RUN_DIR (a run dir from `longtrain import`, or any longtrain checkpoint or run)"
         )
-    if not source or (model_complete and isinstance(tok, dict) and tok.get("path")):
-        return
+    att_type = att.get("type", "sparsek+sw") if isinstance(att, dict) else None
+    unset_sizes = [k for k in ("topk", "window") if att_type in USES and k in USES[att_type] and att.get(k) is None]
+    if not source or (model_complete and isinstance(tok, dict) and tok.get("path") and not unset_sizes):
+        return []
     from longtrain.train.init import source_model_and_tokenizer
 
-    source_model, tokenizer_path, eod_token = source_model_and_tokenizer(source)  # RecipeError if it cannot be read
+    source_model, tokenizer_path, eod_token, source_attention = source_model_and_tokenizer(source)  # RecipeError if unreadable
     if not model_complete:
         raw["model"] = {**source_model, **(model if isinstance(model, dict) else {})}
     tok = raw.setdefault("tokenizer", {})
@@ -434,6 +442,14 @@ def _fill_from_init_source(raw: dict[str, Any], path: Path) -> None:
         tok["path"] = str(tokenizer_path)
         if eod_token is not None:
             tok.setdefault("eod_token", eod_token)
+    for key in unset_sizes:
+        if not source_attention.get(key):
+            raise RecipeError(
+                f"recipe {path}: attention.{key} comes from train.init_from, and {source} (attention "
+                f"{source_attention.get('type', 'unknown')}) has none; set it, e.g. --set attention.{key}=512"
+            )
+        att[key] = source_attention[key]
+    return unset_sizes
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

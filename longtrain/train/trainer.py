@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from longtrain.console import make_console
+from longtrain.console import plural as _n
 from longtrain.data import IGNORE, DocumentStream, PreparedCorpus, iter_valid_chunks, prepare_corpus
 from longtrain.data.stream import Chunk
 from longtrain.model import LM, LMConfig, warn_threshold_overflow
@@ -401,7 +402,7 @@ class Trainer:
             f"longtrain fit {r.name} → {self.run_dir}",
             f"model: {r.model.style}, {r.model.layers} layers × {r.model.d_model}, "
             f"{model.num_params() / 1e6:.2f}M parameters, vocab {model.cfg.vocab_size}",
-            f"attention: {att.type} (k={att.topk}, w={att.window}, {att.variant}); KV cache "
+            f"attention: {att.type} (k={att.topk}, w={att.window}, {att.variant}){self.attention_origin()}; KV cache "
             + (f"{kv} entries per layer per row" if kv is not None else "grows with the document"),
             f"batch: {_n(cfg.batch_docs * self.ranks.world_size, 'document')} × {cfg.chunk_size} tokens × "
             f"{_n(cfg.grad_accum, 'chunk')} = {cfg.batch_docs * self.ranks.world_size * cfg.chunk_size * cfg.grad_accum:,} "
@@ -424,6 +425,18 @@ class Trainer:
         if self.resume_from is not None:
             lines.append(f"resuming from {self.resume_from} (step {self.state.step}, {self.state.tokens:,} tokens)")
         return lines + self.notes()
+
+    def attention_origin(self) -> str:
+        """Fine-tuning: whether k and w are train.init_from's or the recipe's."""
+        att = self.recipe.attention
+        used = [k for k in ("topk", "window") if getattr(att, k)]
+        if not self.cfg.init_from or not used:
+            return ""
+        name = {"topk": "k", "window": "w"}
+        taken = [name[k] for k in used if k in self.recipe._from_init_source]
+        own = [name[k] for k in used if k not in self.recipe._from_init_source]
+        parts = ([f"{', '.join(own)} from the recipe"] if own else []) + ([f"{', '.join(taken)} from train.init_from"] if taken else [])
+        return "; " + ", ".join(parts)
 
     def memory_device(self) -> torch.device:
         return self.device if hasattr(self, "device") else torch.device(self.device_type())
@@ -787,8 +800,6 @@ def _steps(checkpoints: list[Path]) -> str:
     return f"steps {first}–{last}" if len(checkpoints) > 1 else f"step {first}"
 
 
-def _n(count: int, noun: str) -> str:
-    return f"{count:,} {noun}{'' if count == 1 else 's'}"
 
 
 @torch.no_grad()

@@ -51,6 +51,8 @@ def test_recipes_lists_every_builtin_with_its_description():
         first = (RECIPES_DIR / f"{name}.yaml").read_text().splitlines()[0]
         assert first.endswith(line[len(name):].strip()) and len(line) > len(name) + 20
     assert "quickstart" in r.output and "(the default)" in r.output
+    for line in lines[:-1]:  # whole sentences, for users (no cut-off lines, no issue numbers)
+        assert line.rstrip().endswith((".", ")")) and "issue" not in line, line
 
 
 def test_help_is_quick_to_start():

@@ -66,6 +66,8 @@ def test_data_glob_and_single_task(runs, corpus, tmp_path):
     r = json.loads(out.read_text())["results"][0]
     assert "passkey" not in r and r["ppl"]["documents"] == 2 and r["ppl"]["chunk_size"] == 50
     assert r["ppl"]["tokens"] == 2 * 150
+    one = evaluate(str(runs["sparsek"]), "--task", "ppl", "--data", str(corpus / "doc0.txt"), "--tokens", "100")
+    assert one.exit_code == 0 and "all positions (1 doc)" in one.output
 
 
 def test_full_attention_passkey_has_no_budget(runs, tmp_path):

@@ -16,7 +16,7 @@ import torch
 from longtrain.data.config import DataConfig, RecallConfig, TokenizerConfig
 from longtrain.data.recall import FILLER_WORDS, Symbols, generate_documents, make_filler, value_offset
 from longtrain.data.tokenizer import train_bpe
-from longtrain.eval.recall import default_edges, measure_recall, recall_config
+from longtrain.eval.recall import bucket_rows, default_edges, measure_recall, recall_config
 from longtrain.model import LM, LMConfig
 from longtrain.train.recipe import AttentionConfig, ModelConfig, Recipe, TrainConfig
 
@@ -179,3 +179,17 @@ def test_eval_task_recall_through_the_cli(tok, tmp_path, monkeypatch):
     assert sum(b["trials"] for b in entry["buckets"]) == 2 * 16
     bad = CliRunner().invoke(app, ["eval", str(tmp_path / "run"), "--task", "recall", "--recall-max-distance", "5000"])
     assert bad.exit_code == 2 and "does not fit" in " ".join(bad.output.split())
+
+
+def test_side_by_side_rows_line_up_for_other_distance_ranges():
+    """recall-circuit (8..256) beside recall-sparsek (16..2048): one row per doubling range."""
+    def rows(lo, hi):
+        edges = default_edges(RecallConfig(**{**RECALL, "doc_tokens": 4096, "min_distance": lo, "max_distance": hi}))
+        buckets = [{"start": a, "end": b, "trials": 4, "accuracy": 0.5} for a, b in zip(edges, edges[1:])]
+        return dict(bucket_rows(buckets, budget=8))
+
+    circuit, sparsek = rows(8, 256), rows(16, 2048)
+    assert set(circuit) & set(sparsek) == {f"recall at {s:,}–{2 * s - 1:,}" for s in (16, 32, 64, 128)}
+    assert circuit["recall at 128–255"] == "0.500  (4 queries, to 256) ›16(k+w)"
+    assert sparsek["recall at 128–255"] == "0.500  (4 queries) ›16(k+w)"
+    assert sparsek["recall at 1,024–2,047"] == "0.500  (4 queries, to 2,048) ›16(k+w)"

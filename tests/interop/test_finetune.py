@@ -193,3 +193,20 @@ def test_a_missing_init_source_is_named_before_its_tokenizer(tmp_path):
     assert result.exit_code == 1, result.output
     assert f"train.init_from: {tmp_path / 'circuit'} does not exist" in msg and "longtrain fit RECIPE" in msg
     assert "tokenizer" not in msg and not run.exists()
+
+
+def test_finetune_keeps_the_imports_k_and_w_unless_the_recipe_sets_them(imported, tmp_path):
+    r = CliRunner().invoke(app, ["import", str(imported / "hf"), "--out", str(tmp_path / "sk"), "--topk", "4", "--window", "6"])
+    assert r.exit_code == 0, r.output
+    own = [s for s in sets(overrides(imported)) if not s.startswith(("attention.", "train.init_from"))]
+    source = [f"train.init_from={tmp_path / 'sk'}"]
+    recipe = load_recipe("finetune-llama", [*own, *source])
+    assert (recipe.attention.topk, recipe.attention.window) == (4, 6)
+    recipe = load_recipe("finetune-llama", [*own, *source, "attention.topk=8"])
+    assert (recipe.attention.topk, recipe.attention.window) == (8, 6)
+    with pytest.raises(RecipeError, match=r"attention.topk comes from train.init_from, and .* \(attention full\) has none"):
+        load_recipe("finetune-llama", [*own, f"train.init_from={imported / 'base'}"])
+    args = [a for s in [*own, *source, "attention.topk=8"] for a in ("--set", s)]
+    dry = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(tmp_path / "run"), "--dry-run", *args])
+    assert dry.exit_code == 0, dry.output
+    assert "attention: sparsek+sw (k=8, w=6, hard_k_soft_v); k from the recipe, w from train.init_from;" in dry.output

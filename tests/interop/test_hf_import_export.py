@@ -182,3 +182,25 @@ def test_existing_run_and_export_folder_are_not_touched(folders, tmp_path):
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == files
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
     assert cli("import", dirs["llama"], "--out", tmp_path / "r", "--attention", "full", "--topk", 4).exit_code == 2
+
+
+def test_importing_an_export_keeps_its_attention_settings_unless_flags_say_otherwise(folders, tmp_path):
+    _, dirs, _ = folders
+    assert cli("import", dirs["llama"], "--out", tmp_path / "run", "--attention", "sparsek", "--topk", 12).exit_code == 0
+    assert cli("export", tmp_path / "run", "--out", tmp_path / "out").exit_code == 0
+    again = cli("import", tmp_path / "out", "--out", tmp_path / "again")
+    assert again.exit_code == 0, again.output
+    att = load_checkpoint(tmp_path / "again").recipe.attention
+    assert (att.type, att.topk, att.window, att.score_groups) == ("sparsek", 12, 0, "shared")
+    assert "attention: sparsek (k=12, w=0); topk, attention, score_groups from config.json's longtrain_sparsek" in again.output
+    assert "fine-tune: longtrain fit finetune-llama --set train.init_from=" in again.output and "recipes/" not in again.output
+    flags = cli("import", tmp_path / "out", "--out", tmp_path / "flags", "--attention", "sparsek+sw", "--window", 16)
+    assert flags.exit_code == 0, flags.output
+    att = load_checkpoint(tmp_path / "flags").recipe.attention
+    assert (att.type, att.topk, att.window) == ("sparsek+sw", 12, 16)  # k still the export's, w and type the flags'
+    plain = cli("import", dirs["gpt_neox"], "--out", tmp_path / "plain")
+    att = load_checkpoint(tmp_path / "plain").recipe.attention
+    assert (att.type, att.topk, att.window) == ("sparsek+sw", 512, 512)
+    assert "longtrain fit finetune-pythia" in plain.output
+    wrong = cli("import", tmp_path / "out", "--out", tmp_path / "wrong", "--window", 8)
+    assert wrong.exit_code == 1 and "attention sparsek (config.json's longtrain_sparsek) has no window" in " ".join(wrong.output.split())

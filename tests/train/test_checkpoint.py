@@ -193,7 +193,7 @@ def test_incompatible_checkpoint_is_refused_naming_what_differs():
     with pytest.raises(CheckpointError) as e:
         check_compatible(meta, {"model": "x", "attention": "b", "tokenizer": "y"}, path="runs/q/step-00000001")
     msg = str(e.value)
-    assert "different model shape, tokenizer than this recipe" in msg
+    assert "does not match this recipe's model shape and tokenizer; refusing to resume" in msg and "moves this run's checkpoints and metrics aside" in msg
     assert "--resume never" in msg and "--run-dir" in msg
 
 
