@@ -1,9 +1,12 @@
-"""The four attention types and which of (topk, window) each uses: the one place this rule lives.
+"""The attention types and which of (topk, window) each uses: the one place this rule lives.
 
-    sparsek+sw  the SparseK pool of k keys plus a sliding window of w (the default)
-    sparsek     the pool only (w = 0)
-    sw          the window only (k = 0): the op with nothing selected
-    full        causal attention over the whole document (the baseline; its cache grows)
+    sparsek+sw         the SparseK pool of k keys plus a sliding window of w (the default)
+    sparsek            the pool only (w = 0)
+    sw                 the window only (k = 0): the op with nothing selected
+    sparsek+linear+sw  sparsek+sw plus linear attention over what each query does not fully attend
+                       to (paper Appendix B.1; a fixed-size linear state per layer and row)
+    linear+sw          the window plus linear attention over everything before it
+    full               causal attention over the whole document (the baseline; its cache grows)
 
 The recipe validates against it (`size_problems`), the model builds its layers from it
 (`selects`) and the trainer reports the KV budget from it (`kv_entries`).
@@ -13,11 +16,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-AttentionType = Literal["sparsek+sw", "sparsek", "sw", "full"]
+AttentionType = Literal["sparsek+sw", "sparsek", "sw", "sparsek+linear+sw", "linear+sw", "full"]
 USES: dict[str, tuple[str, ...]] = {
     "sparsek+sw": ("topk", "window"),
     "sparsek": ("topk",),
     "sw": ("window",),
+    "sparsek+linear+sw": ("topk", "window"),
+    "linear+sw": ("window",),
     "full": (),
 }
 
@@ -25,6 +30,11 @@ USES: dict[str, tuple[str, ...]] = {
 def selects(type: str) -> bool:
     """Whether the type keeps a SparseK pool (and so has scoring vectors)."""
     return "topk" in USES[type]
+
+
+def linear(type: str) -> bool:
+    """Whether the type adds linear attention (a feature map per layer and a linear state in the cache)."""
+    return "linear" in type
 
 
 def size_problems(type: str, topk: int | None, window: int | None) -> list[str]:
@@ -36,7 +46,7 @@ def size_problems(type: str, topk: int | None, window: int | None) -> list[str]:
         if name in USES[type] and not value:
             problems.append(f"attention type {type} needs `{name}` > 0 (got {value})")
         elif name not in USES[type] and value:
-            other = "sparsek+sw" if type in ("sw", "sparsek") else "sparsek+sw or sw"
+            other = {"sw": "sparsek+sw", "sparsek": "sparsek+sw", "linear+sw": "sparsek+linear+sw"}.get(type, "sparsek+sw or sw")
             problems.append(f"attention type {type} has no `{name}` (got {value}); hint: remove `{name}` or use type {other}")
     return problems
 

@@ -2,7 +2,8 @@
 
 Per layer and per batch row:
   - the attention cache: a SparseKCache (tail of the last w-1 tokens, top-k pool, threshold
-    state; fixed size) for sparsek+sw / sparsek / sw layers, or a FullKVCache for `full` layers
+    state; fixed size) for sparsek+sw / sparsek / sw layers, a SparseKLinearCache (the same plus
+    the linear state: fixed size) for the linear types, or a FullKVCache for `full` layers
     (every past key: the baseline, whose memory grows with the document);
   - the TimestepNorm running totals of the raw scores (sum and sum of squares, float64); the count
     is `seen`, the tokens of the current document processed so far, shared by all layers.
@@ -19,6 +20,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from longtrain.ops.sparsek_attention import SparseKCache
+from longtrain.ops.sparsek_attention.linear import SparseKLinearCache
 
 
 @dataclass
@@ -50,10 +52,12 @@ class FullKVCache:
         return FullKVCache(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
-AttentionCache = SparseKCache | FullKVCache
+AttentionCache = SparseKCache | SparseKLinearCache | FullKVCache
 # The key and value tensors of each cache kind: what `with_kv_dtype` casts (scores, positions and the
 # threshold state keep their own dtypes: float32 / float64 / int64, DESIGN.md section 2).
+# The linear state keeps its own dtype too (float32 at least: a sum over the whole document).
 KV_FIELDS = {SparseKCache: ("pool_k", "pool_v", "tail_k", "tail_v"), FullKVCache: ("full_k", "full_v")}
+KV_FIELDS[SparseKLinearCache] = KV_FIELDS[SparseKCache]
 
 
 @dataclass
@@ -192,7 +196,7 @@ class ModelCache:
         layers = []
         for i in range(len(per_layer)):
             sub = per_layer[i]
-            kind = FullKVCache if "full_k" in sub else SparseKCache
+            kind = FullKVCache if "full_k" in sub else SparseKLinearCache if "lin_kv" in sub else SparseKCache
             layers.append(LayerCache(kind.from_state_dict(sub), sub["score_sum"], sub["score_sumsq"]))
         return cls(seen=d["seen"], layers=layers)
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from longtrain.model.attention_types import AttentionType, selects, size_problems
+from longtrain.model.attention_types import AttentionType, linear, selects, size_problems
 from longtrain.model.cache import FullKVCache, LayerCache, ModelCache
 from longtrain.model.loss import linear_cross_entropy, loss_slice
 from longtrain.model.rope import apply_rope, rope_angles, scaling_problems
@@ -36,6 +36,11 @@ from longtrain.ops.sparsek_attention import (
     sparsek_attention_chunk,
     sparsek_attention_decode,
     starts_inside_tile,
+)
+from longtrain.ops.sparsek_attention.linear import (
+    SparseKLinearCache,
+    sparsek_linear_attention_chunk,
+    sparsek_linear_attention_decode,
 )
 
 
@@ -98,6 +103,8 @@ class LMConfig:
         problems = size_problems(self.attention, self.topk, self.window) + scaling_problems(self.rope_scaling)
         if self.max_context is not None and (self.attention != "full" or self.max_context < 1):
             problems.append(f"max_context ({self.max_context}) caps full attention's cache: it needs attention full and a value >= 1")
+        if linear(self.attention) and self.score_groups != "shared":
+            problems.append(f"attention type {self.attention} has one score group; hint: set score_groups shared")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -146,7 +153,7 @@ class LMConfig:
 
 
 class Attention(nn.Module):
-    """Multi-head (grouped-query) attention with SparseK+SW, SparseK, SW or full causal attention."""
+    """Multi-head (grouped-query) attention with SparseK+SW, SparseK, SW, their linear variants or full attention."""
 
     def __init__(self, cfg: LMConfig, bias: bool):
         super().__init__()
@@ -160,6 +167,8 @@ class Attention(nn.Module):
         G = cfg.score_group_count
         self.scorer = Scorer(d, G, timestep_norm=cfg.timestep_norm, eps_slope=cfg.eps_slope) if G else None
         self.compiled_scorer = None  # the scorer compiled by LM.compile_blocks (its float64 elementwise work fused)
+        # Linear types: phi(x) = elu(x W_h) + 1, one D x D map per KV head (its query heads share it).
+        self.phi_weight = nn.Parameter(torch.eye(D).repeat(Hkv, 1, 1)) if linear(cfg.attention) else None
         # What the op is called with (sw is SparseK with k = 0); LMConfig holds 0 for an unused size.
         self.topk, self.window = cfg.topk, cfg.window
 
@@ -168,6 +177,11 @@ class Attention(nn.Module):
         G = cfg.score_group_count
         if cfg.attention == "full":
             attn = FullKVCache.empty(batch, cfg.kv_heads, cfg.head_dim, dtype=dtype, device=device)
+        elif linear(cfg.attention):
+            attn = SparseKLinearCache.empty(
+                batch, self.topk, self.window, cfg.kv_heads, cfg.head_dim, dtype=dtype,
+                score_dtype=score_dtype(dtype), device=device, cap=cfg.threshold_cap,
+            )
         else:
             folded = G > 1  # per-KV-head groups: one op row per (row, group), one KV head each
             attn = SparseKCache.empty(
@@ -246,7 +260,18 @@ class Attention(nn.Module):
             uf, lf = u.transpose(1, 2).reshape(B * G, L), lengths.repeat_interleave(G)
         else:
             qf, kf, vf, uf, lf = q, k, v, u[..., 0], lengths
-        if decode:
+        if self.phi_weight is not None and decode:
+            o, attn_cache, sel = sparsek_linear_attention_decode(
+                qf[:, 0], kf[:, 0], vf[:, 0], uf[:, 0], self.phi_weight, cache.attn, topk=self.topk,
+                window=self.window, variant=cfg.variant, with_selection=with_selection,
+            )
+            o = o[:, None]
+        elif self.phi_weight is not None:
+            o, attn_cache, sel = sparsek_linear_attention_chunk(
+                qf, kf, vf, uf, self.phi_weight, cache.attn, topk=self.topk, window=self.window, variant=cfg.variant,
+                lengths=lf, scan=cfg.scan,
+            )
+        elif decode:
             o, attn_cache, sel = sparsek_attention_decode(
                 qf[:, 0], kf[:, 0], vf[:, 0], uf[:, 0], cache.attn, topk=self.topk, window=self.window,
                 variant=cfg.variant, with_selection=with_selection,
@@ -427,7 +452,7 @@ class LM(nn.Module):
     def reset_parameters(self) -> None:
         std = self.cfg.init_std
         for name, p in self.named_parameters():
-            if name.endswith("scorer.weight"):
+            if name.endswith(("scorer.weight", "phi_weight")):
                 continue
             if p.dim() >= 2:
                 # Residual projections scaled down by depth (GPT-2).
@@ -438,6 +463,8 @@ class LM(nn.Module):
         for blk in self.blocks:
             if blk.attn.scorer is not None:
                 blk.attn.scorer.reset_parameters()
+            if blk.attn.phi_weight is not None:  # phi starts as elu(x) + 1 (Katharopoulos et al.)
+                blk.attn.phi_weight.copy_(torch.eye(self.cfg.head_dim).expand_as(blk.attn.phi_weight))
         if self.cfg.score_init == "mimic":
             self.init_scores_mimic_()
 

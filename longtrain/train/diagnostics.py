@@ -30,7 +30,7 @@ class SelectionDiagnostics:
 
     def __init__(self, model):
         self.layers = [i for i, blk in enumerate(model.blocks) if blk.attn.topk > 0]
-        self.window = model.cfg.window if model.cfg.attention == "sparsek+sw" else 0
+        self.window = model.cfg.window if model.cfg.attention in ("sparsek+sw", "sparsek+linear+sw") else 0
         self.eps_slope = model.cfg.eps_slope
         self._acc: torch.Tensor | None = None  # [layers, 11] float64 on the model's device
 

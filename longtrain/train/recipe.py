@@ -134,7 +134,8 @@ class AttentionConfig(_Section):
     type: AttentionType = Field(
         "sparsek+sw",
         description="sparsek+sw (SparseK pool plus sliding window), sparsek only, sw "
-        "(sliding window only) or full causal attention",
+        "(sliding window only), sparsek+linear+sw or linear+sw (plus linear attention over the keys "
+        "not fully attended to) or full causal attention",
     )
     topk: int | None = Field(
         None, ge=0, description="k, the SparseK pool size per layer (sparsek types only)"

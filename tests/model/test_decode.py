@@ -13,6 +13,8 @@ CASES = [
     ("full", dict(attention="full")),
     ("llama gqa per-kv-head", dict(style="llama", kv_heads=2, score_groups="per_kv_head", attention="sparsek+sw", topk=5, window=4)),
     ("soft_kv, no tsn", dict(attention="sparsek+sw", topk=4, window=3, variant="soft_kv", timestep_norm=False)),
+    ("sparsek+linear+sw", dict(attention="sparsek+linear+sw", topk=6, window=5)),
+    ("linear+sw llama gqa", dict(style="llama", kv_heads=2, attention="linear+sw", window=4)),
 ]
 
 

@@ -20,6 +20,8 @@ CASES = [
     ("llama gqa per-kv-head", dict(style="llama", kv_heads=2, score_groups="per_kv_head", attention="sparsek+sw", topk=5, window=8), 170, 64),
     ("no tsn, soft_kv, mimic", dict(attention="sparsek+sw", topk=5, window=6, timestep_norm=False, variant="soft_kv", score_init="mimic"), 140, 45),
     ("gptneox partial rotary", dict(style="gptneox", rotary_pct=0.5, intermediate_size=40, attention="sparsek+sw", topk=5, window=8), 150, 40),
+    ("sparsek+linear+sw", dict(attention="sparsek+linear+sw", topk=6, window=8), 150, 37),
+    ("linear+sw llama gqa", dict(style="llama", kv_heads=2, attention="linear+sw", window=9), 120, 50),
 ]
 
 
@@ -61,10 +63,11 @@ RAGGED = [
     dict(attention="sparsek+sw", topk=6, window=8),
     dict(style="llama", kv_heads=2, score_groups="per_kv_head", attention="sparsek+sw", topk=6, window=8),
     dict(attention="full"),
+    dict(attention="sparsek+linear+sw", topk=6, window=8),
 ]
 
 
-@pytest.mark.parametrize("kw", RAGGED, ids=["shared", "per-kv-head", "full"])
+@pytest.mark.parametrize("kw", RAGGED, ids=["shared", "per-kv-head", "full", "sparsek+linear+sw"])
 @torch.no_grad()
 def test_ragged_rows_and_reset_match_their_own_documents(kw):
     # Row 0 reads 70 tokens per chunk, row 1 only 23 (lengths); then row 1 starts a new document.
@@ -209,3 +212,28 @@ def test_num_params_of_published_models():
     assert gpt2.num_params() == 124_439_808 - 1024 * 768  # 124M less the 1024 x 768 position table
     assert pythia.num_params() == 162_322_944
     assert llama.num_params() == 6_738_415_616
+
+
+def test_linear_types_learn_phi_and_carry_a_fixed_size_state(tmp_path):
+    """sparsek+linear+sw: phi's head-wise map gets gradients, starts as the identity (phi = elu(x) + 1), its
+    cache holds the linear state (fixed size, float32 under a bf16 KV dtype) and round-trips through safetensors."""
+    model = LM(LMConfig(**SMALL, attention="sparsek+linear+sw", topk=4, window=6)).double()
+    assert torch.equal(model.blocks[0].attn.phi_weight[0], torch.eye(8, dtype=torch.float64))
+    tokens = torch.randint(0, 61, (2, 90))
+    cache = model.empty_cache(2, dtype=torch.float64)
+    sizes = {k: v.shape for k, v in cache.state_dict().items()}
+    for s in range(0, 90, 30):
+        out = model(tokens[:, s:s + 30], cache=cache)
+        cache = out.cache
+    out.logits.square().mean().backward()
+    assert model.blocks[0].attn.phi_weight.grad.abs().sum() > 0
+    assert {k: v.shape for k, v in cache.state_dict().items()} == sizes
+    assert sizes["layers.0.lin_kv"] == (2, 4, 8, 8) and cache.state_dict()["layers.0.lin_kv"].abs().sum() > 0
+    assert cache.with_kv_dtype(torch.bfloat16).layers[0].attn.lin_kv.dtype == torch.float64
+    save_file(cache.state_dict(), tmp_path / "cache.safetensors")
+    back = ModelCache.from_state_dict(load_file(tmp_path / "cache.safetensors"))
+    with torch.no_grad():
+        nxt = torch.randint(0, 61, (2, 8))
+        assert torch.equal(model(nxt, cache=back).logits, model(nxt, cache=cache).logits)
+    with pytest.raises(ValueError, match="score_groups shared"):
+        LMConfig(**SMALL, kv_heads=2, attention="sparsek+linear+sw", topk=4, window=6, score_groups="per_kv_head")

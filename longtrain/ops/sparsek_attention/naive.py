@@ -11,13 +11,35 @@ For query i and key j (positions p_i, p_j):
   variants  hard_k_soft_v: softmax(q.k) over S u W, values scaled by g
             soft_kv:       logits g * q.k (keys scaled by g), values scaled by g
             straight_through: g = m - sg(m) + 1 on selected keys (forward value 1)
+
+With `linear` (SparseK+Linear+SW, paper Appendix B.1) every causal key j also contributes through
+linear attention, weighted by 1 - g_ij (g = 0 for keys neither selected nor in the window), and the
+gate weighs exp(q.k) in the denominator too, as in the paper's formula:
+
+    o_i = sum_j (g_ij e^{s_ij} + (1 - g_ij) phi(q_i).phi(k_j)) v_j / sum_j (g_ij e^{s_ij} + (1 - g_ij) phi(q_i).phi(k_j))
+
+The linear sums over all causal keys come in precomputed (LinearTerms.num, .den: causal linear
+attention, ops/linear_attention); the core adds the exp part and takes the g-weighted linear part back
+out over the same window and selected keys it already gathers. Both parts are scaled by e^{-M_i},
+M_i = max(0, max_j s_ij), so neither exp overflows.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 VARIANTS = ("hard_k_soft_v", "soft_kv", "straight_through")
+
+
+class LinearTerms(NamedTuple):
+    """The linear-attention inputs of the SparseK+Linear+SW core (module doc)."""
+
+    phq: torch.Tensor  # [B, L, H, F] phi of the queries
+    phk: torch.Tensor  # [B, N, Hkv, F] phi of the extended keys (0 in empty slots)
+    num: torch.Tensor  # [B, L, H, D] phi(q_i) . sum_{j <= i} phi(k_j) v_j^T over every causal key
+    den: torch.Tensor  # [B, L, H] phi(q_i) . sum_{j <= i} phi(k_j)
 
 
 def position_order(block_pool: torch.Tensor, pos_ext: torch.Tensor) -> torch.Tensor:
@@ -71,6 +93,7 @@ def sparsek_attention_core_naive(
     scale: float | None = None,
     block: int = 64,
     max_scores: int = 1 << 24,
+    linear: LinearTerms | None = None,
 ) -> torch.Tensor:
     B, L, H, D = q.shape
     N, Hkv = k_ext.shape[1], k_ext.shape[2]
@@ -91,6 +114,12 @@ def sparsek_attention_core_naive(
     th_u = pad_q(theta_u, float("inf")).reshape(B, nb, block)
     th_pos = pad_q(theta_pos, 0).reshape(B, nb, block)
     tau_b = pad_q(tau, 0.0).reshape(B, nb, block)
+    if linear is not None:  # exp and linear weights in at least float32 (they share one denominator)
+        cdt = torch.promote_types(q.dtype, torch.float32)
+        qb = qb.to(cdt)
+        phq_b = torch.nn.functional.pad(linear.phq, (0, 0, 0, 0, 0, Lp - L)).to(cdt).reshape(B, nb, block, Hkv, R, -1)
+        num_b = torch.nn.functional.pad(linear.num, (0, 0, 0, 0, 0, Lp - L)).to(cdt).reshape(B, nb, block, Hkv, R, D)
+        den_b = torch.nn.functional.pad(linear.den, (0, 0, 0, Lp - L)).to(cdt).reshape(B, nb, block, Hkv, R)
 
     # Blocks per step, so the [B, nbs, Hkv, R, G, Kb] scores stay under max_scores elements.
     step = max(1, max_scores // max(1, B * H * block * Kb))
@@ -120,11 +149,15 @@ def sparsek_attention_core_naive(
             m = m - m.detach() + 1
         gate = torch.where(selected, m, torch.ones_like(m))
 
-        logits = torch.einsum("bngkrd,bnjkd->bnkrgj", qb[:, s:e], kk) * scale  # [B, n, Hkv, R, G, Kb]
+        logits = torch.einsum("bngkrd,bnjkd->bnkrgj", qb[:, s:e], kk.to(qb.dtype)) * scale  # [B, n, Hkv, R, G, Kb]
         gate_h = gate[:, :, None, None].to(logits.dtype)  # [B, n, 1, 1, G, Kb]
         if variant == "soft_kv":
             logits = logits * gate_h
         logits = logits.masked_fill(~attend[:, :, None, None], -float("inf"))
+        if linear is not None:
+            outs.append(_mix_linear(logits, gate_h, attend, vv, linear.phk[rows, safe], phq_b[:, s:e], num_b[:, s:e],
+                                    den_b[:, s:e]))
+            continue
         # Padded queries attend to nothing: give them a harmless row, then zero it.
         any_key = attend.any(-1)[:, :, None, None, :, None]  # [B, n, 1, 1, G, 1]
         p = torch.softmax(torch.where(any_key, logits, torch.zeros_like(logits)), dim=-1) * any_key
@@ -132,3 +165,22 @@ def sparsek_attention_core_naive(
         outs.append(o)
     o = torch.cat(outs, dim=1).reshape(B, Lp, H, D)[:, :L]
     return o.to(q.dtype)
+
+
+def _mix_linear(logits, gate, attend, v, phk, phq, num_lin, den_lin) -> torch.Tensor:
+    """o [B, n, G, Hkv, R, D] of the SparseK+Linear+SW formula (module doc) for one step of query blocks.
+
+    logits [B, n, Hkv, R, G, Kb] (-inf off S u W), gate [B, n, 1, 1, G, Kb], attend [B, n, G, Kb],
+    v [B, n, Kb, Hkv, D], phk [B, n, Kb, Hkv, F] of the gathered keys; phq [B, n, G, Hkv, R, F],
+    num_lin [B, n, G, Hkv, R, D], den_lin [B, n, G, Hkv, R] over every causal key.
+    """
+    M = logits.detach().amax(-1, keepdim=True).clamp(min=0)  # [B, n, Hkv, R, G, 1]: a stabiliser only
+    lin_w = torch.einsum("bngkrf,bnjkf->bnkrgj", phq, phk.to(phq.dtype))  # phi(q_i).phi(k_j)
+    on = attend[:, :, None, None]  # [B, n, 1, 1, G, Kb]
+    # Over S u W: g e^{s - M} minus the g-weighted linear part the causal sums already hold.
+    w = torch.where(on, gate * torch.exp(logits - M) - torch.exp(-M) * gate * lin_w, 0)
+    eM = torch.exp(-M)[..., 0].permute(0, 1, 4, 2, 3)  # [B, n, G, Hkv, R]
+    num = torch.einsum("bnkrgj,bnjkd->bngkrd", w, v.to(w.dtype)) + eM[..., None] * num_lin
+    den = w.sum(-1).permute(0, 1, 4, 2, 3) + eM * den_lin  # [B, n, G, Hkv, R]
+    any_key = attend.any(-1)[:, :, :, None, None]  # padded queries: no keys, output 0
+    return torch.where(any_key[..., None], num / torch.where(any_key, den, 1)[..., None], 0)

@@ -1,0 +1,216 @@
+"""SparseK+Linear+SW (and Linear+SW, topk = 0): SparseK attention plus linear attention over every key a
+query does not fully attend to (paper Appendix B.1; the formula is in naive.py), chunk by chunk.
+
+The linear part of query i is phi(q_i) . sum_j (1 - g_ij) phi(k_j) v_j^T. Split the causal keys:
+  - keys that can no longer be selected: they left the window and are not in the pool, so by
+    irreversibility (DESIGN.md section 2, fact 1) no later query selects them: g = 0 for every later
+    query. Their sums (sum phi(k) v^T, sum phi(k)) are the carried state, of fixed size;
+  - the pool, the tail and the chunk (the extended keys): their full linear sums are the causal
+    linear attention of the chunk started from state + pool + tail (ops/linear_attention), and the
+    core takes their g-weighted part back out over the window and selected keys, where g depends on
+    the query (tau_i), so a pooled key cannot join the state before it is evicted.
+After the chunk, the extended keys in neither the new pool nor the new tail join the state.
+phi(x) = elu(head-wise linear(x)) + 1 reads the keys as the cache holds them (after RoPE), so the
+cache needs no second copy of the pool's and tail's keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from longtrain.ops.linear_attention import causal_linear_attention, feature_map
+from longtrain.ops.selection import ThresholdFn, select
+from longtrain.ops.selection.chunk import carried
+from longtrain.ops.sparsek_attention.cache import SparseKCache
+from longtrain.ops.sparsek_attention.decode import sparsek_attention_decode
+from longtrain.ops.sparsek_attention.naive import LinearTerms, sparsek_attention_core_naive
+from longtrain.ops.sparsek_attention.op import ChunkSelection, _check, lay_out_keys, next_cache
+
+
+@dataclass
+class SparseKLinearCache(SparseKCache):
+    """A SparseKCache plus the linear state of the keys no query can select any more (module doc)."""
+
+    lin_kv: torch.Tensor | None = None  # [B, Hkv, F, D] sum of phi(k) v^T (float32, float64 for float64 keys)
+    lin_k: torch.Tensor | None = None  # [B, Hkv, F] sum of phi(k)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.lin_kv is None or self.lin_k is None:
+            raise ValueError("SparseKLinearCache needs lin_kv and lin_k (SparseKLinearCache.empty makes them)")
+
+    @classmethod
+    def empty(cls, batch: int, topk: int, window: int, kv_heads: int, head_dim: int, *,
+              dtype: torch.dtype = torch.float32, score_dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu", cap: int | None = None, features: int | None = None
+              ) -> "SparseKLinearCache":
+        base = SparseKCache.empty(batch, topk, window, kv_heads, head_dim, dtype=dtype, score_dtype=score_dtype,
+                                  device=device, cap=cap)
+        F = features or head_dim
+        sdt = state_dtype(dtype)
+        return cls(**base.tensors(), lin_kv=torch.zeros(batch, kv_heads, F, head_dim, dtype=sdt, device=device),
+                   lin_k=torch.zeros(batch, kv_heads, F, dtype=sdt, device=device))
+
+    def reset_rows(self, mask: torch.Tensor) -> "SparseKLinearCache":
+        base = SparseKCache(**{f.name: getattr(self, f.name) for f in fields(SparseKCache)}).reset_rows(mask)
+        m = mask.to(self.lin_kv.device)
+        return SparseKLinearCache(**base.tensors(), lin_kv=torch.where(m[:, None, None, None], 0, self.lin_kv),
+                                  lin_k=torch.where(m[:, None, None], 0, self.lin_k))
+
+
+def state_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The linear state's dtype: float32 at least (a long sum), float64 for float64 keys."""
+    return torch.promote_types(kv_dtype, torch.float32)
+
+
+def _phi_keys(k: torch.Tensor, pos: torch.Tensor, phi_weight: torch.Tensor) -> torch.Tensor:
+    """phi of keys k [B, N, Hkv, D] at positions pos [B, N] (-1: none): [B, N, Hkv, F], 0 where there is no key."""
+    return torch.where((pos >= 0)[:, :, None, None], feature_map(k, phi_weight), 0)
+
+
+def _add_state(state_kv, state_k, phk, v, keep) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state plus the keys where keep [B, N] (phk [B, N, Hkv, F], v [B, N, Hkv, D])."""
+    phk = torch.where(keep[:, :, None, None], phk, 0).to(state_kv.dtype)
+    return state_kv + torch.einsum("bngf,bngd->bgfd", phk, v.to(state_kv.dtype)), state_k + phk.sum(1)
+
+
+def sparsek_linear_attention_chunk(
+    q: torch.Tensor,  # [B, L, H, D]
+    k: torch.Tensor,  # [B, L, Hkv, D] (after RoPE)
+    v: torch.Tensor,  # [B, L, Hkv, D]
+    u: torch.Tensor,  # [B, L] importance scores (unused when topk = 0)
+    phi_weight: torch.Tensor,  # [Hkv, D, F] the head-wise linear map of phi
+    cache: SparseKLinearCache,
+    *,
+    topk: int,
+    window: int,
+    variant: str = "hard_k_soft_v",
+    scale: float | None = None,
+    lengths: torch.Tensor | None = None,
+    linear_backend: str = "auto",
+    block: int = 64,
+    scan: str = "auto",
+) -> tuple[torch.Tensor, SparseKLinearCache, ChunkSelection]:
+    """SparseK+Linear+SW of one chunk continuing from `cache`: (o [B, L, H, D], next cache, selection).
+
+    The SparseK part runs the naive core (the Triton kernels have no linear part); linear_backend
+    picks the causal linear attention (ops/linear_attention: fla on CUDA when installed)."""
+    _check(q, k, v, u, topk, window, variant, "naive", scan)
+    if window < 1:
+        raise ValueError("linear attention types need a window (w >= 1): the window is what g = 1 keeps exact")
+    if not isinstance(cache, SparseKLinearCache):
+        raise TypeError("sparsek_linear_attention_chunk needs a SparseKLinearCache")
+    if cache.topk != topk or cache.tail_slots != window - 1:
+        raise ValueError(
+            f"cache was built for topk={cache.topk}, window={cache.tail_slots + 1}; the call uses topk={topk}, window={window}"
+        )
+    keys = lay_out_keys(cache, k, v, u, lengths)
+    sel = select(keys, cache, window=window, block=block, scan=scan)
+    tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
+    first = keys.first_query
+    phq = feature_map(q, phi_weight)  # [B, L, H, F]
+    phk = _phi_keys(keys.k, keys.pos, phi_weight)  # [B, N, Hkv, F]
+    # The causal sums start from the state plus the pool and the tail (all before the chunk).
+    before = keys.pos[:, :first] >= 0
+    start_kv, start_k = _add_state(cache.lin_kv, cache.lin_k, phk[:, :first], keys.v[:, :first], before)
+    num, den = causal_linear_attention(phq, phk[:, first:], keys.v[:, first:], start_kv, start_k, backend=linear_backend)
+    o = sparsek_attention_core_naive(
+        q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool,
+        topk=keys.topk, window=window, tail_slots=keys.tail_slots, variant=variant, scale=scale, block=block,
+        linear=LinearTerms(phq, phk, num, den),
+    ).to(q.dtype)
+    base = next_cache(cache, keys, sel)
+    with torch.no_grad():  # keys in neither the new pool nor the new tail can never be selected again
+        rows = carried(keys, sel)
+        B, N = keys.pos.shape
+        kept = torch.zeros(B, N + 1, dtype=torch.bool, device=keys.pos.device)  # slot N: empty pool slots
+        kept[rows.rows, rows.tail] = True
+        kept[rows.rows, torch.where(rows.pool_ok, rows.pool, N)] = True
+        kept = kept[:, :N]
+        lin_kv, lin_k = _add_state(cache.lin_kv, cache.lin_k, phk.detach(), keys.v.detach(), (keys.pos >= 0) & ~kept)
+    return o, SparseKLinearCache(**base.tensors(), lin_kv=lin_kv, lin_k=lin_k), ChunkSelection.of(sel, u)
+
+
+def sparsek_linear_attention(q, k, v, u, phi_weight, *, topk: int, window: int, variant: str = "hard_k_soft_v",
+                             scale: float | None = None, linear_backend: str = "auto", scan: str = "auto",
+                             block: int = 64) -> torch.Tensor:
+    """SparseK+Linear+SW over whole sequences (positions 0..T-1): o [B, T, H, D] (topk = 0: Linear+SW)."""
+    cache = SparseKLinearCache.empty(q.shape[0], topk, window, k.shape[2], k.shape[3], dtype=k.dtype,
+                                     score_dtype=u.dtype, device=q.device, features=phi_weight.shape[-1])
+    o, _, _ = sparsek_linear_attention_chunk(q, k, v, u, phi_weight, cache, topk=topk, window=window, variant=variant,
+                                             scale=scale, linear_backend=linear_backend, scan=scan, block=block)
+    return o
+
+
+def sparsek_linear_attention_decode(
+    q: torch.Tensor,  # [B, H, D] the new token's query
+    k: torch.Tensor,  # [B, Hkv, D] its key (after RoPE)
+    v: torch.Tensor,  # [B, Hkv, D]
+    u: torch.Tensor,  # [B]
+    phi_weight: torch.Tensor,  # [Hkv, D, F]
+    cache: SparseKLinearCache,  # after positions [0, t)
+    *,
+    topk: int,
+    window: int,
+    variant: str = "hard_k_soft_v",
+    scale: float | None = None,
+    with_selection: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, SparseKLinearCache, ChunkSelection | None]:
+    """One token per row at position cache.seen: (o [B, H, D], next cache, selection); equals the chunk op on
+    one token. The query sees [pool][tail][itself] (every key there is causal): exp part g e^{s - M}, linear
+    part (1 - g) phi(q).phi(k) there plus phi(q) . state. The SparseK decode step then updates pool, tail
+    and threshold; the keys it drops (the rejected candidate or the evicted pool key) join the state."""
+    if window < 1:
+        raise ValueError("linear attention types need a window (w >= 1)")
+    B, H, D = q.shape
+    Hkv = k.shape[1]
+    t = cache.seen
+    dev = q.device
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    K, Wt = cache.topk, cache.tail_slots
+    tail_pos = t[:, None] - Wt + torch.arange(Wt, device=dev)[None]  # [B, W-1]
+    pos = torch.cat([cache.pool_pos, torch.where(tail_pos >= 0, tail_pos, -1), t[:, None]], 1)  # [B, N]
+    keys = torch.cat([cache.pool_k, cache.tail_k.to(cache.pool_k.dtype), k[:, None].to(cache.pool_k.dtype)], 1)
+    vals = torch.cat([cache.pool_v, cache.tail_v.to(cache.pool_v.dtype), v[:, None].to(cache.pool_v.dtype)], 1)
+    ok = pos >= 0
+    if K > 0:
+        m = (cache.pool_u.to(torch.float64) - cache.tau.to(torch.float64)[:, None]).clamp(0, 1)  # tau = -inf: 1
+        m = torch.where(cache.pool_pos >= 0, m, 0.0)
+        if variant == "straight_through":
+            m = torch.where(cache.pool_pos >= 0, 1.0, 0.0).to(m.dtype)
+        gate = torch.cat([m.to(cdt), torch.ones(B, Wt + 1, dtype=cdt, device=dev)], 1)  # [B, N]
+    else:
+        gate = torch.ones(B, Wt + 1, dtype=cdt, device=dev)
+    gate = torch.where(ok, gate, 0)
+    scale = D**-0.5 if scale is None else scale
+    qh = q.to(cdt).view(B, Hkv, H // Hkv, D)
+    logits = torch.einsum("bgrd,bngd->bgrn", qh, keys.to(cdt)) * scale  # [B, Hkv, R, N]
+    if variant == "soft_kv":
+        logits = logits * gate[:, None, None]
+    logits = logits.masked_fill(~ok[:, None, None], -torch.inf)
+    M = logits.amax(-1, keepdim=True).clamp(min=0)
+    phq = feature_map(q[:, None], phi_weight)[:, 0].to(cdt).view(B, Hkv, H // Hkv, -1)  # [B, Hkv, R, F]
+    phk = _phi_keys(keys, pos, phi_weight).to(cdt)  # [B, N, Hkv, F]
+    lin_w = torch.einsum("bgrf,bngf->bgrn", phq, phk)
+    g = gate[:, None, None]
+    w = torch.where(ok[:, None, None], g * torch.exp(logits - M) + torch.exp(-M) * (1 - g) * lin_w, 0)
+    num = torch.einsum("bgrn,bngd->bgrd", w, vals.to(cdt)) + torch.exp(-M) * torch.einsum(
+        "bgrf,bgfd->bgrd", phq, cache.lin_kv.to(cdt))
+    den = w.sum(-1, keepdim=True) + torch.exp(-M) * torch.einsum("bgrf,bgf->bgr", phq, cache.lin_k.to(cdt))[..., None]
+    o = (num / den).reshape(B, H, D).to(q.dtype)
+
+    _, base, sel = sparsek_attention_decode(q, k, v, u, cache, topk=topk, window=window, variant=variant, scale=scale,
+                                            with_selection=with_selection, backend=backend)
+    # Dropped: the keys of [pool][tail][itself] in neither the new pool nor the new tail (positions t-w+2 .. t).
+    in_pool = (pos[:, :, None] == base.pool_pos[:, None, :]).any(-1)  # [B, N]
+    dropped = ok & ~in_pool & (pos <= t[:, None] - window + 1)
+    lin_kv, lin_k = _add_state(cache.lin_kv, cache.lin_k, phk.detach(), vals.detach(), dropped)
+    nxt = SparseKLinearCache(**{f.name: getattr(base, f.name) for f in fields(SparseKCache)}, lin_kv=lin_kv, lin_k=lin_k)
+    return o, nxt, sel
+
+
+__all__ = ["SparseKLinearCache", "sparsek_linear_attention", "sparsek_linear_attention_chunk",
+           "sparsek_linear_attention_decode", "state_dtype"]

@@ -1,0 +1,148 @@
+"""SparseK+Linear+SW and Linear+SW: the chunk op against the paper's formula on the dense T x T matrix,
+gradients in float64, chunked == unchunked, decode == the chunk op."""
+
+import pytest
+import torch
+
+from longtrain.ops.linear_attention import causal_linear_attention_naive, feature_map
+from longtrain.ops.sparsek_attention.linear import (
+    SparseKLinearCache,
+    sparsek_linear_attention,
+    sparsek_linear_attention_chunk,
+    sparsek_linear_attention_decode,
+)
+from tests.ops.dense_reference import dense_sparsek_linear_attention
+
+CASES = [
+    # T, topk, window, H, Hkv, variant
+    (37, 5, 4, 4, 2, "hard_k_soft_v"),  # GQA, T not a multiple of the block
+    (50, 0, 7, 2, 1, "hard_k_soft_v"),  # Linear+SW (k = 0), MQA
+    (45, 3, 9, 2, 2, "straight_through"),
+    (70, 6, 1, 2, 2, "soft_kv"),  # window of one: the query itself
+    (130, 9, 70, 3, 1, "hard_k_soft_v"),  # window longer than a query block
+]
+
+
+def inputs(T, H, Hkv, D=8, B=2, dtype=torch.float64, u_scale=0.7):
+    return (
+        torch.randn(B, T, H, D, dtype=dtype),
+        torch.randn(B, T, Hkv, D, dtype=dtype),
+        torch.randn(B, T, Hkv, D, dtype=dtype),
+        torch.randn(B, T, dtype=dtype) * u_scale + torch.arange(T, dtype=dtype) * 1e-2,
+        torch.eye(D, dtype=dtype).expand(Hkv, D, D) + 0.3 * torch.randn(Hkv, D, D, dtype=dtype),
+    )
+
+
+def test_causal_linear_equals_the_sum_over_every_key():
+    B, L, H, Hkv, F, D = 2, 70, 4, 2, 5, 3
+    phq, phk = torch.rand(B, L, H, F, dtype=torch.float64), torch.rand(B, L, Hkv, F, dtype=torch.float64)
+    v = torch.randn(B, L, Hkv, D, dtype=torch.float64)
+    s_kv, s_k = torch.randn(B, Hkv, F, D, dtype=torch.float64), torch.rand(B, Hkv, F, dtype=torch.float64)
+    num, den = causal_linear_attention_naive(phq, phk, v, s_kv, s_k, block=16)
+    kr, vr = phk.repeat_interleave(2, 2), v.repeat_interleave(2, 2)
+    w = torch.einsum("bihf,bjhf->bhij", phq, kr).tril()  # [B, H, L, L]
+    want_num = torch.einsum("bhij,bjhd->bihd", w, vr) + torch.einsum("bihf,bhfd->bihd", phq, s_kv.repeat_interleave(2, 1))
+    want_den = w.sum(-1).transpose(1, 2) + torch.einsum("bihf,bhf->bih", phq, s_k.repeat_interleave(2, 1))
+    assert torch.allclose(num, want_num, atol=1e-12) and torch.allclose(den, want_den, atol=1e-12)
+
+
+def test_feature_map_is_elu_of_a_head_wise_linear_plus_one():
+    x, w = torch.randn(2, 3, 4, 5, dtype=torch.float64), torch.randn(2, 5, 5, dtype=torch.float64)
+    want = torch.nn.functional.elu(torch.einsum("bthd,hdf->bthf", x, w.repeat_interleave(2, 0))) + 1
+    assert torch.allclose(feature_map(x, w), want, atol=1e-14) and (feature_map(x, w) > 0).all()
+
+
+@pytest.mark.parametrize("T,k,w,H,Hkv,variant", CASES)
+def test_forward_and_backward_equal_the_dense_formula(T, k, w, H, Hkv, variant):
+    args = inputs(T, H, Hkv)
+    a1 = [x.clone().requires_grad_() for x in args]
+    a2 = [x.clone().requires_grad_() for x in args]
+    o1 = sparsek_linear_attention(*a1, topk=k, window=w, variant=variant)
+    o2 = dense_sparsek_linear_attention(*a2, topk=k, window=w, variant=variant)
+    assert torch.allclose(o1, o2, atol=1e-12, rtol=0)
+    g = torch.randn_like(o1)
+    (o1 * g).sum().backward()
+    (o2 * g).sum().backward()
+    for x, y, name in zip(a1, a2, ["q", "k", "v", "u", "phi"]):
+        want = torch.zeros_like(x) if y.grad is None else y.grad  # k = 0: u is unused
+        assert torch.allclose(x.grad, want, atol=1e-10, rtol=0), name
+
+
+def test_linear_part_matters():
+    """The formula is not plain SparseK+SW: the keys outside S u W change the output."""
+    from longtrain.ops.sparsek_attention import sparsek_attention
+
+    q, k, v, u, w = inputs(40, 2, 2)
+    o = sparsek_linear_attention(q, k, v, u, w, topk=3, window=4)
+    assert (o - sparsek_attention(q, k, v, u, topk=3, window=4)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("k,w,variant", [(3, 2, "hard_k_soft_v"), (0, 3, "hard_k_soft_v"), (2, 2, "soft_kv")])
+def test_gradcheck(k, w, variant):
+    args = [x.requires_grad_() for x in inputs(11, 2, 1, D=3, B=1, u_scale=0.4)]
+    assert torch.autograd.gradcheck(
+        lambda *a: sparsek_linear_attention(*a, topk=k, window=w, variant=variant, block=4), args, fast_mode=True)
+
+
+@pytest.mark.parametrize("chunk", [7, 32])
+@pytest.mark.parametrize("k,w", [(6, 5), (0, 4), (20, 33)])
+def test_chunked_forward_equals_unchunked(chunk, k, w):
+    T = 90
+    q, kk, v, u, phi = inputs(T, 4, 2)
+    whole = sparsek_linear_attention(q, kk, v, u, phi, topk=k, window=w)
+    cache = SparseKLinearCache.empty(2, k, w, 2, 8, dtype=torch.float64, score_dtype=torch.float64)
+    sizes = {n: t.shape for n, t in cache.state_dict().items()}
+    outs = []
+    for s in range(0, T, chunk):
+        sl = slice(s, s + chunk)
+        o, cache, sel = sparsek_linear_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], phi, cache, topk=k, window=w)
+        outs.append(o)
+        assert not sel.overflowed
+    assert torch.allclose(torch.cat(outs, 1), whole, atol=1e-12, rtol=0)
+    assert {n: t.shape for n, t in cache.state_dict().items()} == sizes  # fixed size
+    # The state holds exactly the keys outside the final pool and tail.
+    phk = feature_map(kk, phi)  # [B, T, Hkv, F]
+    out = torch.ones(2, T, dtype=torch.bool)
+    out[:, T - (w - 1):] = False
+    for b in range(2):
+        out[b, cache.pool_pos[b][cache.pool_pos[b] >= 0]] = False
+    want = torch.einsum("btgf,btgd->bgfd", phk * out[:, :, None, None], v)
+    assert torch.allclose(cache.lin_kv, want, atol=1e-10)
+
+
+def test_ragged_lengths_and_row_reset():
+    q, kk, v, u, phi = inputs(40, 2, 2)
+    cache = SparseKLinearCache.empty(2, 4, 3, 2, 8, dtype=torch.float64, score_dtype=torch.float64)
+    lengths = torch.tensor([40, 25])
+    o, cache, _ = sparsek_linear_attention_chunk(q, kk, v, u, phi, cache, topk=4, window=3, lengths=lengths)
+    ref = sparsek_linear_attention(q[1:, :25], kk[1:, :25], v[1:, :25], u[1:, :25], phi, topk=4, window=3)
+    assert torch.allclose(o[1:, :25], ref, atol=1e-12)
+    fresh = cache.reset_rows(torch.tensor([False, True]))
+    assert fresh.seen.tolist() == [40, 0] and isinstance(fresh, SparseKLinearCache)
+    assert (fresh.lin_kv[1] == 0).all() and torch.equal(fresh.lin_kv[0], cache.lin_kv[0])
+
+
+@pytest.mark.parametrize("k,w,variant", [(4, 3, "hard_k_soft_v"), (0, 5, "hard_k_soft_v"), (3, 1, "straight_through"),
+                                         (3, 2, "soft_kv")])
+def test_decode_equals_the_chunk_op(k, w, variant):
+    T, prefix = 24, 9
+    q, kk, v, u, phi = inputs(T, 4, 2)
+    cache = SparseKLinearCache.empty(2, k, w, 2, 8, dtype=torch.float64, score_dtype=torch.float64)
+    _, cache, _ = sparsek_linear_attention_chunk(q[:, :prefix], kk[:, :prefix], v[:, :prefix], u[:, :prefix], phi, cache,
+                                                 topk=k, window=w, variant=variant)
+    ref = cache
+    for t in range(prefix, T):
+        o, cache, _ = sparsek_linear_attention_decode(q[:, t], kk[:, t], v[:, t], u[:, t], phi, cache, topk=k, window=w,
+                                                      variant=variant)
+        o_ref, ref, _ = sparsek_linear_attention_chunk(q[:, t:t + 1], kk[:, t:t + 1], v[:, t:t + 1], u[:, t:t + 1], phi,
+                                                       ref, topk=k, window=w, variant=variant)
+        assert torch.allclose(o, o_ref[:, 0], atol=1e-12, rtol=0), t
+        assert torch.allclose(cache.lin_kv, ref.lin_kv, atol=1e-12) and torch.allclose(cache.lin_k, ref.lin_k, atol=1e-12)
+    whole = sparsek_linear_attention(q, kk, v, u, phi, topk=k, window=w, variant=variant)
+    assert torch.allclose(o, whole[:, -1], atol=1e-12)
+
+
+def test_bad_arguments_are_named():
+    q, k, v, u, phi = inputs(8, 2, 1)
+    with pytest.raises(ValueError, match="window"):
+        sparsek_linear_attention(q, k, v, u, phi, topk=2, window=0)
