@@ -17,7 +17,7 @@ layer must pass; the first query where a layer's selected sets differ is reporte
 passes' theta position and tau there. A threshold state that overflowed its cap always fails.
 
 LONGTRAIN_FAULT=drop_pool (tests only) empties every layer's pool between chunks, so a broken
-cache is known to be caught.
+cache is known to be caught; drop_linear_state zeroes the linear types' linear state.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from longtrain.model import LM, LMConfig, ModelCache
 from longtrain.ops.sparsek_attention import SparseKCache
+from longtrain.ops.sparsek_attention.linear import SparseKLinearCache
 
 # Precision mode -> (weight dtype, autocast dtype or None).
 PRECISIONS = {
@@ -55,7 +56,7 @@ DEFAULT_CHUNK_SIZES = (1024, 4096, 3001)
 # The default model: small enough that 262,144 tokens in float64 take minutes on two CPU cores.
 DEFAULT_MODEL = dict(vocab_size=256, layers=2, d_model=128, heads=4, attention="sparsek+sw", topk=64, window=64)
 PIECE = 2048  # rows of reference logits projected at a time
-FAULTS = ("drop_pool",)
+FAULTS = ("drop_pool", "drop_linear_state")
 
 
 class UsageError(Exception):
@@ -275,6 +276,11 @@ def _inject(cache: ModelCache, fault: str | None) -> ModelCache:
                 layer.attn.pool_u.fill_(-float("inf"))
                 layer.attn.pool_k.zero_()
                 layer.attn.pool_v.zero_()
+    if fault == "drop_linear_state":
+        for layer in cache.layers:
+            if isinstance(layer.attn, SparseKLinearCache):
+                layer.attn.lin_kv.zero_()
+                layer.attn.lin_k.zero_()
     return cache
 
 

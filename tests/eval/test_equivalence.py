@@ -162,6 +162,26 @@ def test_recipe_checkpoint_and_text(tmp_path, self_contained):
         assert res.exit_code == 0, res.output
 
 
+@pytest.mark.parametrize("type_", ["sparsek+linear+sw", "linear+sw"])
+def test_linear_types_pass_and_a_dropped_linear_state_fails(tmp_path, type_):
+    from longtrain.train.recipe import recipe_to_yaml
+
+    overrides = [o if type_ == "sparsek+linear+sw" or not o.startswith("attention.topk") else "attention.topk=0"
+                 for o in SMALL_RECIPE]
+    recipe = tmp_path / "linear.yaml"
+    recipe.write_text(recipe_to_yaml(load_recipe("quickstart", [*overrides, f"attention.type={type_}"])))
+    out = tmp_path / "out.json"
+    res = verify("--recipe", str(recipe), "--tokens", "400", "--chunk-size", "150", "--chunk-size", "41", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    assert type_ in res.output
+    for run in json.loads(out.read_text())["runs"]:
+        assert run["max_abs_logit_diff"] <= 1e-9 and run["selection_agreement"] == 1.0
+    res = verify("--recipe", str(recipe), "--tokens", "400", "--chunk-size", "150", "--json", str(out),
+                 env={"LONGTRAIN_FAULT": "drop_linear_state"})
+    assert res.exit_code == 1, res.output
+    assert json.loads(out.read_text())["runs"][0]["max_abs_logit_diff"] > 1e-9
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
