@@ -28,3 +28,16 @@ def make_console(*, stderr: bool = False) -> Console:
 def plural(count: int, noun: str) -> str:
     """`1 document`, `2 documents`, `1,024 steps`."""
     return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
+def format_warning(message, category, filename, lineno, line=None) -> str:
+    """Python warnings as longtrain prints its own messages: `warning: text` (no file, line or class)."""
+    return f"warning: {message}\n"
+
+
+def print_warnings_plainly() -> None:
+    """Every Python warning of this process prints as `warning: text` (the CLI installs it at startup;
+    under torchrun, distributed.install_rank_prefix puts `[rank N]` in front)."""
+    import warnings
+
+    warnings.formatwarning = format_warning

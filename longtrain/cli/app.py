@@ -32,6 +32,9 @@ def main(
     ),
 ) -> None:
     """Train language models on long documents with SparseK attention."""
+    from longtrain.console import print_warnings_plainly
+
+    print_warnings_plainly()
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:

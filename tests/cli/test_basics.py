@@ -60,3 +60,17 @@ def test_help_is_quick_to_start():
     code = "import sys; from longtrain.cli import app; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ), timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_python_warnings_print_like_the_other_messages(tmp_path):
+    """A warning from deep inside (a corrupt newest checkpoint is skipped) reads `warning: ...`, no file:line."""
+    from tests.eval.test_inspect import write_checkpoint
+
+    write_checkpoint(tmp_path / "run", dict(type="sparsek+sw", topk=6, window=8))
+    (tmp_path / "run/checkpoints/step-00000002").mkdir()  # a newer checkpoint, but empty
+    cmd = [sys.executable, "-m", "longtrain.cli", "export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=300)
+    assert out.returncode == 0, out.stderr
+    [line] = [x for x in out.stderr.splitlines() if "skipping checkpoint" in x]
+    assert line.startswith("warning: skipping checkpoint") and "step-00000002" in line
+    assert "Warning:" not in out.stderr and ".py:" not in out.stderr
