@@ -16,6 +16,7 @@ A SparseK model's scoring vectors are written as extra tensors (`...sparsek_scor
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -92,6 +93,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32"
 
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out / "model.safetensors", 0o666 & ~umask)  # safetensors creates it 0600; the rest of the folder follows the umask
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     # The checkpoint's file as it is (the loaded tokenizer may carry an added end-of-document token).
     raw = _beside(loaded.path, TOKENIZER_FILE)

@@ -49,13 +49,16 @@ class TrainState:
     tokens: int = 0  # trained on since step 0
     best_valid_loss: float | None = None
     grad_scaler: dict[str, Any] | None = None  # train.precision fp16: the loss scaler's state_dict
+    # the Hugging Face model a fine-tuned run descends from (`longtrain import`'s record, carried through
+    # train.init_from), so `longtrain export` writes its family and max_position_embeddings back
+    imported_from: dict[str, Any] | None = None
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> TrainState:
         """The state a checkpoint's meta.json records."""
         return cls(
             step=meta["step"], tokens=meta["tokens"], best_valid_loss=meta.get("best_valid_loss"),
-            grad_scaler=meta.get("grad_scaler"),
+            grad_scaler=meta.get("grad_scaler"), imported_from=meta.get("imported_from"),
         )
 
 
@@ -132,6 +135,7 @@ class Checkpointer:
                 "tokens": state.tokens,
                 "best_valid_loss": state.best_valid_loss,
                 **({"grad_scaler": state.grad_scaler} if state.grad_scaler else {}),
+                **({"imported_from": state.imported_from} if state.imported_from else {}),
                 "data_stream": stream.state_dict(),  # every row's, the same on every rank
                 "layout": layout.to_meta(),
                 "corpus": corpus.fingerprint,

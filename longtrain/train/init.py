@@ -18,6 +18,7 @@ when it thaws it warms up again (longtrain.train.optim.set_lr).
 
 from __future__ import annotations
 
+import json
 from fnmatch import fnmatchcase
 from pathlib import Path
 
@@ -63,6 +64,14 @@ def check_init_source(source: str | Path) -> None:
             f"train.init_from: {e}. Train or import that model first (`longtrain fit RECIPE --run-dir DIR`, "
             "`longtrain import HF_DIR --out DIR`), or point train.init_from at it"
         ) from None
+
+
+def imported_origin(source: str | Path) -> dict | None:
+    """`longtrain import`'s record (path, model_type, config.json) of the Hugging Face model the source
+    descends from, carried on by every run that starts from it; None for a model trained from scratch."""
+    from longtrain.train.checkpointer import resolve_checkpoint
+
+    return json.loads((Path(resolve_checkpoint(source)) / ckpt.META).read_text()).get("imported_from")
 
 
 @torch.no_grad()

@@ -56,7 +56,7 @@ from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainStat
 from longtrain.train.diagnostics import SelectionDiagnostics
 from longtrain.train.distributed import Ranks
 from longtrain.train import memory
-from longtrain.train.init import apply_freeze, check_init_source, init_from_checkpoint
+from longtrain.train.init import apply_freeze, check_init_source, imported_origin, init_from_checkpoint
 from longtrain.train.metrics import (
     METRICS_FILE,
     TENSORBOARD_DIR,
@@ -223,6 +223,7 @@ class Trainer:
         self.model = self.build_model(self.device)
         if self.cfg.init_from and self.resume_from is None:  # fine-tuning: weights only, the rest starts fresh
             self.init_notes = init_from_checkpoint(self.model, self.cfg.init_from, self.recipe)
+            self.state.imported_from = imported_origin(self.cfg.init_from)  # export writes its HF config back
         if self.compiles:  # before DDP/FSDP wrap it (torchtitan's order)
             mode = {"mode": os.environ[COMPILE_MODE_ENV]} if os.environ.get(COMPILE_MODE_ENV) else {}
             self.model.compile_blocks(backend=os.environ.get(COMPILE_BACKEND_ENV, "inductor"), **mode)

@@ -26,7 +26,7 @@ def imported(tmp_path_factory):
     """A tiny Llama saved by transformers, imported with full attention; a corpus of its words."""
     root = tmp_path_factory.mktemp("ft")
     torch.manual_seed(0)
-    hf.save(hf.llama(), root / "hf", hf.tokenizer())
+    hf.save(hf.llama(max_position_embeddings=4096), root / "hf", hf.tokenizer())
     result = CliRunner().invoke(app, ["import", str(root / "hf"), "--out", str(root / "base"), "--attention", "full"])
     assert result.exit_code == 0, result.output
     hf.write_corpus(root / "train", n_docs=3, words=1200)
@@ -111,6 +111,14 @@ def test_fit_with_scorer_first_warmup_then_resume_after_a_kill(imported, tmp_pat
     assert "valid_loss" in metrics[4]
     groups = json.loads((ckpts / "step-00000004/meta.json").read_text())["optimizer"]["param_groups"]
     assert {(g.get("lr_scale", 1.0), g.get("frozen_until", 0)) for g in groups} >= {(6.0, 0), (1.0, 2)}
+
+    # Exported after fine-tuning: the imported model's config (family, max_position_embeddings) comes back,
+    # and model.safetensors has the folder's mode (safetensors alone creates it 0600).
+    assert CliRunner().invoke(app, ["export", str(tmp_path / "straight"), "--out", str(tmp_path / "hf")]).exit_code == 0
+    config = json.loads((tmp_path / "hf/config.json").read_text())
+    assert config["max_position_embeddings"] == 4096 and config["architectures"] == ["LlamaForCausalLM"]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert len(set(modes.values())) == 1 and modes["model.safetensors"] & 0o044, modes
 
     # A run killed inside the warm-up resumes its own checkpoint (not the source) and ends bitwise equal.
     killed = fit(imported, tmp_path / "resumed", freeze, env={"LONGTRAIN_TEST_KILL_AFTER": "2"})
