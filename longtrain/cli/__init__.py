@@ -5,6 +5,8 @@ and keeps its heavy imports inside the function, so `longtrain -h` stays fast.
 """
 
 from longtrain.cli import (  # noqa: F401  (registers the verbs)
+    cache,
+    clean,
     eval,
     export,
     fit,

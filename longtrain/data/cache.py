@@ -22,8 +22,10 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -192,3 +194,85 @@ def cached_file(path: Path, make: Callable[[], str]) -> str:
         os.replace(tmp, path)
         return text
 
+
+
+# ----------------------------------------------------------------------------- `longtrain cache`
+
+
+@dataclass
+class CacheItem:
+    """One thing in the token cache: an entry (tokenized documents), a trained tokenizer, or a
+    build that never finished (its temporary folder)."""
+
+    path: Path
+    kind: str  # "tokens", "tokenizer" or "unfinished"
+    what: str  # the corpus it holds, as its manifest says
+    size: int  # bytes on disk
+    written: float  # modification time (seconds since the epoch)
+    docs: int | None = None
+    tokens: int | None = None
+
+    @property
+    def key(self) -> str:
+        return self.path.name.split(".", 1)[0]
+
+
+def disk_size(path: Path) -> int:
+    """Bytes of a file, or of every file under a folder."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def cache_items(cache_dir: Path) -> list[CacheItem]:
+    """What the cache folder holds, oldest first."""
+    items: list[CacheItem] = []
+    if not cache_dir.is_dir():
+        return items
+    for path in cache_dir.iterdir():
+        if path.is_dir() and path.name == "tokenizers":
+            for tok in path.glob("*.json"):
+                items.append(CacheItem(tok, "tokenizer", "a trained BPE tokenizer", tok.stat().st_size, tok.stat().st_mtime))
+        elif path.is_dir() and (".tmp-" in path.name or ".old-" in path.name):
+            items.append(CacheItem(path, "unfinished", "a build that did not finish", disk_size(path), path.stat().st_mtime))
+        elif path.is_dir():
+            try:
+                manifest = json.loads((path / "manifest.json").read_text())
+            except (OSError, ValueError):
+                manifest = {}
+            what = str(manifest.get("source", "unreadable entry (it is rebuilt when needed)"))
+            items.append(CacheItem(path, "tokens", what, disk_size(path), path.stat().st_mtime,
+                                   manifest.get("n_docs"), manifest.get("n_tokens")))
+    return sorted(items, key=lambda item: item.written)
+
+
+def clear_cache(items: list[CacheItem]) -> tuple[list[CacheItem], list[CacheItem]]:
+    """Delete the items; returns (deleted, in use). An entry whose lock another process holds (it is
+    being built) is left alone; a run that has an entry open keeps reading it (the files live on
+    until it closes them)."""
+    deleted, busy = [], []
+    for item in items:
+        lock = item.path.parent / f"{item.path.name if item.kind == 'tokenizer' else item.key}.lock"
+        with open(lock, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                busy.append(item)
+                continue
+            if item.path.is_dir():
+                shutil.rmtree(item.path, ignore_errors=True)
+            else:
+                item.path.unlink(missing_ok=True)
+            if item.kind != "unfinished":
+                lock.unlink(missing_ok=True)
+            deleted.append(item)
+    return deleted, busy
+
+
+def age(seconds_since_epoch: float) -> str:
+    """`3 h ago`, `12 d ago`: how long ago a cache item was written."""
+    ago = max(0.0, time.time() - seconds_since_epoch)
+    for unit, length in (("d", 86400), ("h", 3600), ("min", 60)):
+        if ago >= length:
+            return f"{ago / length:.0f} {unit} ago"
+    return "just now"

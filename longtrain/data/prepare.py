@@ -73,7 +73,7 @@ def corpus_documents(
         from .recall import make_filler, recall_documents
 
         filler, filler_key = make_filler(data, tok, cache_dir, progress, source=source)
-        return recall_documents(data, tok, filler, filler_key, cache_dir, progress)
+        return recall_documents(data, tok, filler, filler_key)
     source = source if source is not None else load_source(data)
     tok_hash = tokenizer_hash(tok)
     docs, stats = tokenize_source(source, tok, data.min_doc_tokens, cache_dir, tok_hash, "train", progress)

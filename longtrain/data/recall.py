@@ -30,6 +30,7 @@ KV cache, resume and validation (a `data.valid` fraction) all work unchanged.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -40,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from .cache import EntryWriter, TokenDocs, cached_tokens
+from .cache import TokenDocs
 from .config import DataConfig, RecallConfig, line_length
 from .errors import DataError
 from .sources import Source, files_source
@@ -270,10 +271,39 @@ def generate_documents(
     return TokenDocs(tokens, ends - ends[0], ends, np.arange(n_docs, dtype=np.int64)), docs
 
 
-def recall_documents(
-    data: DataConfig, tok: Tokenizer, filler: Filler, filler_key: str, cache_dir: Path, progress: bool = True
-) -> tuple[TokenDocs, dict]:
-    """The training stream's `recall.docs` documents (seed `recall.seed`), through the token cache."""
+class GeneratedDocs:
+    """Recall documents made when read: TokenDocs' interface (len, doc, lengths, n_tokens, source_ids,
+    subset) over `generate_document`, so a 30-step run generates the documents it reads, not all
+    `recall.docs` of them, and nothing goes to the token cache. Every document is doc_tokens long
+    (EOD last); the last few read are kept, since the stream reads each one chunk by chunk."""
+
+    RECENT = 512  # documents kept in memory: several chunks' rows, times the rows of a batch
+
+    def __init__(self, make, length: int, source_ids: np.ndarray):
+        self._make, self._length = make, length
+        self.source_ids = np.asarray(source_ids, dtype=np.int64)  # [n] index of each document in the stream
+        self.lengths = np.full(len(self.source_ids), length, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.source_ids)
+
+    def doc(self, i: int) -> np.ndarray:
+        """Tokens of document i (int32, read-only, EOD last)."""
+        return self._make(int(self.source_ids[i]))
+
+    @property
+    def n_tokens(self) -> int:
+        return self._length * len(self)
+
+    def subset(self, index: np.ndarray) -> GeneratedDocs:
+        return GeneratedDocs(self._make, self._length, self.source_ids[np.asarray(index, dtype=np.int64)])
+
+    def __repr__(self) -> str:
+        return f"GeneratedDocs({len(self)} recall documents of {self._length} tokens)"
+
+
+def recall_documents(data: DataConfig, tok: Tokenizer, filler: Filler, filler_key: str) -> tuple[GeneratedDocs, dict]:
+    """The training stream's `recall.docs` documents (seed `recall.seed`), generated as they are read."""
     cfg = data.recall
     sym, eod = Symbols.of(tok), eod_id(tok)
     settings = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
@@ -281,19 +311,15 @@ def recall_documents(
         f"recall:{GENERATOR_VERSION}:{settings}:{tokenizer_hash(tok)}:{filler_key}".encode(), digest_size=16
     ).hexdigest()
 
-    def build(writer: EntryWriter) -> dict:
-        from rich.console import Console
-        from rich.progress import Progress
+    @functools.lru_cache(maxsize=GeneratedDocs.RECENT)
+    def make(i: int) -> np.ndarray:
+        tokens = np.append(generate_document(cfg, sym, filler, cfg.seed, i).tokens, np.int32(eod)).astype(np.int32)
+        tokens.flags.writeable = False  # shared by every reader of document i
+        return tokens
 
-        with Progress(console=Console(stderr=True), disable=not progress, transient=True) as bar:
-            task = bar.add_task("generating recall documents", total=cfg.docs)
-            for i in range(cfg.docs):
-                writer.add(i, np.append(generate_document(cfg, sym, filler, cfg.seed, i).tokens, np.int32(eod)))
-                bar.advance(task)
-        return {"docs_read": cfg.docs, "dropped": 0, "longest_dropped": 0, "invalid_utf8_bytes": 0}
-
-    docs, manifest, hit = cached_tokens(cache_dir, key, build)
-    return docs, {"key": key, "cache_hit": hit, "docs_read": cfg.docs, "kept": len(docs), "tokens": docs.n_tokens}
+    make(0)  # settings that cannot place the facts fail here, before training, not at a later read
+    docs = GeneratedDocs(make, cfg.doc_tokens, np.arange(cfg.docs))
+    return docs, {"key": key, "cache_hit": False, "generated": True, "docs_read": cfg.docs, "kept": len(docs), "tokens": docs.n_tokens}
 
 
 def describe(cfg: RecallConfig) -> str:

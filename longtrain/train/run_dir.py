@@ -7,19 +7,23 @@ included, so a killed run never leaves the directory locked; a stale `.lock` fil
 is only information and is overwritten by the next holder (and removed when a holder exits).
 
 `move_aside` renames files a run would otherwise overwrite or delete (old checkpoints, old
-metrics) to `<name>.<tag>-<time>`, beside themselves.
+metrics) to `<name>.<tag>-<time>`, beside themselves; `set_aside` finds them again (the run's summary
+lists them and `longtrain clean` deletes them).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 import sys
 import time
 from pathlib import Path
 
 LOCK_FILE = ".lock"
+ASIDE_TAGS = ("replaced", "superseded", "unusable")  # --resume never; --resume PATH; checkpoints failing their checks
+_ASIDE = re.compile(r"\.(?:" + "|".join(ASIDE_TAGS) + r")-(\d{8}-\d{6})$")
 
 
 class RunDirBusy(Exception):
@@ -77,3 +81,13 @@ def move_aside(paths: list[Path], tag: str) -> list[tuple[Path, Path]]:
             path.rename(new)
             moved.append((path, new))
     return moved
+
+
+def set_aside(run_dir: str | Path, checkpoint_dir: str | Path | None = None) -> list[Path]:
+    """What `move_aside` left in a run: `<name>.<tag>-<time>` in the run dir, its checkpoint folder and
+    (a custom checkpoint.dir) beside that folder; oldest first. Nothing else ever matches."""
+    places = {Path(run_dir), Path(run_dir) / "checkpoints"}
+    if checkpoint_dir is not None:
+        places |= {Path(checkpoint_dir), Path(checkpoint_dir).parent}
+    found = {p for d in places if d.is_dir() for p in d.iterdir() if _ASIDE.search(p.name)}
+    return sorted(found, key=lambda p: (_ASIDE.search(p.name).group(1), str(p)))

@@ -47,6 +47,7 @@ import torch
 from longtrain.console import make_console
 from longtrain.console import plural as _n
 from longtrain.data import IGNORE, DocumentStream, PreparedCorpus, iter_valid_chunks, prepare_corpus
+from longtrain.data.cache import disk_size
 from longtrain.data.stream import Chunk
 from longtrain.model import LM, LMConfig, warn_threshold_overflow
 from longtrain.model.attention_types import kv_entries
@@ -72,7 +73,7 @@ from longtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from longtrain.train.rank_state import Layout
 from longtrain.train.recipe import Recipe, recipe_to_yaml
 from longtrain.train.rng import seed_everything
-from longtrain.train.run_dir import RunLock, move_aside
+from longtrain.train.run_dir import RunLock, move_aside, set_aside
 from longtrain.train.signals import StopSignal, kill_for_tests_after
 from longtrain.train.step_graph import ChunkGraph, ChunkInputs, ChunkResult
 
@@ -504,6 +505,11 @@ class Trainer:
                        f"--set train.valid_every={cfg.steps} validates at its end")
         if warning := self.stream.too_few_documents():
             out.append(f"warning: {warning}")
+        if aside := set_aside(self.run_dir, self.checkpointer.dir):
+            size = gib(sum(disk_size(p) for p in aside))
+            names = ", ".join(p.name for p in aside[:3]) + (", ..." if len(aside) > 3 else "")
+            out.append(f"note: {_n(len(aside), 'item')} moved aside by earlier runs ({size}: {names}); "
+                       f"`longtrain clean {self.run_dir}` lists them, with --delete deletes them")
         return out
 
     # ------------------------------------------------------------------ one step

@@ -64,3 +64,29 @@ def test_cached_file_makes_once(tmp_path):
     assert cached_file(tmp_path / "t" / "a.json", make) == "content"
     assert cached_file(tmp_path / "t" / "a.json", make) == "content"
     assert made == [1]
+
+
+def test_cache_list_and_clear_through_the_cli(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from longtrain.cli import app
+    from longtrain.data import DataConfig, TokenizerConfig, prepare_corpus
+
+    monkeypatch.setenv("LONGTRAIN_CACHE", str(tmp_path / "cache"))
+    run = lambda *args, **kw: CliRunner().invoke(app, ["cache", *args], **kw)  # noqa: E731
+    assert "is empty" in run("list").output
+    (tmp_path / "docs").mkdir()
+    for i in range(3):
+        (tmp_path / "docs" / f"d{i}.txt").write_text(f"document {i}: " + "the river and the house " * 200)
+    prepare_corpus(DataConfig(source="files", path=str(tmp_path / "docs"), min_doc_tokens=10),
+                   TokenizerConfig(vocab_size=300), progress=False)
+    listed = run("list")
+    assert listed.exit_code == 0, listed.output
+    assert "3 docs" in listed.output and "tokens" in listed.output and "tokenizer" in listed.output
+    assert "2 items in" in listed.output and str(tmp_path / "cache") in listed.output
+    refused = run("clear")  # not a terminal: asks for --yes instead of deleting
+    assert refused.exit_code == 2 and "--yes" in refused.output and "2 items" in run("list").output
+    cleared = run("clear", "--yes")
+    assert cleared.exit_code == 0 and "deleted 2 items" in cleared.output
+    assert "is empty" in run("list").output
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]

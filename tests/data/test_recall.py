@@ -27,11 +27,19 @@ def prepare(tmp_path, valid=0.25, cache="cache", **over):
     return prepare_corpus(data, TokenizerConfig(vocab_size=300), cache_dir=tmp_path / cache, progress=False)
 
 
-def test_documents_are_deterministic_and_go_through_the_token_cache(tmp_path):
+def test_documents_are_deterministic_and_generated_as_they_are_read(tmp_path, monkeypatch):
+    from longtrain.data import recall
+
+    made = []
+    real = recall.generate_document
+    monkeypatch.setattr(recall, "generate_document", lambda *a, **k: made.append(a[4]) or real(*a, **k))
+    first = prepare(tmp_path, docs=4000)
+    assert made == [0] and len(first.train) + len(first.valid) == 4000  # only the first, as a check
+    assert not any((tmp_path / "cache").glob("*/tokens.bin.*")) and len(list((tmp_path / "cache").iterdir())) <= 4
+    first.train.doc(7), first.train.doc(7), first.valid.doc(0)
+    assert made == [0, int(first.train.source_ids[7]), int(first.valid.source_ids[0])]  # once each, when read
     first = prepare(tmp_path)
-    again = prepare(tmp_path)  # a cache hit
-    assert first.stats["train"]["cache_hit"] is False and again.stats["train"]["cache_hit"] is True
-    rebuilt = prepare(tmp_path, cache="other-cache")  # generated from scratch in another cache
+    rebuilt = prepare(tmp_path, cache="other-cache")  # the same documents from another cache
     for a, b in ((first.train, rebuilt.train), (first.valid, rebuilt.valid)):
         assert len(a) == len(b) > 0
         for i in range(len(a)):

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from longtrain.train.metrics import read_metrics
+from longtrain.train.run_dir import RunLock
 
 from .tiny import cli, cli_command, losses, snapshot
 
@@ -91,6 +92,22 @@ def test_resume_never_moves_the_previous_run_aside_and_says_where(workspace):
     assert [rec["step"] for rec in read_metrics(old_metrics)] == [1, 2, 3, 4]
     assert sorted(losses(tmp / "r")) == [1, 2]
     assert sorted(p.name for p in (tmp / "r/checkpoints").iterdir()) == ["step-00000002"]
+    # The summary lists what was moved aside, and `longtrain clean` deletes exactly that.
+    note = next(line for line in r.output.splitlines() if "moved aside by earlier runs" in line)
+    assert "note: 2 items moved aside by earlier runs" in note and aside.name in note and old_metrics.name in note
+    assert f"longtrain clean {tmp / 'r'}" in note
+    listed = cli("clean", tmp / "r")
+    assert listed.exit_code == 0 and "nothing deleted" in listed.output and aside.exists() and old_metrics.exists()
+    assert str(aside) in listed.output and str(old_metrics) in listed.output
+    live = snapshot(tmp / "r")
+    live = {k: v for k, v in live.items() if not k.startswith((aside.name, old_metrics.name))}
+    with RunLock(tmp / "r"):  # a fit holding the run: nothing is deleted
+        busy = cli("clean", tmp / "r", "--delete")
+    assert busy.exit_code == 1 and "in use" in busy.output and aside.exists()
+    done = cli("clean", tmp / "r", "--delete")
+    assert done.exit_code == 0 and "deleted 2 moved-aside items" in done.output
+    assert not aside.exists() and not old_metrics.exists() and snapshot(tmp / "r") == live
+    assert "nothing was moved aside" in cli("clean", tmp / "r").output
 
 
 def _wait_for(predicate, timeout=120.0, what=""):

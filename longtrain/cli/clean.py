@@ -1,0 +1,59 @@
+"""`longtrain clean RUN`: list, then delete, what earlier runs moved aside in a run dir."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from longtrain.cli.app import app, fail
+
+
+@app.command("clean")
+def clean(
+    run_dir: Path = typer.Argument(..., help="a run directory"),
+    delete: bool = typer.Option(False, "--delete", help="delete them (without it, only list them)"),
+) -> None:
+    """List what `fit` moved aside in RUN (old runs replaced by --resume never, checkpoints superseded by
+    --resume PATH or unusable); with --delete, delete exactly those. The live run is never touched."""
+    from longtrain.data.cache import disk_size
+    from longtrain.train.metrics import gib
+    from longtrain.train.run_dir import RunDirBusy, RunLock, set_aside
+
+    if not run_dir.is_dir():
+        raise fail(f"{run_dir} is not a folder: give a run directory (runs/NAME)", 2)
+    aside = set_aside(run_dir, _checkpoint_dir(run_dir))
+    if not aside:
+        typer.echo(f"{run_dir}: nothing was moved aside, nothing to clean")
+        return
+    sizes = [disk_size(p) for p in aside]
+    for path, size in zip(aside, sizes):
+        typer.echo(f"{gib(size):>9}  {path}")
+    total = f"{len(aside)} moved-aside item{'s' if len(aside) != 1 else ''} ({gib(sum(sizes))})"
+    if not delete:
+        typer.echo(f"{total}; nothing deleted: `longtrain clean {run_dir} --delete` deletes them")
+        return
+    import shutil
+
+    try:
+        with RunLock(run_dir):  # no fit is running in it (a running one would hold it)
+            for path in aside:
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+    except RunDirBusy as e:
+        raise fail(f"{e}; nothing was deleted", 1)
+    typer.echo(f"deleted {total}")
+
+
+def _checkpoint_dir(run_dir: Path) -> Path | None:
+    """The run's checkpoint.dir from its recipe.yaml when it sets one (None: RUN/checkpoints)."""
+    import yaml
+
+    try:
+        recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
+        folder = (recipe.get("checkpoint") or {}).get("dir")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return Path(folder) if folder else None
