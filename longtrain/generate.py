@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 
 from longtrain.model import LM, ModelCache
-from longtrain.ops.sparsek_attention import SparseKCache
+from longtrain.model.chunks import PREFILL_CHUNK, ChunkReader, resolve_chunk_size, split_rows
 
-DEFAULT_CHUNK = 4096
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -40,7 +39,7 @@ def prefill(
     model: LM,
     ids: torch.Tensor,  # [B, T] int64 prompt tokens (on any device)
     *,
-    chunk_size: int = DEFAULT_CHUNK,
+    chunk_size: int = PREFILL_CHUNK,
     cache: ModelCache | None = None,
     on_chunk: Callable[[int], None] | None = None,  # called with the tokens done so far
 ) -> tuple[ModelCache, torch.Tensor]:
@@ -49,13 +48,12 @@ def prefill(
     B, T = ids.shape
     if T < 1:
         raise ValueError("the prompt has no tokens")
-    cache = cache if cache is not None else model.empty_cache(B, device=dev)
-    for s in range(0, T, chunk_size):
-        out = model.hidden(ids[:, s : s + chunk_size].to(dev), cache=cache)  # no [chunk, V] logits
-        cache = out.cache
-        if on_chunk is not None:
-            on_chunk(min(s + chunk_size, T))
-    return cache, model.head(out.hidden[:, -1])
+    reader = ChunkReader(cache if cache is not None else model.empty_cache(B, device=dev), dev)
+    chunks = split_rows(ids, chunk_size, seen=None if cache is None else cache.seen)
+    for done, (_, _, out) in enumerate(reader(chunks, lambda c, cache: model.hidden(c.tokens, cache=cache)), 1):
+        if on_chunk is not None:  # no [chunk, V] logits above: only the last position's below
+            on_chunk(min(done * chunk_size, T))
+    return reader.cache, model.head(out.hidden[:, -1])
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -92,7 +90,7 @@ class Decoder:
 
     @property
     def cache_grows(self) -> bool:
-        return not all(isinstance(layer.attn, SparseKCache) for layer in self._cache.layers)
+        return self._cache.grows
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -222,7 +220,7 @@ def generate(
     *,
     max_new_tokens: int,
     sampling: Sampling | None = None,
-    chunk_size: int = DEFAULT_CHUNK,
+    chunk_size: int = PREFILL_CHUNK,
     eod_id: int | None = None,  # stop after this token (None: never)
     cuda_graph: bool | None = None,
     on_token: Callable[[int], None] | None = None,
@@ -327,7 +325,7 @@ def run_command(
     ids = tok.encode(text, add_special_tokens=False).ids
     if not ids:
         raise GenerateUsageError("the prompt is empty: give some text to continue")
-    chunk = chunk_size or max(DEFAULT_CHUNK, ckpt.recipe.train.chunk_size)
+    chunk = resolve_chunk_size(chunk_size, ckpt.recipe.train.chunk_size, prefill=True)
     cfg = model.cfg
     err.print(f"{ckpt.path} (step {ckpt.step}): {describe_attention(cfg)}, {dtype} on {device}; prompt {len(ids):,} tokens")
     if cfg.attention == "full":

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from longtrain.model import LM, LMConfig, ModelCache
+from longtrain.model.chunks import ChunkReader, split_rows
 from longtrain.ops.sparsek_attention import SparseKCache
 from longtrain.ops.sparsek_attention.linear import SparseKLinearCache
 
@@ -239,14 +240,20 @@ def chunked_pass(model: LM, tokens: torch.Tensor, chunk: int, ref_h: torch.Tenso
     dev = tokens.device
     max_diff, nll, overflowed, seconds = 0.0, 0.0, False, 0.0
     tallies = {i: _LayerTally(i, dev) for i in ref_sels}
+
+    def timed_forward(piece, cache):
+        nonlocal seconds
+        t0 = time.perf_counter()
+        out = model(piece.tokens, cache=cache)
+        _sync(dev)
+        seconds += time.perf_counter() - t0
+        _inject(out.cache, fault)
+        return out
+
     with PeakMemory(dev) as mem:
-        cache = model.empty_cache(1, device=dev, dtype=ref_h.dtype)
-        for s in range(0, T, chunk):
-            t0 = time.perf_counter()
-            out = model(tokens[None, s : s + chunk], cache=cache)
-            _sync(dev)
-            seconds += time.perf_counter() - t0
-            cache = _inject(out.cache, fault)
+        reader = ChunkReader(model.empty_cache(1, device=dev, dtype=ref_h.dtype), dev)
+        for host, _, out in reader(split_rows(tokens[None], chunk), timed_forward):
+            s = int(host.doc_offset[0])  # the chunk's first position
             logits = out.logits[0]  # [c, V]
             ref = model.head(ref_h[s : s + logits.shape[0]])
             max_diff = max(max_diff, float((_wide(logits) - _wide(ref)).abs().max()))

@@ -21,6 +21,7 @@ import torch
 
 from longtrain.eval.tasks import EvalContext, EvalOptions, EvalUsageError, Task, TaskResult, register
 from longtrain.generate import Decoder, prefill
+from longtrain.model.chunks import resolve_chunk_size
 
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -129,7 +130,7 @@ def kv_budget(cfg) -> int | None:
 
 def run(ctx: EvalContext) -> TaskResult:
     model, opts = ctx.ckpt.model, ctx.opts
-    chunk = opts.chunk_size or ctx.ckpt.recipe.train.chunk_size
+    chunk = resolve_chunk_size(opts.chunk_size, ctx.ckpt.recipe.train.chunk_size)
     cells = passkey_grid(
         model, ctx.ckpt.tokenizer, max_len=opts.max_len, trials=opts.trials, chunk_size=chunk, seed=opts.seed,
         progress=ctx.progress,

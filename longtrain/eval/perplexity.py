@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from longtrain.data import IGNORE, TokenDocs, iter_valid_chunks
+from longtrain.model.chunks import ChunkReader, resolve_chunk_size
 from longtrain.eval.tasks import EvalContext, EvalOptions, EvalUsageError, Progress, Task, TaskResult, register
 
 FIRST_BUCKET = 1024
@@ -86,11 +87,9 @@ def perplexity_by_position(
         progress.start("perplexity", int(read.sum()))
     dev = model.embed.weight.device
     rows = max(1, min(rows, n_docs))
-    cache = model.empty_cache(rows, device=dev)
-    for chunk in iter_valid_chunks(docs, chunk_size, batch_rows=rows, max_docs=n_docs, max_tokens=max_tokens):
-        cache = cache.reset_rows(chunk.reset.to(dev))
-        out = model.hidden(chunk.tokens.to(dev), cache=cache, lengths=chunk.lengths.to(dev))
-        cache = out.cache
+    reader = ChunkReader(model.empty_cache(rows, device=dev), dev)
+    chunks = iter_valid_chunks(docs, chunk_size, batch_rows=rows, max_docs=n_docs, max_tokens=max_tokens)
+    for chunk, _, out in reader(chunks, lambda c, cache: model.hidden(c.tokens, cache=cache, lengths=c.lengths)):
         pos = (chunk.doc_offset[:, None] + torch.arange(chunk_size)[None]).numpy()  # [B, C] absolute positions
         targets = chunk.targets.numpy()
         keep = targets != IGNORE
@@ -123,7 +122,7 @@ def run(ctx: EvalContext) -> TaskResult:
 
     recipe, opts = ctx.ckpt.recipe, ctx.opts
     res = perplexity_by_position(
-        ctx.ckpt.model, ctx.documents(), chunk_size=opts.chunk_size or recipe.train.chunk_size, max_docs=opts.docs,
+        ctx.ckpt.model, ctx.documents(), chunk_size=resolve_chunk_size(opts.chunk_size, recipe.train.chunk_size), max_docs=opts.docs,
         max_tokens=opts.tokens, rows=recipe.train.batch_docs, progress=ctx.progress,
     )
     rows = [(f"all positions ({plural(res['documents'], 'doc')})", f"{res['loss']:.4f} · ppl {res['ppl']:.2f} · {res['tokens']:,} tok")]

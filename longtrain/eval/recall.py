@@ -19,6 +19,7 @@ import torch
 from longtrain.data import DataConfig, DataError, iter_valid_chunks
 from longtrain.data.config import RecallConfig
 from longtrain.data.recall import chance_level, generate_documents, make_filler, value_offset
+from longtrain.model.chunks import ChunkReader, resolve_chunk_size
 
 ROWS = 8  # documents read side by side
 
@@ -77,7 +78,7 @@ def measure_recall(
     token_docs, recall_docs = generate_documents(cfg, loaded.tokenizer, filler, seed=cfg.seed, n_docs=docs)
 
     device = next(model.parameters()).device
-    chunk = chunk_size or recipe.train.chunk_size
+    chunk = resolve_chunk_size(chunk_size, recipe.train.chunk_size)
     rows = min(ROWS, docs)
     # Only the positions that predict a query's value token (the one before each) go through the head:
     # no [B, L, V] logits, and the predictions stay on the device until the loop ends.
@@ -87,12 +88,15 @@ def measure_recall(
     for w, v in zip(wanted, vpos):
         w[v - 1] = True
     argmax, where = [], []  # predictions [n] per chunk, on the device; (document, position) of each, on the host
-    cache = model.empty_cache(rows, device=device, dtype=torch.float32)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+    def forward(ch, cache):
+        with autocast:
+            return model.hidden(ch.tokens, cache=cache, lengths=ch.lengths)
+
     model.eval()
-    for host in iter_valid_chunks(token_docs, chunk, batch_rows=rows):
-        ch = host.to(device)
-        cache = cache.reset_rows(ch.reset)
+    reader = ChunkReader(model.empty_cache(rows, device=device, dtype=torch.float32), device)
+    for host, _, out in reader(iter_valid_chunks(token_docs, chunk, batch_rows=rows), forward):
         rows_at, cols_at = [], []  # this chunk's value positions: row, index within the chunk
         for b, (d, o, n) in enumerate(zip(host.doc_index.tolist(), host.doc_offset.tolist(), host.lengths.tolist())):
             if d >= 0 and n > 0:
@@ -100,12 +104,10 @@ def measure_recall(
                 rows_at += [b] * len(t)
                 cols_at += t.tolist()
                 where += [(d, o + i) for i in t.tolist()]
-        with autocast:
-            out = model.hidden(ch.tokens, cache=cache, lengths=ch.lengths)
-            if rows_at:
+        if rows_at:
+            with autocast:
                 h = out.hidden[torch.tensor(rows_at, device=device), torch.tensor(cols_at, device=device)]  # [n, d]
                 argmax.append(model.head(h).argmax(-1))  # [n]
-        cache = out.cache
     preds = [np.full(len(d.tokens) + 1, -1, dtype=np.int64) for d in recall_docs]  # argmax at each value position
     if argmax:
         for (d, pos), a in zip(where, torch.cat(argmax).cpu().tolist()):  # the one host read

@@ -12,7 +12,7 @@ dead keys behind, so it is cut to the longest current document (read from the ho
 chunk, no device sync). A SparseK cache has a fixed size and is carried as it is.
 
 Chunk size: a reader reads in the chunks it is asked for, else the run's training chunk
-(`chunk_size`); generation's prefill reads at least PREFILL_CHUNK tokens at a time (speed only:
+(`resolve_chunk_size`); generation's prefill reads at least PREFILL_CHUNK tokens at a time (speed only:
 chunked and unchunked reads give the same results, docs/DESIGN.md section 3).
 """
 
@@ -31,10 +31,10 @@ from longtrain.model.cache import ModelCache
 PREFILL_CHUNK = 4096  # a prompt's chunks at least this long: fewer, larger launches
 
 
-def chunk_size(requested: int | None, trained: int, *, prefill: bool = False) -> int:
+def resolve_chunk_size(requested: int | None, trained: int, *, prefill: bool = False) -> int:
     """The chunk a reader reads: `requested` (a --chunk-size flag), else the training chunk; a prefill
     reads at least PREFILL_CHUNK tokens at a time."""
-    if requested is not None:
+    if requested:  # None: not asked for
         return requested
     return max(PREFILL_CHUNK, trained) if prefill else trained
 
@@ -45,11 +45,11 @@ Forward = Callable[[Chunk, ModelCache], Any]
 
 
 def send(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`. To a GPU it goes from pinned memory without waiting: a copy from
-    pageable memory would wait for the device to finish its queue (a host sync per chunk)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    """A tensor on `device`. From the host to a GPU it goes from pinned memory without waiting: a copy
+    from pageable memory would wait for the device to finish its queue (a host sync per chunk)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def to_device(chunk: Chunk, device: torch.device) -> Chunk:
@@ -64,21 +64,21 @@ def longest_document(host: Chunk) -> int:
 
 
 def split_rows(ids: torch.Tensor, size: int, *, seen: torch.Tensor | None = None) -> Iterator[Chunk]:
-    """ids [B, T] (on the host) as chunks of `size` tokens: B rows of one document each, every row
-    full; `seen` [B] (host): the tokens each row's cache has read already (None: none, the first
-    chunk resets the rows). A chunk's targets are the next tokens of ids (IGNORE past its end)."""
+    """ids [B, T] as chunks of `size` tokens: B rows, each continuing the document in its cache (an
+    empty cache: from position 0), every row full. `seen` [B] (host): the tokens each row's cache
+    holds already (None: none). Tokens and targets (the next tokens of ids, IGNORE past its end) stay
+    on ids' device; the rows' lengths and positions are on the host, as the reader reads them."""
     B, T = ids.shape
-    before = torch.zeros(B, dtype=torch.int64) if seen is None else seen.to(torch.int64)
+    before = torch.zeros(B, dtype=torch.int64) if seen is None else seen.cpu().to(torch.int64)
     for s in range(0, T, size):
         tokens = ids[:, s : s + size]  # [B, L]
         L = tokens.shape[1]
-        targets = torch.full((B, L), IGNORE, dtype=torch.int64)
+        targets = torch.full((B, L), IGNORE, dtype=torch.int64, device=ids.device)
         nxt = ids[:, s + 1 : s + 1 + L]
         targets[:, : nxt.shape[1]] = nxt
         yield Chunk(
             tokens=tokens, targets=targets, lengths=torch.full((B,), L, dtype=torch.int64),
-            reset=torch.full((B,), s == 0 and seen is None), doc_index=torch.arange(B),
-            doc_offset=before + s, doc_len=before + T,
+            reset=torch.zeros(B, dtype=torch.bool), doc_index=torch.arange(B), doc_offset=before + s, doc_len=before + T,
         )
 
 

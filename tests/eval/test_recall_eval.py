@@ -44,6 +44,7 @@ class Memory:
     """The stand-in model's cache: the last `reach` tokens of each row."""
 
     tokens: list[list[int]]
+    grows = False  # as a SparseK cache: carried on as it is
 
     def reset_rows(self, mask):
         return Memory([[] if m else t for t, m in zip(self.tokens, mask.tolist())])
