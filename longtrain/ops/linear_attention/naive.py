@@ -34,10 +34,13 @@ def causal_linear_attention_naive(
     state_k: torch.Tensor,  # [B, Hkv, F] sum of phi_k over them
     block: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(num [B, L, H, D], den [B, L, H]) of causal linear attention continuing from the state (module doc)."""
+    """(num [B, L, H, D], den [B, L, H]) of causal linear attention continuing from the state (module doc), in
+    float32 at least."""
     B, L, H, Fd = phq.shape
     Hkv, D = v.shape[2], v.shape[3]
     R = H // Hkv
+    cdt = torch.promote_types(phq.dtype, torch.float32)  # sums over the whole chunk: float32 at least
+    phq, phk, v = phq.to(cdt), phk.to(cdt), v.to(cdt)
     n = -(-L // block)
     pad = n * block - L
     q = F.pad(phq, (0, 0, 0, 0, 0, pad)).view(B, n, block, Hkv, R, Fd)
@@ -49,8 +52,8 @@ def causal_linear_attention_naive(
     num = torch.einsum("bngrij,bnjgd->bnigrd", a, vv)  # [B, n, C, Hkv, R, D]
     # Inter-block: the state at each block start (the carried state plus every earlier block).
     blk_kv = torch.einsum("bnjgf,bnjgd->bngfd", k, vv)  # [B, n, Hkv, F, D]
-    start_kv = state_kv[:, None].to(blk_kv.dtype) + blk_kv.cumsum(1) - blk_kv  # exclusive prefix
+    start_kv = state_kv[:, None].to(cdt) + blk_kv.cumsum(1) - blk_kv  # exclusive prefix
     num = num + torch.einsum("bnigrf,bngfd->bnigrd", q, start_kv)
-    z = state_k[:, None, None].to(k.dtype) + k.reshape(B, n * block, Hkv, Fd).cumsum(1).view(B, n, block, Hkv, Fd)
+    z = state_k[:, None, None].to(cdt) + k.reshape(B, n * block, Hkv, Fd).cumsum(1).view(B, n, block, Hkv, Fd)
     den = torch.einsum("bnigrf,bnigf->bnigr", q, z)  # [B, n, C, Hkv, R]
     return num.reshape(B, n * block, H, D)[:, :L], den.reshape(B, n * block, H)[:, :L]

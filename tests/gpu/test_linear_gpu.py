@@ -1,0 +1,58 @@
+"""GPU checks of the linear attention types (skipped without CUDA): fla's chunked kernels against the
+plain chunk-wise reference (forward and gradients, through the initial state too), and a model with
+sparsek+linear+sw reading a document in chunks as in one pass on the GPU, in float32 and under bf16 autocast."""
+
+import pytest
+import torch
+
+from longtrain.model import LM, LMConfig
+from longtrain.ops.linear_attention import causal_linear_attention_fla, causal_linear_attention_naive, fla_available
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.skipif(not fla_available(), reason="needs fla-core (pip install 'longtrain[linear]')")
+@pytest.mark.parametrize("L,H,Hkv,dtype,tol", [(1000, 4, 2, torch.float32, 2e-3), (4096, 8, 8, torch.bfloat16, 2e-2),
+                                               (77, 2, 1, torch.float32, 2e-3)])
+def test_fla_equals_the_reference(L, H, Hkv, dtype, tol):
+    torch.manual_seed(0)
+    B, F, D = 2, 64, 64
+    dev = "cuda"
+    phq = (torch.rand(B, L, H, F, device=dev) / F).to(dtype).requires_grad_()
+    phk = (torch.rand(B, L, Hkv, F, device=dev) / F).to(dtype).requires_grad_()
+    v = torch.randn(B, L, Hkv, D, device=dev).to(dtype).requires_grad_()
+    s_kv = torch.randn(B, Hkv, F, D, device=dev).requires_grad_()
+    s_k = torch.rand(B, Hkv, F, device=dev).requires_grad_()
+    args = (phq, phk, v, s_kv, s_k)
+    num, den = causal_linear_attention_fla(*args)
+    wide = [x.detach().double().requires_grad_() for x in args]
+    num_ref, den_ref = causal_linear_attention_naive(*wide)
+    rel = lambda a, b: ((a.double() - b).abs().max() / b.abs().max()).item()  # noqa: E731
+    assert rel(num, num_ref) < tol and rel(den, den_ref) < tol
+    g_num, g_den = torch.randn_like(num_ref), torch.randn_like(den_ref)
+    ((num.double() * g_num).sum() + (den.double() * g_den).sum()).backward()
+    ((num_ref * g_num).sum() + (den_ref * g_den).sum()).backward()
+    for x, y, name in zip(args, wide, ["phq", "phk", "v", "state_kv", "state_k"]):
+        assert rel(x.grad, y.grad) < tol, name
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_chunked_model_follows_one_pass_on_the_gpu(autocast):
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=512, layers=2, d_model=128, heads=4, attention="sparsek+linear+sw", topk=64,
+                        window=64)).cuda()
+    tokens = torch.randint(0, 512, (2, 1500), device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        ref = model(tokens).logits.float()
+        cache, got = model.empty_cache(2), []
+        for s in range(0, 1500, 400):
+            out = model(tokens[:, s:s + 400], cache=cache)
+            cache = out.cache
+            got.append(out.logits.float())
+    diff = (torch.cat(got, 1) - ref).abs().max().item()
+    assert diff < (0.25 if autocast else 1e-3), diff
+    # training under autocast: finite gradients into phi's head-wise map
+    with torch.autocast("cuda", torch.bfloat16):
+        loss = model(tokens[:, :512]).logits.float().logsumexp(-1).mean()
+    loss.backward()
+    assert torch.isfinite(model.blocks[0].attn.phi_weight.grad).all()
