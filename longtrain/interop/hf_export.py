@@ -10,7 +10,11 @@ same tensors.
 
 A SparseK model's scoring vectors are written as extra tensors (`...sparsek_score.weight`, one
 [G, d] per layer) and its k, w and variant go into config.json under `longtrain_sparsek`. Plain
-`transformers` ignores both and runs full attention; `longtrain import` reads them back.
+`transformers` ignores both and runs full attention; `longtrain import` reads them back. A
+llama-style SparseK or SW model also gets `modeling_longtrain.py` and `configuration_longtrain.py`
+(copied from longtrain/interop/remote/) and an `auto_map`, so that
+`AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)` runs its SparseK attention in plain
+PyTorch (RoPE from `longtrain_rope`: the inverse frequencies longtrain uses).
 """
 
 from __future__ import annotations
@@ -18,19 +22,25 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from longtrain.interop.hf_families import LLAMA_LIKE, HFFormatError, export_family, fuse_qkv, hf_config
+from longtrain.model.rope import inverse_frequencies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPARSEK_NOTE = (
     "Written by longtrain: the model was trained with SparseK attention (scoring vectors in the "
     "*.sparsek_score.weight tensors). Plain transformers ignores this key and those tensors and runs "
-    "full causal attention; `longtrain import` reads them back."
+    "full causal attention; from_pretrained(..., trust_remote_code=True) runs SparseK (modeling_longtrain.py, "
+    "llama-style models); `longtrain import` reads them back."
 )
+REMOTE = Path(__file__).parent / "remote"
+REMOTE_FILES = ("modeling_longtrain.py", "configuration_longtrain.py")
+AUTO_MAP = {"AutoConfig": "configuration_longtrain.LongtrainConfig", "AutoModelForCausalLM": "modeling_longtrain.LongtrainForCausalLM"}
 
 
 def hf_state_dict(model, source_type: str | None = None) -> dict[str, torch.Tensor]:
@@ -78,12 +88,17 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32"
     eos = eod_id(tok)
     bos = next((tok.token_to_id(t) for t in ("<s>", "<|begin_of_text|>") if tok.token_to_id(t) is not None), eos)
     config = hf_config(fam, cfg, bos=bos, eos=eos, dtype=dtype, max_positions=max_positions or source.get("max_position_embeddings", 2048))
+    remote = cfg.attention != "full" and cfg.style == "llama"
     if cfg.attention != "full":
         config["longtrain_sparsek"] = {
             "attention": cfg.attention, "topk": cfg.topk, "window": cfg.window, "variant": cfg.variant,
             "score_groups": cfg.score_groups, "timestep_norm": cfg.timestep_norm, "eps_slope": cfg.eps_slope,
-            "note": SPARSEK_NOTE,
+            "qkv_bias": bool(cfg.qkv_bias), "note": SPARSEK_NOTE,
         }
+    if remote:
+        inv_freq, attention_factor = inverse_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        config["longtrain_rope"] = {"inv_freq": inv_freq.tolist(), "attention_factor": attention_factor}
+        config["auto_map"] = AUTO_MAP
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": tok.id_to_token(eos) if eos is not None else None,
@@ -101,4 +116,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32"
     raw = _beside(loaded.path, TOKENIZER_FILE)
     (out / "tokenizer.json").write_bytes(raw.read_bytes() if raw is not None else tok.to_str().encode())
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    if remote:  # self-contained: the folder runs SparseK without longtrain installed
+        for name in REMOTE_FILES:
+            shutil.copyfile(REMOTE / name, out / name)
     return out
