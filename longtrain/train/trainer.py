@@ -50,7 +50,7 @@ from longtrain.data import IGNORE, DocumentStream, PreparedCorpus, iter_valid_ch
 from longtrain.data.cache import disk_size
 from longtrain.data.stream import Chunk
 from longtrain.model import LM, LMConfig, warn_threshold_overflow
-from longtrain.model.attention_types import kv_entries
+from longtrain.model.attention_types import kv_entries, linear
 from longtrain.model.chunks import ChunkReader, send
 from longtrain.train import distributed
 from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainState
@@ -607,6 +607,8 @@ class Trainer:
             return "several ranks (DDP/FSDP hooks run per chunk)"
         if self.recipe.attention.type == "full":
             return "full attention's cache grows chunk by chunk"
+        if linear(self.recipe.attention.type):
+            return "the linear attention types are not yet checked under a CUDA graph"
         if self.recipe.model.dropout > 0:
             return "dropout draws new masks per chunk"
         if self.precision == "fp16":
