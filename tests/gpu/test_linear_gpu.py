@@ -56,3 +56,21 @@ def test_chunked_model_follows_one_pass_on_the_gpu(autocast):
         loss = model(tokens[:, :512]).logits.float().logsumexp(-1).mean()
     loss.backward()
     assert torch.isfinite(model.blocks[0].attn.phi_weight.grad).all()
+
+
+@torch.no_grad()
+def test_decoding_follows_the_forward_on_the_gpu():
+    """Token-by-token decoding (a CUDA graph where it captures, else eager) follows the chunk op, float32."""
+    from longtrain.generate import Decoder, prefill
+
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=512, layers=2, d_model=128, heads=4, attention="sparsek+linear+sw", topk=32,
+                        window=32)).cuda().eval()
+    tokens = torch.randint(0, 512, (2, 400), device="cuda")
+    cache, _ = prefill(model, tokens[:, :300], chunk_size=128)
+    decoder, ref_cache = Decoder(model, cache), cache
+    for t in range(300, 400):
+        out = model(tokens[:, t:t + 1], cache=ref_cache)
+        ref_cache = out.cache
+        assert (decoder.step(tokens[:, t]) - out.logits[:, 0]).abs().max() < 1e-3, t
+    assert torch.allclose(decoder.cache.layers[0].attn.lin_kv, ref_cache.layers[0].attn.lin_kv, rtol=1e-4, atol=1e-4)
