@@ -13,7 +13,7 @@ Parts (each writes DIR/multi_gpu-<part>.json and its runs' logs in DIR/multi_gpu
            under fsdp on N GPUs, one row per GPU reading a document of 270k+ tokens: tokens/s, peak memory
            of rank 0, and that peak when its row is at position 16k and at 256k (flat: the cache has a fixed
            size), and the time of the final checkpoint (the whole model and AdamW state gathered on rank 0).
-  resume   12 × 768 ddp on N GPUs, 10 steps, checkpoints every 4, deterministic mode (the kernels' backward
+  resume   12 × 768 ddp on N GPUs, 10 steps, checkpoints every 4, train.deterministic (the kernels' backward
            without atomics, torch.use_deterministic_algorithms): a straight run, a second straight run (is the
            run reproducible at all?), and a run whose rank 1 is SIGKILLed after checkpoint 4 (torchrun then
            stops the others) resumed with --resume auto. Compares steps 5..10's losses and the final weights.
@@ -37,22 +37,12 @@ from pathlib import Path
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(NO_MULTICAST)  # before torch loads NCCL
 
-if len(sys.argv) > 1 and sys.argv[1] == "--as-fit":  # a run in deterministic mode: `multi_gpu.py --as-fit fit ...`
-    import torch
-
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    from longtrain.cli import app
-
-    sys.argv = ["longtrain", *sys.argv[2:]]
-    app()
-
-import torch  # noqa: E402
+import torch  # noqa: E402 (after the environment above)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from fit_throughput import rate, recipe_yaml, train_tokenizer, write_corpus  # noqa: E402
+from fit_throughput import rate, recipe_yaml, train_tokenizer, write_corpus  # noqa: E402 (after sys.path)
 
 SHAPES = {
     "12x768": dict(layers=12, d_model=768, heads=12),
@@ -114,7 +104,9 @@ class Bench:
         returns (exit code, metrics records, log); the log is DIR/fit-<name>.log."""
         run_dir = self.work / f"run-{run or name}"
         fit_args = ["fit", str(recipe), "--run-dir", str(run_dir), "--set", f"train.parallel={parallel}", *args]
-        target = [str(Path(__file__).resolve()), "--as-fit"] if deterministic else ["-m", "longtrain.cli"]
+        if deterministic:
+            fit_args += ["--set", "train.deterministic=true"]
+        target = ["-m", "longtrain.cli"]
         if launch:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus), *target, *fit_args]
         else:

@@ -29,6 +29,7 @@ from longtrain.model.attention_types import AttentionType, linear, selects, size
 from longtrain.model.cache import FullKVCache, LayerCache, ModelCache
 from longtrain.model.loss import linear_cross_entropy, loss_slice
 from longtrain.model.rope import apply_rope, rope_angles, scaling_problems
+from longtrain.model.score_distill import score_distill_loss
 from longtrain.model.scoring import Scorer, mimic_score_weight, score_dtype
 from longtrain.ops.sparsek_attention import (
     ChunkSelection,
@@ -166,11 +167,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, d, bias=bias)
         G = cfg.score_group_count
         self.scorer = Scorer(d, G, timestep_norm=cfg.timestep_norm, eps_slope=cfg.eps_slope) if G else None
-        self.compiled_scorer = None  # the scorer compiled by LM.compile_blocks (its float64 elementwise work fused)
         # Linear types: phi(x) = elu(x W_h) + 1, one D x D map per KV head (its query heads share it).
         self.phi_weight = nn.Parameter(torch.eye(D).repeat(Hkv, 1, 1)) if linear(cfg.attention) else None
         # What the op is called with (sw is SparseK with k = 0); LMConfig holds 0 for an unused size.
         self.topk, self.window = cfg.topk, cfg.window
+        self.distill_queries = 0  # > 0: compute score_distill_loss in training passes (LM.set_score_distill)
+        self.distill_loss: torch.Tensor | None = None  # [] the last training pass's, read by LM.hidden
 
     def empty_cache(self, batch: int, *, dtype, device) -> LayerCache:
         cfg = self.cfg
@@ -246,8 +248,12 @@ class Attention(nn.Module):
             o, attn_cache = self._full(q, k, v, pos, valid, cache.attn, full_bias)
             return o, LayerCache(attn_cache, cache.score_sum, cache.score_sumsq), None
         if self.scorer is not None:
-            scorer = self.scorer if self.compiled_scorer is None else self.compiled_scorer
-            u, ssum, ssq = scorer(x, pos, valid, seen, cache.score_sum, cache.score_sumsq)  # u [B, L, G]
+            u, ssum, ssq = self.scorer(x, pos, valid, seen, cache.score_sum, cache.score_sumsq)  # u [B, L, G]
+            if self.distill_queries and not decode and torch.is_grad_enabled():
+                # the same scores from a detached input: this loss trains the scoring vectors alone
+                u_student = self.scorer(x.detach(), pos, valid, seen, cache.score_sum, cache.score_sumsq)[0]
+                self.distill_loss = score_distill_loss(q.detach(), k.detach(), u_student, valid,
+                                                       window=self.window, queries=self.distill_queries)
         else:  # sliding window: nothing is selected, the op ignores the scores
             u = torch.zeros(B, L, 1, dtype=score_dtype(x.dtype), device=x.device)
             ssum, ssq = cache.score_sum, cache.score_sumsq
@@ -420,6 +426,7 @@ class LMOutput:
     hidden: torch.Tensor | None = None  # [B, L, d] final (normed) hidden states
     overflow: torch.Tensor | None = None  # [] bool on the device: the same flag, unread (None: nothing selects)
     loss_sum: torch.Tensor | None = None  # [] summed cross-entropy over the targets (forward with targets)
+    score_distill: torch.Tensor | None = None  # [] the score distillation loss, mean over layers (when on)
 
 
 class LM(nn.Module):
@@ -443,9 +450,8 @@ class LM(nn.Module):
         compiled graph per region (same code and shapes); gradients and results equal eager to rounding."""
         for blk in self.blocks:
             blk.compiled = (torch.compile(blk.enter, **compile_kwargs), torch.compile(blk.leave, **compile_kwargs))
-            if blk.attn.scorer is not None:
-                # its bound forward, not the module: a compiled module would join the state dict's names
-                blk.attn.compiled_scorer = torch.compile(blk.attn.scorer.forward, **compile_kwargs)
+            if blk.attn.scorer is not None:  # its arithmetic; the module (names, FSDP hooks) stays as it is
+                blk.attn.scorer.compile_scores(**compile_kwargs)
         self.loss_slice = torch.compile(loss_slice, **compile_kwargs)
 
     @torch.no_grad()
@@ -476,6 +482,12 @@ class LM(nn.Module):
             a = blk.attn
             if a.scorer is not None:
                 a.scorer.weight.copy_(mimic_score_weight(a.q_proj.weight, a.k_proj.weight, cfg.heads, cfg.kv_heads, a.scorer.weight.shape[0]))
+
+    def set_score_distill(self, queries: int) -> None:
+        """Training passes also compute the score distillation loss over `queries` sampled queries per
+        chunk (0: off); LMOutput.score_distill carries it (longtrain.model.score_distill)."""
+        for blk in self.blocks:
+            blk.attn.distill_queries = queries if blk.attn.scorer is not None else 0
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -539,9 +551,11 @@ class LM(nn.Module):
             align = starts_inside_tile(seen, dtype=self.compute_dtype(dev), backend=self.cfg.backend)
         layers, selections = [], []
         for blk, lc in zip(self.blocks, cache.layers):
+            blk.attn.distill_loss = None
             x, lc, sel = blk(x, rope, pos, valid, seen, lengths, lc, decode, with_selection, full_bias, align)
             layers.append(lc)
             selections.append(sel)
+        distill = [blk.attn.distill_loss for blk in self.blocks if blk.attn.distill_loss is not None]
         h = self.norm_f(x)  # [B, L, d]
         flags = [s.overflow for s in selections if s is not None]
         overflow = torch.stack(flags).gt(0).any() if flags and not decode else None  # [] bool, on the device
@@ -551,7 +565,8 @@ class LM(nn.Module):
             if overflowed:
                 warn_threshold_overflow(stacklevel=3)
         new_cache = ModelCache(seen=seen + lengths, layers=layers)
-        return LMOutput(logits=None, cache=new_cache, selections=selections, overflowed=overflowed, hidden=h, overflow=overflow)
+        return LMOutput(logits=None, cache=new_cache, selections=selections, overflowed=overflowed, hidden=h,
+                        overflow=overflow, score_distill=torch.stack(distill).mean() if distill else None)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype activations take here: autocast's when it is on, else the weights'."""

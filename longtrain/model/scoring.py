@@ -27,6 +27,7 @@ class Scorer(nn.Module):
         self.weight = nn.Parameter(torch.empty(groups, d_model))  # [G, d]
         self.timestep_norm = timestep_norm
         self.eps_slope = eps_slope
+        self.compiled = None  # importance_scores compiled by `compile_scores` (LM.compile_blocks)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -43,31 +44,56 @@ class Scorer(nn.Module):
         score_sumsq: torch.Tensor,  # [B, G] float64 carried sum of squares
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(u [B, L, G], next score_sum, next score_sumsq)."""
-        sd = score_dtype(x.dtype)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            # float64 from the first operation: a float32 product's last bit depends on the kernel the
-            # matmul picks for the chunk's shape, and one ulp of u can swap two keys at the k-th score.
-            r = x.to(torch.float64) @ self.weight.to(torch.float64).t()  # [B, L, G]
-        r64 = torch.where(valid[..., None], r, 0.0)
-        # Prefix sums that start from the carried totals: [carry, r_0, r_1, ...] -> drop the carry. One
-        # cumsum for both, along the last (contiguous) dim: there CUDA scans in parallel (~0.01 ms at
-        # 16k tokens), while a cumsum along dim 1 of [B, L, 2G] runs one thread per column through all
-        # L positions (~0.4 ms per call, 10 ms per training step at 12 layers). On the CPU both are
-        # sequential, so chunked and unchunked sums are the same bits there; CUDA's parallel scan
-        # associates by its tile layout, which can move the float64 sums' last bit between chunkings.
-        carry = torch.cat([score_sum, score_sumsq], -1)[..., None].to(r64)  # [B, 2G, 1]
-        terms = torch.cat([r64, r64 * r64], -1).transpose(1, 2)  # [B, 2G, L]
-        both = torch.cat([carry, terms], -1).cumsum(-1)[..., 1:].transpose(1, 2)  # [B, L, 2G]
-        csum, csq = both.split(r64.shape[-1], -1)  # [B, L, G] each
-        if self.timestep_norm:
-            count = (seen[:, None] + valid.cumsum(1)).clamp(min=1).to(torch.float64)[..., None]  # [B, L, 1]
-            mean = csum / count
-            var = (csq / count - mean * mean).clamp(min=0.0)
-            n = torch.where(valid[..., None], (r64 - mean) / torch.sqrt(var + TSN_EPS), 0.0)
-        else:
-            n = r64
-        u = n + self.eps_slope * pos.to(torch.float64)[..., None]
-        return u.to(sd), csum[:, -1].detach(), csq[:, -1].detach()
+        # Through the module's call, so FSDP's hooks have gathered the weight before the (possibly
+        # compiled) arithmetic reads it: a compiled bound forward would skip them and see a DTensor.
+        fn = self.compiled or importance_scores
+        return fn(x, self.weight, pos, valid, seen, score_sum, score_sumsq,
+                  timestep_norm=self.timestep_norm, eps_slope=self.eps_slope)
+
+    def compile_scores(self, **compile_kwargs) -> None:
+        """Compile the score arithmetic (its float64 elementwise work fused); the module stays as it is,
+        so the state dict keeps its names and FSDP its hooks."""
+        self.compiled = torch.compile(importance_scores, **compile_kwargs)
+
+
+def importance_scores(
+    x: torch.Tensor,  # [B, L, d]
+    weight: torch.Tensor,  # [G, d]
+    pos: torch.Tensor,  # [B, L] int64
+    valid: torch.Tensor,  # [B, L] bool
+    seen: torch.Tensor,  # [B] int64
+    score_sum: torch.Tensor,  # [B, G] float64
+    score_sumsq: torch.Tensor,  # [B, G] float64
+    *,
+    timestep_norm: bool,
+    eps_slope: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scorer.forward's arithmetic: (u [B, L, G], next score_sum, next score_sumsq)."""
+    sd = score_dtype(x.dtype)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        # float64 from the first operation: a float32 product's last bit depends on the kernel the
+        # matmul picks for the chunk's shape, and one ulp of u can swap two keys at the k-th score.
+        r = x.to(torch.float64) @ weight.to(torch.float64).t()  # [B, L, G]
+    r64 = torch.where(valid[..., None], r, 0.0)
+    # Prefix sums that start from the carried totals: [carry, r_0, r_1, ...] -> drop the carry. One
+    # cumsum for both, along the last (contiguous) dim: there CUDA scans in parallel (~0.01 ms at
+    # 16k tokens), while a cumsum along dim 1 of [B, L, 2G] runs one thread per column through all
+    # L positions (~0.4 ms per call, 10 ms per training step at 12 layers). On the CPU both are
+    # sequential, so chunked and unchunked sums are the same bits there; CUDA's parallel scan
+    # associates by its tile layout, which can move the float64 sums' last bit between chunkings.
+    carry = torch.cat([score_sum, score_sumsq], -1)[..., None].to(r64)  # [B, 2G, 1]
+    terms = torch.cat([r64, r64 * r64], -1).transpose(1, 2)  # [B, 2G, L]
+    both = torch.cat([carry, terms], -1).cumsum(-1)[..., 1:].transpose(1, 2)  # [B, L, 2G]
+    csum, csq = both.split(r64.shape[-1], -1)  # [B, L, G] each
+    if timestep_norm:
+        count = (seen[:, None] + valid.cumsum(1)).clamp(min=1).to(torch.float64)[..., None]  # [B, L, 1]
+        mean = csum / count
+        var = (csq / count - mean * mean).clamp(min=0.0)
+        n = torch.where(valid[..., None], (r64 - mean) / torch.sqrt(var + TSN_EPS), 0.0)
+    else:
+        n = r64
+    u = n + eps_slope * pos.to(torch.float64)[..., None]
+    return u.to(sd), csum[:, -1].detach(), csq[:, -1].detach()
 
 
 @torch.no_grad()

@@ -121,7 +121,7 @@ class Checkpointer:
     ) -> Path:
         """Checkpoint `state.step` atomically (and prune to `keep`); with several ranks every rank calls it.
 
-        `model` is the model as trained (DDP or FSDP wrapped, or the LM itself).
+        `model` is the model as trained (FSDP sharded, or the LM itself).
         """
         layout = layout or Layout(1, cache.batch_size)
         model_sd, optim_sd = distributed.full_state(model, optimizer, ranks)  # FSDP: a collective
@@ -169,7 +169,7 @@ class Checkpointer:
         tensors, meta = ckpt.load(path, groups + (["model", "optimizer"] if reads_model else []))
 
         def check_model() -> None:
-            ckpt.check_shapes(tensors["model"], distributed.unwrap(model).state_dict())
+            ckpt.check_shapes(tensors["model"], model.state_dict())
 
         distributed.on_main(check_model, ranks)  # a refusal stops every rank alike
         stream.load_state_dict(meta["data_stream"])

@@ -270,12 +270,13 @@ class NoMetrics:
 
 
 def wrap_model(
-    model: nn.Module, parallel: str, device: torch.device, ranks: Ranks, *, find_unused: bool = False,
-    compute_dtype: torch.dtype = torch.float32,
+    model: nn.Module, parallel: str, device: torch.device, ranks: Ranks, *, compute_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """The model as the ranks train it: DDP (several ranks), FSDP2 (sharded), or itself (one rank, ddp).
+    """The model as the ranks train it: FSDP2 (sharded), or the LM itself (ddp: one replica per rank).
 
-    `find_unused`: some parameters get no gradient in some steps (train.freeze), which DDP must look for.
+    ddp replicas start from rank 0's weights (broadcast here) and stay equal because every rank
+    steps with the same averaged gradients (`average_gradients`, once per step). There is no DDP
+    wrapper: its hooks would reduce inside every chunk's backward, where a CUDA graph replays the pass.
     `compute_dtype` (train.precision): FSDP gathers the parameters in it for the forward.
     """
     if parallel == "fsdp":
@@ -296,17 +297,32 @@ def wrap_model(
         fully_shard(model, mp_policy=mp)
         return model
     if ranks.world_size > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=find_unused)
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                dist.broadcast(t, src=0)
     return model
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The LM inside a DDP wrapper (FSDP2 shards the module in place: it is its own LM)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def is_replicated(model: nn.Module, ranks: Ranks) -> bool:
+    """ddp with several ranks: each holds the whole model, and `average_gradients` keeps them equal."""
+    return ranks.world_size > 1 and not is_sharded(model)
 
-    return model.module if isinstance(model, DDP) else model
+
+@torch.no_grad()
+def average_gradients(params: list[nn.Parameter], world_size: int) -> None:
+    """Average the accumulated gradients over the ranks, in place: one all-reduce per dtype of one flat buffer.
+
+    Called once per optimizer step, after its last chunk, so the chunks' passes (and their CUDA graph)
+    hold no communication. Every rank has the same parameters with gradients (same model, same freeze).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    for dtype in sorted({g.dtype for g in grads}, key=str):
+        group = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in group])  # [sum of sizes]
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat.div_(world_size)
+        parts = flat.split([g.numel() for g in group])
+        torch._foreach_copy_(group, [part.view_as(g) for part, g in zip(parts, group)])
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -317,19 +333,15 @@ def is_sharded(model: nn.Module) -> bool:
 
 @contextmanager
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Inside, backward reduces gradients over the ranks only if `enabled` (off for all but the last
-    chunk of a gradient-accumulation step: the sum is the same, with one reduction instead of many)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+    """FSDP: inside, backward reduce-scatters gradients only if `enabled` (off for all but the last
+    chunk of a gradient-accumulation step: the sum is the same, with one reduction instead of many).
+    Replicas reduce nothing in the backward (`average_gradients` does, after the step's last chunk)."""
     if is_sharded(model):
         model.set_requires_gradient_sync(enabled)
         try:
             yield
         finally:
             model.set_requires_gradient_sync(True)
-    elif isinstance(model, DDP) and not enabled:
-        with model.no_sync():
-            yield
     else:
         yield
 
@@ -358,7 +370,7 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ranks: Ranks)
         return model_sd, _positional(optim_sd)
     if not ranks.is_main:  # replicas: rank 0's copy is everyone's
         return {}, {}
-    return unwrap(model).state_dict(), optimizer.state_dict()
+    return model.state_dict(), optimizer.state_dict()
 
 
 def load_full_state(
@@ -366,7 +378,7 @@ def load_full_state(
 ) -> None:
     """Load full states (read by rank 0 alone when there is a process group) into every rank's model and optimizer."""
     if not ranks.active:
-        unwrap(model).load_state_dict(model_sd)
+        model.load_state_dict(model_sd)
         optimizer.load_state_dict(optim_sd)
         return
     from torch.distributed.checkpoint.state_dict import (
@@ -383,7 +395,7 @@ def load_full_state(
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The names of the optimizer's parameters, in torch's positional order (group by group)."""
-    names = {id(p): n for n, p in unwrap(model).named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 

@@ -233,7 +233,7 @@ class TrainConfig(_Section):
     cuda_graphs: bool = Field(
         True, description="on CUDA, capture one chunk's forward and backward as a CUDA graph and replay it "
         "for every chunk (the same kernels; the host no longer holds the GPU up). Used where it can be: "
-        "one process, a fixed-size cache (not full attention), no dropout, not fp16, no train.freeze"
+        "not fsdp, a fixed-size cache (not full attention), no dropout, not fp16, no train.freeze"
     )
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="compute precision: bf16 or fp16 autocast (fp16 with a loss scaler), or fp32; "
@@ -260,6 +260,19 @@ class TrainConfig(_Section):
     )
     freeze: FreezeConfig | None = Field(
         None, description="train only some parameters for the first steps (scorer-first warm-up)"
+    )
+    score_distill: float = Field(
+        0.0, ge=0, description="weight of the score distillation loss: the SparseK scores learn where the "
+        "model's dense attention goes for a few sampled queries per chunk (KL), so keys that are never "
+        "selected still get a signal; 0 turns it off. Training only: outputs and selections are unchanged"
+    )
+    score_distill_queries: int = Field(
+        128, ge=1, description="queries sampled per chunk and row for train.score_distill"
+    )
+    deterministic: bool = Field(
+        False, description="the same seed gives the same run bit for bit on the same machine and software: "
+        "deterministic kernels (no atomic adds, fixed cuBLAS workspaces), Inductor without timing-based "
+        "choices; costs some tokens/s on CUDA (benchmarks/README.md)"
     )
 
     @model_validator(mode="after")

@@ -46,6 +46,7 @@ class ChunkResult:
     cache: ModelCache  # the cache the next chunk continues from
     overflow: torch.Tensor | None  # [] bool: a threshold state hit its cap (None: nothing selects)
     stats: torch.Tensor | None  # [layers, 11] SelectionDiagnostics.chunk_stats (None: nothing selects)
+    score_distill: torch.Tensor | None = None  # [] train.score_distill's loss, detached (None: off)
 
 
 ChunkPass = Callable[[ChunkInputs, ModelCache], ChunkResult]
@@ -71,7 +72,8 @@ class ChunkGraph:
         with torch.cuda.graph(self.graph):
             out = chunk_pass(self.inputs, self.cache)
             self.cache.copy_(out.cache)  # the next cache, in place
-        self.out = ChunkResult(loss_sum=out.loss_sum, cache=self.cache, overflow=out.overflow, stats=out.stats)
+        self.out = ChunkResult(loss_sum=out.loss_sum, cache=self.cache, overflow=out.overflow, stats=out.stats,
+                               score_distill=out.score_distill)
 
     def fits(self, inputs: ChunkInputs) -> bool:
         return all(getattr(inputs, f.name).shape == getattr(self.inputs, f.name).shape for f in fields(ChunkInputs))

@@ -54,6 +54,7 @@ from longtrain.model.attention_types import kv_entries, linear
 from longtrain.model.chunks import ChunkReader, send
 from longtrain.train import distributed
 from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainState
+from longtrain.train.determinism import deterministic
 from longtrain.train.diagnostics import SelectionDiagnostics
 from longtrain.train.distributed import Ranks
 from longtrain.train import memory
@@ -157,7 +158,7 @@ class Trainer:
     def train(self) -> FitResult:
         self.start_ranks()  # torchrun's ranks and their process group (none for one process)
         try:
-            with self.hold_run_dir():
+            with self.hold_run_dir(), deterministic(self.cfg.deterministic):
                 self.setup()  # nothing is written to the run dir before this returns
                 if self.state.step >= self.cfg.steps:  # already finished: nothing to do, nothing to write
                     return self.result(seconds=0.0)
@@ -176,9 +177,9 @@ class Trainer:
             self.stop_ranks()
 
     def stop_ranks(self) -> None:
-        """Close the process group, if any; first drop what holds on to it (DDP's reducer, FSDP's mesh).
+        """Close the process group, if any; first drop what holds on to it (FSDP's mesh).
 
-        The group must be destroyed while Python is fully alive: if DDP's reducer outlives it until
+        The group must be destroyed while Python is fully alive: if what holds it outlives it until
         interpreter shutdown, gloo's destructor waits on worker threads that wait for the GIL (a hang).
         """
         if not self.ranks.active:
@@ -225,7 +226,8 @@ class Trainer:
         if self.cfg.init_from and self.resume_from is None:  # fine-tuning: weights only, the rest starts fresh
             self.init_notes = init_from_checkpoint(self.model, self.cfg.init_from, self.recipe)
             self.state.imported_from = imported_origin(self.cfg.init_from)  # export writes its HF config back
-        if self.compiles:  # before DDP/FSDP wrap it (torchtitan's order)
+        self.model.set_score_distill(self.cfg.score_distill_queries if self.cfg.score_distill > 0 else 0)
+        if self.compiles:  # before FSDP wraps it (torchtitan's order)
             mode = {"mode": os.environ[COMPILE_MODE_ENV]} if os.environ.get(COMPILE_MODE_ENV) else {}
             self.model.compile_blocks(backend=os.environ.get(COMPILE_BACKEND_ENV, "inductor"), **mode)
         self.train_model = self.parallelize()
@@ -305,13 +307,8 @@ class Trainer:
         return LM(cfg).to(device)
 
     def parallelize(self) -> torch.nn.Module:
-        """The model as the ranks train it: DDP, FSDP2 (train.parallel), or the LM itself for one ddp rank."""
-        cfg = self.cfg
-        # train.freeze: DDP must look for parameters without gradients (FSDP2 follows requires_grad by itself)
-        freezes = cfg.freeze is not None and cfg.freeze.steps > 0
-        return distributed.wrap_model(
-            self.model, cfg.parallel, self.device, self.ranks, find_unused=freezes, compute_dtype=self.compute_dtype
-        )
+        """The model as the ranks train it: FSDP2 (train.parallel fsdp), or the LM itself (ddp replicas, one rank)."""
+        return distributed.wrap_model(self.model, self.cfg.parallel, self.device, self.ranks, compute_dtype=self.compute_dtype)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         # FSDP: over the shards, after parallelize(); fused on CUDA (one kernel, no host sync)
@@ -422,7 +419,11 @@ class Trainer:
             f"compute: {self.precision}" + (" autocast" if self.precision != "fp32" else "")
             + f", KV cache in {self.precision}" + (", loss scaling" if self.precision == "fp16" else "")
             + (", compiled around the attention op" if self.compiles else "") + self.graph_note()
+            + (", deterministic" if cfg.deterministic else "")
         )
+        if cfg.score_distill > 0:
+            lines.append(f"score distillation: weight {cfg.score_distill} over {cfg.score_distill_queries} sampled "
+                         "queries per chunk and row (the scores learn where dense attention goes)")
         lines += self.memory_lines()
         if self.resume_from is not None:
             lines.append(f"resuming from {self.resume_from} (step {self.state.step}, {self.state.tokens:,} tokens)")
@@ -486,7 +487,7 @@ class Trainer:
         kind = self.device_type()
         backend = f"{'nccl' if kind == 'cuda' else 'gloo'} on {kind}"
         how = "each rank holds a shard of the parameters, gradients and optimizer state (FSDP2)" if self.cfg.parallel == "fsdp" \
-            else "each rank holds the whole model (DDP)"
+            else "each rank holds the whole model, gradients averaged once per step (DDP)"
         return (
             f"ranks: {_n(w, 'rank')} ({self.cfg.parallel}, {backend}): {how}; rank r reads global "
             f"rows r·{b} .. r·{b}+{b - 1} of {w * b}. A row that finishes a document takes the next of one shuffled "
@@ -529,6 +530,7 @@ class Trainer:
         apply_freeze(self.model, cfg.freeze, step)  # train.freeze: which parameters learn at this step
         self.train_model.train()
         loss_sum, step_tokens = torch.zeros((), device=self.device), 0
+        distill_sum = None  # train.score_distill: the chunks' distillation losses, on the device
         for i in range(cfg.grad_accum):
             host = self.stream.next_chunk()
             step_tokens += host.global_tokens  # every rank's rows: the stream knows them all
@@ -538,13 +540,17 @@ class Trainer:
                 inputs = ChunkInputs(tokens=chunk.tokens, lengths=chunk.lengths, targets=chunk.targets, weight=weight)
                 return self.run_chunk(inputs, cache, first_of_step=first_of_step)
 
-            # several ranks: gradients are reduced once per step, in the backward of its last chunk
+            # FSDP: gradients are reduce-scattered once per step, in the backward of its last chunk
             with distributed.gradient_sync(self.train_model, i == cfg.grad_accum - 1):
                 _, result = self.reader.read(host, train_pass)  # rows reset, the pass, the cache carried on
             self.selection.add(result.stats)  # this rank's rows
             loss_sum += result.loss_sum * weight  # this rank's share of the chunk's mean loss, on the device
+            if result.score_distill is not None:
+                distill_sum = result.score_distill.clone() if distill_sum is None else distill_sum + result.score_distill
             if result.overflow is not None:
                 self.overflow = result.overflow.clone() if self.overflow is None else self.overflow | result.overflow
+        if distributed.is_replicated(self.train_model, self.ranks):  # ddp: one all-reduce, after the last chunk
+            distributed.average_gradients(self.trainable(), self.ranks.world_size)
         loss = self.agree(loss_sum) / cfg.grad_accum
         grad_norm = self.optimizer_step()
         self.state.step, self.state.tokens = step, self.state.tokens + step_tokens
@@ -556,6 +562,8 @@ class Trainer:
             "doc_positions": [offset for _, offset in self.stream.rows],  # every rank's rows
             "step_s": round(seconds, 4),
         }
+        if distill_sum is not None:  # rank 0's rows
+            record["score_distill"] = distill_sum / cfg.grad_accum
         self.pending.append(record)
         if self.read_back_due():
             self.read_back()
@@ -572,12 +580,16 @@ class Trainer:
         with self.autocast():
             out = self.train_model(inputs.tokens, cache=cache, lengths=inputs.lengths, targets=inputs.targets,
                                    check_overflow=False)
-        # DDP and FSDP average gradients over the ranks: times the world size, the average is the sum of
+        # Gradients are averaged over the ranks: times the world size, the average is the sum of
         # the ranks' shares, the gradient of the global mean (one rank: the mean itself)
         scale = self.ranks.world_size / self.cfg.grad_accum
-        self.scaler.scale(out.loss_sum * inputs.weight * scale).backward()
+        loss = out.loss_sum * inputs.weight * scale
+        if out.score_distill is not None:  # a mean per rank: averaged over the ranks as it is
+            loss = loss + self.cfg.score_distill * out.score_distill / self.cfg.grad_accum
+        self.scaler.scale(loss).backward()
         return ChunkResult(loss_sum=out.loss_sum.detach(), cache=out.cache, overflow=out.overflow,
-                           stats=self.selection.chunk_stats(cache, out))
+                           stats=self.selection.chunk_stats(cache, out),
+                           score_distill=None if out.score_distill is None else out.score_distill.detach())
 
     def run_chunk(self, inputs: ChunkInputs, cache, *, first_of_step: bool) -> ChunkResult:
         """One chunk's pass, replayed from the CUDA graph where the run allows one (captured at the first
@@ -603,8 +615,8 @@ class Trainer:
             return "train.cuda_graphs is false"
         if self.device_type() != "cuda":
             return "not on CUDA"
-        if self.ranks.parallel:
-            return "several ranks (DDP/FSDP hooks run per chunk)"
+        if self.cfg.parallel == "fsdp":
+            return "fsdp gathers and reduces parameters in every chunk's pass"
         if self.recipe.attention.type == "full":
             return "full attention's cache grows chunk by chunk"
         if linear(self.recipe.attention.type):
@@ -652,7 +664,8 @@ class Trainer:
         A NaN or infinite loss stops the run here, before any validation or checkpoint of a later
         step: the steps before it are written to metrics.jsonl, the checkpoint on disk is the last good one.
         """
-        unread = [(r, key) for r in self.pending for key in ("loss", "grad_norm") if isinstance(r[key], torch.Tensor)]
+        unread = [(r, key) for r in self.pending for key in ("loss", "grad_norm", "score_distill")
+                  if isinstance(r.get(key), torch.Tensor)]
         flags = [self.overflow] if self.overflow is not None else []
         if unread or flags:
             values = torch.stack([r[key].detach().float().reshape(()) for r, key in unread] + [f.float() for f in flags])

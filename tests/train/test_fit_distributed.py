@@ -208,3 +208,15 @@ def test_ddp_with_frozen_parameters_on_too_few_cores_trains_as_one_process_and_e
     assert "[rank 0] warning: a layer's SparseK threshold state hit its cap" in r.stdout
     assert "[rank 1] warning: a layer's SparseK threshold state hit its cap" in r.stderr
     assert re.search(r"^\[rank 1\] \S+: ThresholdOverflowWarning", r.stderr, re.M)  # python warnings carry the rank too
+
+
+def test_fsdp_with_compiled_blocks_trains_as_one_process(space, one):
+    # train.compile (the CUDA default) under FSDP2: the compiled scorer must read the gathered weight, not
+    # its DTensor shard (it crashed with "mixed torch.Tensor and DTensor"). aot_eager: dynamo's tracing and
+    # autograd graphs, without Inductor's slow CPU code generation.
+    compiled = ("--set", "train.parallel=fsdp", "--set", "train.compile=true", "--set", "train.steps=3")
+    r = ok(torchrun_fit(space, "fsdp-compiled", *compiled, extra_env={"LONGTRAIN_COMPILE_BACKEND": "aot_eager"}))
+    assert "compiled around the attention op" in r.stdout
+    a, b = records(space, "one"), records(space, "fsdp-compiled")
+    assert sorted(b) == [1, 2, 3]
+    assert all(abs(a[s]["loss"] - b[s]["loss"]) <= 1e-5 * a[s]["loss"] for s in b)

@@ -1,0 +1,36 @@
+"""train.deterministic repeats a run bit for bit; train.score_distill trains the scores, the forward unchanged."""
+
+import torch
+
+from longtrain.train.metrics import read_metrics
+
+from .tiny import cli
+
+
+def fit(tmp, path, name, *sets):
+    r = cli("fit", path, "--run-dir", tmp / name, "--set", "train.steps=4", *[a for s in sets for a in ("--set", s)])
+    assert r.exit_code == 0, r.output
+    return r.output, {m["step"]: m for m in read_metrics(tmp / name / "metrics.jsonl")}
+
+
+def test_deterministic_runs_repeat_every_logged_number_and_restore_torch_settings(workspace):
+    tmp, recipe = workspace
+    path = recipe()
+    out, a = fit(tmp, path, "a", "train.deterministic=true")
+    assert "deterministic" in out
+    assert not torch.are_deterministic_algorithms_enabled()  # the run's setting does not leak out of it
+    _, b = fit(tmp, path, "b", "train.deterministic=true")
+    keys = ("loss", "grad_norm", "valid_loss")
+    assert [[r.get(k) for k in keys] for r in a.values()] == [[r.get(k) for k in keys] for r in b.values()]
+
+
+def test_score_distillation_is_logged_and_changes_training_not_the_first_forward(workspace):
+    tmp, recipe = workspace
+    path = recipe()
+    _, plain = fit(tmp, path, "plain")
+    out, distilled = fit(tmp, path, "distilled", "train.score_distill=1.0", "train.score_distill_queries=16")
+    assert "score distillation: weight 1.0 over 16 sampled queries" in out
+    assert all(r["score_distill"] > 0 for r in distilled.values())
+    assert "score_distill" not in plain[1]
+    assert distilled[1]["loss"] == plain[1]["loss"]  # the same weights, the same forward
+    assert distilled[4]["loss"] != plain[4]["loss"]  # the scorer learned from it since
