@@ -47,17 +47,15 @@ import torch
 from longtrain.console import make_console
 from longtrain.console import plural as _n
 from longtrain.data import IGNORE, DocumentStream, PreparedCorpus, iter_valid_chunks, prepare_corpus
-from longtrain.data.cache import disk_size
 from longtrain.data.stream import Chunk
 from longtrain.model import LM, LMConfig, warn_threshold_overflow
-from longtrain.model.attention_types import kv_entries, linear
+from longtrain.model.attention_types import linear
 from longtrain.model.chunks import ChunkReader, send
 from longtrain.train import distributed
 from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainState
 from longtrain.train.determinism import deterministic
 from longtrain.train.diagnostics import SelectionDiagnostics
 from longtrain.train.distributed import Ranks
-from longtrain.train import memory
 from longtrain.train.init import apply_freeze, check_init_source, imported_origin, init_from_checkpoint
 from longtrain.train.metrics import (
     METRICS_FILE,
@@ -66,7 +64,6 @@ from longtrain.train.metrics import (
     ProgressDisplay,
     RowProgress,
     StepStats,
-    gib,
     peak_memory_bytes,
     tensorboard_missing,
 )
@@ -74,8 +71,10 @@ from longtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from longtrain.train.rank_state import Layout
 from longtrain.train.recipe import Recipe, recipe_to_yaml
 from longtrain.train.rng import seed_everything
-from longtrain.train.run_dir import RunLock, move_aside, set_aside
+from longtrain.train.run_dir import RunLock, move_aside
 from longtrain.train.signals import StopSignal, kill_for_tests_after
+from longtrain.train import summary
+from longtrain.train.summary import step_of, steps_text
 from longtrain.train.step_graph import ChunkGraph, ChunkInputs, ChunkResult
 
 RECIPE_FILE = "recipe.yaml"
@@ -271,20 +270,8 @@ class Trainer:
             self.state = TrainState.from_meta(meta)
         self.model = self.build_model(torch.device("meta"))  # sizes only: no memory, any machine
         self.stream = self.build_stream()
-        if self.state.step >= self.cfg.steps:
-            plan = f"already finished at step {self.state.step}: fit would do nothing"
-        elif self.resume_from is not None:
-            plan = f"would resume from {self.resume_from} and train steps {self.state.step + 1}–{self.cfg.steps}"
-        elif old := self.checkpointer.existing():
-            how = "moving them aside" if self.resume == "never" else "moving the unusable ones aside"
-            plan = f"would start over, {how}: {_n(len(old), 'checkpoint')} in {self.checkpointer.dir}"
-        else:
-            plan = f"would start a fresh run of {_n(self.cfg.steps, 'step')}"
-        if self.cfg.init_from and self.resume_from is None and self.state.step < self.cfg.steps:
-            plan += f", starting from the weights of {self.cfg.init_from}"
-        if self.cfg.device == "cuda" and not torch.cuda.is_available():
-            plan += "; note: train.device is cuda but no CUDA device is visible here"
-        return [*recipe_to_yaml(self.recipe).splitlines(), "", *self.summary(), f"dry run: {plan}; nothing was written"]
+        plan = summary.dry_run_plan(self)
+        return [*recipe_to_yaml(self.recipe).splitlines(), "", *summary.run_summary(self), f"dry run: {plan}; nothing was written"]
 
     def prepare_data(self) -> PreparedCorpus:
         """Tokenizer and token documents (it trains or loads the tokenizer, which fixes the vocabulary)."""
@@ -364,7 +351,7 @@ class Trainer:
             self.cfg.steps, start_tokens=self.state.tokens, every=self.recipe.logging.every,
             live=self.recipe.logging.progress, console=self.console,
         )
-        for line in self.summary() + self.init_notes + moved:
+        for line in summary.run_summary(self) + self.init_notes + moved:
             self.display.message(line)
 
     def set_aside_previous(self) -> list[str]:
@@ -375,12 +362,12 @@ class Trainer:
         """
         old = self.checkpointer.existing()
         if self.resume_from is not None:
-            later = [p for p in old if _step_of(p) > self.state.step]
+            later = [p for p in old if step_of(p) > self.state.step]
             if not later:
                 return []
             tag = "unusable" if self.resume == "auto" else "superseded"  # auto: the newer ones failed their checks
             moved = move_aside(later, tag)
-            return [f"moved the checkpoints after step {self.state.step} ({_steps(later)}) aside, as "
+            return [f"moved the checkpoints after step {self.state.step} ({steps_text(later)}) aside, as "
                     f"{', '.join(new.name for _, new in moved)} in {self.checkpointer.dir}"]
         if not old:
             return []
@@ -388,130 +375,10 @@ class Trainer:
             paths = [self.checkpointer.dir, self.run_dir / METRICS_FILE, self.run_dir / TENSORBOARD_DIR]
             moved = move_aside(paths, "replaced")
             where = ", ".join(str(new) for _, new in moved)
-            return [f"--resume never: moved the previous run ({_n(len(old), 'checkpoint')}, {_steps(old)}) aside to "
+            return [f"--resume never: moved the previous run ({_n(len(old), 'checkpoint')}, {steps_text(old)}) aside to "
                     f"{where}; delete them when you no longer need them"]
         moved = move_aside([self.checkpointer.dir], "unusable")  # auto, and none of them is complete
-        return [f"warning: no complete checkpoint to resume from; moved the unusable ones ({_steps(old)}) to {moved[0][1]}"]
-
-    def summary(self) -> list[str]:
-        """What is about to run: model, attention and KV budget, batch, data, resume point, notes."""
-        r, cfg, att, model = self.recipe, self.cfg, self.recipe.attention, self.model
-        kv = kv_entries(att.type, att.topk, att.window)
-        lines = [
-            f"longtrain fit {r.name} → {self.run_dir}",
-            f"model: {r.model.style}, {r.model.layers} layers × {r.model.d_model}, "
-            f"{model.num_params() / 1e6:.2f}M parameters, vocab {model.cfg.vocab_size}",
-            f"attention: {att.type} (k={att.topk}, w={att.window}, {att.variant}){self.attention_origin()}; KV cache "
-            + (f"{kv} entries per layer per row" if kv is not None else "grows with the document"),
-            f"batch: {_n(cfg.batch_docs * self.ranks.world_size, 'document')} × {cfg.chunk_size} tokens × "
-            f"{_n(cfg.grad_accum, 'chunk')} = {cfg.batch_docs * self.ranks.world_size * cfg.chunk_size * cfg.grad_accum:,} "
-            f"tokens per step, {_n(cfg.steps, 'step')}",
-            f"data: {_n(len(self.corpus.train), 'training document')} ({self.corpus.train.n_tokens:,} tokens), "
-            f"{_n(len(self.corpus.valid), 'validation document')}",
-        ]
-        if r.data.source == "recall":  # the task, its distances and its chance level
-            from longtrain.data.recall import describe
-
-            lines.append(describe(r.data.recall))
-        if self.ranks.parallel or self.cfg.parallel == "fsdp":
-            lines.append(self.ranks_line())
-        lines.append(
-            f"compute: {self.precision}" + (" autocast" if self.precision != "fp32" else "")
-            + f", KV cache in {self.precision}" + (", loss scaling" if self.precision == "fp16" else "")
-            + (", compiled around the attention op" if self.compiles else "") + self.graph_note()
-            + (", deterministic" if cfg.deterministic else "")
-        )
-        if cfg.score_distill > 0:
-            lines.append(f"score distillation: weight {cfg.score_distill} over {cfg.score_distill_queries} sampled "
-                         "queries per chunk and row (the scores learn where dense attention goes)")
-        lines += self.memory_lines()
-        if self.resume_from is not None:
-            lines.append(f"resuming from {self.resume_from} (step {self.state.step}, {self.state.tokens:,} tokens)")
-        return lines + self.notes()
-
-    def attention_origin(self) -> str:
-        """Fine-tuning: whether k and w are train.init_from's or the recipe's."""
-        att = self.recipe.attention
-        used = [k for k in ("topk", "window") if getattr(att, k)]
-        if not self.cfg.init_from or not used:
-            return ""
-        name = {"topk": "k", "window": "w"}
-        taken = [name[k] for k in used if k in self.recipe._from_init_source]
-        own = [name[k] for k in used if k not in self.recipe._from_init_source]
-        parts = ([f"{', '.join(own)} from the recipe"] if own else []) + ([f"{', '.join(taken)} from train.init_from"] if taken else [])
-        return "; " + ", ".join(parts)
-
-    def memory_device(self) -> torch.device:
-        return self.device if hasattr(self, "device") else torch.device(self.device_type())
-
-    def estimate_memory(self, position: int) -> int:
-        """Estimated peak memory of a step with the rows at `position` (longtrain.train.memory)."""
-        return memory.estimate_training_bytes(
-            self.recipe, n_params=self.model.num_params(), vocab_size=self.model.cfg.vocab_size,
-            position=position, compute_dtype=self.compute_dtype,
-        )
-
-    def memory_lines(self) -> list[str]:
-        """The estimated peak memory at the furthest position the run reaches, and a warning if it does not fit."""
-        att = self.recipe.attention
-        position = memory.longest_position(self.corpus, self.cfg)
-        need, dev = self.estimate_memory(position), self.memory_device()
-        have = memory.device_memory_bytes(dev)
-        where = f"{gib(have)} of {dev}" if dev.type == "cuda" else f"{gib(have)} of RAM"
-        per = " per rank" if self.ranks.parallel else ""
-        if att.type == "full":
-            grows = f"full attention: it grows with the position, up to the longest document ({position:,} tokens)"
-            if att.max_context:
-                grows = f"full attention capped at attention.max_context = {att.max_context:,} keys"
-            line = f"memory: about {gib(need)}{per} at document position {position:,} ({grows}); {where}"
-        else:
-            line = f"memory: about {gib(need)}{per} at any document position (the KV cache has a fixed size); {where}"
-        if need <= have:
-            return [line]
-        return [line, f"warning: this run needs about {gib(need)} at document position {position:,} but {dev} "
-                f"has {gib(have)}: it will likely run out of memory. To fit: {self.fit_advice(have)}"]
-
-    def fit_advice(self, have: int) -> str:
-        """What to change so the run fits in `have` bytes; full attention: the largest max_context that does."""
-        fits = None
-        if self.recipe.attention.type == "full":
-            fits = memory.max_context_that_fits(
-                self.recipe, budget=int(0.9 * have), n_params=self.model.num_params(),
-                vocab_size=self.model.cfg.vocab_size, compute_dtype=self.compute_dtype,
-            )
-        return memory.advice(self.recipe, suggest_max_context=fits)
-
-    def ranks_line(self) -> str:
-        """How the batch is spread over the ranks, and how rows take documents."""
-        w, b = self.ranks.world_size, self.cfg.batch_docs
-        kind = self.device_type()
-        backend = f"{'nccl' if kind == 'cuda' else 'gloo'} on {kind}"
-        how = "each rank holds a shard of the parameters, gradients and optimizer state (FSDP2)" if self.cfg.parallel == "fsdp" \
-            else "each rank holds the whole model, gradients averaged once per step (DDP)"
-        return (
-            f"ranks: {_n(w, 'rank')} ({self.cfg.parallel}, {backend}): {how}; rank r reads global "
-            f"rows r·{b} .. r·{b}+{b - 1} of {w * b}. A row that finishes a document takes the next of one shuffled "
-            f"order shared by all rows, so the {_n(len(self.corpus.train), 'training document')} need not divide among "
-            f"the ranks, and {w} × {b} rows read what 1 × {w * b} would"
-        )
-
-    def notes(self) -> list[str]:
-        """Settings the run adjusted, or that deserve a second look."""
-        cfg, out = self.cfg, list(self.rank_notes)
-        if cfg.warmup() != cfg.warmup_steps:
-            instead = f"the first {_n(cfg.warmup(), 'step')} (a tenth of the run)" if cfg.warmup() else "no warmup"
-            out.append(f"note: train.warmup_steps ({cfg.warmup_steps}) exceeds train.steps ({cfg.steps}): {instead} instead")
-        if cfg.valid_every and cfg.steps < cfg.valid_every and len(self.corpus.valid):
-            out.append(f"note: no validation: the run is shorter than train.valid_every ({cfg.valid_every}); "
-                       f"--set train.valid_every={cfg.steps} validates at its end")
-        if warning := self.stream.too_few_documents():
-            out.append(f"warning: {warning}")
-        if aside := set_aside(self.run_dir, self.checkpointer.dir):
-            size = gib(sum(disk_size(p) for p in aside))
-            names = ", ".join(p.name for p in aside[:3]) + (", ..." if len(aside) > 3 else "")
-            out.append(f"note: {_n(len(aside), 'item')} moved aside by earlier runs ({size}: {names}); "
-                       f"`longtrain clean {self.run_dir}` lists them, with --delete deletes them")
-        return out
+        return [f"warning: no complete checkpoint to resume from; moved the unusable ones ({steps_text(old)}) to {moved[0][1]}"]
 
     # ------------------------------------------------------------------ one step
 
@@ -631,13 +498,6 @@ class Trainer:
             # (perhaps Inductor timing its reduction configs for the thawed variants); off until resolved
             return "train.freeze"
         return None
-
-    def graph_note(self) -> str:
-        """The summary's words on CUDA graphs (nothing on the CPU)."""
-        why = self.graph_unusable()
-        if why is None:
-            return ", one CUDA graph per chunk (from the second step)"
-        return "" if why == "not on CUDA" else f", no CUDA graph: {why}"
 
     def optimizer_step(self) -> torch.Tensor:
         """Unscale (fp16), clip, step and clear the gradients; returns the norm before clipping, on the device.
@@ -789,19 +649,7 @@ class Trainer:
             text = str(e)
             if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()):
                 raise
-            raise TrainingError(self.out_of_memory_message(text)) from None
-
-    def out_of_memory_message(self, error: str) -> str:
-        step = self.state.step + 1
-        positions = [offset for _, offset in self.stream.rows] if hasattr(self, "stream") else []
-        where = f" (document positions {', '.join(f'{p:,}' for p in positions)})" if positions else ""
-        dev = self.memory_device()
-        have = memory.device_memory_bytes(dev)
-        first = error.strip().splitlines()[0][:300] if error.strip() else "out of memory"
-        resume = (f"The last checkpoint is {self.last_saved}: rerun the same command with the change to resume from it."
-                  if self.last_saved else "No checkpoint was saved yet; rerun with the change.")
-        return (f"out of memory at step {step}{where} on {dev} ({gib(have)}): {first}\n"
-                f"To fit: {self.fit_advice(have)}.\n{resume}")
+            raise TrainingError(summary.out_of_memory_message(self, text)) from None
 
     def result(self, *, seconds: float) -> FitResult:
         return FitResult(
@@ -813,13 +661,6 @@ class Trainer:
         )
 
 
-def _step_of(checkpoint: Path) -> int:
-    return int(checkpoint.name.removeprefix("step-"))
-
-
-def _steps(checkpoints: list[Path]) -> str:
-    first, last = _step_of(checkpoints[0]), _step_of(checkpoints[-1])
-    return f"steps {first}–{last}" if len(checkpoints) > 1 else f"step {first}"
 
 
 

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 import longtrain.model.model as model_module
 from longtrain.train.metrics import read_metrics
 from longtrain.train.recipe import RecipeError, load_recipe
+from longtrain.train import summary
 from longtrain.train.trainer import Trainer
 
 from .tiny import cli, losses, write_corpus
@@ -213,7 +214,7 @@ def test_cuda_graphs_are_used_where_a_run_allows_them(workspace, monkeypatch):
     assert "fp16" in unusable("train.precision=fp16")
     assert "freeze" in unusable("train.freeze.steps=2")
     t = Trainer(load_recipe(path, []), run_dir=tmp / "r")
-    assert t.compiles and "one CUDA graph per chunk" in t.graph_note()  # both on by default on CUDA
+    assert t.compiles and "one CUDA graph per chunk" in summary.graph_note(t)  # both on by default on CUDA
     assert not Trainer(load_recipe(path, ["train.compile=false"]), run_dir=tmp / "r").compiles
 
 

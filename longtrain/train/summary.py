@@ -1,0 +1,201 @@
+"""What `fit` says about a run: the summary before it starts, memory estimates and advice, the
+out-of-memory message, and the dry run's plan.
+
+Text only: each function reads a `Trainer` (its recipe, model, ranks, data and resume point) and
+returns lines; the trainer decides when to print them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from longtrain.console import plural as _n
+from longtrain.data.cache import disk_size
+from longtrain.model.attention_types import kv_entries
+from longtrain.train import memory
+from longtrain.train.metrics import gib
+from longtrain.train.run_dir import set_aside
+
+if TYPE_CHECKING:
+    from longtrain.train.trainer import Trainer
+
+
+def run_summary(t: Trainer) -> list[str]:
+    """What is about to run: model, attention and KV budget, batch, data, resume point, notes."""
+    r, cfg, att, model = t.recipe, t.cfg, t.recipe.attention, t.model
+    kv = kv_entries(att.type, att.topk, att.window)
+    lines = [
+        f"longtrain fit {r.name} → {t.run_dir}",
+        f"model: {r.model.style}, {r.model.layers} layers × {r.model.d_model}, "
+        f"{model.num_params() / 1e6:.2f}M parameters, vocab {model.cfg.vocab_size}",
+        f"attention: {att.type} (k={att.topk}, w={att.window}, {att.variant}){attention_origin(t)}; KV cache "
+        + (f"{kv} entries per layer per row" if kv is not None else "grows with the document"),
+        f"batch: {_n(cfg.batch_docs * t.ranks.world_size, 'document')} × {cfg.chunk_size} tokens × "
+        f"{_n(cfg.grad_accum, 'chunk')} = {cfg.batch_docs * t.ranks.world_size * cfg.chunk_size * cfg.grad_accum:,} "
+        f"tokens per step, {_n(cfg.steps, 'step')}",
+        f"data: {_n(len(t.corpus.train), 'training document')} ({t.corpus.train.n_tokens:,} tokens), "
+        f"{_n(len(t.corpus.valid), 'validation document')}",
+    ]
+    if r.data.source == "recall":  # the task, its distances and its chance level
+        from longtrain.data.recall import describe
+
+        lines.append(describe(r.data.recall))
+    if t.ranks.parallel or t.cfg.parallel == "fsdp":
+        lines.append(ranks_line(t))
+    lines.append(
+        f"compute: {t.precision}" + (" autocast" if t.precision != "fp32" else "")
+        + f", KV cache in {t.precision}" + (", loss scaling" if t.precision == "fp16" else "")
+        + (", compiled around the attention op" if t.compiles else "") + graph_note(t)
+        + (", deterministic" if cfg.deterministic else "")
+    )
+    if cfg.score_distill > 0:
+        lines.append(f"score distillation: weight {cfg.score_distill} over {cfg.score_distill_queries} sampled "
+                     "queries per chunk and row (the scores learn where dense attention goes)")
+    lines += memory_lines(t)
+    if t.resume_from is not None:
+        lines.append(f"resuming from {t.resume_from} (step {t.state.step}, {t.state.tokens:,} tokens)")
+    return lines + notes(t)
+
+
+def attention_origin(t: Trainer) -> str:
+    """Fine-tuning: whether k and w are train.init_from's or the recipe's."""
+    att = t.recipe.attention
+    used = [k for k in ("topk", "window") if getattr(att, k)]
+    if not t.cfg.init_from or not used:
+        return ""
+    name = {"topk": "k", "window": "w"}
+    taken = [name[k] for k in used if k in t.recipe._from_init_source]
+    own = [name[k] for k in used if k not in t.recipe._from_init_source]
+    parts = ([f"{', '.join(own)} from the recipe"] if own else []) + ([f"{', '.join(taken)} from train.init_from"] if taken else [])
+    return "; " + ", ".join(parts)
+
+
+def memory_device(t: Trainer) -> torch.device:
+    return t.device if hasattr(t, "device") else torch.device(t.device_type())
+
+
+def estimate_memory(t: Trainer, position: int) -> int:
+    """Estimated peak memory of a step with the rows at `position` (longtrain.train.memory)."""
+    return memory.estimate_training_bytes(
+        t.recipe, n_params=t.model.num_params(), vocab_size=t.model.cfg.vocab_size,
+        position=position, compute_dtype=t.compute_dtype,
+    )
+
+
+def memory_lines(t: Trainer) -> list[str]:
+    """The estimated peak memory at the furthest position the run reaches, and a warning if it does not fit."""
+    att = t.recipe.attention
+    position = memory.longest_position(t.corpus, t.cfg)
+    need, dev = estimate_memory(t, position), memory_device(t)
+    have = memory.device_memory_bytes(dev)
+    where = f"{gib(have)} of {dev}" if dev.type == "cuda" else f"{gib(have)} of RAM"
+    per = " per rank" if t.ranks.parallel else ""
+    if att.type == "full":
+        grows = f"full attention: it grows with the position, up to the longest document ({position:,} tokens)"
+        if att.max_context:
+            grows = f"full attention capped at attention.max_context = {att.max_context:,} keys"
+        line = f"memory: about {gib(need)}{per} at document position {position:,} ({grows}); {where}"
+    else:
+        line = f"memory: about {gib(need)}{per} at any document position (the KV cache has a fixed size); {where}"
+    if need <= have:
+        return [line]
+    return [line, f"warning: this run needs about {gib(need)} at document position {position:,} but {dev} "
+            f"has {gib(have)}: it will likely run out of memory. To fit: {fit_advice(t, have)}"]
+
+
+def fit_advice(t: Trainer, have: int) -> str:
+    """What to change so the run fits in `have` bytes; full attention: the largest max_context that does."""
+    fits = None
+    if t.recipe.attention.type == "full":
+        fits = memory.max_context_that_fits(
+            t.recipe, budget=int(0.9 * have), n_params=t.model.num_params(),
+            vocab_size=t.model.cfg.vocab_size, compute_dtype=t.compute_dtype,
+        )
+    return memory.advice(t.recipe, suggest_max_context=fits)
+
+
+def ranks_line(t: Trainer) -> str:
+    """How the batch is spread over the ranks, and how rows take documents."""
+    w, b = t.ranks.world_size, t.cfg.batch_docs
+    kind = t.device_type()
+    backend = f"{'nccl' if kind == 'cuda' else 'gloo'} on {kind}"
+    how = "each rank holds a shard of the parameters, gradients and optimizer state (FSDP2)" if t.cfg.parallel == "fsdp" \
+        else "each rank holds the whole model, gradients averaged once per step (DDP)"
+    return (
+        f"ranks: {_n(w, 'rank')} ({t.cfg.parallel}, {backend}): {how}; rank r reads global "
+        f"rows r·{b} .. r·{b}+{b - 1} of {w * b}. A row that finishes a document takes the next of one shuffled "
+        f"order shared by all rows, so the {_n(len(t.corpus.train), 'training document')} need not divide among "
+        f"the ranks, and {w} × {b} rows read what 1 × {w * b} would"
+    )
+
+
+def notes(t: Trainer) -> list[str]:
+    """Settings the run adjusted, or that deserve a second look."""
+    cfg, out = t.cfg, list(t.rank_notes)
+    if cfg.warmup() != cfg.warmup_steps:
+        instead = f"the first {_n(cfg.warmup(), 'step')} (a tenth of the run)" if cfg.warmup() else "no warmup"
+        out.append(f"note: train.warmup_steps ({cfg.warmup_steps}) exceeds train.steps ({cfg.steps}): {instead} instead")
+    if cfg.valid_every and cfg.steps < cfg.valid_every and len(t.corpus.valid):
+        out.append(f"note: no validation: the run is shorter than train.valid_every ({cfg.valid_every}); "
+                   f"--set train.valid_every={cfg.steps} validates at its end")
+    if warning := t.stream.too_few_documents():
+        out.append(f"warning: {warning}")
+    if aside := set_aside(t.run_dir, t.checkpointer.dir):
+        size = gib(sum(disk_size(p) for p in aside))
+        names = ", ".join(p.name for p in aside[:3]) + (", ..." if len(aside) > 3 else "")
+        out.append(f"note: {_n(len(aside), 'item')} moved aside by earlier runs ({size}: {names}); "
+                   f"`longtrain clean {t.run_dir}` lists them, with --delete deletes them")
+    return out
+
+
+def graph_note(t: Trainer) -> str:
+    """The summary's words on CUDA graphs (nothing on the CPU)."""
+    why = t.graph_unusable()
+    if why is None:
+        return ", one CUDA graph per chunk (from the second step)"
+    return "" if why == "not on CUDA" else f", no CUDA graph: {why}"
+
+
+def out_of_memory_message(t: Trainer, error: str) -> str:
+    step = t.state.step + 1
+    positions = [offset for _, offset in t.stream.rows] if hasattr(t, "stream") else []
+    where = f" (document positions {', '.join(f'{p:,}' for p in positions)})" if positions else ""
+    dev = memory_device(t)
+    have = memory.device_memory_bytes(dev)
+    first = error.strip().splitlines()[0][:300] if error.strip() else "out of memory"
+    resume = (f"The last checkpoint is {t.last_saved}: rerun the same command with the change to resume from it."
+              if t.last_saved else "No checkpoint was saved yet; rerun with the change.")
+    return (f"out of memory at step {step}{where} on {dev} ({gib(have)}): {first}\n"
+            f"To fit: {fit_advice(t, have)}.\n{resume}")
+
+
+def dry_run_plan(t: Trainer) -> str:
+    """What `fit --dry-run` says the run would do."""
+    cfg = t.cfg
+    if t.state.step >= cfg.steps:
+        plan = f"already finished at step {t.state.step}: fit would do nothing"
+    elif t.resume_from is not None:
+        plan = f"would resume from {t.resume_from} and train steps {t.state.step + 1}–{cfg.steps}"
+    elif old := t.checkpointer.existing():
+        how = "moving them aside" if t.resume == "never" else "moving the unusable ones aside"
+        plan = f"would start over, {how}: {_n(len(old), 'checkpoint')} in {t.checkpointer.dir}"
+    else:
+        plan = f"would start a fresh run of {_n(cfg.steps, 'step')}"
+    if cfg.init_from and t.resume_from is None and t.state.step < cfg.steps:
+        plan += f", starting from the weights of {cfg.init_from}"
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        plan += "; note: train.device is cuda but no CUDA device is visible here"
+    return plan
+
+
+def step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("step-"))
+
+
+def steps_text(checkpoints: list[Path]) -> str:
+    """'step 4' or 'steps 2–8': the steps of a list of checkpoints, oldest first."""
+    first, last = step_of(checkpoints[0]), step_of(checkpoints[-1])
+    return f"steps {first}–{last}" if len(checkpoints) > 1 else f"step {first}"
