@@ -211,7 +211,7 @@ class Bench:
         """Validation loss with the trainer's evaluate (same documents and chunking for every model)."""
         from longtrain.data import DataConfig, TokenizerConfig, prepare_corpus
         from longtrain.train.checkpointer import load_checkpoint, resolve_checkpoint
-        from longtrain.train.trainer import evaluate
+        from longtrain.train.validation import evaluate
 
         s = self.size
         path = resolve_checkpoint(ckpt)

@@ -46,10 +46,9 @@ import torch
 
 from longtrain.console import make_console
 from longtrain.console import plural as _n
-from longtrain.data import IGNORE, DocumentStream, PreparedCorpus, iter_valid_chunks, prepare_corpus
+from longtrain.data import DocumentStream, PreparedCorpus, prepare_corpus
 from longtrain.data.stream import Chunk
 from longtrain.model import LM, LMConfig, warn_threshold_overflow
-from longtrain.model.attention_types import linear
 from longtrain.model.chunks import ChunkReader, send
 from longtrain.train import distributed
 from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainState
@@ -75,7 +74,8 @@ from longtrain.train.run_dir import RunLock, move_aside
 from longtrain.train.signals import StopSignal, kill_for_tests_after
 from longtrain.train import summary
 from longtrain.train.summary import step_of, steps_text
-from longtrain.train.step_graph import ChunkGraph, ChunkInputs, ChunkResult
+from longtrain.train.validation import evaluate
+from longtrain.train.step_graph import ChunkGraph, ChunkInputs, ChunkResult, graph_unusable
 
 RECIPE_FILE = "recipe.yaml"
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -478,26 +478,7 @@ class Trainer:
 
     def graph_unusable(self) -> str | None:
         """Why this run replays no CUDA graph of its chunks (None: it does, where train.cuda_graphs allows)."""
-        if not self.cfg.cuda_graphs:
-            return "train.cuda_graphs is false"
-        if self.device_type() != "cuda":
-            return "not on CUDA"
-        if self.cfg.parallel == "fsdp":
-            return "fsdp gathers and reduces parameters in every chunk's pass"
-        if self.recipe.attention.type == "full":
-            return "full attention's cache grows chunk by chunk"
-        if linear(self.recipe.attention.type):
-            return "the linear attention types are not yet checked under a CUDA graph"
-        if self.recipe.model.dropout > 0:
-            return "dropout draws new masks per chunk"
-        if self.precision == "fp16":
-            return "fp16 loss scaling"
-        if self.cfg.freeze is not None and self.cfg.freeze.steps > 0:
-            # On an H100 a graph captured after the frozen steps matched eager passes bitwise with eager
-            # blocks, but with compiled blocks the first thawed step's gradient norm differed by 0.2%
-            # (perhaps Inductor timing its reduction configs for the thawed variants); off until resolved
-            return "train.freeze"
-        return None
+        return graph_unusable(self.recipe, device_type=self.device_type(), precision=self.precision)
 
     def optimizer_step(self) -> torch.Tensor:
         """Unscale (fp16), clip, step and clear the gradients; returns the norm before clipping, on the device.
@@ -659,47 +640,3 @@ class Trainer:
             best_valid_loss=self.state.best_valid_loss, checkpoint=self.last_saved,
             stopped_by=self.stop_agreed if self.ranks.parallel else self.stop.signum,
         )
-
-
-
-
-
-
-@torch.no_grad()
-def evaluate(
-    model: LM, corpus: PreparedCorpus, cfg, device: torch.device, ranks: Ranks = Ranks(), *,
-    autocast=nullcontext, cache_dtype: torch.dtype = torch.float32,
-) -> float:
-    """Validation loss over held-out documents, read chunk-recurrently like training.
-
-    `autocast` and `cache_dtype`: the training's precision (the trainer passes its own). The summed
-    loss stays on the device until the end (one host sync per pass).
-    With several ranks each reads its rows of every group of documents, in lockstep (a sharded
-    model needs every rank in every forward), and the token-weighted sums are added over the ranks.
-    """
-    model.eval()
-    docs = len(corpus.valid) if cfg.valid_docs is None else min(cfg.valid_docs, len(corpus.valid))
-    rows = max(1, min(cfg.batch_docs, math.ceil(docs / ranks.world_size)))
-    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
-    chunks = iter_valid_chunks(
-        corpus.valid, cfg.chunk_size, batch_rows=rows, max_docs=cfg.valid_docs, max_tokens=cfg.valid_tokens,
-        rank=ranks.rank, world_size=ranks.world_size,
-    )
-    sharded = distributed.is_sharded(model)
-    busy = (c for c in chunks if sharded or c.lengths.numpy().any())  # idle rows skip a chunk (FSDP still joins in)
-
-    def loss_pass(chunk, cache):
-        with autocast():
-            return model(chunk.tokens, cache=cache, lengths=chunk.lengths, targets=chunk.targets)
-
-    reader = ChunkReader(model.empty_cache(rows, device=device, dtype=cache_dtype), device)
-    for host, _, out in reader(busy, loss_pass):
-        total += out.loss_sum.double()
-        count += int((host.targets != IGNORE).sum())
-    model.train()
-    if ranks.parallel:
-        sums = distributed.all_reduce_sum(torch.stack([total, torch.tensor(float(count), dtype=torch.float64, device=device)]))
-        total, count = sums.tolist()
-    else:
-        total = float(total)
-    return total / max(count, 1)
