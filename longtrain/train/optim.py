@@ -62,14 +62,24 @@ def _keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup from lr·warmup_start_ratio to `lr` over `cfg.warmup()` steps, then a cosine down to lr·min_lr_ratio."""
+    """Linear warmup from lr·warmup_start_ratio to `lr` over `cfg.warmup()` steps, then `cfg.schedule`:
+    cosine or linear down to lr·min_lr_ratio at the last step, wsd (lr, then linear down over the last
+    `decay_fraction` of the steps after the warmup), or constant."""
     warmup = cfg.warmup()
     if step <= warmup:
         start = cfg.lr * cfg.warmup_start_ratio  # the paper's fine-tuning warms up from 10% of the peak
         return start + (cfg.lr - start) * step / warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
     min_lr = cfg.lr * cfg.min_lr_ratio
-    progress = (step - warmup) / max(1, cfg.steps - warmup)
-    return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    after = max(1, cfg.steps - warmup)  # steps after the warmup
+    progress = min(1.0, (step - warmup) / after)  # 0 at the end of the warmup, 1 at the last step
+    if cfg.schedule == "cosine":
+        return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    if cfg.schedule == "wsd":  # stable until the decay starts, then the linear decay over what is left
+        stable = 1.0 - cfg.decay_fraction
+        progress = max(0.0, progress - stable) / cfg.decay_fraction
+    return cfg.lr - (cfg.lr - min_lr) * progress  # linear
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float, *, step: int | None = None, cfg: TrainConfig | None = None) -> None:

@@ -207,8 +207,16 @@ class TrainConfig(_Section):
     batch_docs: int = Field(4, ge=1, description="documents streamed side by side (batch rows)")
     grad_accum: int = Field(1, ge=1, description="chunks whose gradients make one optimizer step")
     lr: float = Field(6e-4, gt=0, le=1, description="peak learning rate")
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = Field(
+        "cosine", description="learning rate after the warmup: cosine or linear decay to lr·min_lr_ratio at the "
+        "last step, wsd (warmup-stable-decay: lr until the last decay_fraction of the steps, then linear down "
+        "to lr·min_lr_ratio), or constant lr"
+    )
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="schedule wsd: the share of train.steps (after the warmup) spent decaying"
+    )
     min_lr_ratio: float = Field(
-        0.1, ge=0, le=1, description="final learning rate of the cosine as a fraction of lr"
+        0.1, ge=0, le=1, description="final learning rate of the cosine, linear or wsd decay as a fraction of lr"
     )
     warmup_steps: int = Field(
         100, ge=0, description="steps of linear warmup to lr; a run shorter than this warms up "

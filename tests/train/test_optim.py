@@ -80,3 +80,28 @@ def test_fused_adamw_steps_like_foreach_and_resumes_either_way():
     back = build_optimizer(a, cfg)
     back.load_state_dict(opt_b.state_dict())
     assert all(g["foreach"] and not g["fused"] for g in back.param_groups)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "wsd", "constant"])
+def test_every_schedule_warms_up_the_same_then_follows_its_shape(schedule):
+    cfg = TrainConfig(steps=110, lr=1e-3, min_lr_ratio=0.1, warmup_steps=10, schedule=schedule, decay_fraction=0.3)
+    lrs = {s: lr_at(s, cfg) for s in range(1, 111)}
+    assert [lrs[s] for s in (1, 5, 10)] == pytest.approx([1e-4, 5e-4, 1e-3])
+    assert all(lrs[s] >= lrs[s + 1] for s in range(10, 110))  # never rises after the warmup
+    expected = {  # at the steps 60 (halfway after the warmup), 80 (where wsd starts to decay), 95 and 110
+        "cosine": [1e-4 + 0.5 * 9e-4, 1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * 0.7)), None, 1e-4],
+        "linear": [1e-3 - 9e-4 * 0.5, 1e-3 - 9e-4 * 0.7, 1e-3 - 9e-4 * 0.85, 1e-4],
+        "wsd": [1e-3, 1e-3, 1e-3 - 9e-4 * 0.5, 1e-4],
+        "constant": [1e-3, 1e-3, 1e-3, 1e-3],
+    }[schedule]
+    for step, value in zip((60, 80, 95, 110), expected):
+        if value is not None:
+            assert lrs[step] == pytest.approx(value), step
+
+
+def test_a_schedule_is_named_in_the_recipe_with_a_hint():
+    from longtrain.train.recipe import RecipeError, load_recipe
+
+    assert load_recipe("quickstart", ["train.schedule=wsd"]).train.schedule == "wsd"
+    with pytest.raises(RecipeError, match="did you mean `wsd`"):
+        load_recipe("quickstart", ["train.schedule=wds"])
