@@ -67,6 +67,12 @@ def summary_lines(result) -> list[str]:
     """The closing lines: what this session did (not the whole run's tokens over this session's time)."""
     import signal
 
+    if result.session_steps == 0 and result.out_of_patience:
+        return [
+            f"already stopped early at step {result.steps}: {result.out_of_patience}. Raise "
+            "train.early_stopping.patience to train further, or start over with --resume never.",
+            f"checkpoint: {result.checkpoint}",
+        ] + ([f"best checkpoint: {result.best_checkpoint}"] if result.best_checkpoint else [])
     if result.session_steps == 0 and result.stopped_by is None:
         return [
             f"already finished at step {result.steps} (train.steps is {result.steps}): nothing to do. "
@@ -76,6 +82,8 @@ def summary_lines(result) -> list[str]:
     rate = result.session_tokens / result.train_seconds if result.train_seconds > 0 else 0.0
     other = result.seconds - result.train_seconds
     how = f"stopped by {signal.Signals(result.stopped_by).name} after saving" if result.stopped_by else "done"
+    if result.out_of_patience and not result.stopped_by:
+        how = "stopped early (train.early_stopping)"
     span = f"steps {result.start_step + 1}–{result.steps}" if result.session_steps > 1 else f"step {result.steps}"
     resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
     loss = f"; last loss {result.last_loss:.4f}" if result.last_loss is not None else ""
@@ -88,6 +96,10 @@ def summary_lines(result) -> list[str]:
     ]
     if result.checkpoint:
         lines.append(f"checkpoint: {result.checkpoint}")
+    if result.best_checkpoint:
+        lines.append(f"best checkpoint: {result.best_checkpoint} (validation loss {result.best_valid_loss:.4f}; checkpoint.keep_best)")
+    if result.out_of_patience and not result.stopped_by:
+        lines.append(f"early stopping: {result.out_of_patience}")
     if result.stopped_by:
         lines.append(f"exit {result.exit_code}: the run is not finished; the same command resumes it")
     return lines

@@ -60,6 +60,7 @@ class CheckpointManager:
     def __init__(self, run_dir: str | Path, keep: int, *, directory: str | Path | None = None):
         self.dir = Path(directory) if directory is not None else Path(run_dir) / "checkpoints"
         self.keep = keep
+        self.protected: set[str] = set()  # checkpoint folder names prune never deletes
 
     def path_for(self, step: int) -> Path:
         return self.dir / f"step-{step:08d}"
@@ -181,8 +182,9 @@ class CheckpointManager:
         return load(path, groups)
 
     def prune(self) -> None:
-        """Delete the oldest checkpoints beyond `keep`."""
-        for path in self.steps()[: -self.keep]:
+        """Delete the oldest checkpoints beyond `keep`; the `protected` ones (checkpoint.keep_best) stay
+        and do not count."""
+        for path in [p for p in self.steps() if p.name not in self.protected][: -self.keep]:
             shutil.rmtree(path, ignore_errors=True)
 
     def clean_stale(self) -> None:

@@ -48,6 +48,8 @@ class TrainState:
     step: int = 0  # last completed optimizer step
     tokens: int = 0  # trained on since step 0
     best_valid_loss: float | None = None
+    best_step: int | None = None  # the step of best_valid_loss (checkpoint.keep_best keeps its checkpoint)
+    stale_validations: int = 0  # validation passes since the last improvement (train.early_stopping)
     grad_scaler: dict[str, Any] | None = None  # train.precision fp16: the loss scaler's state_dict
     # the Hugging Face model a fine-tuned run descends from (`longtrain import`'s record, carried through
     # train.init_from), so `longtrain export` writes its family and max_position_embeddings back
@@ -58,6 +60,7 @@ class TrainState:
         """The state a checkpoint's meta.json records."""
         return cls(
             step=meta["step"], tokens=meta["tokens"], best_valid_loss=meta.get("best_valid_loss"),
+            best_step=meta.get("best_step"), stale_validations=meta.get("stale_validations", 0),
             grad_scaler=meta.get("grad_scaler"), imported_from=meta.get("imported_from"),
         )
 
@@ -134,6 +137,8 @@ class Checkpointer:
                 "step": state.step,
                 "tokens": state.tokens,
                 "best_valid_loss": state.best_valid_loss,
+                **({"best_step": state.best_step} if state.best_step is not None else {}),
+                **({"stale_validations": state.stale_validations} if state.stale_validations else {}),
                 **({"grad_scaler": state.grad_scaler} if state.grad_scaler else {}),
                 **({"imported_from": state.imported_from} if state.imported_from else {}),
                 "data_stream": stream.state_dict(),  # every row's, the same on every rank

@@ -201,6 +201,15 @@ class FreezeConfig(_Section):
     )
 
 
+class EarlyStoppingConfig(_Section):
+    """Stop the run when validation stops improving."""
+
+    patience: int = Field(ge=1, description="validation passes in a row without improvement that stop the run")
+    min_delta: float = Field(
+        0.0, ge=0, description="an improvement: a validation loss below the best so far by more than this"
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(ge=1, description="optimizer steps to train")
     chunk_size: int = Field(512, ge=1, description="tokens per chunk (one forward/backward)")
@@ -282,6 +291,10 @@ class TrainConfig(_Section):
         "deterministic kernels (no atomic adds, fixed cuBLAS workspaces), Inductor without timing-based "
         "choices; costs some tokens/s on CUDA (benchmarks/README.md)"
     )
+    early_stopping: EarlyStoppingConfig | None = Field(
+        None, description="stop (saving a checkpoint) after `patience` validation passes without a validation loss "
+        "lower than the best by more than `min_delta`, e.g. {patience: 3, min_delta: 0.001}; needs train.valid_every"
+    )
 
     @model_validator(mode="after")
     def _fp16_not_sharded(self) -> TrainConfig:
@@ -306,6 +319,10 @@ class TrainConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(500, ge=1, description="steps between checkpoints (a final one is always saved)")
     keep: int = Field(3, ge=1, description="complete checkpoints kept; older ones are deleted")
+    keep_best: bool = Field(
+        False, description="also save a checkpoint at every new best validation loss and keep the best one, "
+        "whatever `keep` deletes (needs train.valid_every)"
+    )
     dir: str | None = Field(None, description="checkpoint folder; null means RUN_DIR/checkpoints")
 
 
@@ -335,6 +352,17 @@ class Recipe(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     # attention keys (topk, window) the recipe left unset and train.init_from's run gave (load_recipe)
     _from_init_source: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _validation_for_best(self) -> Recipe:
+        wants = [name for name, on in (("checkpoint.keep_best", self.checkpoint.keep_best),
+                                       ("train.early_stopping", self.train.early_stopping is not None)) if on]
+        if wants and not self.train.valid_every:
+            raise ValueError(
+                f"{' and '.join(wants)} compare validation losses, but train.valid_every is 0 (no validation); "
+                "hint: set train.valid_every (e.g. --set train.valid_every=100) and validation data (data.valid)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _vocab_fits_tokenizer(self) -> Recipe:

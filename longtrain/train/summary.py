@@ -177,6 +177,8 @@ def dry_run_plan(t: Trainer) -> str:
     cfg = t.cfg
     if t.state.step >= cfg.steps:
         plan = f"already finished at step {t.state.step}: fit would do nothing"
+    elif why := t.out_of_patience():
+        plan = f"already stopped early at step {t.state.step} ({why}): fit would do nothing"
     elif t.resume_from is not None:
         plan = f"would resume from {t.resume_from} and train steps {t.state.step + 1}–{cfg.steps}"
     elif old := t.checkpointer.existing():

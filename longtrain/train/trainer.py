@@ -101,6 +101,8 @@ class FitResult:
     best_valid_loss: float | None
     checkpoint: Path | None
     stopped_by: int | None = None  # the signal that stopped the run early (SIGINT, SIGTERM)
+    out_of_patience: str | None = None  # train.early_stopping stopped the run: why, in words
+    best_checkpoint: Path | None = None  # checkpoint.keep_best: the checkpoint of the best validation loss
 
     @property
     def session_steps(self) -> int:
@@ -147,6 +149,7 @@ class Trainer:
         self.rank_notes: list[str] = []
         self.stop_agreed: int | None = None  # with several ranks: the signal any rank got, as all ranks know it
         self._warned_overflow = False
+        self.best_unsaved = False  # checkpoint.keep_best: this step's validation is a new best, not yet saved
         self.pending: list[dict] = []  # step records not yet written (their numbers may still be on the device)
         self.overflow: torch.Tensor | None = None  # [] bool on the device: a threshold state overflowed since the last read
         self.chunk_graph: ChunkGraph | None = None  # the training pass of one chunk as a CUDA graph (train.cuda_graphs)
@@ -159,12 +162,12 @@ class Trainer:
         try:
             with self.hold_run_dir(), deterministic(self.cfg.deterministic):
                 self.setup()  # nothing is written to the run dir before this returns
-                if self.state.step >= self.cfg.steps:  # already finished: nothing to do, nothing to write
+                if self.state.step >= self.cfg.steps or self.out_of_patience():  # finished: nothing to do or write
                     return self.result(seconds=0.0)
                 self.start_run()
                 t_start = time.monotonic()
                 with self.stop, self.display, self.metrics, self.out_of_memory_help():
-                    while self.state.step < self.cfg.steps and not self.stopping:
+                    while self.state.step < self.cfg.steps and not self.stopping and not self.out_of_patience():
                         record = self.train_step()
                         if self.validation_due():
                             record |= self.validate()
@@ -218,8 +221,8 @@ class Trainer:
         if self.recipe.logging.tensorboard and (missing := tensorboard_missing()):
             raise TrainingError(missing)
         meta = self.read_inputs()
-        if meta is not None and meta["step"] >= self.cfg.steps:  # finished: no need to build anything
-            self.state = self.start = TrainState.from_meta(meta)
+        if meta is not None and (meta["step"] >= self.cfg.steps or self.out_of_patience(TrainState.from_meta(meta))):
+            self.state = self.start = TrainState.from_meta(meta)  # finished: no need to build anything
             return
         self.model = self.build_model(self.device)
         if self.cfg.init_from and self.resume_from is None:  # fine-tuning: weights only, the rest starts fresh
@@ -579,8 +582,13 @@ class Trainer:
             self.model, self.corpus, self.cfg, self.device, self.ranks, autocast=self.autocast, cache_dtype=self.compute_dtype,
         )
         self.final_valid_loss = loss
-        if self.state.best_valid_loss is None or loss < self.state.best_valid_loss:
-            self.state.best_valid_loss = loss
+        best, stop = self.state.best_valid_loss, self.cfg.early_stopping
+        if best is None or loss < best:
+            self.state.best_valid_loss, self.state.best_step = loss, self.state.step
+            self.best_unsaved = self.recipe.checkpoint.keep_best  # saved at this step, whatever checkpoint.every says
+        if stop is not None:
+            improved = best is None or loss < best - stop.min_delta
+            self.state.stale_validations = 0 if improved else self.state.stale_validations + 1
         ppl = math.exp(min(loss, 700))
         self.display.message(f"step {self.state.step}: validation loss {loss:.4f} (ppl {ppl:.2f})")
         return {"valid_loss": loss, "valid_ppl": ppl, "valid_s": round(time.perf_counter() - t0, 4)}
@@ -606,7 +614,24 @@ class Trainer:
 
     def save_due(self) -> bool:
         step = self.state.step
-        return step % self.checkpointer.every == 0 or step == self.cfg.steps or self.stopping
+        return (step % self.checkpointer.every == 0 or step == self.cfg.steps or self.stopping or self.best_unsaved
+                or self.out_of_patience() is not None)
+
+    def best_checkpoint(self) -> Path | None:
+        """checkpoint.keep_best: the checkpoint of the best validation loss, if it is on disk."""
+        if not self.recipe.checkpoint.keep_best or self.state.best_step is None:
+            return None
+        path = self.checkpointer.manager.path_for(self.state.best_step)
+        return path if path.is_dir() else None
+
+    def out_of_patience(self, state: TrainState | None = None) -> str | None:
+        """Why train.early_stopping ends the run at `state` (this run's by default), or None while it goes on."""
+        state, stop = state or self.state, self.cfg.early_stopping
+        if stop is None or state.stale_validations < stop.patience:
+            return None
+        at = f" (at step {state.best_step})" if state.best_step is not None else ""
+        passes = f"{stop.patience} validation pass{'es' if stop.patience != 1 else ''}"
+        return f"validation loss has not improved by more than {stop.min_delta:g} for {passes}; the best was {state.best_valid_loss:.4f}{at}"
 
     def save(self) -> None:
         """A checkpoint; with several ranks every rank writes its part and rank 0 commits it."""
@@ -614,6 +639,9 @@ class Trainer:
         self.write_records(self.pending)
         del self.pending[:]
         self.state.grad_scaler = self.scaler.state_dict() if self.scaler.is_enabled() else None
+        if self.recipe.checkpoint.keep_best and self.state.best_step is not None:  # pruning never deletes it
+            self.checkpointer.manager.protected = {self.checkpointer.manager.path_for(self.state.best_step).name}
+        self.best_unsaved = False
         self.last_saved = self.checkpointer.save(
             self.state, model=self.train_model, optimizer=self.optimizer, cache=self.cache, stream=self.stream,
             hashes=self.hashes, recipe=self.recipe, corpus=self.corpus, ranks=self.ranks, layout=self.layout(),
@@ -638,5 +666,6 @@ class Trainer:
             session_tokens=self.state.tokens - self.start.tokens, seconds=seconds, train_seconds=self.train_seconds,
             last_loss=self.last_loss, final_valid_loss=self.final_valid_loss,
             best_valid_loss=self.state.best_valid_loss, checkpoint=self.last_saved,
+            out_of_patience=self.out_of_patience(), best_checkpoint=self.best_checkpoint(),
             stopped_by=self.stop_agreed if self.ranks.parallel else self.stop.signum,
         )

@@ -142,3 +142,39 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(workspace, monkeypatch):
     r = cli("fit", recipe(steps=10, every=100), "--run-dir", tmp / "t")
     assert r.exit_code == 130 and "stopped without saving" in r.output, r.output
     assert not (tmp / "t/checkpoints").exists()
+
+
+def test_keep_best_and_early_stopping_follow_the_validation_loss(workspace, monkeypatch):
+    """Scripted validation losses (the trainer's `evaluate` replaced) decide what is kept and when the run stops."""
+    import longtrain.train.trainer as trainer_module
+
+    tmp, recipe = workspace
+    path = recipe(steps=20, every=100)
+    scripted = iter([3.0, 2.0, 2.5, 1.9995, 2.6, 2.8])  # steps 2, 4, 6, 8, 10 (and 12)
+    monkeypatch.setattr(trainer_module, "evaluate", lambda *args, **kwargs: next(scripted))
+    sets = ["train.valid_every=2", "checkpoint.keep=1", "checkpoint.keep_best=true",
+            "train.early_stopping={patience: 3, min_delta: 0.001}"]
+    args = ["fit", path, "--run-dir", tmp / "r", *[a for s in sets for a in ("--set", s)]]
+    r = cli(*args)
+    assert r.exit_code == 0, r.output
+    # 8 is the best (below 2.0, though by less than min_delta: a new best, not an improvement for patience);
+    # 6, 8 and 10 did not improve by 0.001: three passes, so the run stops at 10 and saves there.
+    assert sorted(p.name for p in (tmp / "r/checkpoints").iterdir()) == ["step-00000008", "step-00000010"]
+    assert max(losses(tmp / "r")) == 10
+    assert "stopped early (train.early_stopping): steps 1–10" in r.output
+    assert f"best checkpoint: {tmp / 'r/checkpoints/step-00000008'} (validation loss 1.9995" in r.output
+    assert "has not improved by more than 0.001 for 3 validation passes; the best was 1.9995 (at step 8)" in r.output
+    again = cli(*args)  # the same command: nothing to do, nothing written
+    assert again.exit_code == 0 and "already stopped early at step 10" in again.output
+    assert "already stopped early at step 10" in cli(*args, "--dry-run").output
+    assert sorted(p.name for p in (tmp / "r/checkpoints").iterdir()) == ["step-00000008", "step-00000010"]
+    more = cli(*args, "--set", "train.early_stopping={patience: 4, min_delta: 0.001}", "--set", "train.steps=12")
+    assert more.exit_code == 0, more.output
+    assert "resuming from" in more.output and max(losses(tmp / "r")) == 12 and "stopped early" in more.output
+    assert sorted(p.name for p in (tmp / "r/checkpoints").iterdir()) == ["step-00000008", "step-00000012"]
+
+
+def test_keep_best_and_early_stopping_need_validation(workspace):
+    tmp, recipe = workspace
+    r = cli("fit", recipe(), "--set", "train.valid_every=0", "--set", "checkpoint.keep_best=true", "--dry-run")
+    assert r.exit_code == 2 and "checkpoint.keep_best compare validation losses, but train.valid_every is 0" in " ".join(r.output.split())
