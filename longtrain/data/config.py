@@ -76,6 +76,9 @@ class DataConfig(BaseModel):
     # Held-out validation documents: a path, or a fraction of the corpus.
     valid: str | float | None = None
     recall: RecallConfig | None = None  # source recall: the task's knobs (null: the defaults)
+    # files: a file that cannot be read or parsed (or a .txt that is mostly not text) stops the run
+    # (error), or is left out and listed in the run's summary (skip).
+    on_bad_file: Literal["error", "skip"] = "error"
 
     @field_validator("valid")
     @classmethod

@@ -93,7 +93,9 @@ def prepare_corpus(
     source = load_source(data)  # recall: its filler (the generated documents come below)
     recall = data.source == "recall"
     fraction = data.valid if isinstance(data.valid, float) else None
-    valid_source = files_source(data.valid, data.text_field, "data.valid") if isinstance(data.valid, str) else None
+    valid_source = (
+        files_source(data.valid, data.text_field, "data.valid", on_bad_file=data.on_bad_file) if isinstance(data.valid, str) else None
+    )
 
     # recall: the fraction holds out generated documents, not filler, so the tokenizer sees all filler.
     tok = _get_tokenizer(tokenizer, source, None if recall else fraction, cache_dir)
@@ -192,11 +194,13 @@ def tokenize_source(
             "longest_dropped": longest_dropped,
             "invalid_utf8_bytes": source.invalid_utf8,
             "min_doc_tokens": min_doc_tokens,
+            **({"skipped": [list(s) for s in source.skipped]} if source.skipped else {}),  # data.on_bad_file skip
         }
 
     docs, manifest, hit = cached_tokens(cache_dir, key, build)
     stats = {k: manifest[k] for k in ("docs_read", "dropped", "longest_dropped", "invalid_utf8_bytes")}
-    stats.update(key=key, kept=len(docs), tokens=docs.n_tokens, cache_hit=hit, seconds=time.perf_counter() - t0)
+    stats.update(key=key, kept=len(docs), tokens=docs.n_tokens, cache_hit=hit, seconds=time.perf_counter() - t0,
+                 skipped=[tuple(s) for s in manifest.get("skipped", [])])
     if source.invalid_utf8:
         Console(stderr=True).print(
             f"{label}: {source.invalid_utf8} bytes of invalid UTF-8 in {source.description} were replaced by U+FFFD.",

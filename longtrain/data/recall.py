@@ -190,7 +190,7 @@ def filler_source(data: DataConfig) -> Source:
         from .stdlib import stdlib_source
 
         return stdlib_source()
-    return files_source(data.path, data.text_field)
+    return files_source(data.path, data.text_field, on_bad_file=data.on_bad_file)
 
 
 def make_filler(

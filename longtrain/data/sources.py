@@ -12,7 +12,7 @@ import glob
 import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import DataConfig
@@ -34,6 +34,8 @@ class Source:
     n_docs: int | None  # when known before reading (one document per file); None for rows
     invalid_utf8: int  # bytes of invalid UTF-8 replaced by U+FFFD
     documents: Callable[[], Iterator[str]]  # a fresh iterator on every call, same order
+    # data.on_bad_file skip: (file, why) of every file left out; complete once documents() has been read
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
 def load_source(data: DataConfig) -> Source:
@@ -42,7 +44,7 @@ def load_source(data: DataConfig) -> Source:
 
         return stdlib_source()
     if data.source == "files":
-        return files_source(data.path, data.text_field)
+        return files_source(data.path, data.text_field, on_bad_file=data.on_bad_file)
     if data.source == "recall":  # the filler the recall documents are written over
         from .recall import filler_source
 
@@ -86,44 +88,76 @@ def invalid_utf8_bytes(raw: bytes) -> int:
         return len(raw) - len(raw.decode("utf-8", errors="ignore").encode("utf-8"))
 
 
-def files_source(path: str, text_field: str = "text", setting: str = "data.path") -> Source:
+def files_source(path: str, text_field: str = "text", setting: str = "data.path", *, on_bad_file: str = "error") -> Source:
+    """The files of `path`. on_bad_file "skip": a file that cannot be read or parsed, or a .txt that is
+    mostly not text, is left out (listed in `Source.skipped`) instead of stopping with a DataError."""
     files = find_files(path, setting)
+    skip = on_bad_file == "skip"
+    skipped: list[tuple[str, str]] = []
     h = hashlib.blake2b(digest_size=16)
     h.update(f"files:{text_field}\n".encode())
-    total, invalid = 0, 0
+    if skip:  # what it leaves out is part of what the cache holds
+        h.update(b"on_bad_file:skip\n")
+    total, invalid, kept = 0, 0, []
     root = Path(path).expanduser()
     for f in files:
-        raw = f.read_bytes()
-        total += len(raw)
+        try:
+            raw = f.read_bytes()
+        except OSError as e:
+            why = f"cannot be read ({e.strerror or e})"
+            if skip:
+                skipped.append((str(f), why))
+                continue
+            raise DataError(f"{f} {why}. Fix it, remove it from {setting}, or set data.on_bad_file: skip") from None
         if f.suffix.lower() == ".txt":
             bad = invalid_utf8_bytes(raw)
             if bad > MAX_INVALID_FRACTION * len(raw):
+                if skip:
+                    skipped.append((str(f), f"is mostly not text ({bad / len(raw):.0%} of its bytes are not UTF-8)"))
+                    continue
                 raise DataError(
                     f"{f} is mostly not text: {bad:,} of its {len(raw):,} bytes ({bad / len(raw):.0%}) are not "
                     f"UTF-8 (at most {MAX_INVALID_FRACTION:.0%} is accepted). Remove it from {setting}, "
-                    "or convert it to UTF-8 text first."
+                    "convert it to UTF-8 text first, or set data.on_bad_file: skip."
                 )
             invalid += bad
+        total += len(raw)
+        kept.append(f)
         # Relative names, so a moved corpus keeps its cache.
         name = str(f.relative_to(root)) if root.is_dir() else f.name
         h.update(f"{name}\0{len(raw)}\0".encode())
         h.update(raw)
+    if not kept:
+        listed = "; ".join(f"{f} {why}" for f, why in skipped[:5])
+        raise DataError(f"every file in {setting} {path!r} is bad, nothing is left to read: {listed}")
     groups: dict[str, list[str]] = {}
-    for f in files:
+    for f in kept:
         groups.setdefault(BUILDERS[f.suffix.lower()], []).append(str(f))
-    _check_text_field(groups, text_field)
+    if not skip:
+        _check_text_field(groups, text_field)
 
     def documents() -> Iterator[str]:
         for builder, paths in groups.items():
-            yield from _texts(_load(builder, paths), text_field, f"{builder} files in {path!r}")
+            if not skip or builder == "text":
+                yield from _texts(_load(builder, paths), text_field, f"{builder} files in {path!r}")
+                continue
+            for p in paths:  # one file at a time, read whole before its documents go on: a bad one is left out entirely
+                try:
+                    texts = list(_texts(_load(builder, [p]), text_field, p))
+                except DataError as e:
+                    if not any(f == p for f, _ in skipped):  # documents() runs more than once (tokenizer, tokens)
+                        skipped.append((p, f"does not parse ({str(e).removeprefix(f'Could not read {p}: ')[:200]})"))
+                    continue
+                yield from texts
 
     return Source(
-        description=f"{len(files)} files in {path!r}",
+        description=f"{len(kept)} files in {path!r}" + (f" ({len(skipped)} skipped)" if skipped else ""),
         fingerprint=h.hexdigest(),
         total_bytes=total,
-        n_docs=len(files) if list(groups) == ["text"] else None,
+        n_docs=len(kept) if list(groups) == ["text"] else None,
         invalid_utf8=invalid,
         documents=documents,
+        skipped=skipped,
     )
 
 

@@ -23,6 +23,17 @@ if TYPE_CHECKING:
     from longtrain.train.trainer import Trainer
 
 
+def skipped_files(stats: dict) -> list[str]:
+    """data.on_bad_file skip: the files left out, by split (at most ten named per split)."""
+    out = []
+    for split, s in stats.items():
+        skipped = s.get("skipped") or []
+        if skipped:
+            named = "; ".join(f"{f} {why}" for f, why in skipped[:10]) + (f"; and {len(skipped) - 10} more" if len(skipped) > 10 else "")
+            out.append(f"warning: {_n(len(skipped), 'file')} of the {split} data skipped (data.on_bad_file: skip): {named}")
+    return out
+
+
 def run_summary(t: Trainer) -> list[str]:
     """What is about to run: model, attention and KV budget, batch, data, resume point, notes."""
     r, cfg, att, model = t.recipe, t.cfg, t.recipe.attention, t.model
@@ -39,6 +50,7 @@ def run_summary(t: Trainer) -> list[str]:
         f"data: {_n(len(t.corpus.train), 'training document')} ({t.corpus.train.n_tokens:,} tokens), "
         f"{_n(len(t.corpus.valid), 'validation document')}",
     ]
+    lines += skipped_files(t.corpus.stats)
     if r.data.source == "recall":  # the task, its distances and its chance level
         from longtrain.data.recall import describe
 

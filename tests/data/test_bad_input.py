@@ -98,3 +98,26 @@ def test_a_file_that_is_mostly_not_text_is_refused(tmp_path):
     text = make_text(2, 300).encode()
     (folder / "random.txt").write_bytes(text + b"\xe9" * int(0.1 * len(text)))
     assert prepare(tmp_path, path=str(folder)).stats["train"]["invalid_utf8_bytes"] == int(0.1 * len(text))
+
+
+def test_on_bad_file_skip_leaves_bad_files_out_and_lists_them(tmp_path, monkeypatch):
+    """A binary .txt and a .jsonl that does not parse: `error` stops naming the file and the setting,
+    `skip` trains on the rest and the summary lists both (also on a token-cache hit)."""
+    from tests.train.tiny import RECIPE, cli, write_corpus
+
+    monkeypatch.setenv("LONGTRAIN_CACHE", str(tmp_path / "cache"))
+    write_corpus(tmp_path / "corpus")
+    (tmp_path / "corpus/blob.txt").write_bytes(bytes(range(128, 256)) * 64)
+    (tmp_path / "corpus/rows.jsonl").write_text('{"text": "' + "the river " * 400 + '"}\n{"text": broken\n')
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE.format(corpus=tmp_path / "corpus", steps=2, every=2))
+    refused = cli("fit", recipe, "--run-dir", tmp_path / "run", "--dry-run")
+    msg = " ".join(refused.output.split())
+    assert refused.exit_code == 1 and "blob.txt is mostly not text" in msg and "data.on_bad_file: skip" in msg
+    for _ in range(2):  # the second reads the token cache
+        r = cli("fit", recipe, "--run-dir", tmp_path / "run", "--dry-run", "--set", "data.on_bad_file=skip")
+        assert r.exit_code == 0, r.output
+        [line] = [x for x in r.output.splitlines() if "skipped (data.on_bad_file: skip)" in x]
+        assert line.startswith("warning: 2 files of the train data skipped") and "blob.txt is mostly not text" in line
+        assert "rows.jsonl does not parse" in line
+        assert "data: 4 training documents" in r.output  # the five good ones, one held out
