@@ -109,7 +109,7 @@ def test_files_filler_and_a_filler_too_short(tmp_path, monkeypatch):
         (books / f"b{i}.txt").write_text(make_text(i, 900))
     opened = []  # every files source opened reads (and hashes) every byte of the books
     files_source = longtrain.data.sources.files_source
-    monkeypatch.setattr("longtrain.data.recall.files_source", lambda *a: opened.append(a) or files_source(*a))
+    monkeypatch.setattr("longtrain.data.recall.files_source", lambda *a, **k: opened.append(a) or files_source(*a, **k))
     data = DataConfig(source="recall", path=str(books), recall={**CFG, "filler": "files", "docs": 4})
     corpus = prepare_corpus(data, TokenizerConfig(vocab_size=300), cache_dir=tmp_path / "c", progress=False)
     assert len(opened) == 1  # the filler books are read once, for the tokenizer and the filler both
