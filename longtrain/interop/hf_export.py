@@ -88,7 +88,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32"
     eos = eod_id(tok)
     bos = next((tok.token_to_id(t) for t in ("<s>", "<|begin_of_text|>") if tok.token_to_id(t) is not None), eos)
     config = hf_config(fam, cfg, bos=bos, eos=eos, dtype=dtype, max_positions=max_positions or source.get("max_position_embeddings", 2048))
-    remote = cfg.attention != "full" and cfg.style == "llama"
+    remote = cfg.attention in ("sparsek+sw", "sparsek", "sw") and cfg.style == "llama"  # what modeling_longtrain.py runs
     if cfg.attention != "full":
         config["longtrain_sparsek"] = {
             "attention": cfg.attention, "topk": cfg.topk, "window": cfg.window, "variant": cfg.variant,
