@@ -34,6 +34,7 @@ from longtrain.train import checkpoint as ckpt
 from longtrain.train import distributed
 from longtrain.train.checkpoint import META, CheckpointError, CheckpointManager
 from longtrain.train.distributed import Ranks
+from longtrain.train.lora import merge_lora
 from longtrain.train.rank_state import Layout, cache_for_rank, cache_group, check_layout, rng_for_rank, saved_groups_for
 from longtrain.train.rng import capture_rng, restore_rng
 
@@ -284,7 +285,7 @@ def load_checkpoint(
     if "model.safetensors" not in meta.get("files", {}):
         raise CheckpointError(f"checkpoint {path} holds no model.safetensors")
     tensors, meta = ckpt.load(path, ["model"])  # not the optimizer state (twice the model's size)
-    state = tensors["model"]
+    state = merge_lora(tensors["model"])  # a LoRA run's adapters folded into the weights (longtrain.train.lora)
     vocab = state["embed.weight"].shape[0] if "embed.weight" in state else None
     try:
         model = LM(LMConfig.from_recipe(recipe.model, recipe.attention, vocab_size=vocab))

@@ -27,6 +27,7 @@ import yaml
 from torch import nn
 
 from longtrain.model.scoring import mimic_score_weight
+from longtrain.train.lora import ADAPTER_KEYS, has_adapters, merge_lora, trains
 from longtrain.train import checkpoint as ckpt
 from longtrain.train.checkpoint import CheckpointError
 
@@ -88,13 +89,17 @@ def init_from_checkpoint(model: nn.Module, source: str | Path, recipe) -> list[s
     tensors, _ = ckpt.load(path, ["model"])  # weights only: not the optimizer state
     state = dict(tensors["model"])
     own = model.state_dict()
+    merged = has_adapters(state) and not has_adapters(own)
+    if merged:  # a LoRA run's weights into a model without adapters: fold them in
+        state = merge_lora(state)
     is_score = lambda k: k.endswith("scorer.weight")  # noqa: E731
     new_scores = [k for k in own if is_score(k) and k not in state]
+    new_adapters = [k for k in own if k.endswith(ADAPTER_KEYS) and k not in state]  # keep their init (B = 0)
     dropped = [k for k in state if is_score(k) and k not in own]  # a SparseK source fine-tuned as sw/full
     for k in dropped:
         del state[k]
     try:
-        ckpt.check_shapes(state, {k: v for k, v in own.items() if k not in new_scores})
+        ckpt.check_shapes(state, {k: v for k, v in own.items() if k not in new_scores and k not in new_adapters})
     except CheckpointError as e:
         raise CheckpointError(
             f"train.init_from {source}: {e}. Hint: leave out the recipe's `model:` section to take the source's shape"
@@ -109,6 +114,10 @@ def init_from_checkpoint(model: nn.Module, source: str | Path, recipe) -> list[s
         notes.append(f"{len(new_scores)} scoring vectors are new (not in the source): initialised {how}")
     if dropped:
         notes.append(f"{len(dropped)} scoring vectors of the source are unused by attention {recipe.attention.type}")
+    if merged:
+        notes.append("the source's LoRA adapters are merged into its weights (this recipe has no train.lora)")
+    elif has_adapters(state):
+        notes.append("the source's LoRA adapters are loaded and train on")
     return notes
 
 
@@ -139,7 +148,8 @@ def apply_freeze(model: nn.Module, freeze, step: int) -> int:
             "names look like blocks.0.attn.scorer.weight, blocks.0.attn.q_proj.weight, embed.weight"
         )
     frozen = 0
+    lora = has_adapters(dict(model.named_parameters()))
     for name, p in model.named_parameters():
-        p.requires_grad_(step > freeze.steps or name in trainable)
+        p.requires_grad_((step > freeze.steps or name in trainable) and (not lora or trains(name)))  # LoRA: base stays frozen
         frozen += not p.requires_grad
     return frozen

@@ -82,7 +82,8 @@ def activation_bytes_per_token(style: str, mlp_ratio: float, dtype: torch.dtype)
     return sum(saved.values()) / (B * L * d)
 
 
-def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position: int, compute_dtype: torch.dtype) -> int:
+def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position: int, compute_dtype: torch.dtype,
+                            n_trainable: int | None = None) -> int:
     """Peak memory of one training chunk with the rows at document position `position` (per rank)."""
     m, att, cfg = recipe.model, recipe.attention, recipe.train
     e = torch.empty((), dtype=compute_dtype).element_size()
@@ -91,7 +92,8 @@ def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position:
     D = d // H
     mlp_ratio = (m.intermediate_size / d) if m.intermediate_size else m.mlp_ratio
 
-    state = n_params * (16 + (e if e < 4 else 0))
+    trainable = n_params if n_trainable is None else n_trainable  # LoRA: the frozen weights have no grads or moments
+    state = n_params * (4 + (e if e < 4 else 0)) + trainable * 12
     acts = layers * B * L * d * activation_bytes_per_token(m.style, mlp_ratio, compute_dtype)
     kv = Hkv * D * 2 * e  # bytes of one cached key and its value
     if att.type == "full":

@@ -210,6 +210,18 @@ class EarlyStoppingConfig(_Section):
     )
 
 
+class LoraConfig(_Section):
+    """Low-rank adapters on the frozen projections (longtrain.train.lora); the scoring vectors train in full."""
+
+    rank: int = Field(16, ge=1, description="rank r of each adapter (A [r, in], B [out, r])")
+    alpha: float = Field(32.0, gt=0, description="the adapters' output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down"]] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down"], min_length=1,
+        description="the projections of every block that get adapters (gate: SwiGLU models only)",
+    )
+
+
 class TrainConfig(_Section):
     steps: int = Field(ge=1, description="optimizer steps to train")
     chunk_size: int = Field(512, ge=1, description="tokens per chunk (one forward/backward)")
@@ -294,6 +306,10 @@ class TrainConfig(_Section):
     early_stopping: EarlyStoppingConfig | None = Field(
         None, description="stop (saving a checkpoint) after `patience` validation passes without a validation loss "
         "lower than the best by more than `min_delta`, e.g. {patience: 3, min_delta: 0.001}; needs train.valid_every"
+    )
+    lora: LoraConfig | None = Field(
+        None, description="fine-tune LoRA adapters (plus the scoring vectors) instead of every weight, e.g. "
+        "{rank: 16, alpha: 32}; checkpoints keep the adapters, export merges them"
     )
 
     @model_validator(mode="after")

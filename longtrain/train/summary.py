@@ -42,6 +42,7 @@ def run_summary(t: Trainer) -> list[str]:
         f"longtrain fit {r.name} → {t.run_dir}",
         f"model: {r.model.style}, {r.model.layers} layers × {r.model.d_model}, "
         f"{model.num_params() / 1e6:.2f}M parameters, vocab {model.cfg.vocab_size}",
+        *([t.lora_line] if t.lora_line else []),
         f"attention: {att.type} (k={att.topk}, w={att.window}, {att.variant}){attention_origin(t)}; KV cache "
         + (f"{kv} entries per layer per row" if kv is not None else "grows with the document"),
         f"batch: {_n(cfg.batch_docs * t.ranks.world_size, 'document')} × {cfg.chunk_size} tokens × "
@@ -94,6 +95,7 @@ def estimate_memory(t: Trainer, position: int) -> int:
     return memory.estimate_training_bytes(
         t.recipe, n_params=t.model.num_params(), vocab_size=t.model.cfg.vocab_size,
         position=position, compute_dtype=t.compute_dtype,
+        n_trainable=sum(p.numel() for p in t.model.parameters() if p.requires_grad),
     )
 
 

@@ -56,6 +56,7 @@ from longtrain.train.determinism import deterministic
 from longtrain.train.diagnostics import SelectionDiagnostics
 from longtrain.train.distributed import Ranks
 from longtrain.train.init import apply_freeze, check_init_source, imported_origin, init_from_checkpoint
+from longtrain.train.lora import add_lora
 from longtrain.train.metrics import (
     METRICS_FILE,
     TENSORBOARD_DIR,
@@ -145,6 +146,7 @@ class Trainer:
         self.final_valid_loss: float | None = None
         self.train_seconds = 0.0
         self.init_notes: list[str] = []  # what train.init_from loaded
+        self.lora_line: str | None = None  # train.lora: what trains and what is frozen
         self.ranks = Ranks()  # one process until start_ranks() reads torchrun's environment
         self.rank_notes: list[str] = []
         self.stop_agreed: int | None = None  # with several ranks: the signal any rank got, as all ranks know it
@@ -293,8 +295,12 @@ class Trainer:
             )
         if device.type == "meta":  # sizes only (dry run): no memory, no init
             with torch.device("meta"):
-                return LM(cfg)
-        return LM(cfg).to(device)
+                model = LM(cfg)
+        else:
+            model = LM(cfg).to(device)
+        if self.cfg.lora is not None:  # adapters before init_from and resume: their tensors are in both
+            self.lora_line = add_lora(model, self.cfg.lora)
+        return model
 
     def parallelize(self) -> torch.nn.Module:
         """The model as the ranks train it: FSDP2 (train.parallel fsdp), or the LM itself (ddp replicas, one rank)."""

@@ -218,3 +218,43 @@ def test_finetune_keeps_the_imports_k_and_w_unless_the_recipe_sets_them(imported
     dry = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(tmp_path / "run"), "--dry-run", *args])
     assert dry.exit_code == 0, dry.output
     assert "attention: sparsek+sw (k=8, w=6, hard_k_soft_v); k from the recipe, w from train.init_from;" in dry.output
+
+
+def test_lora_fit_keeps_the_base_frozen_merges_on_export_and_resumes(imported, tmp_path):
+    from longtrain.train.lora import add_lora, merge_lora
+    from longtrain.train.recipe import LoraConfig
+
+    lora = "train.lora={rank: 4, alpha: 8}"
+    straight = fit(imported, tmp_path / "lora", lora)
+    assert straight.returncode == 0, straight.stderr + straight.stdout
+    assert "LoRA rank 4 (alpha 8) on q_proj, k_proj, v_proj, o_proj, gate, up, down" in straight.stdout
+    at4 = load_file(tmp_path / "lora/checkpoints/step-00000004/model.safetensors")
+    base = base_weights(imported)
+    assert all(torch.equal(at4[k], v) for k, v in base.items())  # every pretrained weight frozen
+    assert all(at4[f"blocks.{i}.mlp.down.lora.b"].abs().max() > 0 for i in range(2))  # the adapters learned
+    assert {k for k in at4 if k.endswith("scorer.weight")} == {"blocks.0.attn.scorer.weight", "blocks.1.attn.scorer.weight"}
+
+    # Export merges the adapters into the weights.
+    assert CliRunner().invoke(app, ["export", str(tmp_path / "lora"), "--out", str(tmp_path / "hf")]).exit_code == 0
+    exported, merged = load_file(tmp_path / "hf/model.safetensors"), merge_lora(at4)
+    assert not any(".lora." in k for k in exported)
+    q = exported["model.layers.1.self_attn.q_proj.weight"]
+    assert torch.equal(q, merged["blocks.1.attn.q_proj.weight"]) and not torch.equal(q, base["blocks.1.attn.q_proj.weight"])
+
+    # Killed after step 2, the run resumes its adapters and ends bitwise equal.
+    killed = fit(imported, tmp_path / "resumed", lora, env={"LONGTRAIN_TEST_KILL_AFTER": "2"})
+    assert killed.returncode == -signal.SIGKILL
+    resumed = fit(imported, tmp_path / "resumed", lora)
+    assert resumed.returncode == 0, resumed.stderr + resumed.stdout
+    final = load_file(tmp_path / "resumed/checkpoints/step-00000004/model.safetensors")
+    assert all(torch.equal(final[k], at4[k]) for k in at4)
+
+    # init_from the LoRA run: a full fine-tune starts from the merged weights, a LoRA one from its adapters.
+    r = load_recipe("finetune-llama", sets(overrides(imported)) + [f"train.init_from={tmp_path / 'lora'}"])
+    full = LM(LMConfig.from_recipe(r.model, r.attention))
+    assert "merged into its weights" in " ".join(init_from_checkpoint(full, r.train.init_from, r))
+    assert all(torch.equal(full.state_dict()[k], v) for k, v in merged.items())
+    adapters = LM(LMConfig.from_recipe(r.model, r.attention))
+    add_lora(adapters, LoraConfig(rank=4, alpha=8))
+    assert "adapters are loaded" in " ".join(init_from_checkpoint(adapters, r.train.init_from, r))
+    assert all(torch.equal(adapters.state_dict()[k], v) for k, v in at4.items())

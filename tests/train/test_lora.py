@@ -1,0 +1,56 @@
+"""LoRA adapters: merged weights give the adapter model's logits; only adapters and scoring vectors learn."""
+
+import pytest
+import torch
+
+from longtrain.model import LM, LMConfig
+from longtrain.train.init import apply_freeze
+from longtrain.train.lora import add_lora, merge_lora
+from longtrain.train.recipe import FreezeConfig, LoraConfig, RecipeError
+
+
+def adapted(style="llama", targets=None, **kw):
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=60, layers=2, d_model=32, heads=4, kv_heads=2, style=style, attention="sparsek+sw",
+                   topk=4, window=4, **kw)
+    model = LM(cfg).double()
+    lora = LoraConfig(rank=3, alpha=6.0, **({"targets": targets} if targets else {}))
+    line = add_lora(model, lora)
+    return cfg, model, line
+
+
+@torch.no_grad()
+def test_merged_weights_give_the_adapter_models_logits():
+    cfg, model, line = adapted()
+    tokens = torch.randint(0, 60, (2, 30))
+    before = model(tokens).logits
+    base = LM(cfg).double()
+    base.load_state_dict(merge_lora(model.state_dict()))
+    assert torch.equal(base(tokens).logits, before)  # B = 0: the adapters start as a no-op
+    for name, p in model.named_parameters():
+        if name.endswith(".lora.b"):
+            p.normal_(0, 0.3)
+    after = model(tokens).logits
+    assert (after - before).abs().max() > 1e-2  # the adapters now change the model
+    merged = LM(cfg).double()
+    merged.load_state_dict(merge_lora(model.state_dict()))
+    assert (merged(tokens).logits - after).abs().max() <= 1e-10
+    assert "LoRA rank 3 (alpha 6) on q_proj, k_proj, v_proj, o_proj, gate, up, down" in line
+
+
+def test_only_adapters_and_scoring_vectors_learn_even_after_a_freeze_thaws():
+    _, model, _ = adapted(targets=["q_proj", "down"])
+    learn = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert learn == {f"blocks.{i}.{m}.lora.{ab}" for i in range(2) for m in ("attn.q_proj", "mlp.down") for ab in "ab"} | {
+        f"blocks.{i}.attn.scorer.weight" for i in range(2)}
+    model(torch.randint(0, 60, (1, 20))).logits.sum().backward()
+    assert all((p.grad is not None) == (n in learn) for n, p in model.named_parameters())
+    freeze = FreezeConfig(steps=1)  # scorer-first, then "everything": everything LoRA trains
+    assert apply_freeze(model, freeze, 1) == len(list(model.parameters())) - 2
+    apply_freeze(model, freeze, 2)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == learn
+
+
+def test_a_target_the_model_lacks_is_refused():
+    with pytest.raises(RecipeError, match=r"train.lora.targets \['gate'\] are not projections of this gpt2 model"):
+        adapted(style="gpt2", targets=["q_proj", "gate"])
