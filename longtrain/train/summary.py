@@ -202,8 +202,6 @@ def dry_run_plan(t: Trainer) -> str:
         plan = f"would start a fresh run of {_n(cfg.steps, 'step')}"
     if cfg.init_from and t.resume_from is None and t.state.step < cfg.steps:
         plan += f", starting from the weights of {cfg.init_from}"
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        plan += "; note: train.device is cuda but no CUDA device is visible here"
     return plan
 
 

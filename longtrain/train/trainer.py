@@ -220,8 +220,7 @@ class Trainer:
     def setup(self) -> None:
         """Data, model, optimizer, stream and the checkpoint to resume, all checked before the run starts."""
         seed_everything(self.cfg.seed)  # the same on every rank: every replica starts from the same weights
-        if self.recipe.logging.tensorboard and (missing := tensorboard_missing()):
-            raise TrainingError(missing)
+        self.check_extras()
         meta = self.read_inputs()
         if meta is not None and (meta["step"] >= self.cfg.steps or self.out_of_patience(TrainState.from_meta(meta))):
             self.state = self.start = TrainState.from_meta(meta)  # finished: no need to build anything
@@ -253,6 +252,11 @@ class Trainer:
                 self.scaler.load_state_dict(self.state.grad_scaler)
         self.start = replace(self.state)  # a copy: the state changes every step
 
+    def check_extras(self) -> None:
+        """Optional packages the recipe asks for (fit and its dry run alike)."""
+        if self.recipe.logging.tensorboard and (missing := tensorboard_missing()):
+            raise TrainingError(missing)
+
     def read_inputs(self) -> dict | None:
         """The corpus, and the checkpoint to resume with its meta checked against this recipe (or None)."""
         # rank 0 picks the checkpoint (validating it whole) and tells the others
@@ -268,13 +272,18 @@ class Trainer:
     def dry_run(self) -> list[str]:
         """What `fit` would do, without doing it: the resolved recipe, the summary and the plan.
 
-        It writes nothing to the run dir (the token cache may fill: tokenizing is part of the check).
+        It writes nothing to the run dir (the token cache may fill: tokenizing is part of the check), and
+        refuses what `fit` would refuse, with the same messages.
         """
+        pick_device(self.cfg.device)  # as start_ranks: no CUDA device is a clean refusal
+        self.check_extras()
         meta = self.read_inputs()
         if meta is not None:
             self.state = TrainState.from_meta(meta)
         self.model = self.build_model(torch.device("meta"))  # sizes only: no memory, any machine
         self.stream = self.build_stream()
+        if meta is not None and not (self.state.step >= self.cfg.steps or self.out_of_patience()):
+            self.stream.load_state_dict(meta["data_stream"])  # as Checkpointer.restore: the same corpus and seed
         plan = summary.dry_run_plan(self)
         return [*recipe_to_yaml(self.recipe).splitlines(), "", *summary.run_summary(self), f"dry run: {plan}; nothing was written"]
 

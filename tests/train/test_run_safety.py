@@ -8,6 +8,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from longtrain.train.metrics import read_metrics
 from longtrain.train.run_dir import RunLock
@@ -210,6 +211,27 @@ def test_dry_run_describes_the_run_and_writes_nothing(workspace):
     r = cli("fit", path, "--run-dir", tmp / "r", "--set", "model.d_model=48", "--dry-run")
     assert r.exit_code == 1 and "refusing to resume" in r.output
     assert snapshot(tmp / "r") == before
+
+
+def test_dry_run_refuses_what_the_run_refuses_with_the_same_message(workspace):
+    """Issue 31: the dry run said "would resume" where fit refused (another seed, another corpus), and
+    train.device=cuda on a CPU machine was torch's AssertionError instead of fit's message."""
+    tmp, recipe = workspace
+    path = recipe(steps=4, every=2)
+    assert cli("fit", path, "--run-dir", tmp / "r").exit_code == 0
+    before = snapshot(tmp / "r")
+    for change in ("train.seed=4", "data.valid=0.4"):  # another seed; another corpus (3 training documents, not 4)
+        args = ("fit", path, "--run-dir", tmp / "r", "--set", "train.steps=6", "--set", change)
+        real, dry = cli(*args), cli(*args, "--dry-run")
+        assert real.exit_code == dry.exit_code == 1, (change, real.output, dry.output)
+        assert "error:" in real.output and real.output.splitlines()[-1] in dry.output, (real.output, dry.output)
+        assert snapshot(tmp / "r") == before
+    if not torch.cuda.is_available():
+        for dry_run in ((), ("--dry-run",)):
+            r = cli("fit", path, "--run-dir", tmp / "cuda", "--set", "train.device=cuda", *dry_run)
+            assert r.exit_code == 1 and "no CUDA device is visible; use `--set train.device=cpu`" in r.output, r.output
+            assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+        assert not (tmp / "cuda").exists()
 
 
 def test_fewer_documents_than_batch_rows_is_a_warning(workspace):
