@@ -167,10 +167,11 @@ class CheckpointManager:
         found = [p for p in self.dir.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
         return sorted(found, key=lambda p: p.name)
 
-    def latest_complete(self) -> Path | None:
-        """The newest checkpoint that validates; corrupt ones are skipped with a warning."""
+    def latest_complete(self, check=None) -> Path | None:
+        """The newest checkpoint that validates (`check(path)` -> problem or None; default `validate`);
+        corrupt ones are skipped with a warning."""
         for path in reversed(self.steps()):
-            problem = validate(path)
+            problem = (check or validate)(path)
             if problem is None:
                 return path
             warnings.warn(f"skipping checkpoint {path}: {problem}", CheckpointWarning, stacklevel=2)

@@ -40,6 +40,7 @@ from longtrain.train.rng import capture_rng, restore_rng
 
 RECIPE_FILE = "recipe.yaml"
 TOKENIZER_FILE = "tokenizer.json"
+WEIGHT_FILES = ("model.safetensors", RECIPE_FILE, TOKENIZER_FILE)  # what reading a model needs of a checkpoint
 
 
 @dataclass
@@ -212,24 +213,39 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file: give a checkpoint folder (…/checkpoints/step-XXXXXXXX) or a run dir")
     if (path / META).is_file():
-        problem = ckpt.validate(path)
+        problem = weights_problem(path)
         if problem:
             raise CheckpointError(f"checkpoint {path} cannot be used: {problem}")
         return path
     for folder in (path / "checkpoints", path):  # a run dir, or a checkpoints folder itself
-        steps = CheckpointManager(path, keep=1, directory=folder).steps()
-        if steps:
-            latest = CheckpointManager(path, keep=1, directory=folder).latest_complete()
+        manager = CheckpointManager(path, keep=1, directory=folder)
+        if steps := manager.steps():
+            latest = manager.latest_complete(check=weights_problem)
             if latest is None:
                 raise CheckpointError(
-                    f"{folder} has {len(steps)} checkpoint(s) but none is complete (each fails its checks); "
-                    "resume the run to write a new one"
+                    f"{folder} has {len(steps)} checkpoint(s) but none has intact weights (the newest, "
+                    f"{steps[-1].name}: {weights_problem(steps[-1])}); give an intact checkpoint folder"
                 )
             return latest
     raise CheckpointError(
         f"{path} is neither a checkpoint (no {META}) nor a run dir with checkpoints (no checkpoints/step-XXXXXXXX); "
         "train one with `longtrain fit`"
     )
+
+
+def weights_problem(path: Path) -> str | None:
+    """None if what reading the model needs is intact: its weights, recipe and tokenizer.
+
+    eval, generate, export, inspect and train.init_from read no optimizer state, caches or RNG, so a
+    checkpoint whose optimizer.safetensors is damaged still serves them (resuming it does not).
+    """
+    try:
+        listed = Checkpointer.read_meta(path).get("files")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    if not isinstance(listed, dict):
+        return ckpt.validate(path)  # its own words for a missing or broken meta.json
+    return ckpt.validate(path, only=[name for name in WEIGHT_FILES if name in listed] or [WEIGHT_FILES[0]])
 
 
 def checkpoint_files(recipe, tokenizer: Tokenizer) -> dict[str, bytes]:

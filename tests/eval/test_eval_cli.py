@@ -4,11 +4,13 @@ import json
 import shutil
 
 import numpy as np
+import torch
 from typer.testing import CliRunner
 
 from longtrain.cli import app
 from longtrain.data import TokenizerConfig, default_cache_dir, prepare_corpus
 from longtrain.eval.documents import eval_documents
+from longtrain.train.checkpoint import CheckpointManager, load, validate
 from longtrain.train.checkpointer import load_recipe_and_tokenizer, resolve_checkpoint
 
 runner = CliRunner()
@@ -95,7 +97,34 @@ def test_a_run_dir_with_no_complete_checkpoint(runs, tmp_path):
     shutil.copytree(runs["sparsek"], run)
     step = next((run / "checkpoints").iterdir())
     (step / "model.safetensors").write_bytes(b"truncated")
-    _check_error(evaluate(str(run), *FAST), 2, "none is complete")
+    _check_error(evaluate(str(run), *FAST), 2, "none has intact weights", "model.safetensors is truncated")
+    assert "resume" not in evaluate(str(run), *FAST).output  # resuming a run with no checkpoint starts at step 1
+
+
+def test_read_only_verbs_need_only_the_weights(runs, tmp_path):
+    """Issue 31: intact weights but a damaged optimizer.safetensors: eval, generate, export and inspect
+    read the checkpoint (a run dir picks it, not an older one)."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["sparsek"], run)
+    old = next((run / "checkpoints").iterdir())
+    tensors, meta = load(old)
+    files = {name: (old / name).read_bytes() for name in ("recipe.yaml", "tokenizer.json")}
+    step = CheckpointManager(run, keep=3).save(
+        9, tensors={**tensors, "optimizer": {"state.0.exp_avg": torch.ones(4)}}, meta={"step": 9}, files=files
+    )
+    (step / "optimizer.safetensors").write_bytes(b"damaged")
+    assert "optimizer.safetensors" in validate(step)
+    assert resolve_checkpoint(run) == step
+    for target in (run, step):
+        res = evaluate(str(target), "--task", "ppl", *FAST)
+        assert res.exit_code == 0 and "step-00000009" in res.output, res.output
+    res = runner.invoke(app, ["generate", str(run), "--prompt", "the river", "--max-new-tokens", "3"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["export", str(step), "--out", str(tmp_path / "hf")])
+    assert res.exit_code == 0 and (tmp_path / "hf/model.safetensors").is_file(), res.output
+    (tmp_path / "t.txt").write_text("the river and the house")
+    res = runner.invoke(app, ["inspect", str(step), "--text", str(tmp_path / "t.txt"), "--out", str(tmp_path / "i.html")])
+    assert res.exit_code == 0, res.output
 
 
 def test_a_checkpoint_without_a_tokenizer_anywhere(runs, tmp_path):
