@@ -150,6 +150,33 @@ class LMConfig:
         return asdict(self)
 
 
+# ----------------------------------------------------------------------------- linear layers
+
+
+def chunk_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear (the plain reference), but on the CPU in bf16/fp16 without gradients summed in float64.
+
+    The CPU's half-precision GEMMs (oneDNN, AMX) pick their blocking and accumulation order by the row
+    count and threads, so a row's product depended on the chunk it came in (quickstart at chunks of 61:
+    selection agreement 0.97). Half-precision products are exact in float64 and its sums are rounded
+    2^45 times finer than bf16's, so rounding them to the compute dtype gives a row the same bits in any
+    chunk (H100s' bf16 GEMMs already do). Training (gradients) keeps the fast kernels.
+    """
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+    if x.device.type != "cpu" or torch.is_grad_enabled() or dtype not in (torch.bfloat16, torch.float16):
+        return F.linear(x, weight, bias)
+    wide = [t.to(dtype).double() if t is not None else None for t in (x, weight, bias)]  # rounded as autocast rounds
+    with torch.autocast("cpu", enabled=False):
+        return F.linear(*wide).to(dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `chunk_invariant_linear` (same parameters and state dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return chunk_invariant_linear(x, self.weight, self.bias)
+
+
 # ----------------------------------------------------------------------------- attention
 
 
@@ -161,10 +188,10 @@ class Attention(nn.Module):
         self.cfg = cfg
         H, Hkv, D, d = cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.d_model
         qkv_bias = bias if cfg.qkv_bias is None else cfg.qkv_bias
-        self.q_proj = nn.Linear(d, H * D, bias=qkv_bias)
-        self.k_proj = nn.Linear(d, Hkv * D, bias=qkv_bias)
-        self.v_proj = nn.Linear(d, Hkv * D, bias=qkv_bias)
-        self.o_proj = nn.Linear(H * D, d, bias=bias)
+        self.q_proj = Linear(d, H * D, bias=qkv_bias)
+        self.k_proj = Linear(d, Hkv * D, bias=qkv_bias)
+        self.v_proj = Linear(d, Hkv * D, bias=qkv_bias)
+        self.o_proj = Linear(H * D, d, bias=bias)
         G = cfg.score_group_count
         self.scorer = Scorer(d, G, timestep_norm=cfg.timestep_norm, eps_slope=cfg.eps_slope) if G else None
         # Linear types: phi(x) = elu(x W_h) + 1, one D x D map per KV head (its query heads share it).
@@ -346,8 +373,8 @@ def full_attention_bias(
 class GeluMLP(nn.Module):
     def __init__(self, d: int, hidden: int, bias: bool):
         super().__init__()
-        self.up = nn.Linear(d, hidden, bias=bias)
-        self.down = nn.Linear(hidden, d, bias=bias)
+        self.up = Linear(d, hidden, bias=bias)
+        self.down = Linear(hidden, d, bias=bias)
 
     def forward(self, x):  # [B, L, d]
         return self.down(F.gelu(self.up(x)))
@@ -356,9 +383,9 @@ class GeluMLP(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, d: int, hidden: int, bias: bool):
         super().__init__()
-        self.gate = nn.Linear(d, hidden, bias=bias)
-        self.up = nn.Linear(d, hidden, bias=bias)
-        self.down = nn.Linear(hidden, d, bias=bias)
+        self.gate = Linear(d, hidden, bias=bias)
+        self.up = Linear(d, hidden, bias=bias)
+        self.down = Linear(hidden, d, bias=bias)
 
     def forward(self, x):  # [B, L, d]
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -439,7 +466,7 @@ class LM(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.norm_f = st.norm(cfg.d_model, eps=cfg.norm_eps)
         # Tied: the head reuses embed.weight (no second parameter, so safetensors needs no copy).
-        self.unembed = None if cfg.tied_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.unembed = None if cfg.tied_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.loss_slice = loss_slice  # the head's loss per slice of rows (compiled by compile_blocks)
         self.reset_parameters()
 
@@ -503,7 +530,7 @@ class LM(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] from final hidden states [..., d]."""
-        return F.linear(h, self.embed.weight if self.unembed is None else self.unembed.weight)
+        return chunk_invariant_linear(h, self.embed.weight if self.unembed is None else self.unembed.weight)
 
     def hidden(
         self,

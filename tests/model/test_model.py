@@ -237,3 +237,35 @@ def test_linear_types_learn_phi_and_carry_a_fixed_size_state(tmp_path):
         assert torch.equal(model(nxt, cache=back).logits, model(nxt, cache=cache).logits)
     with pytest.raises(ValueError, match="score_groups shared"):
         LMConfig(**SMALL, kv_heads=2, attention="sparsek+linear+sw", topk=4, window=6, score_groups="per_kv_head")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cpu_half_precision_linear_gives_a_row_the_same_bits_in_any_chunk(threads, autocast):
+    """Issue 31: oneDNN's bf16 GEMM rounds a row by the row count (here K = 1024 at 41-100 rows: always),
+    so a chunked pass drifted from the unchunked one. `chunk_invariant_linear` (float64 sums rounded to bf16) does not;
+    it equals F.linear to bf16 rounding, and with gradients it is F.linear itself."""
+    from longtrain.model.model import chunk_invariant_linear as linear
+
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for K, N in [(1024, 256), (512, 128), (128, 512)]:
+            w = torch.randn(N, K) / K**0.5  # [N, K]
+            b = torch.randn(N)
+            x = torch.randn(400, K)  # [T, K]
+            if not autocast:
+                w, b, x = w.bfloat16(), b.bfloat16(), x.bfloat16()
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                full = linear(x, w, b)  # [T, N]
+                assert full.dtype == torch.bfloat16
+                for c in (1, 7, 61, 100, 300):
+                    for s in (0, 5):
+                        assert torch.equal(linear(x[s : s + c], w, b), full[s : s + c]), (K, N, c, s)
+                plain = torch.nn.functional.linear(x, w, b)
+            assert (full.float() - plain.float()).abs().max() <= 2 * 2**-8 * plain.float().abs().max()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            assert torch.equal(linear(x, w, b), torch.nn.functional.linear(x, w, b))  # gradients: the fast kernel
+    finally:
+        torch.set_num_threads(before)
