@@ -121,7 +121,7 @@ def evaluate_one(out: Path, run_dir: Path, docs: int, device: str) -> None:
     from longtrain.data.recall import chance_level
     from longtrain.eval.passkey import kv_budget
     from longtrain.eval.recall import measure_recall, recall_config
-    from longtrain.eval.runner import pick_device
+    from longtrain.device import pick_device
     from longtrain.train.checkpointer import load_checkpoint
 
     ckpt = load_checkpoint(run_dir, device=pick_device(device))

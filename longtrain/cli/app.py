@@ -1,13 +1,36 @@
-"""The typer app that every verb module registers itself on."""
+"""The typer app that every verb module registers itself on, and the one place errors become exit codes."""
 
 from __future__ import annotations
 
 import typer
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from longtrain.console import make_console
+from longtrain.errors import LongtrainError
+
+
+class Verbs(TyperGroup):
+    """Runs a verb; a LongtrainError it raises is printed (its argument named by the verb's flag) and
+    becomes the class's exit code, so no verb maps errors of its own."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except LongtrainError as e:
+            raise fail(message(e, self.get_command(ctx, ctx.invoked_subcommand or "")), e.exit_code) from None
+
+
+def message(e: LongtrainError, command) -> str:
+    """The error's text, with the flag (or ARGUMENT) of the click `command` that stands for `e.arg`."""
+    for param in command.params if command is not None and e.arg else ():
+        if param.name == e.arg:
+            return e.for_flag(param.opts[0] if param.param_type_name == "option" else param.name.upper())
+    return str(e)
+
 
 app = typer.Typer(
+    cls=Verbs,
     name="longtrain",
     help="Train language models on long documents with SparseK attention.",
     no_args_is_help=True,

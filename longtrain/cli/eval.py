@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from longtrain.cli.app import app, fail
+from longtrain.cli.app import app
 
 
 @app.command("eval")
@@ -30,15 +30,9 @@ def eval_(
     """Measure checkpoints: loss by position in the document (does the model use far context?), passkey retrieval, and (--task recall) exact recall of planted facts by distance."""
     from longtrain.console import make_console
     from longtrain.eval.runner import run_eval
-    from longtrain.eval.tasks import EvalError, EvalOptions, EvalUsageError
-    from longtrain.train.checkpoint import CheckpointError
+    from longtrain.eval.tasks import EvalOptions
 
     opts = EvalOptions(data=data, docs=docs, tokens=tokens, chunk_size=chunk_size, max_len=max_len, trials=trials,
                        seed=seed, device=device, dtype=dtype,
                        extra={"recall_scale": recall_scale, "recall_max_distance": recall_max_distance})
-    try:
-        run_eval(checkpoints, opts, task=task, json_path=json_path, plot_path=plot_path, console=make_console())
-    except (EvalUsageError, CheckpointError) as e:
-        raise fail(str(e), 2)
-    except EvalError as e:
-        raise fail(str(e), 1)
+    run_eval(checkpoints, opts, task=task, json_path=json_path, plot_path=plot_path, console=make_console())

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from longtrain.cli.app import app, fail
+from longtrain.cli.app import app
 
 
 @app.command("export")
@@ -19,11 +19,6 @@ def export(
 ) -> None:
     """Write config.json, model.safetensors and tokenizer.json that transformers loads (SparseK extras noted in the config)."""
     from longtrain.interop.hf_export import export_hf
-    from longtrain.interop.hf_families import HFFormatError
-    from longtrain.train.checkpoint import CheckpointError
 
-    try:
-        path = export_hf(checkpoint, out, dtype=dtype, max_positions=max_positions)
-    except (HFFormatError, CheckpointError) as e:
-        raise fail(str(e), 1)
+    path = export_hf(checkpoint, out, dtype=dtype, max_positions=max_positions)
     Console(soft_wrap=True).print(f"exported {checkpoint} → {path}")

@@ -31,11 +31,9 @@ def fit(
     Exit codes: 0 finished, 1 failed, 2 bad recipe or flags, 130/143 stopped by SIGINT/SIGTERM after saving (the same command resumes).
     """
     from longtrain.console import make_console
-    from longtrain.data import DataError
-    from longtrain.train.checkpoint import CheckpointError
-    from longtrain.train.recipe import RecipeError, load_recipe
-    from longtrain.train.run_dir import RunDirBusy
-    from longtrain.train.trainer import Trainer, TrainingError
+    from longtrain.errors import LongtrainError
+    from longtrain.train.recipe import load_recipe
+    from longtrain.train.trainer import Trainer
 
     out = make_console()
     try:
@@ -45,8 +43,8 @@ def fit(
                 out.print(line, markup=False)
             return
         result = trainer.train()
-    except (RecipeError, DataError, CheckpointError, TrainingError, RunDirBusy) as e:
-        raise fail(rank_message(str(e)), 2 if isinstance(e, RecipeError) else 1)
+    except LongtrainError as e:  # as cli.app maps it, with the rank in front under torchrun
+        raise fail(rank_message(str(e)), e.exit_code)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once, no save
         raise fail(rank_message("interrupted again: stopped without saving; the last checkpoint is unchanged"), 130)
 

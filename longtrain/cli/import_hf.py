@@ -29,10 +29,8 @@ def import_hf(
     seed: int = typer.Option(0, "--seed", help="seed of a random score init"),
 ) -> None:
     """Convert a Hugging Face model folder into a longtrain run dir that fit/eval/generate take (no network)."""
-    from longtrain.interop.hf_families import HFFormatError
     from longtrain.interop.hf_import import import_hf as run_import
     from longtrain.model.attention_types import USES
-    from longtrain.train.checkpoint import CheckpointError
 
     choices = {"--attention": (attention, tuple(USES)), "--score-init": (score_init, ("mimic", "random")),
                "--score-groups": (score_groups, ("shared", "per_kv_head"))}
@@ -43,12 +41,9 @@ def import_hf(
         used = attention is None or flag[2:] in USES[attention]  # unset: the folder's type decides
         if value is not None and (value < 1 or not used):
             raise fail(f"{flag} {value}: " + ("must be at least 1" if used else f"attention {attention} has no {flag[2:]}"), 2)
-    try:
-        path, notes, finetune = run_import(
-            hf_dir, out, attention=attention, topk=topk, window=window, score_init=score_init, score_groups=score_groups, seed=seed
-        )
-    except (HFFormatError, CheckpointError) as e:
-        raise fail(str(e), 1)
+    path, notes, finetune = run_import(
+        hf_dir, out, attention=attention, topk=topk, window=window, score_init=score_init, score_groups=score_groups, seed=seed
+    )
     console = Console(soft_wrap=True)
     for note in notes:
         console.print(note, markup=False)

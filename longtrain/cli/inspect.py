@@ -35,40 +35,27 @@ def inspect(
     if not text.is_file():
         raise fail(f"--text {text}: no such file; give a UTF-8 text file", 2)
     from longtrain.eval.inspect import (
-        MAX_TOKENS, InspectError, check_png_size, first_tokens, read_text, render_html, render_png, selecting_layers,
+        MAX_TOKENS, check_png_size, first_tokens, read_text, render_html, render_png, selecting_layers,
         selection_map,
     )
 
-    try:  # a binary or empty file is refused before the checkpoint is read
-        content = read_text(text.read_bytes(), str(text))
-    except InspectError as e:
-        raise fail(str(e), 2)
-    from longtrain.eval.runner import pick_device
-    from longtrain.eval.tasks import EvalUsageError
-    from longtrain.train.checkpoint import CheckpointError
+    from longtrain.device import pick_device
     from longtrain.train.checkpointer import load_checkpoint
 
-    try:
-        device = pick_device(device)
-    except EvalUsageError as e:
-        raise fail(str(e), 2)
-    try:
-        loaded = load_checkpoint(checkpoint, device=device)
-        limit = max_tokens or MAX_TOKENS
-        content, n_tokens = first_tokens(loaded.tokenizer, content, limit)
-        if n_tokens > limit:
-            print(f"note: read the first {limit:,} tokens of {text} (it has more); --max-tokens N reads more")
-        if suffix == ".png":  # before the model pass: a text too long for a PNG is refused in a second
-            n_layers = 1 if layer is not None else len(selecting_layers(loaded.model))
-            check_png_size(content, n_layers, layer_given=layer is not None)
-        sm = selection_map(loaded, content, layer=layer)
-        title = f"{text.name} through {loaded.path} (step {loaded.step})"
-        if suffix == ".html":
-            render_html(sm, out, title=title, without_slope=without_slope)
-        else:
-            render_png(sm, out, title=title, without_slope=without_slope)
-    except CheckpointError as e:
-        raise fail(str(e), 1)
-    except InspectError as e:
-        raise fail(str(e), 2)
+    content = read_text(text.read_bytes(), str(text))  # a binary or empty file is refused before the checkpoint is read
+    device = pick_device(device)
+    loaded = load_checkpoint(checkpoint, device=device)
+    limit = max_tokens or MAX_TOKENS
+    content, n_tokens = first_tokens(loaded.tokenizer, content, limit)
+    if n_tokens > limit:
+        print(f"note: read the first {limit:,} tokens of {text} (it has more); --max-tokens N reads more")
+    if suffix == ".png":  # before the model pass: a text too long for a PNG is refused in a second
+        n_layers = 1 if layer is not None else len(selecting_layers(loaded.model))
+        check_png_size(content, n_layers, layer_given=layer is not None)
+    sm = selection_map(loaded, content, layer=layer)
+    title = f"{text.name} through {loaded.path} (step {loaded.step})"
+    if suffix == ".html":
+        render_html(sm, out, title=title, without_slope=without_slope)
+    else:
+        render_png(sm, out, title=title, without_slope=without_slope)
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): {sm.n_tokens:,} tokens, layer(s) {', '.join(map(str, sm.layers))}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from longtrain.cli.app import app, fail
+from longtrain.cli.app import app
 
 
 @app.command("plot")
@@ -16,10 +16,7 @@ def plot(
     x: str = typer.Option("tokens", "--x", help="x axis: tokens (runs of different batch sizes line up) | step"),
 ) -> None:
     """Draw training and validation loss curves of runs, side by side, into one picture."""
-    from longtrain.train.plot import PlotError, plot_runs
+    from longtrain.train.plot import plot_runs
 
-    try:
-        written = plot_runs(run_dirs, out, x=x)
-    except PlotError as e:
-        raise fail(str(e), 2)
+    written = plot_runs(run_dirs, out, x=x)
     typer.echo(f"wrote {written}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from longtrain.cli.app import app, fail
+from longtrain.cli.app import app
 from longtrain.console import make_console
 
 
@@ -30,14 +30,11 @@ def verify_equivalence(
     min_agreement: float = typer.Option(None, "--min-agreement", help="pass threshold on every layer's selection agreement (default: 1 float64, 0.9999 float32, 0.999 bfloat16)"),
 ) -> None:
     """Check that reading a document in chunks gives what one unchunked pass gives (exit 0 pass, 1 fail, 2 usage)."""
-    from longtrain.eval.equivalence import UsageError, run_command
+    from longtrain.eval.equivalence import run_command
 
-    try:
-        code = run_command(
-            recipe=recipe, checkpoint=checkpoint, text=text, tokens=tokens, chunk_sizes=chunk_size, dtype=dtype,
-            device=device, seed=seed, json_path=json_path, max_logit_diff=max_logit_diff,
-            min_agreement=min_agreement, console=make_console(),
-        )
-    except UsageError as e:
-        raise fail(str(e), 2)
+    code = run_command(
+        recipe=recipe, checkpoint=checkpoint, text=text, tokens=tokens, chunk_sizes=chunk_size, dtype=dtype,
+        device=device, seed=seed, json_path=json_path, max_logit_diff=max_logit_diff,
+        min_agreement=min_agreement, console=make_console(),
+    )
     raise typer.Exit(code)

@@ -1,8 +1,9 @@
 """Long-document data pipeline: sources, tokenizer, token cache, document streams."""
 
+from longtrain.errors import DataError
+
 from .cache import TokenDocs, default_cache_dir
 from .config import DataConfig, TokenizerConfig
-from .errors import DataError
 from .prepare import PreparedCorpus, prepare_corpus
 from .stream import IGNORE, Chunk, DocumentStream, iter_valid_chunks
 

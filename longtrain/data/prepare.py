@@ -29,9 +29,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from tokenizers import Tokenizer
 
+from longtrain.errors import DataError
+
 from .cache import EntryWriter, TokenDocs, cached_file, cached_tokens, default_cache_dir
 from .config import DataConfig, TokenizerConfig
-from .errors import DataError
 from .sources import Source, files_source, load_source
 from .tokenizer import TRAIN_SAMPLE_CHARS, eod_id, load_tokenizer, sample_for_training, tokenizer_hash, train_bpe
 

@@ -41,9 +41,10 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from longtrain.errors import DataError
+
 from .cache import TokenDocs
 from .config import DataConfig, RecallConfig, line_length
-from .errors import DataError
 from .sources import Source, files_source
 from .tokenizer import eod_id, tokenizer_hash
 

@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from longtrain.errors import DataError
+
 from .config import DataConfig
-from .errors import DataError
 
 # datasets builder per file extension; one document per .txt file, one per row otherwise.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}

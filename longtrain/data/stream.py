@@ -26,8 +26,9 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from longtrain.errors import DataError
+
 from .cache import TokenDocs
-from .errors import DataError
 
 IGNORE = -100  # target of padding and of a document's last token (torch's cross_entropy default)
 

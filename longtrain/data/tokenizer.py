@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .errors import DataError
+from longtrain.errors import DataError
 
 EOD = "<|endoftext|>"
 # End-of-document tokens of common pretrained tokenizers, tried in this order.

@@ -35,6 +35,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
+from longtrain.errors import UsageError
 from longtrain.model import LM, LMConfig, ModelCache
 from longtrain.model.chunks import ChunkReader, split_rows
 from longtrain.ops.sparsek_attention import SparseKCache
@@ -58,10 +59,6 @@ DEFAULT_CHUNK_SIZES = (1024, 4096, 3001)
 DEFAULT_MODEL = dict(vocab_size=256, layers=2, d_model=128, heads=4, attention="sparsek+sw", topk=64, window=64)
 PIECE = 2048  # rows of reference logits projected at a time
 FAULTS = ("drop_pool", "drop_linear_state")
-
-
-class UsageError(Exception):
-    """Bad flags or paths; the message is for the user (exit 2)."""
 
 
 @dataclass
@@ -358,27 +355,16 @@ def load_model(recipe: Path | None, checkpoint: Path | None, seed: int):
     if recipe is None and checkpoint is None:
         return LM(LMConfig(**DEFAULT_MODEL)), None
     if checkpoint is not None:
-        from longtrain.train.checkpoint import CheckpointError
         from longtrain.train.checkpointer import load_checkpoint
 
-        try:
-            loaded = load_checkpoint(checkpoint)
-        except CheckpointError as e:
-            raise UsageError(str(e)) from None
+        loaded = load_checkpoint(checkpoint)  # CheckpointError (exit 1)
         return loaded.model, loaded.tokenizer
 
-    from longtrain.data import DataError
     from longtrain.data.tokenizer import load_tokenizer
-    from longtrain.train.recipe import RecipeError, load_recipe
+    from longtrain.train.recipe import load_recipe
 
-    try:
-        r = load_recipe(recipe)
-    except RecipeError as e:
-        raise UsageError(str(e)) from None
-    try:
-        tokenizer = load_tokenizer(r.tokenizer.path, r.tokenizer.eod_token) if r.tokenizer.path else None
-    except DataError as e:
-        raise UsageError(str(e)) from None
+    r = load_recipe(recipe)  # RecipeError (exit 2)
+    tokenizer = load_tokenizer(r.tokenizer.path, r.tokenizer.eod_token) if r.tokenizer.path else None  # DataError (exit 1)
     vocab = tokenizer.get_vocab_size() if tokenizer is not None else r.tokenizer.vocab_size
     try:
         model = LM(LMConfig.from_recipe(r.model, r.attention, vocab_size=vocab))

@@ -16,13 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from longtrain.errors import InspectError  # noqa: F401  (raised here; defined with the others)
+
 PNG_MAX_ROWS = 1500  # text rows over all panels; a larger PNG is unreadable (use HTML or --layer)
 PNG_COLS = 100  # characters per row in the PNG
 MAX_TOKENS = 20_000  # tokens read by default: about 0.4 KB of HTML per token and layer, a second or two per layer on a CPU
-
-
-class InspectError(Exception):
-    """Input `longtrain inspect` cannot use; the message says why and what to do."""
 
 
 @dataclass

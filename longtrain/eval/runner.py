@@ -12,34 +12,10 @@ from pathlib import Path
 
 import torch
 
+from longtrain.device import DTYPES, pick_device, pick_dtype
 from longtrain.eval.report import CheckpointReport, render, write_json, write_plot
 from longtrain.eval.tasks import EvalContext, EvalOptions, EvalUsageError, Progress, checkpoint_label, load_tasks
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-def pick_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise EvalUsageError(f"--device must be auto, cpu or cuda; got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise EvalUsageError("--device cuda: no CUDA device is visible; use --device cpu")
-    return device
-
-
-def pick_dtype(dtype: str | None, device: str) -> str:
-    dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
-    if dtype not in DTYPES:
-        raise EvalUsageError(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
-    return dtype
-
-
-def describe_attention(cfg) -> str:
-    if cfg.attention == "full":
-        return "full attention"
-    parts = ([f"k={cfg.topk}"] if cfg.topk else []) + ([f"w={cfg.window}"] if cfg.window else [])
-    return f"{cfg.attention} ({', '.join(parts)})"
+from longtrain.model.attention_types import describe
 
 
 def check_output(path: Path | None, flag: str, suffix: str | None = None) -> None:
@@ -91,14 +67,14 @@ def run_eval(
         ckpt = load_checkpoint(path, device=opts.device, dtype=DTYPES[opts.dtype])
         cfg = ckpt.model.cfg
         console.print(
-            f"{label}: step {ckpt.step}, {cfg.style} {cfg.layers} × {cfg.d_model}, {describe_attention(cfg)}, "
+            f"{label}: step {ckpt.step}, {cfg.style} {cfg.layers} × {cfg.d_model}, {describe(cfg.attention, cfg.topk, cfg.window)}, "
             f"{ckpt.model.num_params() / 1e6:.2f}M parameters, {opts.dtype} on {opts.device}",
             highlight=False,
         )
         from longtrain.eval.passkey import kv_budget
 
         report = CheckpointReport(
-            label=label, path=str(path), step=ckpt.step, attention=describe_attention(cfg), kv_budget=kv_budget(cfg)
+            label=label, path=str(path), step=ckpt.step, attention=describe(cfg.attention, cfg.topk, cfg.window), kv_budget=kv_budget(cfg)
         )
         with _progress_bar(console, live_progress) as bar:
             ctx = EvalContext(ckpt=ckpt, opts=opts, progress=Progress(bar))

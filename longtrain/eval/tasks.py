@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from longtrain.errors import EvalError, EvalUsageError  # noqa: F401  (raised here; defined with the others)
+
 
 @dataclass
 class EvalOptions:
@@ -85,14 +87,6 @@ class EvalContext:
                 if bar is not None:
                     bar.start()
         return self._documents
-
-
-class EvalUsageError(Exception):
-    """Options that cannot work; the message names the problem and the fix (exit 2)."""
-
-
-class EvalError(Exception):
-    """Inputs that exist but cannot be used (no documents, a hub without network); exit 1."""
 
 
 TASKS: dict[str, Task] = {}

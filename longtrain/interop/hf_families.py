@@ -23,11 +23,8 @@ from typing import Any
 
 import torch
 
+from longtrain.errors import HFFormatError  # noqa: F401  (raised here; defined with the others)
 from longtrain.model.rope import ROPE_TYPES, ntk_theta
-
-
-class HFFormatError(Exception):
-    """A Hugging Face folder or config that longtrain cannot convert; the message says why and what to do."""
 
 
 @dataclass(frozen=True)

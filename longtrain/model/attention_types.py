@@ -51,6 +51,14 @@ def size_problems(type: str, topk: int | None, window: int | None) -> list[str]:
     return problems
 
 
+def describe(type: str, topk: int, window: int) -> str:
+    """"full attention", or the type with its sizes, e.g. "sparsek+sw (k=64, w=64)"."""
+    if type == "full":
+        return "full attention"
+    parts = ([f"k={topk}"] if topk else []) + ([f"w={window}"] if window else [])
+    return f"{type} ({', '.join(parts)})"
+
+
 def kv_entries(type: str, topk: int, window: int) -> int | None:
     """Cached keys per layer per row (k pooled + w − 1 in the window's tail); None for full (it grows)."""
     if type == "full":

@@ -39,15 +39,12 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from longtrain.errors import CheckpointError  # noqa: F401  (raised here; defined with the others)
 from longtrain.train.distributed import Ranks, broadcast_object, gather_objects
 
 META = "meta.json"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be written or used; the message is meant for the user."""
 
 
 class CheckpointWarning(UserWarning):

@@ -37,11 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from longtrain.errors import LaunchError  # noqa: F401  (raised here; defined with the others)
+
 PARALLEL = ("ddp", "fsdp")
-
-
-class LaunchError(RuntimeError):
-    """The launch does not fit this machine (more ranks than GPUs); the message says what to change."""
 
 
 @dataclass(frozen=True)

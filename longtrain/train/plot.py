@@ -9,13 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from longtrain.errors import PlotError  # noqa: F401  (raised here; defined with the others)
 from longtrain.train.metrics import METRICS_FILE, read_metrics
 
 X_LABELS = {"tokens": "tokens trained", "step": "optimizer step"}
-
-
-class PlotError(Exception):
-    """A run dir without metrics, or an output path that cannot be written; the message says which."""
 
 
 def load_runs(run_dirs: list[Path]) -> dict[str, list[dict]]:

@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from longtrain.data.config import DataConfig, TokenizerConfig
+from longtrain.errors import RecipeError  # noqa: F401  (raised here; defined with the others)
 from longtrain.model.attention_types import USES, AttentionType, size_problems
 from longtrain.model.rope import scaling_problems
 
@@ -34,10 +35,6 @@ def _builtin_recipes_dir() -> Path:
 
 RECIPES_DIR = _builtin_recipes_dir()
 DEFAULT_RECIPE = "quickstart"
-
-
-class RecipeError(Exception):
-    """A recipe that cannot be used; the message is meant for the user."""
 
 
 class _Section(BaseModel):

@@ -21,13 +21,11 @@ import sys
 import time
 from pathlib import Path
 
+from longtrain.errors import RunDirBusy  # noqa: F401  (raised here; defined with the others)
+
 LOCK_FILE = ".lock"
 ASIDE_TAGS = ("replaced", "superseded", "unusable")  # --resume never; --resume PATH; checkpoints failing their checks
 _ASIDE = re.compile(r"\.(?:" + "|".join(ASIDE_TAGS) + r")-(\d{8}-\d{6})$")
-
-
-class RunDirBusy(Exception):
-    """Another process holds the run directory; the message names it."""
 
 
 class RunLock:

@@ -48,9 +48,10 @@ from longtrain.console import make_console
 from longtrain.console import plural as _n
 from longtrain.data import DocumentStream, PreparedCorpus, prepare_corpus
 from longtrain.data.stream import Chunk
+from longtrain.errors import TrainingError  # noqa: F401  (raised here; defined with the others)
 from longtrain.model import LM, LMConfig, warn_threshold_overflow
 from longtrain.model.chunks import ChunkReader, send
-from longtrain.train import distributed
+from longtrain.train import distributed, memory
 from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainState
 from longtrain.train.determinism import deterministic
 from longtrain.train.diagnostics import SelectionDiagnostics
@@ -82,10 +83,6 @@ RECIPE_FILE = "recipe.yaml"
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COMPILE_BACKEND_ENV = "LONGTRAIN_COMPILE_BACKEND"  # train.compile's backend: inductor, or aot_eager to debug
 COMPILE_MODE_ENV = "LONGTRAIN_COMPILE_MODE"  # torch.compile's mode to try, e.g. max-autotune-no-cudagraphs
-
-
-class TrainingError(Exception):
-    """A run that cannot go on (NaN loss, a checkpoint that does not fit); the message says why."""
 
 
 @dataclass

@@ -192,7 +192,6 @@ def test_linear_types_pass_and_a_dropped_linear_state_fails(tmp_path, type_):
         (["--device", "tpu"], "--device"),
         (["--text", "/nonexistent/doc.txt"], "no such file"),
         (["--recipe", "/nonexistent/r.yaml"], "not found"),
-        (["--checkpoint", "/nonexistent/step-1"], "does not exist"),
         (["--recipe", "quickstart", "--checkpoint", "x"], "not both"),
         (["--json", "/nonexistent/dir/out.json"], "does not exist"),
         (["--tokens", "many"], "Invalid value"),

@@ -88,8 +88,9 @@ def _check_error(res, code: int, *messages: str):
 
 
 def test_a_path_that_is_no_checkpoint_or_run_dir(tmp_path):
-    _check_error(evaluate(str(tmp_path), *FAST), 2, "neither a checkpoint", "longtrain fit")
-    _check_error(evaluate(str(tmp_path / "nowhere"), *FAST), 2, "does not exist")
+    # a CheckpointError: exit 1, as in every verb (what is on disk, not the command line, is wrong)
+    _check_error(evaluate(str(tmp_path), *FAST), 1, "neither a checkpoint", "longtrain fit")
+    _check_error(evaluate(str(tmp_path / "nowhere"), *FAST), 1, "does not exist")
 
 
 def test_a_run_dir_with_no_complete_checkpoint(runs, tmp_path):
@@ -97,7 +98,7 @@ def test_a_run_dir_with_no_complete_checkpoint(runs, tmp_path):
     shutil.copytree(runs["sparsek"], run)
     step = next((run / "checkpoints").iterdir())
     (step / "model.safetensors").write_bytes(b"truncated")
-    _check_error(evaluate(str(run), *FAST), 2, "none has intact weights", "model.safetensors is truncated")
+    _check_error(evaluate(str(run), *FAST), 1, "none has intact weights", "model.safetensors is truncated")
     assert "resume" not in evaluate(str(run), *FAST).output  # resuming a run with no checkpoint starts at step 1
 
 
@@ -135,7 +136,7 @@ def test_a_checkpoint_without_a_tokenizer_anywhere(runs, tmp_path):
     meta = json.loads((step / "meta.json").read_text())  # keep the checkpoint complete: drop the file's record
     meta["files"] = {k: v for k, v in meta.get("files", {}).items() if k != "tokenizer.json"}
     (step / "meta.json").write_text(json.dumps(meta))
-    _check_error(evaluate(str(step), *FAST), 2, "no tokenizer.json", "copy the run's tokenizer.json")
+    _check_error(evaluate(str(step), *FAST), 1, "no tokenizer.json", "copy the run's tokenizer.json")
 
 
 def test_data_that_matches_no_documents(runs, tmp_path):

@@ -102,4 +102,4 @@ def test_bad_input(runs, tmp_path):
         assert res.exit_code == 2, (args, res.output)
         assert message in res.output and "Traceback" not in res.output, (args, res.output)
     res = gen(str(tmp_path), "--prompt", "x")
-    assert res.exit_code == 2 and "neither a checkpoint" in res.output
+    assert res.exit_code == 1 and "neither a checkpoint" in res.output

@@ -1,0 +1,91 @@
+"""Every error longtrain raises for the user: one base, its exit code, and one class per kind of problem.
+
+A message names the problem and the fix; the CLI prints it as `error: MESSAGE` without a traceback
+and exits with the class's `exit_code` (`longtrain.cli.app` maps them, in one place):
+
+  2  UsageError and its subclasses: the command line (or a recipe) cannot work whatever is on disk.
+  1  every other LongtrainError: inputs that exist but cannot be used, or a run that cannot go on.
+
+A domain function takes typed values and does not know the CLI's flags. When its message is about one
+of its arguments, it says which with `arg` (the parameter's name, e.g. "max_len"): `str(e)` reads
+"max_len must be ..." and the CLI puts the flag there instead ("--max-len must be ...").
+
+This module imports nothing of longtrain, so any module can raise these without an import cycle.
+"""
+
+from __future__ import annotations
+
+
+class LongtrainError(Exception):
+    """A problem the user can fix; the message says what and how (exit 1)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, arg: str | None = None):
+        self.message = message
+        self.arg = arg  # the domain argument the message is about (None: not about one)
+        super().__init__(f"{arg} {message}" if arg else message)
+
+    def for_flag(self, flag: str) -> str:
+        """The message with the CLI's flag in place of the argument's name."""
+        return f"{flag} {self.message}" if self.arg else self.message
+
+
+class UsageError(LongtrainError):
+    """Flags or arguments that cannot work; the message names the problem and the fix (exit 2)."""
+
+    exit_code = 2
+
+
+# ----------------------------------------------------------------------------- exit 2
+
+
+class RecipeError(UsageError):
+    """A recipe (or a --set override) that cannot be used."""
+
+
+class EvalUsageError(UsageError):
+    """`longtrain eval` options that cannot work with these checkpoints."""
+
+
+class InspectError(UsageError):
+    """Input `longtrain inspect` cannot use (a layer out of range, a picture too tall)."""
+
+
+class PlotError(UsageError):
+    """A run dir without metrics, or an output path that cannot be written."""
+
+
+# ----------------------------------------------------------------------------- exit 1
+
+
+class CheckpointError(LongtrainError):
+    """A checkpoint that cannot be written or used (missing, incomplete, or from another run).
+
+    Exit 1 in every verb: it is about what is on disk, which can be wrong however right the command
+    line is (a resumed run whose checkpoint another recipe wrote, a half-written folder).
+    """
+
+
+class DataError(LongtrainError):
+    """Bad input to the data pipeline (a path, a file, a tokenizer)."""
+
+
+class EvalError(LongtrainError):
+    """Evaluation inputs that exist but cannot be used (no documents, a hub without network)."""
+
+
+class HFFormatError(LongtrainError):
+    """A Hugging Face folder or config that longtrain cannot convert."""
+
+
+class TrainingError(LongtrainError):
+    """A run that cannot go on (NaN loss, a checkpoint that does not fit)."""
+
+
+class RunDirBusy(LongtrainError):
+    """Another process holds the run directory; the message names it."""
+
+
+class LaunchError(LongtrainError, RuntimeError):
+    """The launch does not fit this machine (more ranks than GPUs); the message says what to change."""

@@ -1,0 +1,90 @@
+"""Every error reaches the user through `LongtrainError`: its message, and its class's exit code, in every verb."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import longtrain
+from longtrain import errors
+from longtrain.cli import app
+
+PACKAGE = Path(longtrain.__file__).parent
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, list(args), prog_name="longtrain")
+
+
+def _check(res, code: int, *messages: str) -> None:
+    assert res.exit_code == code, res.output
+    assert "Traceback" not in res.output and isinstance(res.exception, (SystemExit, type(None))), res.output
+    for m in messages:
+        assert m in res.output, res.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["eval", "{missing}"],
+        ["generate", "{missing}", "--prompt", "x"],
+        ["export", "{missing}", "--out", "{tmp}/hf"],
+        ["inspect", "{missing}", "--text", "{tmp}/page.txt", "--out", "{tmp}/page.html"],
+        ["verify-equivalence", "--checkpoint", "{missing}"],
+    ],
+    ids=lambda a: a[0],
+)
+def test_a_missing_checkpoint_exits_1_in_every_verb(tmp_path, args):
+    (tmp_path / "page.txt").write_text("a page of words")
+    missing = str(tmp_path / "no-such-run")
+    res = invoke(*[a.format(missing=missing, tmp=tmp_path) for a in args])
+    _check(res, errors.CheckpointError.exit_code, f"{missing} does not exist")
+    assert errors.CheckpointError.exit_code == 1
+
+
+def test_usage_errors_exit_2_and_name_the_flag(tmp_path):
+    # checked by the cli layer
+    _check(invoke("generate", str(tmp_path), "--prompt", "x", "--top-p", "0"), 2, "--top-p must be in (0, 1]")
+    # raised by a domain function about its argument `device`: the verb names its flag
+    _check(invoke("eval", str(tmp_path), "--device", "tpu"), 2, "--device must be auto, cpu or cuda; got 'tpu'")
+    # a RecipeError (a UsageError) from the recipe parser
+    _check(invoke("fit", "quickstart", "--set", "train.lr", "--dry-run"), 2, "expected KEY=VALUE")
+
+
+def test_other_errors_exit_1(tmp_path):
+    (tmp_path / "hf").mkdir()
+    _check(invoke("import", str(tmp_path / "hf"), "--out", str(tmp_path / "run")), errors.HFFormatError.exit_code,
+           "config.json")
+    assert errors.HFFormatError.exit_code == 1
+
+
+def test_arg_is_named_by_the_flag_only_in_the_cli():
+    e = errors.UsageError("must be at least 1; got 0", arg="max_len")
+    assert str(e) == "max_len must be at least 1; got 0"  # for a caller of the Python API
+    assert e.for_flag("--max-len") == "--max-len must be at least 1; got 0"
+    assert errors.UsageError("no arg").for_flag("--x") == "no arg"
+
+
+def _exception_classes() -> dict[str, str]:
+    """{class name: module path} of every class in longtrain/ that derives from an exception type by name."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b) for b in node.bases]
+                if any(b.endswith(("Error", "Exception", "Busy")) or b == "LongtrainError" for b in bases):
+                    found[node.name] = str(path.relative_to(PACKAGE))
+    return found
+
+
+def test_every_exception_class_is_a_longtrain_error_defined_in_errors_py():
+    classes = _exception_classes()
+    assert set(classes.values()) == {"errors.py"}, classes  # one module holds them all
+    for name in classes:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.LongtrainError)
+        assert cls.exit_code == (2 if issubclass(cls, errors.UsageError) else 1), name
+    assert len(classes) >= 13
