@@ -15,7 +15,7 @@ def import_hf(
     hf_dir: Path = typer.Argument(..., help="Hugging Face model folder: config.json, *.safetensors (or a sharded index), tokenizer.json"),
     out: Path = typer.Option(..., "--out", help="run directory to create (its checkpoint is RUN_DIR/checkpoints/step-00000000)"),
     attention: str = typer.Option(
-        None, "--attention", help="sparsek+sw | sparsek | sw | full (full: the model as it was). Default: a folder "
+        None, "--attention", help="sparsek+sw | sparsek | sw | sparsek+linear+sw | linear+sw | full (full: the model as it was). Default: a folder "
         "`longtrain export` wrote keeps its own (config.json's longtrain_sparsek), any other gets sparsek+sw",
         show_default=False,
     ),

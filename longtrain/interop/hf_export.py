@@ -46,6 +46,9 @@ AUTO_MAP = {"AutoConfig": "configuration_longtrain.LongtrainConfig", "AutoModelF
 def hf_state_dict(model, source_type: str | None = None) -> dict[str, torch.Tensor]:
     """The HF tensors of a longtrain LM (its family: hf_families.export_family), scoring vectors included."""
     cfg = model.cfg
+    if model.blocks[0].attn.phi_weight is not None:
+        raise HFFormatError(f"attention {cfg.attention}: its linear attention (phi's head-wise maps) has no Hugging Face "
+                            "layout; export a model of another attention type (nothing was written)")
     fam = export_family(cfg, source_type)
     if fam not in LLAMA_LIKE and cfg.kv_heads != cfg.heads:
         raise HFFormatError(f"GPT-NeoX has no grouped-query attention: this {cfg.style} model has kv_heads {cfg.kv_heads} ≠ heads {cfg.heads}")

@@ -128,10 +128,14 @@ def convert(
     sources: dict[str, tuple[str, int | None]] = {}
     want: dict[str, tuple[int, ...]] = {}
     score_names: dict[str, str] = {}
+    phi_keys = []  # linear types: phi's head-wise maps, which no HF model has (they start as the identity)
     for key, shape in expected.items():
         pattern, i = _layer_pattern(key)
         if key.endswith("scorer.weight"):
             score_names[key] = fam.score.format(i=i)
+            continue
+        if key.endswith("phi_weight"):
+            phi_keys.append(key)
             continue
         proj = re.match(r"blocks\.\{i\}\.attn\.([qkv])_proj\.(weight|bias)$", pattern)
         if fam.fused_qkv and proj:
@@ -175,10 +179,13 @@ def convert(
     notes = []
     if score_names:
         state |= _scores(folder, cfg, state, score_names, score_init, seed, notes)
+    if phi_keys:
+        state |= {k: torch.eye(expected[k][-1]).expand(expected[k]).clone() for k in phi_keys}
+        notes.append("linear attention: phi = elu(x W) + 1 with every W the identity (learned in fine-tuning)")
     assert set(state) == set(expected), set(state) ^ set(expected)
     dtype = next(iter(folder.tensors.values()))[2]
     dtype = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(dtype, dtype)
-    params = sum(t.numel() for k, t in state.items() if not k.endswith("scorer.weight"))
+    params = sum(t.numel() for k, t in state.items() if not k.endswith(("scorer.weight", "phi_weight")))
     notes.insert(0, f"{fam.model_type}: {cfg.layers} layers × {cfg.d_model}, {params / 1e6:.2f}M parameters ({dtype} -> float32)")
     return section, state, notes
 

@@ -180,3 +180,18 @@ def test_end_of_document_from_the_models_eos_token_id(where, tmp_path):
 
     r = load_recipe("finetune-llama", [f"train.init_from={tmp_path / 'run'}"])
     assert r.tokenizer.eod_token == "<|eot_id|>"
+
+
+@torch.no_grad()
+def test_import_into_a_linear_type_and_export_refuses_it(tmp_path):
+    """A Llama imported as sparsek+linear+sw: its weights, phi's maps the identity; export has no layout for phi."""
+    torch.manual_seed(4)
+    model = hf.llama()
+    loaded = imported(model, tmp_path, "--attention", "sparsek+linear+sw", "--topk", "4", "--window", "4")
+    lt = loaded.model
+    assert lt.cfg.attention == "sparsek+linear+sw"
+    assert torch.equal(lt.blocks[0].attn.phi_weight[0], torch.eye(lt.cfg.head_dim))
+    assert torch.equal(lt.blocks[0].attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
+    result = cli("export", tmp_path / "run", "--out", tmp_path / "out")
+    assert result.exit_code != 0 and "linear attention" in result.output, result.output
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -12,6 +12,7 @@ from longtrain.ops.sparsek_attention.linear import (
     sparsek_linear_attention_decode,
 )
 from tests.ops.dense_reference import dense_sparsek_linear_attention
+from tests.ops.test_attention import inputs as sparsek_inputs
 
 CASES = [
     # T, topk, window, H, Hkv, variant
@@ -24,13 +25,9 @@ CASES = [
 
 
 def inputs(T, H, Hkv, D=8, B=2, dtype=torch.float64, u_scale=0.7):
-    return (
-        torch.randn(B, T, H, D, dtype=dtype),
-        torch.randn(B, T, Hkv, D, dtype=dtype),
-        torch.randn(B, T, Hkv, D, dtype=dtype),
-        torch.randn(B, T, dtype=dtype) * u_scale + torch.arange(T, dtype=dtype) * 1e-2,
-        torch.eye(D, dtype=dtype).expand(Hkv, D, D) + 0.3 * torch.randn(Hkv, D, D, dtype=dtype),
-    )
+    """q, k, v, u as the SparseK tests make them, and phi's head-wise map (near the identity)."""
+    phi = torch.eye(D, dtype=dtype).expand(Hkv, D, D) + 0.3 * torch.randn(Hkv, D, D, dtype=dtype)
+    return (*sparsek_inputs(T, H, Hkv, D=D, B=B, dtype=dtype, u_scale=u_scale), phi)
 
 
 def test_causal_linear_equals_the_sum_over_every_key():
