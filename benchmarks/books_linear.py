@@ -16,6 +16,7 @@ OUT gets runs/<model>-<seed>/, train-<run>.log, books-linear-eval.json, books-li
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -111,7 +112,7 @@ def tokens_per_s(run: Path) -> tuple[float | None, int]:
     if len(rec) < 2:
         return None, rec[-1]["step"] if rec else 0
     late = [r for r in rec if r["step"] > rec[-1]["step"] // 5] or rec
-    pairs = list(zip(late, late[1:]))
+    pairs = list(itertools.pairwise(late))
     secs = sum(b["step_s"] for _, b in pairs)
     return (sum(b["tokens"] - a["tokens"] for a, b in pairs) / secs if secs else None), rec[-1]["step"]
 
@@ -142,8 +143,19 @@ def summary(out: Path) -> str:
         steps = "/".join(str(s) for *_, s in runs)
         lines.append(f"| {model} | {len(runs)} | {steps} | {rate} | {sum(alls) / len(alls):.2f} | " + " | ".join(cells) + " |")
         table[model]["tokens_per_s"] = sum(rates) / len(rates) if rates else None
+    base, new = "sparsek+sw", "sparsek+linear+sw"
+    if base in table and new in table:  # the issue's question: is the linear part worth its time?
+        cells = []
+        for b in buckets:
+            (mb, hb), (mn, hn) = table[base][f"{b[0]}-{b[1]}"], table[new][f"{b[0]}-{b[1]}"]
+            cells.append(f"{mb - mn:+.2f}{' *' if mb - mn > 2 * max(hb, hn) else ''}")  # * beyond both spreads
+        rb, rn = table[base]["tokens_per_s"], table[new]["tokens_per_s"]
+        ratio = f"{rb / rn:.2f}x time" if rb and rn else ""
+        lines.append(f"| {base} − {new} | | | {ratio} | | " + " | ".join(cells) + " |")
     text = ("Perplexity by position bucket on the validation books (mean over seeds ± half the range between "
-            "seeds); steps per seed; training tokens/s per run (all runs at once on one GPU).\n\n" + "\n".join(lines) + "\n")
+            "seeds); steps per seed; training tokens/s per run (all runs at once on one GPU). Last row: "
+            f"{base} minus {new} (> 0: the linear part helps; * where the gap exceeds both models' range between "
+            f"seeds) and {new}'s training time per token relative to {base}.\n\n" + "\n".join(lines) + "\n")
     (out / "books-linear.md").write_text(text)
     (out / "books-linear.json").write_text(json.dumps(table, indent=1))
     return text

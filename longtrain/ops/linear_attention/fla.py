@@ -29,9 +29,7 @@ def causal_linear_attention_fla(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from fla.ops.linear_attn import chunk_linear_attn
 
-    B, L, H, F = phq.shape
-    Hkv = phk.shape[2]
-    R = H // Hkv
+    R = phq.shape[2] // phk.shape[2]
     kr, vr = phk.repeat_interleave(R, 2), v.repeat_interleave(R, 2)  # [B, L, H, .]
     init = state_kv.repeat_interleave(R, 1).float()  # [B, H, F, D]
     num, _ = chunk_linear_attn(phq, kr, vr, scale=1.0, initial_state=init, output_final_state=False, normalize=False)

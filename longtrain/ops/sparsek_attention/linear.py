@@ -16,7 +16,7 @@ cache needs no second copy of the pool's and tail's keys.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -45,7 +45,7 @@ class SparseKLinearCache(SparseKCache):
     def empty(cls, batch: int, topk: int, window: int, kv_heads: int, head_dim: int, *,
               dtype: torch.dtype = torch.float32, score_dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu", cap: int | None = None, features: int | None = None
-              ) -> "SparseKLinearCache":
+              ) -> SparseKLinearCache:
         base = SparseKCache.empty(batch, topk, window, kv_heads, head_dim, dtype=dtype, score_dtype=score_dtype,
                                   device=device, cap=cap)
         F = features or head_dim
@@ -53,7 +53,7 @@ class SparseKLinearCache(SparseKCache):
         return cls(**base.tensors(), lin_kv=torch.zeros(batch, kv_heads, F, head_dim, dtype=sdt, device=device),
                    lin_k=torch.zeros(batch, kv_heads, F, dtype=sdt, device=device))
 
-    def reset_rows(self, mask: torch.Tensor) -> "SparseKLinearCache":
+    def reset_rows(self, mask: torch.Tensor) -> SparseKLinearCache:
         base = SparseKCache(**{f.name: getattr(self, f.name) for f in fields(SparseKCache)}).reset_rows(mask)
         m = mask.to(self.lin_kv.device)
         return SparseKLinearCache(**base.tensors(), lin_kv=torch.where(m[:, None, None, None], 0, self.lin_kv),
