@@ -45,9 +45,9 @@ class PasskeyPrompt:
     needle_end: int
 
 
-def lengths_up_to(max_len: int) -> list[int]:
-    """1024, 2048, 4096, ... up to max_len (and max_len itself when it is no power of two)."""
-    out, n = [], FIRST_LENGTH
+def lengths_up_to(max_len: int, first: int = FIRST_LENGTH) -> list[int]:
+    """first (1024), twice that, ... up to max_len (and max_len itself when it is not on the way)."""
+    out, n = [], first
     while n <= max_len:
         out.append(n)
         n *= 2

@@ -40,12 +40,17 @@ def run_eval(
     from longtrain.train.checkpointer import load_checkpoint, load_recipe_and_tokenizer, resolve_checkpoint
 
     registry = load_tasks()
+    name, colon, argument = task.partition(":")
     if task == "all":
         tasks = [t for t in registry.values() if t.in_all]
-    elif task in registry:
-        tasks = [registry[task]]
+    elif name in registry:
+        tasks = [registry[name]]
+        if colon and registry[name].argument is None:
+            raise EvalUsageError(f"--task {name} takes no argument; got {task!r}")
+        opts.extra["task_argument"] = argument or None
     else:
-        raise EvalUsageError(f"--task must be one of {', '.join(['all', *registry])}; got {task!r}")
+        choices = ["all", *(f"{n}[:{t.argument}]" if t.argument else n for n, t in registry.items())]
+        raise EvalUsageError(f"--task must be one of {', '.join(choices)}; got {task!r}")
     if not checkpoints:
         raise EvalUsageError("give at least one checkpoint folder or run dir")
     opts.device = pick_device(opts.device)
@@ -55,10 +60,12 @@ def run_eval(
 
     paths = [resolve_checkpoint(c) for c in checkpoints]  # CheckpointError: no such checkpoint
     for path in paths:
-        recipe, _ = load_recipe_and_tokenizer(path)
+        recipe, tokenizer = load_recipe_and_tokenizer(path)
         for t in tasks:
             if t.check is not None:
                 t.check(recipe, opts)
+            if t.check_prompts is not None:
+                t.check_prompts(tokenizer, opts)
 
     labels = [checkpoint_label(p) for p in paths]
     labels = [f"{lab} ({i + 1})" if labels.count(lab) > 1 else lab for i, lab in enumerate(labels)]

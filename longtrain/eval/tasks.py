@@ -61,6 +61,8 @@ class Task:
     in_all: bool = True  # part of --task all
     plot: Callable[..., None] | None = None  # (fig, subplot spec, [(label, json)]): its panel(s) of --plot
     check: Callable[..., None] | None = None  # (recipe, opts): raises EvalUsageError before any model loads
+    check_prompts: Callable[..., None] | None = None  # (tokenizer, opts): the same, for what needs the tokenizer
+    argument: str | None = None  # what --task NAME:ARGUMENT takes (None: no argument), in opts.extra["task_argument"]
     order: int = 100  # place in the table and in --task's choices (then by name)
 
 
@@ -99,7 +101,8 @@ def register(task: Task) -> Task:
 
 def load_tasks() -> dict[str, Task]:
     """Import the task modules (each registers itself) and return the registry, in table order."""
-    from longtrain.eval import passkey, perplexity, recall  # noqa: F401
+    from longtrain.eval import harness, passkey, perplexity, recall  # noqa: F401
+    from longtrain.eval.ruler import task  # noqa: F401
 
     return dict(sorted(TASKS.items(), key=lambda item: (item[1].order, item[0])))
 
