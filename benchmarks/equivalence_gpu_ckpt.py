@@ -9,7 +9,7 @@ PART = 15 * 2**20
 
 
 def export(run: Path, out: Path) -> None:
-    from longtrain.train.checkpointer import resolve_checkpoint
+    from longtrain.train.checkpoint import resolve_checkpoint
 
     ckpt = resolve_checkpoint(run)
     data = (ckpt / "model.safetensors").read_bytes()

@@ -210,7 +210,7 @@ class Bench:
     def evaluate(self, ckpt: Path) -> dict:
         """Validation loss with the trainer's evaluate (same documents and chunking for every model)."""
         from longtrain.data import DataConfig, TokenizerConfig, prepare_corpus
-        from longtrain.train.checkpointer import load_checkpoint, resolve_checkpoint
+        from longtrain.train.checkpoint import load_checkpoint, resolve_checkpoint
         from longtrain.train.validation import evaluate
 
         s = self.size

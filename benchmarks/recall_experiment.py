@@ -122,7 +122,7 @@ def evaluate_one(out: Path, run_dir: Path, docs: int, device: str) -> None:
     from longtrain.eval.passkey import kv_budget
     from longtrain.eval.recall import measure_recall, recall_config
     from longtrain.device import pick_device
-    from longtrain.train.checkpointer import load_checkpoint
+    from longtrain.train.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(run_dir, device=pick_device(device))
     att, rc = ckpt.recipe.attention, ckpt.recipe.data.recall

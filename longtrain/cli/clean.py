@@ -51,8 +51,10 @@ def _checkpoint_dir(run_dir: Path) -> Path | None:
     """The run's checkpoint.dir from its recipe.yaml when it sets one (None: RUN/checkpoints)."""
     import yaml
 
+    from longtrain.train.checkpoint import RECIPE_FILE
+
     try:
-        recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
+        recipe = yaml.safe_load((run_dir / RECIPE_FILE).read_text()) or {}
         folder = (recipe.get("checkpoint") or {}).get("dir")
     except (OSError, yaml.YAMLError, AttributeError):
         return None

@@ -79,7 +79,7 @@ def run_generate(
     from longtrain.generate import Sampling, TextStream, generate
     from longtrain.model.attention_types import describe
     from longtrain.model.chunks import resolve_chunk_size
-    from longtrain.train.checkpointer import load_checkpoint
+    from longtrain.train.checkpoint import load_checkpoint
 
     device = pick_device(device)
     dtype = pick_dtype(dtype, device)

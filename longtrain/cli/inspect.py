@@ -40,7 +40,7 @@ def inspect(
     )
 
     from longtrain.device import pick_device
-    from longtrain.train.checkpointer import load_checkpoint
+    from longtrain.train.checkpoint import load_checkpoint
 
     content = read_text(text.read_bytes(), str(text))  # a binary or empty file is refused before the checkpoint is read
     device = pick_device(device)

@@ -355,7 +355,7 @@ def load_model(recipe: Path | None, checkpoint: Path | None, seed: int):
     if recipe is None and checkpoint is None:
         return LM(LMConfig(**DEFAULT_MODEL)), None
     if checkpoint is not None:
-        from longtrain.train.checkpointer import load_checkpoint
+        from longtrain.train.checkpoint import load_checkpoint
 
         loaded = load_checkpoint(checkpoint)  # CheckpointError (exit 1)
         return loaded.model, loaded.tokenizer

@@ -37,7 +37,7 @@ def run_eval(
     console,
     live_progress: bool = True,
 ) -> list[CheckpointReport]:
-    from longtrain.train.checkpointer import load_checkpoint, load_recipe_and_tokenizer, resolve_checkpoint
+    from longtrain.train.checkpoint import load_checkpoint, load_recipe_and_tokenizer, resolve_checkpoint
 
     registry = load_tasks()
     name, colon, argument = task.partition(":")

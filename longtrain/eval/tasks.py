@@ -1,7 +1,7 @@
 """The tasks `longtrain eval` runs: a registry the CLI dispatches on.
 
 A task is a function `run(ctx) -> TaskResult`: `ctx` holds the loaded checkpoint (`ctx.ckpt`, a
-`longtrain.train.checkpointer.LoadedCheckpoint`: model in eval mode, recipe, tokenizer), the
+`longtrain.train.checkpoint.LoadedCheckpoint`: model in eval mode, recipe, tokenizer), the
 command's options (`ctx.opts`), a progress reporter and the evaluation documents (`ctx.documents()`,
 read on first use). It returns a JSON-able result (stored under the task's name in `--json`) and
 rows for the table (label, cell: one column per checkpoint). Optionally a task checks the options

@@ -73,7 +73,7 @@ def hf_state_dict(model, source_type: str | None = None) -> dict[str, torch.Tens
 def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32", max_positions: int | None = None) -> Path:
     """Write the HF folder `out` for a checkpoint (or run dir); returns `out`."""
     from longtrain.data.tokenizer import eod_id
-    from longtrain.train.checkpointer import TOKENIZER_FILE, _beside, load_checkpoint
+    from longtrain.train.checkpoint import TOKENIZER_FILE, beside, load_checkpoint
 
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -116,7 +116,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32"
     os.chmod(out / "model.safetensors", 0o666 & ~umask)  # safetensors creates it 0600; the rest of the folder follows the umask
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     # The checkpoint's file as it is (the loaded tokenizer may carry an added end-of-document token).
-    raw = _beside(loaded.path, TOKENIZER_FILE)
+    raw = beside(loaded.path, TOKENIZER_FILE)
     (out / "tokenizer.json").write_bytes(raw.read_bytes() if raw is not None else tok.to_str().encode())
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     if remote:  # self-contained: the folder runs SparseK without longtrain installed

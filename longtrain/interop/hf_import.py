@@ -266,12 +266,12 @@ def import_hf(
     from longtrain.data import DataError
     from longtrain.data.tokenizer import load_tokenizer
     from longtrain.train.checkpoint import CheckpointManager
-    from longtrain.train.checkpointer import TOKENIZER_FILE, checkpoint_files
+    from longtrain.train.checkpoint import RECIPE_FILE, TOKENIZER_FILE, checkpoint_files
     from longtrain.train.recipe import Recipe, recipe_to_yaml
 
     out = Path(out).expanduser()
     manager = CheckpointManager(out, keep=1)
-    if manager.steps() or (out / "recipe.yaml").exists():
+    if manager.steps() or (out / RECIPE_FILE).exists():
         raise HFFormatError(f"{out} already holds a run (recipe.yaml or checkpoints); choose another --out or remove it")
     folder = read_folder(hf_dir)
     # Mistral's sliding window: full attention keeps it (max_context: what transformers computes), sw takes it as w.
@@ -327,7 +327,7 @@ def import_hf(
         f"# imported from {folder.path.resolve()} by `longtrain import`; its train/data sections are placeholders:\n"
         f"# fine-tune with `longtrain fit {finetune} --set train.init_from={out}`\n"
     )
-    (out / "recipe.yaml").write_text(header + recipe_to_yaml(recipe))
+    (out / RECIPE_FILE).write_text(header + recipe_to_yaml(recipe))
     (out / TOKENIZER_FILE).write_text(tokenizer.to_str())
     return path, notes, finetune
 

@@ -17,6 +17,7 @@ from longtrain.data.cache import disk_size
 from longtrain.model.attention_types import kv_entries
 from longtrain.train import memory
 from longtrain.train.metrics import gib
+from longtrain.train.checkpoint import step_of
 from longtrain.train.run_dir import set_aside
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ def notes(t: Trainer) -> list[str]:
                    f"--set train.valid_every={cfg.steps} validates at its end")
     if warning := t.stream.too_few_documents():
         out.append(f"warning: {warning}")
-    if aside := set_aside(t.run_dir, t.checkpointer.dir):
+    if aside := set_aside(t.run_dir, t.checkpoints.dir):
         size = gib(sum(disk_size(p) for p in aside))
         names = ", ".join(p.name for p in aside[:3]) + (", ..." if len(aside) > 3 else "")
         out.append(f"note: {_n(len(aside), 'item')} moved aside by earlier runs ({size}: {names}); "
@@ -195,18 +196,14 @@ def dry_run_plan(t: Trainer) -> str:
         plan = f"already stopped early at step {t.state.step} ({why}): fit would do nothing"
     elif t.resume_from is not None:
         plan = f"would resume from {t.resume_from} and train steps {t.state.step + 1}–{cfg.steps}"
-    elif old := t.checkpointer.existing():
+    elif old := t.checkpoints.existing():
         how = "moving them aside" if t.resume == "never" else "moving the unusable ones aside"
-        plan = f"would start over, {how}: {_n(len(old), 'checkpoint')} in {t.checkpointer.dir}"
+        plan = f"would start over, {how}: {_n(len(old), 'checkpoint')} in {t.checkpoints.dir}"
     else:
         plan = f"would start a fresh run of {_n(cfg.steps, 'step')}"
     if cfg.init_from and t.resume_from is None and t.state.step < cfg.steps:
         plan += f", starting from the weights of {cfg.init_from}"
     return plan
-
-
-def step_of(checkpoint: Path) -> int:
-    return int(checkpoint.name.removeprefix("step-"))
 
 
 def steps_text(checkpoints: list[Path]) -> str:

@@ -51,8 +51,8 @@ from longtrain.data.stream import Chunk
 from longtrain.errors import TrainingError  # noqa: F401  (raised here; defined with the others)
 from longtrain.model import LM, LMConfig, warn_threshold_overflow
 from longtrain.model.chunks import ChunkReader, send
-from longtrain.train import distributed, memory
-from longtrain.train.checkpointer import TOKENIZER_FILE, Checkpointer, TrainState
+from longtrain.train import distributed
+from longtrain.train.checkpoint import RECIPE_FILE, TOKENIZER_FILE, Checkpointer, RunCheckpoints, TrainState, run_hashes, step_of
 from longtrain.train.determinism import deterministic
 from longtrain.train.diagnostics import SelectionDiagnostics
 from longtrain.train.distributed import Ranks
@@ -69,17 +69,16 @@ from longtrain.train.metrics import (
     tensorboard_missing,
 )
 from longtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
-from longtrain.train.rank_state import Layout
+from longtrain.train.checkpoint.ranks import Layout
 from longtrain.train.recipe import Recipe, recipe_to_yaml
-from longtrain.train.rng import seed_everything
+from longtrain.train.checkpoint.rng import seed_everything
 from longtrain.train.run_dir import RunLock, move_aside
 from longtrain.train.signals import StopSignal, kill_for_tests_after
 from longtrain.train import summary
-from longtrain.train.summary import step_of, steps_text
+from longtrain.train.summary import steps_text
 from longtrain.train.validation import evaluate
 from longtrain.train.step_graph import ChunkGraph, ChunkInputs, ChunkResult, graph_unusable
 
-RECIPE_FILE = "recipe.yaml"
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COMPILE_BACKEND_ENV = "LONGTRAIN_COMPILE_BACKEND"  # train.compile's backend: inductor, or aot_eager to debug
 COMPILE_MODE_ENV = "LONGTRAIN_COMPILE_MODE"  # torch.compile's mode to try, e.g. max-autotune-no-cudagraphs
@@ -133,7 +132,7 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir else recipe.run_dir()
         self.resume = resume
         self.console = console or make_console()
-        self.checkpointer = Checkpointer(self.run_dir, recipe.checkpoint)
+        self.checkpoints = RunCheckpoints(self.run_dir, recipe.checkpoint)  # which one to resume, what is there
         self.state = TrainState()
         self.stop = StopSignal()
         self.start = TrainState()  # where this session starts (the resumed checkpoint's state)
@@ -239,14 +238,13 @@ class Trainer:
                                   self.device)  # each row's documents, chunk by chunk through the cache
         self.selection = SelectionDiagnostics(self.model)  # per-layer pool statistics, summed on the device
         self.graphs_off = self.graph_unusable()
+        self.checkpointer = Checkpointer(
+            self.checkpoints, state=self.state, model=self.train_model, optimizer=self.optimizer, scaler=self.scaler,
+            stream=self.stream, reader=self.reader, recipe=self.recipe, corpus=self.corpus, hashes=self.hashes,
+            ranks=self.ranks, layout=self.layout(), device=self.device, cache_dtype=self.compute_dtype,
+        )
         if self.resume_from is not None:
-            self.state, cache = self.checkpointer.restore(
-                self.resume_from, model=self.train_model, optimizer=self.optimizer, stream=self.stream,
-                hashes=self.hashes, device=self.device, ranks=self.ranks, layout=self.layout(),
-            )
-            self.reader.cache = cache.with_kv_dtype(self.compute_dtype)  # older checkpoints kept a float32 cache
-            if self.state.grad_scaler and self.scaler.is_enabled():
-                self.scaler.load_state_dict(self.state.grad_scaler)
+            self.checkpointer.restore(self.resume_from)
         self.start = replace(self.state)  # a copy: the state changes every step
 
     def check_extras(self) -> None:
@@ -257,14 +255,14 @@ class Trainer:
     def read_inputs(self) -> dict | None:
         """The corpus, and the checkpoint to resume with its meta checked against this recipe (or None)."""
         # rank 0 picks the checkpoint (validating it whole) and tells the others
-        self.resume_from = self.last_saved = distributed.on_main(lambda: self.checkpointer.to_resume(self.resume), self.ranks)
+        self.resume_from = self.last_saved = distributed.on_main(lambda: self.checkpoints.to_resume(self.resume), self.ranks)
         if self.cfg.init_from and self.resume_from is None:  # a fresh fine-tuning run reads its source first
             check_init_source(self.cfg.init_from)
         self.corpus = self.prepare_data()
-        self.hashes = Checkpointer.hashes(self.recipe, self.corpus.tokenizer)
+        self.hashes = run_hashes(self.recipe, self.corpus.tokenizer)
         if self.resume_from is None:
             return None
-        return self.checkpointer.check(self.resume_from, self.hashes, self.layout())
+        return self.checkpoints.check(self.resume_from, self.hashes, self.layout())
 
     def dry_run(self) -> list[str]:
         """What `fit` would do, without doing it: the resolved recipe, the summary and the plan.
@@ -375,7 +373,7 @@ class Trainer:
         A fresh start over existing checkpoints moves them (with `--resume never`, their metrics too);
         a resume moves the checkpoints after its step, which belong to the future it rewrites.
         """
-        old = self.checkpointer.existing()
+        old = self.checkpoints.existing()
         if self.resume_from is not None:
             later = [p for p in old if step_of(p) > self.state.step]
             if not later:
@@ -383,16 +381,16 @@ class Trainer:
             tag = "unusable" if self.resume == "auto" else "superseded"  # auto: the newer ones failed their checks
             moved = move_aside(later, tag)
             return [f"moved the checkpoints after step {self.state.step} ({steps_text(later)}) aside, as "
-                    f"{', '.join(new.name for _, new in moved)} in {self.checkpointer.dir}"]
+                    f"{', '.join(new.name for _, new in moved)} in {self.checkpoints.dir}"]
         if not old:
             return []
         if self.resume == "never":
-            paths = [self.checkpointer.dir, self.run_dir / METRICS_FILE, self.run_dir / TENSORBOARD_DIR]
+            paths = [self.checkpoints.dir, self.run_dir / METRICS_FILE, self.run_dir / TENSORBOARD_DIR]
             moved = move_aside(paths, "replaced")
             where = ", ".join(str(new) for _, new in moved)
             return [f"--resume never: moved the previous run ({_n(len(old), 'checkpoint')}, {steps_text(old)}) aside to "
                     f"{where}; delete them when you no longer need them"]
-        moved = move_aside([self.checkpointer.dir], "unusable")  # auto, and none of them is complete
+        moved = move_aside([self.checkpoints.dir], "unusable")  # auto, and none of them is complete
         return [f"warning: no complete checkpoint to resume from; moved the unusable ones ({steps_text(old)}) to {moved[0][1]}"]
 
     # ------------------------------------------------------------------ one step
@@ -626,14 +624,14 @@ class Trainer:
 
     def save_due(self) -> bool:
         step = self.state.step
-        return (step % self.checkpointer.every == 0 or step == self.cfg.steps or self.stopping or self.best_unsaved
+        return (step % self.checkpoints.every == 0 or step == self.cfg.steps or self.stopping or self.best_unsaved
                 or self.out_of_patience() is not None)
 
     def best_checkpoint(self) -> Path | None:
         """checkpoint.keep_best: the checkpoint of the best validation loss, if it is on disk."""
         if not self.recipe.checkpoint.keep_best or self.state.best_step is None:
             return None
-        path = self.checkpointer.manager.path_for(self.state.best_step)
+        path = self.checkpoints.manager.path_for(self.state.best_step)
         return path if path.is_dir() else None
 
     def out_of_patience(self, state: TrainState | None = None) -> str | None:
@@ -650,14 +648,8 @@ class Trainer:
         self.read_back()  # a NaN since the last read stops here, unsaved (a no-op when already read)
         self.write_records(self.pending)
         del self.pending[:]
-        self.state.grad_scaler = self.scaler.state_dict() if self.scaler.is_enabled() else None
-        if self.recipe.checkpoint.keep_best and self.state.best_step is not None:  # pruning never deletes it
-            self.checkpointer.manager.protected = {self.checkpointer.manager.path_for(self.state.best_step).name}
         self.best_unsaved = False
-        self.last_saved = self.checkpointer.save(
-            self.state, model=self.train_model, optimizer=self.optimizer, cache=self.cache, stream=self.stream,
-            hashes=self.hashes, recipe=self.recipe, corpus=self.corpus, ranks=self.ranks, layout=self.layout(),
-        )
+        self.last_saved = self.checkpointer.save(self.state.step)
         self.display.message(f"saved checkpoint {self.last_saved}")
         kill_for_tests_after(self.state.step, self.ranks.rank)
 

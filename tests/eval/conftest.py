@@ -9,7 +9,7 @@ import torch
 from longtrain.data.tokenizer import train_bpe
 from longtrain.model import LM, LMConfig
 from longtrain.train.checkpoint import CheckpointManager
-from longtrain.train.checkpointer import checkpoint_files
+from longtrain.train.checkpoint import checkpoint_files
 from longtrain.train.recipe import load_recipe
 
 WORDS = (

@@ -125,7 +125,7 @@ def _tiny_checkpoint(run: Path, *, self_contained: bool):
     """A real checkpoint of a random model: self-contained, or an older one (recipe and tokenizer in the run dir)."""
     from longtrain.data.tokenizer import train_bpe
     from longtrain.train.checkpoint import CheckpointManager
-    from longtrain.train.checkpointer import checkpoint_files
+    from longtrain.train.checkpoint import checkpoint_files
 
     recipe = load_recipe("quickstart", SMALL_RECIPE)
     tok = train_bpe(["It was the best of times, it was the worst of times. " * 40], 300)

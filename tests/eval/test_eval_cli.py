@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from longtrain.cli import app
 from longtrain.data import TokenizerConfig, default_cache_dir, prepare_corpus
 from longtrain.eval.documents import eval_documents
-from longtrain.train.checkpoint import CheckpointManager, load, validate
-from longtrain.train.checkpointer import load_recipe_and_tokenizer, resolve_checkpoint
+from longtrain.train.checkpoint.storage import CheckpointManager, load, validate
+from longtrain.train.checkpoint import load_recipe_and_tokenizer, resolve_checkpoint
 
 runner = CliRunner()
 FAST = ["--docs", "2", "--tokens", "200", "--max-len", "256", "--trials", "1"]
@@ -165,7 +165,7 @@ def test_a_recall_runs_documents_are_its_held_out_recall_documents(tmp_path):
     from longtrain.data.tokenizer import train_bpe
     from longtrain.model import LM, LMConfig
     from longtrain.train.checkpoint import CheckpointManager
-    from longtrain.train.checkpointer import checkpoint_files
+    from longtrain.train.checkpoint import checkpoint_files
     from longtrain.train.recipe import load_recipe
 
     rng = np.random.default_rng(0)

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from longtrain.cli import app
 from longtrain.generate import Sampling, TextStream, generate, sample
-from longtrain.train.checkpointer import load_checkpoint
+from longtrain.train.checkpoint import load_checkpoint
 
 runner = CliRunner()
 PROMPT = "the captain and the river were quiet. the morning"

@@ -14,7 +14,7 @@ from longtrain.data.tokenizer import train_bpe
 from longtrain.eval.inspect import selection_map
 from longtrain.model import LM, LMConfig
 from longtrain.train.checkpoint import CheckpointManager
-from longtrain.train.checkpointer import checkpoint_files, load_checkpoint
+from longtrain.train.checkpoint import checkpoint_files, load_checkpoint
 from longtrain.train.recipe import AttentionConfig, ModelConfig, Recipe, TrainConfig
 
 TEXT = (

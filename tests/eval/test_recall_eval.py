@@ -164,7 +164,7 @@ def test_eval_task_recall_through_the_cli(tok, tmp_path, monkeypatch):
 
     from longtrain.cli import app
     from longtrain.train.checkpoint import CheckpointManager
-    from longtrain.train.checkpointer import checkpoint_files
+    from longtrain.train.checkpoint import checkpoint_files
 
     monkeypatch.setenv("LONGTRAIN_CACHE", str(tmp_path / "cache"))
     r = recipe(chunk=128)

@@ -7,7 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from longtrain.cli import app
-from longtrain.train.checkpointer import load_checkpoint
+from longtrain.train.checkpoint import load_checkpoint
 from tests.interop import hf_models as hf
 
 runner = CliRunner()

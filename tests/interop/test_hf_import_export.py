@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from longtrain.cli import app
 from longtrain.model.scoring import mimic_score_weight
-from longtrain.train.checkpointer import load_checkpoint
+from longtrain.train.checkpoint import load_checkpoint
 from tests.interop import hf_models as hf
 
 runner = CliRunner()

@@ -7,7 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from longtrain.cli import app
-from longtrain.train.checkpointer import load_checkpoint
+from longtrain.train.checkpoint import load_checkpoint
 from tests.interop import hf_models as hf
 
 runner = CliRunner()
@@ -35,7 +35,7 @@ CASES = {
 def with_variant(run, variant, out):
     """The run's checkpoint saved again with another attention.variant."""
     from longtrain.train.checkpoint import CheckpointManager
-    from longtrain.train.checkpointer import checkpoint_files
+    from longtrain.train.checkpoint import checkpoint_files
 
     loaded = load_checkpoint(run)
     r = loaded.recipe

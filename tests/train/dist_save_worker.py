@@ -10,7 +10,7 @@ import torch
 
 from longtrain.train import distributed
 from longtrain.train.checkpoint import CheckpointManager
-from longtrain.train.rank_state import cache_group
+from longtrain.train.checkpoint.ranks import cache_group
 
 ranks, _, _ = distributed.setup("ddp", torch.device("cpu"))
 manager = CheckpointManager(sys.argv[1], keep=3)

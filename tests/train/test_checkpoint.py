@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-import longtrain.train.checkpoint as ckpt
-from longtrain.train.checkpoint import (
+import longtrain.train.checkpoint.storage as ckpt
+from longtrain.train.checkpoint.storage import (
     CheckpointError,
     CheckpointManager,
     CheckpointWarning,
@@ -23,7 +23,7 @@ from longtrain.train.checkpoint import (
     optimizer_from_checkpoint,
     optimizer_to_checkpoint,
 )
-from longtrain.train.rng import capture_rng, restore_rng
+from longtrain.train.checkpoint.rng import capture_rng, restore_rng
 
 
 def state(value: float) -> dict[str, dict[str, torch.Tensor]]:
@@ -72,7 +72,7 @@ def test_tied_weights_are_saved(tmp_path):
 
 KILL_MID_SAVE = """
 import os, signal, sys, torch
-import longtrain.train.checkpoint as ckpt
+import longtrain.train.checkpoint.storage as ckpt
 real_write = ckpt._write_file
 def write_then_die(path, data):
     real_write(path, data)

@@ -17,7 +17,7 @@ import torch
 
 from longtrain.train import distributed
 from longtrain.train.checkpoint import CheckpointError, CheckpointManager
-from longtrain.train.rank_state import Layout, cache_for_rank, cache_group, check_layout, rng_for_rank, saved_groups_for
+from longtrain.train.checkpoint.ranks import Layout, cache_for_rank, cache_group, check_layout, rng_for_rank, saved_groups_for
 
 HERE = Path(__file__).parent
 

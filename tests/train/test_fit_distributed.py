@@ -134,7 +134,7 @@ def test_two_fsdp_ranks_train_as_one_process_through_a_kill_and_the_longtrain_sc
     assert "resuming from" in resumed.stdout and "step-00000004" in resumed.stdout
     assert_equivalent(space, "fsdp")  # FSDP's gathered save and its sharded restore lose nothing
     # FSDP's checkpoint holds the whole model, as one process writes it: it loads anywhere
-    from longtrain.train.checkpointer import load_checkpoint
+    from longtrain.train.checkpoint import load_checkpoint
 
     loaded = load_checkpoint(space / "fsdp")
     assert loaded.step == STEPS and torch.equal(loaded.model.state_dict()["embed.weight"], weights(space, "fsdp")["embed.weight"])

@@ -1,17 +1,5 @@
-"""Each rank's part of a checkpoint, and how a resume with another number of ranks regroups the rows.
-
-A checkpoint of W ranks × b rows (global row g = rank · b + r) holds
-  - `model.safetensors`, `optimizer.safetensors`: the whole model and optimizer, gathered on rank 0
-    and written in the layout one process writes (see `longtrain.train.distributed.full_state`);
-  - `cache.rankRRRRR.safetensors`: the per-row caches of rank R's b rows, written by rank R;
-  - `meta.json`: the data stream's state (global: the same on every rank), the layout
-    {world_size W, batch_docs b, rows W·b, parallel}, and under "ranks" each rank's RNG state.
-
-Why gathered and not sharded: a ~1B-parameter model's fp32 weights and AdamW moments are ~12 GiB,
-which rank 0 holds in host memory for the seconds the write takes; in exchange a checkpoint is
-the same files whatever wrote it (1 process, N DDP ranks or N FSDP shards), `eval`/`generate` read
-it unchanged, and a resume with another world size needs no resharding. Sharded files (one per
-rank and an index) become worth it past ~10B parameters, which one host's memory no longer holds.
+"""Each rank's part of a checkpoint (the format: the package doc), and how a resume with another
+number of ranks regroups the rows.
 
 A run may resume with W' ranks × b' rows when W'·b' = W·b: every row keeps its document, its
 position and its cache (new rank R' takes global rows R'·b' .. R'·b' + b' - 1, from whichever
@@ -29,7 +17,7 @@ from typing import Any
 
 import torch
 
-from longtrain.train.checkpoint import CheckpointError
+from longtrain.train.checkpoint.storage import CheckpointError
 
 OLD_CACHE = "cache"  # the single-process checkpoints' cache group, before ranks
 

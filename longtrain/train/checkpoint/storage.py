@@ -1,25 +1,4 @@
-"""Atomic, self-checking checkpoints and what goes into them.
-
-Layout: `<dir>/step-XXXXXXXX/` holds one `<group>.safetensors` per tensor
-group (model, optimizer, cache, ...), the files that make it self-contained
-(`recipe.yaml`, `tokenizer.json`: `longtrain.train.checkpointer` loads a model
-from them) and `meta.json` (step, data stream state, RNG states, hashes, ...
-plus the size and sha256 of every file).
-
-A checkpoint is written into `.tmp-step-XXXXXXXX-<pid>/` in the same folder,
-fsynced, then renamed: a directory carries its final name only when it is
-complete, so a SIGKILL or a full disk mid-save leaves the previous
-checkpoints untouched. On load, the recorded sizes and hashes catch files
-that were truncated or corrupted afterwards.
-
-With several ranks (torchrun) every rank writes its own files into the same
-temporary directory; rank 0 gathers every rank's file records, writes
-`meta.json` listing all of them and renames the directory. Until every rank has
-reported, nothing carries the final name: a rank that dies mid-save leaves a
-`.tmp-*` directory that no reader takes for a checkpoint and the next save
-removes. (On several machines the checkpoint folder must be on a file system
-they share.)
-"""
+"""Storage of checkpoints: atomic writes, checks on read, finding and pruning (the format: the package doc)."""
 
 from __future__ import annotations
 
@@ -43,6 +22,9 @@ from longtrain.errors import CheckpointError  # noqa: F401  (raised here; define
 from longtrain.train.distributed import Ranks, broadcast_object, gather_objects
 
 META = "meta.json"
+RECIPE_FILE = "recipe.yaml"  # the resolved recipe, in a checkpoint and in its run dir
+TOKENIZER_FILE = "tokenizer.json"
+WEIGHT_FILES = ("model.safetensors", RECIPE_FILE, TOKENIZER_FILE)  # what reading a model needs of a checkpoint
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -361,3 +343,67 @@ def _storable(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         seen.add(ptr)
         out[name] = t
     return out
+
+
+# ------------------------------------------------------------ finding one
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory's newest complete checkpoint."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist: give a checkpoint folder (…/checkpoints/step-XXXXXXXX) or a run dir")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file: give a checkpoint folder (…/checkpoints/step-XXXXXXXX) or a run dir")
+    if (path / META).is_file():
+        problem = weights_problem(path)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} cannot be used: {problem}")
+        return path
+    for folder in (path / "checkpoints", path):  # a run dir, or a checkpoints folder itself
+        manager = CheckpointManager(path, keep=1, directory=folder)
+        if steps := manager.steps():
+            latest = manager.latest_complete(check=weights_problem)
+            if latest is None:
+                raise CheckpointError(
+                    f"{folder} has {len(steps)} checkpoint(s) but none has intact weights (the newest, "
+                    f"{steps[-1].name}: {weights_problem(steps[-1])}); give an intact checkpoint folder"
+                )
+            return latest
+    raise CheckpointError(
+        f"{path} is neither a checkpoint (no {META}) nor a run dir with checkpoints (no checkpoints/step-XXXXXXXX); "
+        "train one with `longtrain fit`"
+    )
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """A validated checkpoint's meta.json (step, tokens, hashes, ...) without loading tensors."""
+    return json.loads((Path(path) / META).read_text())
+
+
+def weights_problem(path: Path) -> str | None:
+    """None if what reading the model needs is intact: its weights, recipe and tokenizer.
+
+    eval, generate, export, inspect and train.init_from read no optimizer state, caches or RNG, so a
+    checkpoint whose optimizer.safetensors is damaged still serves them (resuming it does not).
+    """
+    try:
+        listed = read_meta(path).get("files")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    if not isinstance(listed, dict):
+        return validate(path)  # its own words for a missing or broken meta.json
+    return validate(path, only=[name for name in WEIGHT_FILES if name in listed] or [WEIGHT_FILES[0]])
+
+
+def beside(path: Path, name: str) -> Path | None:
+    """`name` in the checkpoint, else in the run dir of an older checkpoint; None if neither."""
+    for candidate in (path / name, path.parent.parent / name):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def step_of(checkpoint: Path) -> int:
+    """The step of a checkpoint folder `step-XXXXXXXX`."""
+    return int(checkpoint.name.removeprefix("step-"))
