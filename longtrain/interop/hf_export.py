@@ -11,7 +11,7 @@ same tensors.
 A SparseK model's scoring vectors are written as extra tensors (`...sparsek_score.weight`, one
 [G, d] per layer) and its k, w and variant go into config.json under `longtrain_sparsek`. Plain
 `transformers` ignores both and runs full attention; `longtrain import` reads them back. A
-llama-style SparseK or SW model also gets `modeling_longtrain.py` and `configuration_longtrain.py`
+SparseK or SW model also gets `modeling_longtrain.py` and `configuration_longtrain.py`
 (copied from longtrain/interop/remote/) and an `auto_map`, so that
 `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)` runs its SparseK attention in plain
 PyTorch (RoPE from `longtrain_rope`: the inverse frequencies longtrain uses).
@@ -35,8 +35,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 SPARSEK_NOTE = (
     "Written by longtrain: the model was trained with SparseK attention (scoring vectors in the "
     "*.sparsek_score.weight tensors). Plain transformers ignores this key and those tensors and runs "
-    "full causal attention; from_pretrained(..., trust_remote_code=True) runs SparseK (modeling_longtrain.py, "
-    "llama-style models); `longtrain import` reads them back."
+    "full causal attention; from_pretrained(..., trust_remote_code=True) runs SparseK (modeling_longtrain.py); "
+    "`longtrain import` reads them back."
 )
 REMOTE = Path(__file__).parent / "remote"
 REMOTE_FILES = ("modeling_longtrain.py", "configuration_longtrain.py")
@@ -91,12 +91,13 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32"
     eos = eod_id(tok)
     bos = next((tok.token_to_id(t) for t in ("<s>", "<|begin_of_text|>") if tok.token_to_id(t) is not None), eos)
     config = hf_config(fam, cfg, bos=bos, eos=eos, dtype=dtype, max_positions=max_positions or source.get("max_position_embeddings", 2048))
-    remote = cfg.attention in ("sparsek+sw", "sparsek", "sw") and cfg.style == "llama"  # what modeling_longtrain.py runs
+    remote = cfg.attention in ("sparsek+sw", "sparsek", "sw")  # what modeling_longtrain.py runs
     if cfg.attention != "full":
         config["longtrain_sparsek"] = {
             "attention": cfg.attention, "topk": cfg.topk, "window": cfg.window, "variant": cfg.variant,
             "score_groups": cfg.score_groups, "timestep_norm": cfg.timestep_norm, "eps_slope": cfg.eps_slope,
-            "qkv_bias": bool(cfg.qkv_bias), "note": SPARSEK_NOTE,
+            "qkv_bias": bool(cfg.qkv_bias), "layout": fam.model_type if fam.model_type == "gpt_neox" else "llama",
+            "parallel_residual": cfg.parallel_residual, "note": SPARSEK_NOTE,
         }
     if remote:
         inv_freq, attention_factor = inverse_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)

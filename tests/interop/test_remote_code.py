@@ -29,6 +29,10 @@ CASES = {
     ),
     "mistral-sparsek": (lambda: hf.mistral(), ["--attention", "sparsek", "--topk", 6]),
     "llama-sw": (lambda: hf.llama(), ["--attention", "sw", "--window", 7]),
+    # GPT-NeoX layout: fused q/k/v, a quarter of each head rotated, parallel residual; and sequential with a tied head
+    "gpt_neox-sparsek+sw": (lambda: hf.gpt_neox(), ["--topk", 5, "--window", 4]),
+    "gpt_neox-sequential-tied": (lambda: hf.gpt_neox(use_parallel_residual=False, tie_word_embeddings=True),
+                                 ["--topk", 4, "--window", 6, "--score-init", "random"]),
 }
 
 

@@ -4,7 +4,7 @@
 
 A readable reference of what longtrain computes (SparseK, Lou et al. 2024), written for clarity, not
 speed: one query at a time, every key kept in the cache. The weights are the standard Llama / Qwen2 /
-Mistral tensors plus one scoring matrix per layer (`self_attn.sparsek_score.weight`, [G, d]); without
+Mistral / GPT-NeoX tensors plus one scoring matrix per layer (`...sparsek_score.weight`, [G, d]); without
 trust_remote_code transformers loads the same folder as plain full attention and ignores the scores.
 
 For the query at position i and a key at position j <= i (scores u_j, one per score group):
@@ -114,10 +114,11 @@ class LongtrainCache:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on x [B, L, H, D] with cos, sin [L, D/2]."""
+    """Rotate-half RoPE on the first R = 2 * cos.shape[-1] dims of x [B, L, H, D] (cos, sin [L, R/2])."""
     c, s = cos[None, :, None].to(x.dtype), sin[None, :, None].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    R = 2 * c.shape[-1]
+    x1, x2, rest = x[..., : R // 2], x[..., R // 2 : R], x[..., R:]  # GPT-NeoX: only a part of each head rotates
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
 
 
 class ScoreVectors(nn.Module):
@@ -127,6 +128,8 @@ class ScoreVectors(nn.Module):
 
 
 class SparseKAttention(nn.Module):
+    """SparseK attention of one layer; the two layouts below differ only in their projections."""
+
     def __init__(self, config: LongtrainConfig, layer: int):
         super().__init__()
         sk = config.longtrain_sparsek
@@ -134,20 +137,24 @@ class SparseKAttention(nn.Module):
         self.layer, self.H, self.Hkv, self.D = layer, H, Hkv, d // H
         self.topk, self.window, self.variant = sk.get("topk", 0), sk.get("window", 0), sk.get("variant", "hard_k_soft_v")
         self.eps_slope, self.timestep_norm = sk.get("eps_slope", 1e-3), sk.get("timestep_norm", True)
-        bias = bool(sk.get("qkv_bias", False))
-        self.q_proj = nn.Linear(d, H * self.D, bias=bias)
-        self.k_proj = nn.Linear(d, Hkv * self.D, bias=bias)
-        self.v_proj = nn.Linear(d, Hkv * self.D, bias=bias)
-        self.o_proj = nn.Linear(H * self.D, d, bias=False)
         groups = (Hkv if sk.get("score_groups") == "per_kv_head" else 1) if self.topk > 0 else 0
         self.sparsek_score = ScoreVectors(groups, d) if groups else None
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, L, H, D], k and v [B, L, Hkv, D] (before RoPE)."""
+        raise NotImplementedError
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """[B, L, H·D] -> [B, L, d]."""
+        raise NotImplementedError
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LongtrainCache) -> torch.Tensor:
         B, L, _ = h.shape
         H, Hkv, D = self.H, self.Hkv, self.D
-        q = apply_rope(self.q_proj(h).view(B, L, H, D), cos, sin)  # [B, L, H, D]
-        k = cache.append(self.layer, "keys", apply_rope(self.k_proj(h).view(B, L, Hkv, D), cos, sin))  # [B, T, Hkv, D]
-        v = cache.append(self.layer, "values", self.v_proj(h).view(B, L, Hkv, D))
+        q, k, v = self.project(h)
+        q = apply_rope(q, cos, sin)  # [B, L, H, D]
+        k = cache.append(self.layer, "keys", apply_rope(k, cos, sin))  # [B, T, Hkv, D]: every key so far
+        v = cache.append(self.layer, "values", v)
         T = k.shape[1]
         key_pos = torch.arange(T, device=h.device)
         if self.sparsek_score is not None:
@@ -173,7 +180,29 @@ class SparseKAttention(nn.Module):
                 logits = logits * gate
             p = torch.softmax(logits.masked_fill(~attend, -float("inf")), dim=-1) * gate
             out.append(torch.einsum("bht,bthd->bhd", p, values))
-        return self.o_proj(torch.stack(out, 1).reshape(B, L, H * D))
+        return self.output(torch.stack(out, 1).reshape(B, L, H * D))
+
+
+# ----------------------------------------------------------------------------- Llama layout (Llama, Qwen2, Mistral)
+
+
+class LlamaAttention(SparseKAttention):
+    def __init__(self, config: LongtrainConfig, layer: int):
+        super().__init__(config, layer)
+        d, H, Hkv, D = config.hidden_size, self.H, self.Hkv, self.D
+        bias = bool(config.longtrain_sparsek.get("qkv_bias", False))  # Qwen2
+        self.q_proj = nn.Linear(d, H * D, bias=bias)
+        self.k_proj = nn.Linear(d, Hkv * D, bias=bias)
+        self.v_proj = nn.Linear(d, Hkv * D, bias=bias)
+        self.o_proj = nn.Linear(H * D, d, bias=False)
+
+    def project(self, h):
+        B, L, _ = h.shape
+        return (self.q_proj(h).view(B, L, self.H, self.D), self.k_proj(h).view(B, L, self.Hkv, self.D),
+                self.v_proj(h).view(B, L, self.Hkv, self.D))
+
+    def output(self, o):
+        return self.o_proj(o)
 
 
 class SwiGLU(nn.Module):
@@ -188,12 +217,12 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
+class LlamaLayer(nn.Module):
     def __init__(self, config: LongtrainConfig, layer: int):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = SparseKAttention(config, layer)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.self_attn = LlamaAttention(config, layer)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
 
     def forward(self, x, cos, sin, cache):
@@ -201,26 +230,96 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LongtrainModel(nn.Module):
+class LlamaModel(nn.Module):
     def __init__(self, config: LongtrainConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+
+
+# ----------------------------------------------------------------------------- GPT-NeoX layout (Pythia, longtrain's gpt2 style)
+
+
+class NeoXAttention(SparseKAttention):
+    def __init__(self, config: LongtrainConfig, layer: int):
+        super().__init__(config, layer)
+        d = config.hidden_size
+        self.query_key_value = nn.Linear(d, 3 * d)  # output rows [head, (q|k|v), head_dim]
+        self.dense = nn.Linear(d, d)
+
+    def project(self, h):
+        B, L, _ = h.shape
+        q, k, v = self.query_key_value(h).view(B, L, self.H, 3, self.D).unbind(3)
+        return q, k, v
+
+    def output(self, o):
+        return self.dense(o)
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, config: LongtrainConfig):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.dense_4h_to_h = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x):
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+
+
+class NeoXLayer(nn.Module):
+    def __init__(self, config: LongtrainConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.attention = NeoXAttention(config, layer)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = GeluMLP(config)
+        self.parallel = config.longtrain_sparsek.get("parallel_residual", True)
+
+    def forward(self, x, cos, sin, cache):
+        a = self.attention(self.input_layernorm(x), cos, sin, cache)
+        if self.parallel:  # attention and MLP both read the layer's input
+            return x + a + self.mlp(self.post_attention_layernorm(x))
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class NeoXModel(nn.Module):
+    def __init__(self, config: LongtrainConfig):
+        super().__init__()
+        self.embed_in = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(NeoXLayer(config, i) for i in range(config.num_hidden_layers))
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+
+
+# ----------------------------------------------------------------------------- the causal LM
 
 
 class LongtrainForCausalLM(PreTrainedModel, GenerationMixin):
-    """A decoder-only Transformer with SparseK attention (Llama layout: RMSNorm, SwiGLU, RoPE, GQA)."""
+    """A decoder-only Transformer with SparseK attention, in the tensor names of the exported family:
+    Llama (RMSNorm, SwiGLU, grouped-query attention) or GPT-NeoX (LayerNorm, GELU, fused q/k/v)."""
 
     config_class = LongtrainConfig
     base_model_prefix = "model"
 
     def __init__(self, config: LongtrainConfig):
         super().__init__(config)
-        self.model = LongtrainModel(config)
-        # A tied head reuses the embedding (the folder holds no lm_head.weight then).
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.neox = config.longtrain_sparsek.get("layout") == "gpt_neox"
+        # A tied head reuses the embedding (the folder holds no head tensor then).
+        head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.neox:
+            self.base_model_prefix = "gpt_neox"
+            self.gpt_neox, self.embed_out = NeoXModel(config), head
+        else:
+            self.model, self.lm_head = LlamaModel(config), head
         self.post_init()
+
+    def parts(self) -> tuple[nn.Embedding, nn.ModuleList, nn.Module, nn.Linear | None]:
+        """(embedding, layers, final norm, head or None when tied) under either layout's names."""
+        if self.neox:
+            m = self.gpt_neox
+            return m.embed_in, m.layers, m.final_layer_norm, self.embed_out
+        return self.model.embed_tokens, self.model.layers, self.model.norm, self.lm_head
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -241,15 +340,15 @@ class LongtrainForCausalLM(PreTrainedModel, GenerationMixin):
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("this reference implementation takes no padding: pass rows of equal length (or one row)")
         cache = cache if cache is not None else past_key_values
-        cache = cache if cache is not None else LongtrainCache(len(self.model.layers))
+        embed, layers, norm, head = self.parts()
+        cache = cache if cache is not None else LongtrainCache(len(layers))
         B, L = input_ids.shape
         cos, sin = self.rope(torch.arange(cache.seen, cache.seen + L, device=input_ids.device))
-        x = self.model.embed_tokens(input_ids)  # [B, L, d]
-        for layer in self.model.layers:
+        x = embed(input_ids)  # [B, L, d]
+        for layer in layers:
             x = layer(x, cos, sin, cache)
         cache.seen += L
-        h = self.model.norm(x)
-        logits = F.linear(h, self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        logits = F.linear(norm(x), embed.weight if head is None else head.weight)  # [B, L, V]
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
