@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -83,8 +84,9 @@ def train_all(runs: list[tuple[str, int]], common, data, out: Path, steps: int, 
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         # SIGTERM at the budget: the trainer finishes its step, saves a checkpoint and exits.
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # many processes, one GPU
         procs.append((name, log, subprocess.Popen(["timeout", "-s", "TERM", str(int(budget)), *cmd], stdout=log,
-                                                   stderr=subprocess.STDOUT, cwd=ROOT)))
+                                                   stderr=subprocess.STDOUT, cwd=ROOT, env=env)))
     for name, log, p in procs:
         rc = p.wait()
         log.close()

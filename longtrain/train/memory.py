@@ -27,7 +27,7 @@ import re
 import psutil
 import torch
 
-from longtrain.model.attention_types import kv_entries
+from longtrain.model.attention_types import kv_entries, linear
 from longtrain.model.loss import SLICE_ELEMENTS
 
 DEVICE_MEMORY_ENV = "LONGTRAIN_DEVICE_MEMORY"
@@ -108,6 +108,9 @@ def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position:
         cache = 2 * layers * B * cached * kv
         op_keys = layers * B * (cached + L) * kv  # the op's [pool][tail][chunk] keys and values
         mask = 0
+        if linear(att.type):  # the naive core keeps, per query and head, ~48 float32 bytes of each of its
+            # k + w + 63 gathered keys for the backward (measured: 120 KB a query at k = w = 128, 8 heads)
+            op_keys += layers * B * L * H * ((att.topk or 0) + (att.window or 0) + 63) * 48
     op = layers * B * (2 * L * H * D * e + 4 * L * H) + op_keys  # q and o, a float32 row statistic
     rows = max(1, SLICE_ELEMENTS // vocab_size)
     loss = min(rows, B * L) * vocab_size * (2 * e + 8) + B * L * d * 4 + vocab_size * d * 4
