@@ -10,6 +10,7 @@ Everything runs offline on the Python standard library's sources (longtrain's `s
    SparseK+SW for the same steps, once with every weight learning and once with
    `train.lora: {rank: 16, alpha: 32}` (adapters on every projection, scoring vectors in full).
    Reported: tokens/s over the steps after the first few, peak memory (the trainer's), training loss.
+   Eager blocks (train.compile false) in both, to keep the run short; CUDA graphs as the trainer picks.
 2. NTK: a randomly initialised Qwen2-shaped `Qwen2ForCausalLM` (q/k/v biases, GQA, tied head) built
    with transformers, pretrained briefly with plain PyTorch on 512-token windows and saved with
    `save_pretrained` (max_position_embeddings 512); `longtrain import` (full, and SparseK+SW with mimic
@@ -112,7 +113,8 @@ class Bench:
             "tokenizer.path": self.tokenizer, "data.source": "stdlib", "data.valid": 0.1, "data.min_doc_tokens": s["chunk"],
             "train.steps": s["steps"], "train.chunk_size": s["chunk"], "train.batch_docs": s["batch"], "train.grad_accum": 1,
             "train.lr": 3e-4 if lora is None else 1e-3, "train.warmup_steps": max(1, s["steps"] // 10), "train.valid_every": 0,
-            "train.device": self.device, "checkpoint.every": 10**6, "logging.every": 1, "logging.progress": "false",
+            "train.device": self.device, "train.compile": "false", "checkpoint.every": 10**6, "logging.every": 1,
+            "logging.progress": "false",
         }
         if lora:
             sets["train.lora"] = lora
@@ -157,7 +159,7 @@ class Bench:
                 "data.min_doc_tokens": 4 * s["ctx"], "train.steps": s["ntk_steps"], "train.warmup_steps": max(1, s["ntk_steps"] // 10),
                 "train.chunk_size": s["ntk_chunk"], "train.batch_docs": s["ntk_batch"], "train.grad_accum": 1,
                 "train.valid_every": 0, "train.device": self.device, "checkpoint.every": s["ntk_steps"],
-                "logging.every": 1, "logging.progress": "false", "train.lr": 3e-4,
+                "logging.every": 1, "logging.progress": "false", "train.lr": 3e-4, "train.compile": "false",
             }
             if scaling:
                 sets |= {f"model.rope_scaling.{k}": v for k, v in scaling.items()}

@@ -195,3 +195,17 @@ def test_import_into_a_linear_type_and_export_refuses_it(tmp_path):
     result = cli("export", tmp_path / "run", "--out", tmp_path / "out")
     assert result.exit_code != 0 and "linear attention" in result.output, result.output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn", "llama3"])
+def test_rope_scaling_reads_the_same_from_transformers_4_and_5_configs(kind):
+    from longtrain.interop.hf_families import LLAMA, model_section
+
+    base = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "intermediate_size": 40, "vocab_size": 320, "max_position_embeddings": 64}
+    params = {k: v for k, v in ROPE[kind].items() if k != "rope_type"}
+    v4 = base | {"rope_theta": 5000.0, "rope_scaling": {"type": kind, **params}}
+    v5 = base | {"rope_parameters": {"rope_type": kind, "rope_theta": 5000.0, **params}}
+    a, b = model_section(LLAMA, v4), model_section(LLAMA, v5)
+    assert a == b and a["rope_theta"] == 5000.0 and a["rope_scaling"]["type"] == kind
+    assert a["rope_scaling"].get("original_context") == (None if kind == "linear" else 64 if kind == "dynamic" else ORIGINAL)
