@@ -9,13 +9,13 @@ PART = 15 * 2**20
 
 
 def export(run: Path, out: Path) -> None:
-    from longtrain.train.checkpoint import resolve_checkpoint
+    from longtrain.train.checkpoint import RECIPE_FILE, TOKENIZER_FILE, resolve_checkpoint
 
     ckpt = resolve_checkpoint(run)
     data = (ckpt / "model.safetensors").read_bytes()
     for i in range(0, len(data), PART):
         (out / f"model.safetensors.part-{i // PART}").write_bytes(data[i : i + PART])
-    for name in ("recipe.yaml", "tokenizer.json"):
+    for name in (RECIPE_FILE, TOKENIZER_FILE):
         (out / name).write_bytes((ckpt / name).read_bytes())
     print(f"exported {ckpt} ({len(data):,} bytes of weights)")
 
@@ -23,11 +23,11 @@ def export(run: Path, out: Path) -> None:
 def rebuild(parts: Path, run: Path) -> None:
     from safetensors.torch import load
 
-    from longtrain.train.checkpoint import CheckpointManager
+    from longtrain.train.checkpoint import RECIPE_FILE, TOKENIZER_FILE, CheckpointManager
 
     chunks = sorted(parts.glob("model.safetensors.part-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))
     model = load(b"".join(p.read_bytes() for p in chunks))
-    files = {name: (parts / name).read_bytes() for name in ("recipe.yaml", "tokenizer.json")}
+    files = {name: (parts / name).read_bytes() for name in (RECIPE_FILE, TOKENIZER_FILE)}
     path = CheckpointManager(run, keep=1).save(1, tensors={"model": model}, meta={}, files=files)
     print(f"rebuilt {path}")
 

@@ -218,7 +218,7 @@ class Bench:
     def evaluate(self, ckpt: Path, rope_scaling: dict | None = None) -> dict:
         """Held-out loss on the first 4·ctx tokens of each validation document, chunk by chunk through the
         cache, split at the original context."""
-        from longtrain.train.checkpointer import load_checkpoint
+        from longtrain.train.checkpoint import load_checkpoint
 
         s = self.s
         loaded = load_checkpoint(ckpt, device=self.device)

@@ -13,7 +13,7 @@ from longtrain.cli import app
 from longtrain.data import IGNORE
 from longtrain.data.tokenizer import eod_id
 from longtrain.generate import generate
-from longtrain.train.checkpointer import load_checkpoint
+from longtrain.train.checkpoint import load_checkpoint
 
 needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
                                    reason="lm-evaluation-harness is an optional extra: pip install 'longtrain[eval]'")
