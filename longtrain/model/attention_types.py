@@ -37,6 +37,19 @@ def linear(type: str) -> bool:
     return "linear" in type
 
 
+def linear_problems(type: str, score_groups: str, backend: str) -> list[str]:
+    """What the linear types cannot do: per-KV-head score groups, the Triton core (it has no linear part)."""
+    if not linear(type):
+        return []
+    problems = []
+    if score_groups != "shared":
+        problems.append(f"attention type {type} has one score group; hint: set attention.score_groups shared")
+    if backend == "triton":
+        problems.append(f"attention type {type} runs the naive core (the Triton kernels have no linear part); "
+                        "hint: set attention.backend auto or naive")
+    return problems
+
+
 def size_problems(type: str, topk: int | None, window: int | None) -> list[str]:
     """What is wrong with (topk, window) for `type`: the used sizes must be > 0, the others 0 or unset."""
     if type not in USES:

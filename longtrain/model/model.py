@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from longtrain.model.attention_types import AttentionType, linear, selects, size_problems
+from longtrain.model.attention_types import AttentionType, linear, linear_problems, selects, size_problems
 from longtrain.model.cache import FullKVCache, LayerCache, ModelCache
 from longtrain.model.loss import linear_cross_entropy, loss_slice
 from longtrain.model.rope import apply_rope, rope_angles, scaling_problems
@@ -104,8 +104,7 @@ class LMConfig:
         problems = size_problems(self.attention, self.topk, self.window) + scaling_problems(self.rope_scaling)
         if self.max_context is not None and (self.attention != "full" or self.max_context < 1):
             problems.append(f"max_context ({self.max_context}) caps full attention's cache: it needs attention full and a value >= 1")
-        if linear(self.attention) and self.score_groups != "shared":
-            problems.append(f"attention type {self.attention} has one score group; hint: set score_groups shared")
+        problems += linear_problems(self.attention, self.score_groups, self.backend)
         if problems:
             raise ValueError("; ".join(problems))
 

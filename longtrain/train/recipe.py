@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from longtrain.data.config import DataConfig, TokenizerConfig
 from longtrain.errors import RecipeError  # noqa: F401  (raised here; defined with the others)
-from longtrain.model.attention_types import USES, AttentionType, size_problems
+from longtrain.model.attention_types import USES, AttentionType, linear_problems, size_problems
 from longtrain.model.rope import scaling_problems
 
 
@@ -174,6 +174,7 @@ class AttentionConfig(_Section):
         # The used sizes are required and positive; the unused ones must be absent or 0 and
         # become 0, so the model always reads two ints.
         problems = size_problems(self.type, self.topk, self.window)
+        problems += linear_problems(self.type, self.score_groups, self.backend)
         if self.max_context is not None and self.type != "full":
             problems.append(
                 f"attention.max_context caps full attention's growing cache; type {self.type} has a fixed-size "

@@ -235,8 +235,10 @@ def test_linear_types_learn_phi_and_carry_a_fixed_size_state(tmp_path):
     with torch.no_grad():
         nxt = torch.randint(0, 61, (2, 8))
         assert torch.equal(model(nxt, cache=back).logits, model(nxt, cache=cache).logits)
-    with pytest.raises(ValueError, match="score_groups shared"):
+    with pytest.raises(ValueError, match="attention.score_groups shared"):
         LMConfig(**SMALL, kv_heads=2, attention="sparsek+linear+sw", topk=4, window=6, score_groups="per_kv_head")
+    with pytest.raises(ValueError, match="attention.backend auto or naive"):
+        LMConfig(**SMALL, attention="linear+sw", window=6, backend="triton")
 
 
 @pytest.mark.parametrize("threads", [1, 2])

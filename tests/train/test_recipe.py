@@ -126,6 +126,14 @@ def test_unused_attention_sizes_become_zero(tmp_path):
     assert r.model.kv_heads == r.model.heads
 
 
+def test_linear_types_refuse_what_they_cannot_run(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    r = load_recipe(path, ["attention.type=linear+sw", "attention.topk=0"])
+    assert (r.attention.type, r.attention.topk, r.attention.window) == ("linear+sw", 0, 8)
+    msg = error_of(path, ["attention.type=sparsek+linear+sw", "attention.backend=triton", "attention.score_groups=per_kv_head"])
+    assert "attention.backend auto or naive" in msg and "attention.score_groups shared" in msg
+
+
 def test_overrides_parse_yaml_scalars(tmp_path):
     r = load_recipe(
         write(tmp_path, MINIMAL),
