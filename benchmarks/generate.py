@@ -1,25 +1,29 @@
-"""Generation speed and memory: decode tokens/s and peak GPU memory after prompts of 4k, 64k and 1M tokens.
+"""Generation speed and memory: prefill and decode tokens/s, single and batched, and decode == chunked forward in bf16.
 
-    PYTHONPATH=. python benchmarks/generate.py --out OUT_DIR            # the device run (about 5 minutes on an H100)
+    PYTHONPATH=. python benchmarks/generate.py --out OUT_DIR            # the device run (about 6 minutes on an H100)
     PYTHONPATH=. python benchmarks/generate.py --small --out /tmp/gen   # a tiny CPU version, to check the script
 
 A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with SparseK+SW (k = w =
-512), a sliding window of 1024 (the same KV budget) and full attention (where it fits). Per row:
-the prompt (random tokens) is prefilled in chunks of 8192, then NEW tokens are decoded greedily,
-the sampled token fed back on the device (no host round trip per token):
+512), a sliding window of 1024 (the same KV budget) and full attention (where it fits).
 
-  - decode tok/s (graph): `longtrain.generate.Decoder`, the decode step replayed as a CUDA graph;
-  - decode tok/s (eager): the same step launched op by op;
-  - chunk op, L = 1: the chunk op on one token (`model(tokens[:, None], cache)`), the path a token
-    took before the decode step (first prompt length only);
-  - peak memory: the CUDA allocator's peak over prefill and decoding, weights included;
-  - peak above start: that peak less what was allocated when the row started (the weights and, on
-    the H100, about one KV cache left behind by each earlier row in the same process).
+  single   one prompt (random tokens) of 4k, 64k and 1M tokens, prefilled in chunks of 8192, then NEW
+           tokens decoded greedily, the sampled token fed back on the device (no host round trip):
+             - graph: `longtrain.generate.Decoder`, the whole step (every layer, the sampler, the
+               cache written back, the token fed back) replayed as one CUDA graph;
+             - compiled: the same with the step through torch.compile first (--compile);
+             - eager: the same step launched op by op;
+  batched  BATCH rows (default 64) of prompts between half and all of BATCH_PROMPT tokens (different
+           lengths: the ragged prefill), decoded together; tokens/s over all rows;
+  check    decode == chunked forward in bf16 (SparseK+SW): after a CHECK_PROMPT-token prompt, the same
+           CHECK_TOKENS tokens once as one chunk through the forward (the chunk op, device scan) and
+           once token by token through the decode step; per layer, the positions whose selection
+           (fingerprint of the selected positions) differs, and the largest |logit difference|.
 
-With SparseK+SW the cache holds k + w - 1 entries per layer whatever the prompt, so the 64k and 1M
-rows must need the same memory within 5% (peak above start): the script checks and reports it. Full attention
-is skipped at 1M: its O(n^2) prefill alone would take far longer than this benchmark. Writes
-OUT/generate.json and OUT/generate.md.
+Peak memory is the CUDA allocator's peak over the row; "above start" subtracts what was allocated when
+the row started. With SparseK+SW the cache holds k + w - 1 entries per layer whatever the prompt, so the
+two longest single rows must need the same memory within 5%. Rows stop being started once --budget-s
+seconds have passed (their entries say so); results are written after every row. Writes OUT/generate.json
+and OUT/generate.md.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from longtrain.generate import Decoder, prefill
 from longtrain.model import LM, LMConfig
@@ -49,7 +52,7 @@ SMALL = dict(vocab_size=512, layers=2, d_model=64, heads=4, style="gpt2")
 SMALL_ATTN = [("sparsek+sw", dict(attention="sparsek+sw", topk=16, window=16)),
               ("sw", dict(attention="sw", window=32)),
               ("full", dict(attention="full"))]
-SMALL_PROMPTS = (256, 2048, 8192)
+SMALL_PROMPTS = (256, 2048)
 FULL_ATTENTION_MAX = 65536  # longer prompts: full attention's O(n^2) prefill is beyond this benchmark
 
 
@@ -66,173 +69,274 @@ def peak_bytes(dev: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's peak: only indicative
 
 
+def _fresh(dev: torch.device) -> int:
+    """Forget the previous row (decoders, graphs, caches); what is still allocated (the weights)."""
+    gc.collect()
+    if dev.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    return torch.cuda.memory_allocated(dev)
+
+
 @torch.no_grad()
-def decode_rate(model: LM, cache, first: torch.Tensor, steps: int, *, cuda_graph: bool) -> tuple[float, float, str | None]:
-    """(tokens/s, seconds to set up, why no graph) of `steps` greedy decode steps from `cache`, tokens fed back on the device."""
-    dev = first.device
+def decode_rate(model: LM, cache, logits: torch.Tensor, steps: int, *, graph: bool, compile: bool = False) -> dict:
+    """Greedy decoding of `steps` tokens per row from `cache`, the sampled tokens fed back on the device:
+    {tokens_per_s (all rows), setup_s (capture, compile), graph, compiled, error}."""
+    dev = logits.device
     t0 = time.perf_counter()
-    dec = Decoder(model, cache, cuda_graph=None if cuda_graph else False)  # a failed capture: eager, and says why
-    token = first
+    dec = Decoder(model, cache, cuda_graph=None if graph else False, compile=compile)  # a failed capture: eager, says why
+    dec.start(logits)
     for _ in range(2):  # warm: allocator, first launches
-        token = dec.step(token).argmax(-1)
+        dec.advance()
     _sync(dev)
     setup = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(steps):
-        token = dec.step(token).argmax(-1)
+        dec.advance()
     _sync(dev)
-    return steps / (time.perf_counter() - t0), setup, dec.graph_error
+    rate = steps * cache.batch_size / (time.perf_counter() - t0)
+    return {"tokens_per_s": rate, "setup_s": setup, "graph": dec.graph is not None, "compiled": dec.compiled,
+            "error": dec.graph_error}
 
 
-@torch.no_grad()
-def chunk_op_rate(model: LM, cache, first: torch.Tensor, steps: int) -> float:
-    """tokens/s of one-token chunks through the chunk op (scan, extended layout, core): the path before decode."""
-    token = first
-    for _ in range(2):
-        out = model(token[:, None], cache=cache)
-        cache, token = out.cache, out.logits[:, -1].argmax(-1)
-    _sync(first.device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        out = model(token[:, None], cache=cache)
-        cache, token = out.cache, out.logits[:, -1].argmax(-1)
-    _sync(first.device)
-    return steps / (time.perf_counter() - t0)
-
-
-def run_row(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, legacy: bool, dev: torch.device) -> dict:
-    row = {"attention": name, "prompt_tokens": n_prompt}
+def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, compile: bool, dev: torch.device) -> dict:
+    row = {"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n_prompt}
     if name == "full" and n_prompt > FULL_ATTENTION_MAX:
         return row | {"skipped": f"full attention's O(n^2) prefill of {n_prompt:,} tokens is beyond this benchmark"}
     g = torch.Generator().manual_seed(n_prompt)
     prompt = torch.randint(0, model.cfg.vocab_size, (1, n_prompt), generator=g)  # stays on the host: chunks go over
-    if dev.type == "cuda":
-        gc.collect()  # the previous row's decoders (CUDA graphs, caches) must not count in this row's peak
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        row["allocated_at_start_bytes"] = torch.cuda.memory_allocated(dev)  # the weights, and nothing else
+    row["allocated_at_start_bytes"] = _fresh(dev)
     _sync(dev)
     t0 = time.perf_counter()
     cache, logits = prefill(model, prompt, chunk_size=chunk)
     _sync(dev)
     row["prefill_s"] = time.perf_counter() - t0
     row["prefill_tokens_per_s"] = n_prompt / row["prefill_s"]
-    first = logits.argmax(-1)
     graph = dev.type == "cuda" and name != "full"
-    rate, setup, graph_error = decode_rate(model, cache, first, new, cuda_graph=graph)
-    row |= {"decode_tokens": new, "decode_tokens_per_s": rate, "cuda_graph": graph and graph_error is None,
-            "decode_setup_s": setup}
-    if graph_error:
-        row["cuda_graph_error"] = graph_error
+    d = decode_rate(model, cache, logits, new, graph=graph)
+    row |= {"decode_tokens": new, "decode_tokens_per_s": d["tokens_per_s"], "cuda_graph": d["graph"], "decode_setup_s": d["setup_s"]}
+    if d["error"]:
+        row["cuda_graph_error"] = d["error"]
     if graph:
-        row["decode_tokens_per_s_eager"] = decode_rate(model, cache, first, max(new // 4, 8), cuda_graph=False)[0]
-    if legacy and name != "full":
-        row["chunk_op_tokens_per_s"] = chunk_op_rate(model, cache, first, max(new // 8, 8))
+        row["decode_tokens_per_s_eager"] = decode_rate(model, cache, logits, max(new // 4, 8), graph=False)["tokens_per_s"]
+        if compile:
+            c = decode_rate(model, cache, logits, new, graph=True, compile=True)
+            row |= {"decode_tokens_per_s_compiled": c["tokens_per_s"] if c["compiled"] else None,
+                    "compile_setup_s": c["setup_s"]}
+            if c["error"]:
+                row["compile_error"] = c["error"]
     row["peak_memory_bytes"] = peak_bytes(dev)
     row["kv_cache_bytes"] = cache.nbytes()
     row["kv_entries_per_layer"] = cache.kv_entries_per_layer
     return row
 
 
+def run_batched(model: LM, name: str, rows: int, n_prompt: int, *, chunk: int, new: int, compile: bool, dev: torch.device) -> dict:
+    """`rows` prompts of n_prompt/2 .. n_prompt tokens (ragged), prefilled side by side and decoded together."""
+    g = torch.Generator().manual_seed(rows)
+    lengths = torch.randint(n_prompt // 2, n_prompt + 1, (rows,), generator=g).tolist()
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    row = {"kind": "batched", "attention": name, "rows": rows, "prompt_tokens": sum(lengths),
+           "prompt_lengths": [min(lengths), max(lengths)], "allocated_at_start_bytes": _fresh(dev)}
+    _sync(dev)
+    t0 = time.perf_counter()
+    cache, logits = prefill(model, prompts, chunk_size=chunk)
+    _sync(dev)
+    row["prefill_s"] = time.perf_counter() - t0
+    row["prefill_tokens_per_s"] = sum(lengths) / row["prefill_s"]
+    graph = dev.type == "cuda" and name != "full"
+    d = decode_rate(model, cache, logits, new, graph=graph)
+    row |= {"decode_tokens": new * rows, "decode_tokens_per_s": d["tokens_per_s"], "cuda_graph": d["graph"],
+            "decode_setup_s": d["setup_s"]}
+    if d["error"]:
+        row["cuda_graph_error"] = d["error"]
+    if graph and compile:
+        c = decode_rate(model, cache, logits, new, graph=True, compile=True)
+        row |= {"decode_tokens_per_s_compiled": c["tokens_per_s"] if c["compiled"] else None, "compile_setup_s": c["setup_s"]}
+        if c["error"]:
+            row["compile_error"] = c["error"]
+    row["peak_memory_bytes"] = peak_bytes(dev)
+    row["kv_cache_bytes"] = cache.nbytes()
+    row["kv_entries_per_layer"] = cache.kv_entries_per_layer
+    return row
+
+
+@torch.no_grad()
+def decode_equals_forward(model: LM, n_prompt: int, n_tokens: int, *, chunk: int, dev: torch.device) -> dict:
+    """The same n_tokens after an n_prompt-token prompt: one chunk through the forward against token-by-token decoding."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, n_prompt + n_tokens), generator=g)
+    _fresh(dev)
+    cache, _ = prefill(model, ids[:, :n_prompt], chunk_size=chunk)
+    ref = model(ids[:, n_prompt:].to(dev), cache=cache)  # the chunk op: the device scan, the Triton core
+    ref_logits = ref.logits[0].float()  # [n, V]
+    ref_fp = [None if s is None else s.fingerprint[0] for s in ref.selections]  # per layer [n]
+    differ = [0] * len(ref_fp)
+    worst, argmax_same = 0.0, 0
+    step_cache = cache
+    for t in range(n_tokens):
+        out = model.decode(ids[:, n_prompt + t].to(dev), step_cache, selections=True)
+        step_cache = out.cache
+        lg = out.logits[0, 0].float()
+        worst = max(worst, float((lg - ref_logits[t]).abs().max()))
+        argmax_same += int(lg.argmax() == ref_logits[t].argmax())
+        for layer, sel in enumerate(out.selections):
+            if sel is not None and not torch.equal(sel.fingerprint[0, 0], ref_fp[layer][t]):
+                differ[layer] += 1
+    return {"kind": "check", "prompt_tokens": n_prompt, "tokens": n_tokens, "dtype": str(model.embed.weight.dtype),
+            "positions_with_other_selection_per_layer": differ, "selections_identical": not any(differ),
+            "max_abs_logit_diff": worst, "argmax_agreement": argmax_same / n_tokens,
+            "overflowed": step_cache.overflowed()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for generate.json and generate.md")
     ap.add_argument("--small", action="store_true", help="a tiny model and short prompts on the CPU (checks the script)")
-    ap.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per row (default 256; --small 16)")
-    ap.add_argument("--prompts", type=str, default=None, help="comma-separated prompt lengths")
+    ap.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per row (default 256; --small 8)")
+    ap.add_argument("--prompts", type=str, default=None, help="comma-separated single-row prompt lengths")
     ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 8192; --small 512)")
     ap.add_argument("--attentions", type=str, default=None, help="comma-separated subset of sparsek+sw,sw,full")
+    ap.add_argument("--batch", type=int, default=None, help="rows decoded together (default 64; --small 4; 0: none)")
+    ap.add_argument("--batch-prompt", type=int, default=None, help="longest batched prompt (default 4096; --small 64)")
+    ap.add_argument("--compile", action="store_true", help="also time the step through torch.compile (CUDA)")
+    ap.add_argument("--check-prompt", type=int, default=None, help="decode == forward check: prompt (default 65536; --small 512; 0: no check)")
+    ap.add_argument("--check-tokens", type=int, default=None, help="decode == forward check: tokens (default 1000; --small 20)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="start no new row after this many seconds")
     args = ap.parse_args()
 
+    t_start = time.perf_counter()
     dev = torch.device("cpu" if args.small or not torch.cuda.is_available() else "cuda")
-    base, attns, prompts = (SMALL, SMALL_ATTN, SMALL_PROMPTS) if args.small else (FULL, FULL_ATTN, FULL_PROMPTS)
+    small = args.small
+    base, attns, prompts = (SMALL, SMALL_ATTN, SMALL_PROMPTS) if small else (FULL, FULL_ATTN, FULL_PROMPTS)
     if args.prompts:
         prompts = tuple(int(p) for p in args.prompts.split(","))
     if args.attentions:
         attns = [(n, kw) for n, kw in attns if n in args.attentions.split(",")]
-    new = args.new_tokens or (16 if args.small else 256)
-    chunk = args.chunk or (512 if args.small else 8192)
+    new = args.new_tokens or (8 if small else 256)
+    chunk = args.chunk or (512 if small else 8192)
+    batch = args.batch if args.batch is not None else (4 if small else 64)
+    batch_prompt = args.batch_prompt or (64 if small else 4096)
+    check_prompt = args.check_prompt if args.check_prompt is not None else (512 if small else 65536)
+    check_tokens = args.check_tokens or (20 if small else 1000)
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     args.out.mkdir(parents=True, exist_ok=True)
     console = Console()
-
-    rows = []
-    for name, kw in attns:
-        torch.manual_seed(0)
-        model = LM(LMConfig(**base, **kw)).to(dev, dtype).eval()
-        for i, n in enumerate(prompts):
-            row = run_row(model, name, n, chunk=chunk, new=new, legacy=i == 0, dev=dev)
-            rows.append(row)
-            console.print(json.dumps(row), highlight=False)
-        del model
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-
-    sk = {r["prompt_tokens"]: r for r in rows if r["attention"] == "sparsek+sw" and "peak_memory_bytes" in r}
-    big = sorted(sk)[-2:]
-    check = None
-    if len(big) == 2:
-        # The row's own memory: its peak over what was allocated when it started (the weights, and on a
-        # GPU whatever earlier rows left behind: ~one KV cache per row was measured there, see benchmarks/README).
-        a, b = (working_bytes(sk[n]) for n in big)
-        check = {"prompts": big, "working_bytes": [a, b], "peak_memory_bytes": [sk[n]["peak_memory_bytes"] for n in big],
-                 "ratio": b / a, "within_5_percent": abs(b / a - 1) <= 0.05}
     report = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "commit": _commit(), "dtype": str(dtype).removeprefix("torch."),
         "model": {**base, "params": sum(p.numel() for p in LM(LMConfig(**base, **attns[0][1])).parameters())},
-        "prefill_chunk": chunk, "new_tokens": new, "rows": rows, "sparsek_peak_memory_check": check,
+        "prefill_chunk": chunk, "new_tokens": new, "rows": [], "check": None,
     }
-    (args.out / "generate.json").write_text(json.dumps(report, indent=1))
-    table = render(report)
-    console.print(table)
-    (args.out / "generate.md").write_text(markdown(report))
-    if check is not None:
-        verdict = "yes" if check["within_5_percent"] else "NO"
-        console.print(f"SparseK+SW peak above start at {big[0]:,} vs {big[1]:,} tokens: ratio {check['ratio']:.4f}; within 5%: {verdict}")
+
+    def over_budget() -> bool:
+        return time.perf_counter() - t_start > args.budget_s
+
+    def add(row: dict) -> None:
+        report["rows"].append(row)
+        console.print(json.dumps(row), highlight=False)
+        write(report, args.out)
+
+    for name, kw in attns:
+        torch.manual_seed(0)
+        model = LM(LMConfig(**base, **kw)).to(dev, dtype).eval()
+        if check_prompt and name == "sparsek+sw" and not over_budget():
+            report["check"] = decode_equals_forward(model, check_prompt, check_tokens, chunk=chunk, dev=dev)
+            console.print(json.dumps(report["check"]), highlight=False)
+        for n in prompts:
+            skip = over_budget()
+            add({"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n, "skipped": "time budget"} if skip else
+                run_single(model, name, n, chunk=chunk, new=new, compile=args.compile and n == prompts[0], dev=dev))
+        if batch:
+            add({"kind": "batched", "attention": name, "rows": batch, "skipped": "time budget"} if over_budget() else
+                run_batched(model, name, batch, batch_prompt, chunk=chunk, new=max(new // 4, 8), compile=args.compile, dev=dev))
+        del model
+        _fresh(dev)
+
+    report["ratios"] = ratios(report["rows"])
+    report["sparsek_peak_memory_check"] = memory_check(report["rows"])
+    report["seconds"] = time.perf_counter() - t_start
+    write(report, args.out)
+    console.print(markdown(report), highlight=False)
+
+
+def ratios(rows: list[dict]) -> dict:
+    """SparseK+SW over SW: decode and prefill tokens/s per prompt length (single) and batched."""
+    by = {(r["kind"], r["attention"], r.get("prompt_tokens") if r["kind"] == "single" else "batched"): r
+          for r in rows if "skipped" not in r}
+    out = {}
+    for (kind, attn, key), r in by.items():
+        sw = by.get((kind, "sw", key))
+        if attn != "sparsek+sw" or sw is None:
+            continue
+        label = f"single {key:,}" if kind == "single" else f"batched ({r['rows']} rows)"
+        out[label] = {"decode": r["decode_tokens_per_s"] / sw["decode_tokens_per_s"],
+                                "prefill": r["prefill_tokens_per_s"] / sw["prefill_tokens_per_s"]}
+        if r.get("decode_tokens_per_s_compiled") and sw.get("decode_tokens_per_s_compiled"):
+            out[label]["decode_compiled"] = r["decode_tokens_per_s_compiled"] / sw["decode_tokens_per_s_compiled"]
+    return out
+
+
+def memory_check(rows: list[dict]) -> dict | None:
+    """The two longest single SparseK+SW rows: their peak above start within 5%."""
+    sk = {r["prompt_tokens"]: r for r in rows if r["kind"] == "single" and r["attention"] == "sparsek+sw" and "peak_memory_bytes" in r}
+    big = sorted(sk)[-2:]
+    if len(big) < 2:
+        return None
+    a, b = (working_bytes(sk[n]) for n in big)
+    return {"prompts": big, "working_bytes": [a, b], "ratio": b / a, "within_5_percent": abs(b / a - 1) <= 0.05}
 
 
 def working_bytes(r: dict) -> int:
-    """A row's peak memory above what was allocated when it started (the whole peak where not recorded)."""
+    """A row's peak memory above what was allocated when it started."""
     return r["peak_memory_bytes"] - r.get("allocated_at_start_bytes", 0)
+
+
+def _rate(r: dict, key: str) -> str:
+    return f"{r[key]:,.1f}" if r.get(key) else "—"
+
+
+HEAD = ["kind", "attention", "rows", "prompt tokens", "prefill tok/s", "decode tok/s (graph)", "compiled", "eager",
+        "peak MiB", "above start MiB", "KV entries / layer"]
 
 
 def _cells(r: dict) -> list[str]:
     mib = 2**20
+    first = [r["kind"], r["attention"], str(r["rows"]), f"{r.get('prompt_tokens', 0):,}"]
     if "skipped" in r:
-        return [r["attention"], f"{r['prompt_tokens']:,}", "skipped", "", "", "", "", "", "", r["skipped"]]
-    return [
-        r["attention"], f"{r['prompt_tokens']:,}", f"{r['prefill_tokens_per_s']:,.0f}", f"{r['decode_tokens_per_s']:,.1f}",
-        f"{r['decode_tokens_per_s_eager']:,.1f}" if "decode_tokens_per_s_eager" in r else "—",
-        f"{r['chunk_op_tokens_per_s']:,.1f}" if "chunk_op_tokens_per_s" in r else "—",
-        f"{r['peak_memory_bytes'] / mib:,.0f}", f"{working_bytes(r) / mib:,.0f}", f"{r['kv_entries_per_layer']:,}",
-        f"{r['kv_cache_bytes'] / mib:,.1f}",
+        return first + ["skipped: " + r["skipped"]] + [""] * (len(HEAD) - 5)
+    return first + [
+        f"{r['prefill_tokens_per_s']:,.0f}", _rate(r, "decode_tokens_per_s"), _rate(r, "decode_tokens_per_s_compiled"),
+        _rate(r, "decode_tokens_per_s_eager"), f"{r['peak_memory_bytes'] / mib:,.0f}", f"{working_bytes(r) / mib:,.0f}",
+        f"{r['kv_entries_per_layer']:,}",
     ]
 
 
-HEAD = ["attention", "prompt tokens", "prefill tok/s", "decode tok/s", "decode tok/s (eager)", "chunk op, L = 1 (tok/s)",
-        "peak memory (MiB)", "peak above start (MiB)", "KV entries / layer", "cache (MiB)"]
-
-
-def render(report: dict) -> Table:
-    t = Table(title=f"generation on {report['device']} ({report['dtype']}, {report['new_tokens']} new tokens)")
-    for h in HEAD:
-        t.add_column(h, justify="right")
-    for r in report["rows"]:
-        t.add_row(*_cells(r))
-    return t
-
-
 def markdown(report: dict) -> str:
-    lines = [f"generation on {report['device']}, {report['dtype']}, commit {report['commit']}, "
-             f"{report['new_tokens']} new tokens, prefill chunks of {report['prefill_chunk']}", "",
+    lines = [f"generation on {report['device']}, {report['dtype']}, commit {report['commit']}, {report['new_tokens']} new "
+             f"tokens per single row, prefill chunks of {report['prefill_chunk']}", "",
              "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in report["rows"]]
-    c = report["sparsek_peak_memory_check"]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in report["rows"]] + [""]
+    for key, r in report.get("ratios", {}).items():
+        lines.append(f"SparseK+SW / SW, {key}: decode {r['decode']:.2f}, prefill {r['prefill']:.2f}"
+                     + (f", decode compiled {r['decode_compiled']:.2f}" if "decode_compiled" in r else ""))
+    c = report.get("sparsek_peak_memory_check")
     if c:
-        lines += ["", f"SparseK+SW peak above start {c['prompts'][0]:,} vs {c['prompts'][1]:,} tokens: ratio {c['ratio']:.4f} "
-                      f"(within 5%: {'yes' if c['within_5_percent'] else 'no'})"]
+        lines.append(f"\nSparseK+SW peak above start {c['prompts'][0]:,} vs {c['prompts'][1]:,} tokens: ratio {c['ratio']:.4f} "
+                     f"(within 5%: {'yes' if c['within_5_percent'] else 'no'})")
+    k = report.get("check")
+    if k:
+        lines.append(f"\ndecode == chunked forward ({k['dtype']}, {k['tokens']} tokens after {k['prompt_tokens']:,}): "
+                     f"selections identical: {k['selections_identical']} (positions differing per layer "
+                     f"{k['positions_with_other_selection_per_layer']}), max |Δ logit| {k['max_abs_logit_diff']:.3g}, "
+                     f"argmax agreement {k['argmax_agreement']:.4f}")
     return "\n".join(lines) + "\n"
+
+
+def write(report: dict, out: Path) -> None:
+    (out / "generate.json").write_text(json.dumps(report, indent=1))
+    (out / "generate.md").write_text(markdown(report))
 
 
 def _commit() -> str:

@@ -1,4 +1,4 @@
-"""`longtrain generate`: continue a prompt, streaming the text as it is sampled."""
+"""`longtrain generate`: continue one prompt, streaming its text, or several decoded together, as JSONL."""
 
 from __future__ import annotations
 
@@ -12,136 +12,210 @@ import typer
 from longtrain.cli.app import app
 from longtrain.errors import UsageError
 
+ROW_KEYS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")  # a --prompts line's keys
+
 
 @app.command("generate")
 def generate(
     checkpoint: str = typer.Argument(..., help="a checkpoint folder or a run dir (its newest complete checkpoint)", show_default=False),
     prompt: str = typer.Option(None, "--prompt", help="the text to continue"),
-    prompt_file: Path = typer.Option(None, "--prompt-file", help="read the prompt from this file (it may be a whole book)"),
+    prompt_file: list[Path] = typer.Option(None, "--prompt-file", help="read a prompt from this file (it may be a whole book); repeat it for several prompts, decoded together"),
+    prompts: Path = typer.Option(None, "--prompts", help='a JSONL file, one prompt per line: a string, or {"prompt": ...} with its own "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop"'),
     max_new_tokens: int = typer.Option(200, "--max-new-tokens", help="tokens to generate, at most (stops early at the end of a document)"),
     temperature: float = typer.Option(0.8, "--temperature", help="0 = greedy"),
     top_k: int = typer.Option(0, "--top-k", help="sample among the K likeliest tokens (0 = off)"),
     top_p: float = typer.Option(1.0, "--top-p", help="sample among the likeliest tokens holding mass P (1 = off)"),
-    seed: int = typer.Option(0, "--seed", help="seed of the sampling"),
+    seed: int = typer.Option(0, "--seed", help="seed of the sampling (each prompt draws as it would alone)"),
+    stop: list[str] = typer.Option(None, "--stop", help="stop once the text holds this text (repeat for several); the text is cut before it"),
     chunk_size: int = typer.Option(None, "--chunk-size", help="prefill chunk (default: 4096, or the recipe's train.chunk_size if larger)"),
-    json_path: Path = typer.Option(None, "--json", help="write the text and the timings as JSON here"),
+    json_path: Path = typer.Option(None, "--json", help="write the texts and the timings as JSON here"),
+    output: Path = typer.Option(None, "--output", help="several prompts: write the JSONL here (default: stdout)"),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile the decode step (CUDA: a slower start, faster steps)"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     dtype: str = typer.Option(None, "--dtype", help="float32 | bfloat16 | float64 (default: float32 on cpu, bfloat16 on cuda)"),
 ) -> None:
-    """Prefill the prompt in chunks, then decode token by token; memory stays fixed with SparseK+SW or SW."""
+    """Prefill the prompts in chunks, then decode them token by token, together; memory stays fixed with SparseK+SW or SW.
+
+    One prompt: its text streams to stdout. Several (--prompt-file repeated, or --prompts FILE.jsonl):
+    one JSON line per prompt, in order, with the text, the tokens and why it stopped."""
     from longtrain.console import make_console
 
     run_generate(
-        checkpoint=checkpoint, prompt=prompt, prompt_file=prompt_file, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, chunk_size=chunk_size, json_path=json_path,
-        device=device, dtype=dtype, console=make_console(), err=make_console(stderr=True),
+        checkpoint=checkpoint, prompt=prompt, prompt_files=prompt_file or [], prompts=prompts,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop or [],
+        chunk_size=chunk_size, json_path=json_path, output=output, compile=compile, device=device, dtype=dtype,
+        console=make_console(), err=make_console(stderr=True),
     )
 
 
-def read_prompt(prompt: str | None, prompt_file: Path | None, err) -> str:
-    """The prompt text; a file that is not UTF-8 is read with U+FFFD replacements and a warning (as `fit`)."""
+def read_prompt_file(path: Path, err) -> str:
+    """A prompt file's text; one that is not UTF-8 is read with U+FFFD replacements and a warning (as `fit`)."""
     from longtrain.data.sources import invalid_utf8_bytes
 
-    if (prompt is None) == (prompt_file is None):
-        raise UsageError("give the prompt as --prompt TEXT or --prompt-file FILE (one of them)")
-    if prompt_file is None:
-        return prompt
-    if not prompt_file.is_file():
-        raise UsageError(f"--prompt-file {prompt_file}: no such file")
-    raw = prompt_file.read_bytes()
+    if not path.is_file():
+        raise UsageError(f"--prompt-file {path}: no such file")
+    raw = path.read_bytes()
     bad = invalid_utf8_bytes(raw)
     if bad:
-        err.print(f"[yellow]warning: {bad} bytes of invalid UTF-8 in {prompt_file} were replaced by U+FFFD[/]")
+        err.print(f"[yellow]warning: {bad} bytes of invalid UTF-8 in {path} were replaced by U+FFFD[/]")
     return raw.decode("utf-8", errors="replace")
 
 
+def read_prompts_jsonl(path: Path) -> list[dict]:
+    """The rows of a --prompts file: {"prompt": text, and the row's own settings}; blank lines skipped."""
+    if not path.is_file():
+        raise UsageError(f"--prompts {path}: no such file")
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"--prompts {path} line {n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: not JSON ({e.msg}); each line is a string or an object with \"prompt\"") from None
+        row = {"prompt": row} if isinstance(row, str) else row
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise UsageError(f'{where}: give a string or an object with a "prompt" string')
+        unknown = sorted(set(row) - set(ROW_KEYS))
+        if unknown:
+            raise UsageError(f"{where}: unknown key {unknown[0]!r}; a line may set {', '.join(ROW_KEYS)}")
+        if isinstance(row.get("stop"), str):
+            row["stop"] = [row["stop"]]
+        rows.append(row | {"source": f"line {n}"})
+    if not rows:
+        raise UsageError(f"--prompts {path}: no prompts in it (one per line)")
+    return rows
+
+
+def gather_prompts(prompt: str | None, prompt_files: list[Path], prompts: Path | None, err) -> list[dict]:
+    """Every prompt as {"prompt": text, "source": where it came from, and any settings of its own}."""
+    if (prompt is not None) + bool(prompt_files) + (prompts is not None) != 1:
+        raise UsageError("give the prompt as --prompt TEXT or --prompt-file FILE (repeat it for several), "
+                         "or several as --prompts FILE.jsonl (one of them)")
+    if prompt is not None:
+        return [{"prompt": prompt, "source": "--prompt"}]
+    if prompt_files:
+        return [{"prompt": read_prompt_file(p, err), "source": str(p)} for p in prompt_files]
+    return read_prompts_jsonl(prompts)
+
+
 def run_generate(
-    *, checkpoint: str, prompt: str | None, prompt_file: Path | None, max_new_tokens: int, temperature: float,
-    top_k: int, top_p: float, seed: int, chunk_size: int | None, json_path: Path | None, device: str,
-    dtype: str | None, console, err,
+    *, checkpoint: str, prompt: str | None, prompt_files: list[Path], prompts: Path | None, max_new_tokens: int,
+    temperature: float, top_k: int, top_p: float, seed: int, stop: list[str], chunk_size: int | None,
+    json_path: Path | None, output: Path | None, compile: bool, device: str, dtype: str | None, console, err,
 ):
-    """Everything behind `longtrain generate`: text on `console` (stdout), the rest on `err` (stderr)."""
+    """Everything behind `longtrain generate`: the text or JSONL on `console` (stdout), the rest on `err` (stderr)."""
+    from longtrain.generate import Sampling
+
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1; got {max_new_tokens}")
-    if temperature < 0:
-        raise UsageError(f"--temperature must be >= 0 (0 = greedy); got {temperature}")
-    if top_k < 0:
-        raise UsageError(f"--top-k must be >= 0 (0 = off); got {top_k}")
-    if not 0 < top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1] (1 = off); got {top_p}")
+    for name, problem in Sampling(temperature=temperature, top_k=top_k, top_p=top_p).problems():
+        raise UsageError(problem, arg=name)
     if chunk_size is not None and chunk_size < 1:
         raise UsageError(f"--chunk-size must be at least 1; got {chunk_size}")
-    if json_path is not None and not json_path.parent.is_dir():
-        raise UsageError(f"--json {json_path}: folder {json_path.parent} does not exist")
+    for flag, path in (("--json", json_path), ("--output", output)):
+        if path is not None and not path.parent.is_dir():
+            raise UsageError(f"{flag} {path}: folder {path.parent} does not exist")
+    rows = gather_prompts(prompt, prompt_files, prompts, err)
+    several = len(rows) > 1 or prompts is not None
+    if output is not None and not several:
+        raise UsageError("--output is for several prompts (JSONL); one prompt streams to stdout (--json writes it)")
+    settings = [Sampling(temperature=r.get("temperature", temperature), top_k=r.get("top_k", top_k),
+                         top_p=r.get("top_p", top_p), seed=r.get("seed", seed)) for r in rows]
+    for r, s in zip(rows, settings):
+        for name, problem in s.problems():
+            raise UsageError(f"{r['source']}: {name} {problem}")
+        if r.get("max_new_tokens", max_new_tokens) < 1:
+            raise UsageError(f"{r['source']}: max_new_tokens must be at least 1")
 
-    from longtrain.data.tokenizer import eod_id
-    from longtrain.device import DTYPES, pick_device, pick_dtype
-    from longtrain.generate import Sampling, TextStream, generate
+    from longtrain import load
     from longtrain.model.attention_types import describe
-    from longtrain.model.chunks import resolve_chunk_size
-    from longtrain.train.checkpoint import load_checkpoint
 
-    device = pick_device(device)
-    dtype = pick_dtype(dtype, device)
-    text = read_prompt(prompt, prompt_file, err)
-
-    ckpt = load_checkpoint(checkpoint, device=device, dtype=DTYPES[dtype])
-    model, tok = ckpt.model, ckpt.tokenizer
-    ids = tok.encode(text, add_special_tokens=False).ids
-    if not ids:
-        raise UsageError("the prompt is empty: give some text to continue")
-    chunk = resolve_chunk_size(chunk_size, ckpt.recipe.train.chunk_size, prefill=True)
-    cfg = model.cfg
-    err.print(f"{ckpt.path} (step {ckpt.step}): {describe(cfg.attention, cfg.topk, cfg.window)}, {dtype} on {device}; "
-              f"prompt {len(ids):,} tokens")
+    lm = load(checkpoint, device=device, dtype=dtype)
+    for r in rows:
+        if not lm.encode(r["prompt"]):
+            which = "the prompt" if len(rows) == 1 else f"the prompt of {r['source']}"
+            raise UsageError(f"{which} is empty: give some text to continue")
+    cfg, ckpt = lm.model.cfg, lm.checkpoint
+    chunk = chunk_size or lm.chunk_size
+    n_tokens = [len(lm.encode(r["prompt"])) for r in rows]
+    err.print(f"{ckpt.path} (step {ckpt.step}): {describe(cfg.attention, cfg.topk, cfg.window)}, {lm.dtype} on {lm.device}; "
+              + (f"prompt {n_tokens[0]:,} tokens" if not several else f"{len(rows)} prompts, {sum(n_tokens):,} tokens"))
     if cfg.attention == "full":
         err.print("full attention: the KV cache keeps every token, so memory grows with the prompt and the output")
     else:
         err.print(f"KV cache: {cfg.topk + max(cfg.window - 1, 0)} entries per layer (k + w − 1), whatever the prompt and output length")
 
-    stream = TextStream(tok)
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    with _prefill_bar(err, len(ids), chunk) as on_prefill:
-        result = generate(
-            model, ids, max_new_tokens=max_new_tokens, sampling=sampling, chunk_size=chunk, eod_id=eod_id(tok),
-            on_token=lambda t: _write(console.file, stream.push(t)), on_prefill=on_prefill,
+    on_token = None
+    if not several:
+        from longtrain.generate import TextStream
+
+        stream = TextStream(lm.tokenizer)
+        on_token = lambda _row, t: _write(console.file, stream.push(t))  # noqa: E731
+    with _prefill_bar(err, max(n_tokens), chunk) as on_prefill:
+        completions = lm.generate(
+            [r["prompt"] for r in rows], max_new_tokens=[r.get("max_new_tokens", max_new_tokens) for r in rows],
+            sampling=settings, stop=[r.get("stop", stop) for r in rows], chunk_size=chunk, compile=compile,
+            on_token=on_token, on_prefill=on_prefill,
         )
-    _write(console.file, "\n")
+    result = lm.last
+    if several:
+        lines = "".join(json.dumps(row_json(i, r, c)) + "\n" for i, (r, c) in enumerate(zip(rows, completions)))
+        if output is not None:
+            output.write_text(lines)
+        else:
+            _write(console.file, lines)
+    else:
+        _write(console.file, "\n")
     mib = 2**20
-    stop = "end of document" if result.stopped == "end_of_document" else f"{len(result.tokens)} tokens"
+    stops = {}
+    for c in completions:
+        stops[c.stopped] = stops.get(c.stopped, 0) + 1
+    stopped = ", ".join(f"{n} at {reason.replace('_', ' ')}" for reason, n in stops.items()) if several else \
+        ("end of document" if completions[0].stopped == "end_of_document" else
+         "a stop text" if completions[0].stopped == "stop_text" else f"{len(completions[0].tokens)} tokens")
     err.print(
-        f"stopped at {stop}; prefill {result.prompt_tokens:,} tokens at {result.prefill_tokens_per_s:,.0f} tokens/s, "
-        f"decode {len(result.tokens)} tokens at {result.decode_tokens_per_s:,.1f} tokens/s; "
-        f"peak memory {result.peak_memory_bytes / mib:,.0f} MiB ({'GPU tensors' if device == 'cuda' else 'resident'}); "
+        f"stopped: {stopped}; prefill {result.prompt_tokens:,} tokens at {result.prefill_tokens_per_s:,.0f} tokens/s, "
+        f"decode {result.new_tokens:,} tokens at {result.decode_tokens_per_s:,.1f} tokens/s"
+        + (f" ({len(rows)} rows together)" if several else "") + "; "
+        f"peak memory {result.peak_memory_bytes / mib:,.0f} MiB ({'GPU tensors' if lm.device == 'cuda' else 'resident'}); "
         f"KV cache {result.kv_entries_per_layer:,} entries per layer, {result.cache_bytes / mib:,.1f} MiB"
     )
     if result.extra.get("overflowed"):
         err.print("[yellow]warning: a SparseK threshold state hit its cap: selection was approximate (raise attention.threshold_cap)[/]")
     if json_path is not None:
-        json_path.write_text(json.dumps(to_json(result, tok, ckpt, sampling, device, dtype, chunk), indent=1))
+        json_path.write_text(json.dumps(to_json(result, rows, lm, settings, chunk, several), indent=1))
     return result
 
 
-def to_json(result, tok, ckpt, sampling, device: str, dtype: str, chunk: int) -> dict:
-    """What --json writes: the text, the tokens, the timings and the cache's size."""
-    return {
-        "checkpoint": str(ckpt.path),
-        "text": tok.decode(result.tokens),
-        "tokens": result.tokens,
-        "stopped": result.stopped,
-        "prompt_tokens": result.prompt_tokens,
+def row_json(index: int, row: dict, c) -> dict:
+    """One JSONL line: the prompt's place and source, the text, the tokens and why it stopped."""
+    return {"index": index, "source": row["source"], "prompt_tokens": c.prompt_tokens, "text": c.text,
+            "tokens": c.tokens, "stopped": c.stopped}
+
+
+def to_json(result, rows: list[dict], lm, settings: list, chunk: int, several: bool) -> dict:
+    """What --json writes: the texts, the tokens, the timings and the cache's size (one prompt: its fields at the top)."""
+    out = {
+        "checkpoint": str(lm.checkpoint.path),
         "prefill": {"tokens": result.prompt_tokens, "seconds": result.prefill_seconds,
                     "tokens_per_s": result.prefill_tokens_per_s, "chunk_size": chunk},
-        "decode": {"tokens": len(result.tokens), "seconds": result.decode_seconds,
+        "decode": {"tokens": result.new_tokens, "steps": result.decode_steps, "seconds": result.decode_seconds,
                    "tokens_per_s": result.decode_tokens_per_s, "cuda_graph": result.extra.get("cuda_graph", False),
-                   "cuda_graph_capture_seconds": result.capture_seconds},
+                   "compiled": result.extra.get("compiled", False), "cuda_graph_capture_seconds": result.capture_seconds},
         "peak_memory_bytes": result.peak_memory_bytes,
         "kv_cache": {"entries_per_layer": result.kv_entries_per_layer, "bytes": result.cache_bytes, "grows": result.cache_grows},
         "overflowed": result.extra.get("overflowed", False),
-        "sampling": asdict(sampling),
-        "device": device,
-        "dtype": dtype,
+        "device": lm.device,
+        "dtype": lm.dtype,
     }
+    if several:
+        return out | {"rows": [row_json(i, r, c) | {"sampling": asdict(s)} for i, (r, c, s) in
+                               enumerate(zip(rows, result.rows, settings))]}
+    c = result.rows[0]
+    return {"text": c.text, "tokens": c.tokens, "stopped": c.stopped, "prompt_tokens": c.prompt_tokens,
+            "sampling": asdict(settings[0])} | out
 
 
 def _write(out, text: str) -> None:

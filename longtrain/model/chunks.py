@@ -63,22 +63,29 @@ def longest_document(host: Chunk) -> int:
     return int(np.max(host.doc_offset.numpy() + host.lengths.numpy(), initial=0))
 
 
-def split_rows(ids: torch.Tensor, size: int, *, seen: torch.Tensor | None = None) -> Iterator[Chunk]:
+def split_rows(ids: torch.Tensor, size: int, *, seen: torch.Tensor | None = None,
+               lengths: torch.Tensor | None = None) -> Iterator[Chunk]:
     """ids [B, T] as chunks of `size` tokens: B rows, each continuing the document in its cache (an
-    empty cache: from position 0), every row full. `seen` [B] (host): the tokens each row's cache
-    holds already (None: none). Tokens and targets (the next tokens of ids, IGNORE past its end) stay
-    on ids' device; the rows' lengths and positions are on the host, as the reader reads them."""
+    empty cache: from position 0). `seen` [B] (host): the tokens each row's cache holds already (None:
+    none). `lengths` [B] (host): each row's tokens, the rest of it padding (None: every row T); a row
+    that has ended reads chunks of 0 tokens, so padding never reaches its cache. Tokens and targets
+    (the next tokens of the row, IGNORE past its end) stay on ids' device; the rows' lengths and
+    positions are on the host, as the reader reads them."""
     B, T = ids.shape
     before = torch.zeros(B, dtype=torch.int64) if seen is None else seen.cpu().to(torch.int64)
+    total = torch.full((B,), T, dtype=torch.int64) if lengths is None else lengths.cpu().to(torch.int64)
     for s in range(0, T, size):
         tokens = ids[:, s : s + size]  # [B, L]
         L = tokens.shape[1]
+        n = (total - s).clamp(0, L)  # [B] this chunk's tokens per row
         targets = torch.full((B, L), IGNORE, dtype=torch.int64, device=ids.device)
         nxt = ids[:, s + 1 : s + 1 + L]
         targets[:, : nxt.shape[1]] = nxt
+        has_next = torch.arange(L)[None] < (total - s - 1)[:, None]  # [B, L]: a row's last token predicts nothing
+        targets = torch.where(has_next.to(ids.device), targets, IGNORE)
         yield Chunk(
-            tokens=tokens, targets=targets, lengths=torch.full((B,), L, dtype=torch.int64),
-            reset=torch.zeros(B, dtype=torch.bool), doc_index=torch.arange(B), doc_offset=before + s, doc_len=before + T,
+            tokens=tokens, targets=targets, lengths=n,
+            reset=torch.zeros(B, dtype=torch.bool), doc_index=torch.arange(B), doc_offset=before + s, doc_len=before + total,
         )
 
 

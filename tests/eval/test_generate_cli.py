@@ -6,7 +6,7 @@ import torch
 from typer.testing import CliRunner
 
 from longtrain.cli import app
-from longtrain.generate import Sampling, TextStream, generate, sample
+from longtrain.generate import Sampling, TextStream, generate
 from longtrain.train.checkpoint import load_checkpoint
 
 runner = CliRunner()
@@ -44,7 +44,7 @@ def test_memory_stays_fixed_with_sparsek_and_grows_with_full_attention(runs):
         prompt = ckpt.tokenizer.encode(PROMPT * 3).ids
         for n in (5, 40):
             g = generate(ckpt.model, prompt, max_new_tokens=n, sampling=Sampling(temperature=1.0, seed=3), chunk_size=16)
-            assert len(g.tokens) == n  # no end-of-document stop (eod_id=None)
+            assert len(g.rows[0].tokens) == n  # no end-of-document stop (eod_id=None)
             sizes[name, n] = (g.kv_entries_per_layer, g.cache_bytes, g.cache_grows)
     assert sizes["sparsek", 5] == sizes["sparsek", 40] == (15, sizes["sparsek", 5][1], False)
     assert sizes["sw", 5] == sizes["sw", 40] == (15, sizes["sw", 5][1], False)
@@ -52,22 +52,6 @@ def test_memory_stays_fixed_with_sparsek_and_grows_with_full_attention(runs):
     assert sizes["full", 5][2]
     res = gen(str(runs["full"]), "--prompt", PROMPT, "--max-new-tokens", "2")
     assert res.exit_code == 0 and "memory grows" in res.output, res.output
-
-
-def test_sampling_is_seeded():
-    logits = torch.randn(3, 50)
-    a = sample(logits, Sampling(temperature=1.0, top_p=0.9, seed=1), torch.Generator().manual_seed(1))
-    b = sample(logits, Sampling(temperature=1.0, top_p=0.9, seed=1), torch.Generator().manual_seed(1))
-    assert torch.equal(a, b)
-    assert torch.equal(sample(logits, Sampling(temperature=2.0, top_k=1), torch.Generator()), logits.argmax(-1))
-    assert torch.equal(sample(logits, Sampling(temperature=0.0)), logits.argmax(-1))
-    # top_p: only the likeliest tokens holding the mass are ever drawn
-    probs = logits[0].softmax(-1)
-    order = probs.argsort(descending=True)
-    keep = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
-    g = torch.Generator().manual_seed(0)
-    drawn = {int(sample(logits[:1], Sampling(temperature=1.0, top_p=0.5), g)) for _ in range(200)}
-    assert drawn <= keep
 
 
 def test_text_stream_holds_back_split_characters(tokenizer):
@@ -103,3 +87,60 @@ def test_bad_input(runs, tmp_path):
         assert message in res.output and "Traceback" not in res.output, (args, res.output)
     res = gen(str(tmp_path), "--prompt", "x")
     assert res.exit_code == 1 and "neither a checkpoint" in res.output
+
+
+def _jsonl(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_several_prompts_are_decoded_together_as_jsonl(runs, tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(PROMPT)
+    b.write_text("a quiet evening by the river")
+    res = gen(str(runs["sparsek"]), "--prompt-file", str(a), "--prompt-file", str(b), "--max-new-tokens", "12",
+              "--temperature", "0", "--json", str(tmp_path / "all.json"))
+    assert res.exit_code == 0, res.output
+    rows = _jsonl(res.stdout)
+    assert [r["index"] for r in rows] == [0, 1] and [r["source"] for r in rows] == [str(a), str(b)]
+    assert "2 prompts" in res.stderr and "2 rows together" in res.stderr
+    for r, f in zip(rows, (a, b)):  # each row's text is its text alone
+        alone = gen(str(runs["sparsek"]), "--prompt-file", str(f), "--max-new-tokens", "12", "--temperature", "0",
+                    "--json", str(tmp_path / "one.json"))
+        one = json.loads((tmp_path / "one.json").read_text())
+        assert alone.exit_code == 0 and r["tokens"] == one["tokens"] and r["text"] == one["text"]
+        assert r["stopped"] in ("max_new_tokens", "end_of_document") and r["prompt_tokens"] == one["prompt_tokens"]
+    summary = json.loads((tmp_path / "all.json").read_text())
+    assert [r["tokens"] for r in summary["rows"]] == [r["tokens"] for r in rows] and summary["decode"]["tokens_per_s"] > 0
+
+
+def test_prompts_jsonl_with_settings_per_row(runs, tmp_path):
+    first = gen(str(runs["sparsek"]), "--prompt", PROMPT, "--max-new-tokens", "20", "--temperature", "0",
+                "--json", str(tmp_path / "free.json"))
+    assert first.exit_code == 0, first.output
+    free = json.loads((tmp_path / "free.json").read_text())
+    stop = free["text"][4:7]
+    lines = [json.dumps(PROMPT), json.dumps({"prompt": PROMPT, "stop": stop}), "",
+             json.dumps({"prompt": "the garden", "max_new_tokens": 3, "temperature": 1.0, "seed": 4})]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    res = gen(str(runs["sparsek"]), "--prompts", str(f), "--max-new-tokens", "20", "--temperature", "0", "--output", str(out))
+    assert res.exit_code == 0, res.output
+    rows = _jsonl(out.read_text())
+    assert [r["source"] for r in rows] == ["line 1", "line 2", "line 4"] and not _jsonl(res.stdout)
+    assert rows[0]["tokens"] == free["tokens"] and rows[0]["stopped"] == free["stopped"]
+    assert rows[1]["stopped"] == "stop_text" and rows[1]["text"] == free["text"][: free["text"].find(stop)]
+    assert rows[1]["tokens"] == free["tokens"][: len(rows[1]["tokens"])] and len(rows[1]["tokens"]) < 20
+    assert len(rows[2]["tokens"]) <= 3
+    for content, message in [
+        ("{not json\n", "line 1: not JSON"),
+        (json.dumps({"text": "x"}) + "\n", 'line 1: give a string or an object with a "prompt"'),
+        (json.dumps({"prompt": "x", "temprature": 1}) + "\n", "unknown key 'temprature'"),
+        (json.dumps({"prompt": "x", "top_p": 2}) + "\n", "line 1: top_p must be in (0, 1]"),
+        ("\n\n", "no prompts in it"),
+    ]:
+        f.write_text(content)
+        res = gen(str(runs["sparsek"]), "--prompts", str(f))
+        assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output, (content, res.output)
+    res = gen(str(runs["sparsek"]), "--prompt", "x", "--output", str(out))
+    assert res.exit_code == 2 and "--output is for several prompts" in res.output

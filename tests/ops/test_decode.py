@@ -160,3 +160,36 @@ def test_bad_arguments(args, message):
     kw.update(args)
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         sparsek_attention_decode(**kw)
+
+
+@pytest.mark.parametrize("topk,window,H,Hkv,D,variant,t", [
+    (5, 4, 6, 2, 12, "hard_k_soft_v", 9),  # 3 query heads per KV head, D no power of 2, a pool not yet full
+    (40, 3, 2, 2, 8, "soft_kv", 70),  # K above the kernel's block of keys
+    (0, 37, 4, 1, 16, "hard_k_soft_v", 20),  # sliding window only, a tail longer than the block, partly before 0
+    (6, 0, 2, 2, 8, "straight_through", 30),  # SparseK only: the token sees itself only through the pool
+    (3, 1, 4, 4, 8, "soft_kv", 5),  # w = 1: no tail
+])
+def test_the_attention_kernel_equals_attend_torch(topk, window, H, Hkv, D, variant, t):
+    """decode_triton.attend_triton against attend_torch (its reference, the same signature), float64 and bf16."""
+    pytest.importorskip("triton")  # on the CPU: the kernel under TRITON_INTERPRET=1
+    from longtrain.ops.sparsek_attention.decode import attend_torch
+    from longtrain.ops.sparsek_attention.decode_triton import attend_triton
+
+    torch.manual_seed(topk + window)
+    B = 3
+    for dtype, atol in ((torch.float64, 1e-12), (torch.bfloat16, 1e-2)):
+        cache = SparseKCache.empty(B, topk, window, Hkv, D, dtype=dtype, score_dtype=torch.float32)
+        Wt = cache.tail_slots
+        cache.pool_k.normal_(), cache.pool_v.normal_(), cache.tail_k.normal_(), cache.tail_v.normal_()
+        cache.pool_u.copy_(torch.randn(B, topk))
+        pos = torch.randperm(max(t, topk))[:topk].expand(B, -1).clone()
+        pos[0, topk // 2 :] = -1  # row 0: a pool with empty slots
+        cache.pool_pos.copy_(pos)
+        cache.tau.copy_(torch.tensor([-torch.inf, 0.3, -0.5], dtype=torch.float64)[:B])  # tau = -inf: gate 1
+        cache.seen.copy_(torch.tensor([t, max(t - 25, 0), t + 3]))  # rows at different positions, some before Wt
+        q = torch.randn(B, H, D, dtype=dtype)
+        k, v = torch.randn(B, Hkv, D, dtype=dtype), torch.randn(B, Hkv, D, dtype=dtype)
+        kw = dict(window=window, variant=variant, scale=D**-0.5)
+        want, got = attend_torch(q, k, v, cache, **kw), attend_triton(q, k, v, cache, **kw)
+        assert got.dtype == dtype and got.shape == (B, H, D)
+        assert torch.allclose(got.double(), want.double(), atol=atol, rtol=0), (dtype, (got.double() - want.double()).abs().max())

@@ -81,48 +81,29 @@ def sparsek_attention_decode(
 
     Equals sparsek_attention_chunk on the same token (the reference below). `with_selection`
     also returns the query's ChunkSelection ([B, 1] fields) for comparisons; it costs a few ops.
-    backend: how a candidate is admitted: "torch" (tensor ops), "triton" (one kernel,
-    decode_triton.py) or "auto" (Triton for CUDA tensors).
+    backend: how the query attends and a candidate is admitted: "torch" (tensor ops: attend_torch,
+    _admit_pool, _admit_threshold), "triton" (two kernels, decode_triton.py) or "auto" (Triton for CUDA tensors).
     """
     _check(q, k, v, u, cache, topk, window, variant)
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be auto, torch or triton; got {backend!r}")
     if backend == "auto":
         backend = "triton" if q.is_cuda and _triton_available() else "torch"
-    B, H, D = q.shape
-    Hkv = k.shape[1]
     t = cache.seen  # [B] this token's position
     if window == 0:  # SparseK only: the token is its own candidate, admitted before its query
         cache = _admit(cache, k, v, u, t, topk=topk, backend=backend)
 
     # 1. The query against [pool K][tail W-1][itself].
-    K, Wt = cache.topk, cache.tail_slots
-    dev = q.device
-    cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype  # softmax precision
-    tail_pos = t[:, None] - Wt + torch.arange(Wt, device=dev)[None]  # [B, W-1]
-    in_window = torch.full((B, 1), window > 0, device=dev)  # w = 0: the token sees itself only if pooled
-    ok = torch.cat([cache.pool_pos >= 0, tail_pos >= 0, in_window], 1)  # [B, N]
-    keys = torch.cat([cache.pool_k.to(cdt), cache.tail_k.to(cdt), k[:, None].to(cdt)], 1)  # [B, N, Hkv, D]
-    vals = torch.cat([cache.pool_v.to(cdt), cache.tail_v.to(cdt), v[:, None].to(cdt)], 1)
-    if K > 0 and variant != "straight_through":  # straight-through's gate is 1 in the forward pass
-        tau = cache.tau.to(torch.float64)
-        gate_pool = (cache.pool_u.to(torch.float64) - tau[:, None]).clamp(0, 1)  # [B, K]; tau = -inf: 1
-        gate_pool = torch.where(cache.pool_pos >= 0, gate_pool, 0.0)  # empty slots: -inf - (-inf)
-        gate = torch.cat([gate_pool.to(cdt), torch.ones(B, Wt + 1, dtype=cdt, device=dev)], 1)  # [B, N]
-    else:
-        gate = torch.ones(B, K + Wt + 1, dtype=cdt, device=dev)
-    scale = D**-0.5 if scale is None else scale
-    qh = q.to(cdt).view(B, Hkv, H // Hkv, D)  # [B, Hkv, R, D]
-    logits = torch.einsum("bgrd,bngd->bgrn", qh, keys) * scale  # [B, Hkv, R, N]
-    if variant == "soft_kv":
-        logits = logits * gate[:, None, None]
-    logits = logits.masked_fill(~ok[:, None, None], -torch.inf)
-    p = torch.softmax(logits, dim=-1) * gate[:, None, None]
-    o = torch.einsum("bgrn,bngd->bgrd", p, vals).reshape(B, H, D).to(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    attend = attend_torch
+    if backend == "triton":
+        from longtrain.ops.sparsek_attention.decode_triton import attend_triton as attend
+    o = attend(q, k, v, cache, window=window, variant=variant, scale=scale)
 
     selection = _selection(cache, topk) if with_selection else None
 
     # 2. The token that leaves the window becomes a candidate; the new token joins the tail.
+    Wt = cache.tail_slots
     if window > 0:
         if Wt > 0:
             ck, cv, cu = cache.tail_k[:, 0], cache.tail_v[:, 0], cache.tail_u[:, 0]
@@ -137,6 +118,37 @@ def sparsek_attention_decode(
             tail_u=torch.cat([cache.tail_u[:, 1:], u[:, None].to(cache.tail_u.dtype)], 1),
         )
     return o, replace(cache, seen=t + 1), selection
+
+
+def attend_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SparseKCache, *, window: int, variant: str,
+                 scale: float) -> torch.Tensor:
+    """o [B, H, D]: each row's query (q [B, H, D]) against [pool K][tail W-1][itself] (k, v [B, Hkv, D]), with the
+    pool's gate clamp(u - tau, 0, 1). The reference of decode_triton.attend_triton (one launch, the same signature)."""
+    B, H, D = q.shape
+    Hkv = k.shape[1]
+    K, Wt = cache.topk, cache.tail_slots
+    t = cache.seen  # [B] this token's position
+    dev = q.device
+    cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype  # softmax precision
+    tail_pos = t[:, None] - Wt + torch.arange(Wt, device=dev)[None]  # [B, W-1]
+    in_window = torch.full((B, 1), window > 0, device=dev)  # w = 0: the token sees itself only if pooled
+    ok = torch.cat([cache.pool_pos >= 0, tail_pos >= 0, in_window], 1)  # [B, N]
+    keys = torch.cat([cache.pool_k.to(cdt), cache.tail_k.to(cdt), k[:, None].to(cdt)], 1)  # [B, N, Hkv, D]
+    vals = torch.cat([cache.pool_v.to(cdt), cache.tail_v.to(cdt), v[:, None].to(cdt)], 1)
+    if K > 0 and variant != "straight_through":  # straight-through's gate is 1 in the forward pass
+        tau = cache.tau.to(torch.float64)
+        gate_pool = (cache.pool_u.to(torch.float64) - tau[:, None]).clamp(0, 1)  # [B, K]; tau = -inf: 1
+        gate_pool = torch.where(cache.pool_pos >= 0, gate_pool, 0.0)  # empty slots: -inf - (-inf)
+        gate = torch.cat([gate_pool.to(cdt), torch.ones(B, Wt + 1, dtype=cdt, device=dev)], 1)  # [B, N]
+    else:
+        gate = torch.ones(B, K + Wt + 1, dtype=cdt, device=dev)
+    qh = q.to(cdt).view(B, Hkv, H // Hkv, D)  # [B, Hkv, R, D]
+    logits = torch.einsum("bgrd,bngd->bgrn", qh, keys) * scale  # [B, Hkv, R, N]
+    if variant == "soft_kv":
+        logits = logits * gate[:, None, None]
+    logits = logits.masked_fill(~ok[:, None, None], -torch.inf)
+    p = torch.softmax(logits, dim=-1) * gate[:, None, None]
+    return torch.einsum("bgrn,bngd->bgrd", p, vals).reshape(B, H, D).to(q.dtype)
 
 
 def _check(q, k, v, u, cache, topk, window, variant) -> None:

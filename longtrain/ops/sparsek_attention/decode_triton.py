@@ -1,4 +1,5 @@
-"""The decode step's admission of one candidate as one Triton kernel per layer (one program per row).
+"""The decode step's two Triton kernels per layer: the admission of one candidate (one program per row)
+and the query against the cache (one program per row and KV head, `attend_kernel`, below).
 
 decode.py's torch admission (`_admit_pool`, `_admit_threshold`) is ~120 small operations: on a GPU
 each is a launch of a few microseconds, more than the work. This kernel does the same in one launch:
@@ -159,3 +160,112 @@ def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str,
         BLOCK=block, KB=triton.next_power_of_2(max(K, 1)), num_warps=8 if block >= 4096 else 4,
     )
     return out, src
+
+
+# ----------------------------------------------------------------------------- the query against the cache
+
+
+@triton.jit
+def attend_kernel(
+    Q, PK, PV, TK, TV, NK, NV,  # q [B, H, D]; pool K/V [B, K, Hkv, D]; tail K/V [B, Wt, Hkv, D]; the token's K/V [B, Hkv, D]
+    PPOS, PU, TAU, SEEN,  # [B, K] int64 pool positions (-1: empty), [B, K] pool scores, [B] float64 tau, [B] int64 t
+    O,  # out: [B, H, D]
+    K, Wt, Hkv, H, scale,
+    R: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, BN: tl.constexpr,
+    GATED: tl.constexpr, SOFT_KV: tl.constexpr, SELF_OK: tl.constexpr, CDT: tl.constexpr,
+):
+    """One program per (row, KV head): its R query heads against [pool K][tail W-1][itself], read where
+    the cache keeps them (no concatenated copy), an online softmax in CDT, the pool's gate on the values."""
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1).to(tl.int64)
+    r = tl.arange(0, RB)
+    d = tl.arange(0, DB)
+    rm = r < R
+    dm = d < D
+    q = tl.load(Q + (b * H + g * R + r)[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0).to(CDT)
+    m = tl.full([RB], float("-inf"), CDT)
+    l = tl.zeros([RB], CDT)
+    acc = tl.zeros([RB, DB], CDT)
+    tau = tl.load(TAU + b)
+    t = tl.load(SEEN + b)
+
+    # the pool: gated by clamp(u - tau, 0, 1) (empty slots: masked)
+    for j0 in range(0, K, BN):
+        j = j0 + tl.arange(0, BN)
+        jm = j < K
+        pos = tl.load(PPOS + b * K + j, mask=jm, other=-1)
+        ok = pos >= 0
+        at = ((b * K + j) * Hkv + g)[:, None] * D + d[None, :]
+        kv_mask = jm[:, None] & dm[None, :]
+        kk = tl.load(PK + at, mask=kv_mask, other=0.0).to(CDT)
+        vv = tl.load(PV + at, mask=kv_mask, other=0.0).to(CDT)
+        if GATED:
+            u = tl.load(PU + b * K + j, mask=jm, other=0.0).to(tl.float64)
+            gate = tl.where(ok, tl.minimum(tl.maximum(u - tau, 0.0), 1.0), 0.0).to(CDT)
+        else:
+            gate = tl.full([BN], 1.0, CDT)
+        s = tl.sum(q[:, None, :] * kk[None, :, :], axis=2) * scale  # [RB, BN]
+        if SOFT_KV:
+            s = s * gate[None, :]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * (gate[:, None] * vv)[None, :, :], axis=1)
+        m = m_new
+
+    # the tail: positions t - Wt .. t - 1 (those below 0 do not exist yet)
+    for j0 in range(0, Wt, BN):
+        j = j0 + tl.arange(0, BN)
+        jm = j < Wt
+        ok = jm & (t - Wt + j >= 0)
+        at = ((b * Wt + j) * Hkv + g)[:, None] * D + d[None, :]
+        kv_mask = jm[:, None] & dm[None, :]
+        kk = tl.load(TK + at, mask=kv_mask, other=0.0).to(CDT)
+        vv = tl.load(TV + at, mask=kv_mask, other=0.0).to(CDT)
+        s = tl.sum(q[:, None, :] * kk[None, :, :], axis=2) * scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vv[None, :, :], axis=1)
+        m = m_new
+
+    # the token itself (in its own window when w > 0)
+    if SELF_OK:
+        at = (b * Hkv + g) * D + d
+        kk = tl.load(NK + at, mask=dm, other=0.0).to(CDT)
+        vv = tl.load(NV + at, mask=dm, other=0.0).to(CDT)
+        s = tl.sum(q * kk[None, :], axis=1) * scale  # [RB]
+        m_new = tl.maximum(m, s)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        l = l * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * vv[None, :]
+
+    o = acc / l[:, None]
+    tl.store(O + (b * H + g * R + r)[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=rm[:, None] & dm[None, :])
+
+
+def attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, window: int, variant: str,
+                  scale: float) -> torch.Tensor:
+    """o [B, H, D]: decode.attend_torch's result in one launch (the same signature)."""
+    B, H, D = q.shape
+    Hkv = k.shape[1]
+    K, Wt = cache.topk, cache.tail_slots
+    o = torch.empty_like(q)
+    cdt = tl.float64 if q.dtype == torch.float64 else tl.float32
+    attend_kernel[(B, Hkv)](
+        q.contiguous(), cache.pool_k.contiguous(), cache.pool_v.contiguous(), cache.tail_k.contiguous(),
+        cache.tail_v.contiguous(), k.contiguous(), v.contiguous(),
+        cache.pool_pos.contiguous(), cache.pool_u.contiguous(), cache.tau.contiguous(), cache.seen.contiguous(),
+        o, K, Wt, Hkv, H, scale,
+        R=H // Hkv, RB=triton.next_power_of_2(H // Hkv), D=D, DB=triton.next_power_of_2(D), BN=32,
+        GATED=K > 0 and variant != "straight_through", SOFT_KV=variant == "soft_kv", SELF_OK=window > 0, CDT=cdt,
+        num_warps=4,
+    )
+    return o

@@ -1,0 +1,144 @@
+"""Batched generation: rows of different lengths prefilled and decoded together equal each row alone
+(the cache's pool, threshold state, tail, statistics and position exactly in float64; greedy tokens in
+float32), per-row sampling and stop conditions, and the device sampler's distribution."""
+
+import pytest
+import torch
+
+from longtrain.generate import Sampler, Sampling, gumbel_noise, generate_batch, prefill, sample
+from longtrain.model import LM, LMConfig
+
+SMALL = dict(vocab_size=61, layers=2, d_model=32, heads=4)
+CASES = {
+    "sparsek+sw": dict(attention="sparsek+sw", topk=6, window=5),
+    "sw": dict(attention="sw", window=7),
+    "sparsek only": dict(attention="sparsek", topk=5),
+    "full": dict(attention="full"),
+    "sparsek+linear+sw": dict(attention="sparsek+linear+sw", topk=4, window=5),
+    "llama gqa per-kv-head": dict(style="llama", kv_heads=2, score_groups="per_kv_head", attention="sparsek+sw", topk=5, window=4),
+}
+LENGTHS = (37, 5, 20, 16)  # a row that ends mid-chunk, one that ends in the first chunk, one on a chunk edge
+
+
+def _model(kw, dtype=torch.float64):
+    torch.manual_seed(0)
+    return LM(LMConfig(**{**SMALL, **kw})).to(dtype).eval()
+
+
+def _prompts(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, SMALL["vocab_size"], (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _row(t: torch.Tensor, row: int, batch: int) -> torch.Tensor:
+    """Row `row` of a cache tensor with B or B·G rows (per-KV-head groups folded into the batch)."""
+    G = t.shape[0] // batch
+    return t[row * G : (row + 1) * G]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_rows_of_different_lengths_keep_the_cache_of_their_prompt_alone(name):
+    model = _model(CASES[name])
+    prompts = _prompts()
+    cache, logits = prefill(model, prompts, chunk_size=8)
+    both = cache.state_dict()
+    for r, p in enumerate(prompts):
+        alone, alone_logits = prefill(model, [p], chunk_size=8)
+        assert torch.allclose(logits[r], alone_logits[0], atol=1e-12, rtol=0), r  # the head batched: rounding
+        for key, want in alone.state_dict().items():
+            got = _row(both[key], r, len(prompts))
+            if key.split(".")[-1] in ("full_k", "full_v", "full_pos"):
+                # full attention: the rows share one key axis, padding at position -1; the real keys are the row's own
+                real = _row(both[key.rsplit(".", 1)[0] + ".full_pos"], r, len(prompts))[0] >= 0
+                got = got[:, real]
+                if key.endswith(("full_k", "full_v")):  # SDPA with a mask (padding) and without: rounding
+                    assert torch.allclose(got, want, atol=1e-12, rtol=0), (r, key)
+                    continue
+            if key.split(".")[-1] in ("thr_u", "thr_saturated"):  # a set: its order is the scan's business
+                got, want = got.sort(-1).values, want.sort(-1).values
+            assert torch.equal(got, want), (r, key)
+
+
+@pytest.mark.parametrize("name", ["sparsek+sw", "sw", "full", "llama gqa per-kv-head"])
+def test_each_rows_greedy_text_is_its_text_alone(name):
+    """float32 on the CPU: batched rows decode at their own positions, with their own pools."""
+    model = _model(CASES[name], torch.float32)
+    prompts = _prompts(2)
+    batch = generate_batch(model, prompts, max_new_tokens=[9, 12, 5, 8], chunk_size=8)
+    assert batch.decode_steps == 12 and batch.cache_grows == (name == "full")
+    for r, p in enumerate(prompts):
+        alone = generate_batch(model, [p], max_new_tokens=[9, 12, 5, 8][r], chunk_size=8)
+        assert batch.rows[r].tokens == alone.rows[0].tokens, r
+        assert batch.rows[r].stopped == "max_new_tokens" and batch.rows[r].prompt_tokens == len(p)
+    # and the greedy tokens are the forward pass's argmax over prompt + output
+    p, out = prompts[1], batch.rows[1].tokens
+    with torch.no_grad():
+        want = model(torch.tensor([p + out])).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
+    assert out == want
+
+
+def test_sampled_rows_draw_the_same_tokens_alone_and_in_a_batch():
+    model = _model(CASES["sparsek+sw"], torch.float32)
+    prompts = _prompts(3)
+    settings = [Sampling(temperature=1.0, seed=5), Sampling(), Sampling(temperature=0.7, top_k=8, seed=1),
+                Sampling(temperature=1.3, top_p=0.6, seed=2)]
+    batch = generate_batch(model, prompts, max_new_tokens=10, sampling=settings, chunk_size=8)
+    for r, p in enumerate(prompts):
+        alone = generate_batch(model, [p], max_new_tokens=10, sampling=settings[r], chunk_size=8)
+        assert batch.rows[r].tokens == alone.rows[0].tokens, r
+    assert batch.rows[0].tokens != batch.rows[1].tokens  # sampling did something
+    other = generate_batch(model, prompts[:1], max_new_tokens=10, sampling=Sampling(temperature=1.0, seed=6), chunk_size=8)
+    assert other.rows[0].tokens != batch.rows[0].tokens  # the seed matters
+
+
+def test_stop_conditions_per_row(tokenizer):
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=tokenizer.get_vocab_size(), layers=2, d_model=32, heads=4, attention="sparsek+sw",
+                        topk=6, window=5)).eval()
+    prompts = [tokenizer.encode(t).ids for t in ("the river and the", "a quiet evening", "the captain of the ship was")]
+    free = generate_batch(model, prompts, max_new_tokens=24, tokenizer=tokenizer, chunk_size=8)
+    text0, toks1 = free.rows[0].text, free.rows[1].tokens
+    stop_text = text0[len(text0) // 2 : len(text0) // 2 + 3]  # three characters from the middle of row 0's text
+    eod = toks1[7]  # row 1 stops at its 8th token when it is the end-of-document token
+    out = generate_batch(model, prompts, max_new_tokens=[24, 24, 5], stop=[[stop_text], [], []], eod_id=eod,
+                         tokenizer=tokenizer, chunk_size=8)
+    r0, r1, r2 = out.rows
+    assert r0.stopped == "stop_text" and r0.text == text0[: text0.find(stop_text)]
+    assert r0.tokens == free.rows[0].tokens[: len(r0.tokens)] and len(r0.tokens) < 24
+    assert stop_text in tokenizer.decode(r0.tokens)  # the tokens run through the one that completed it
+    first_eod = toks1.index(eod)
+    assert r1.stopped == "end_of_document" and r1.tokens == toks1[: first_eod + 1]
+    assert r2.stopped == "max_new_tokens" and r2.tokens == free.rows[2].tokens[:5] or (r2.stopped == "end_of_document")
+    with pytest.raises(ValueError, match="stop texts need the tokenizer"):
+        generate_batch(model, prompts, max_new_tokens=3, stop=["x"])
+
+
+def test_sampler_settings_and_distribution():
+    logits = torch.randn(3, 50)
+    step = torch.zeros(3, dtype=torch.int64)
+    a = sample(logits, Sampling(temperature=1.0, top_p=0.9, seed=1))
+    assert torch.equal(a, sample(logits, Sampling(temperature=1.0, top_p=0.9, seed=1)))
+    assert torch.equal(sample(logits, Sampling(temperature=2.0, top_k=1)), logits.argmax(-1))
+    assert torch.equal(sample(logits, Sampling(temperature=0.0)), logits.argmax(-1))
+    mixed = Sampler([Sampling(), Sampling(temperature=1.0, top_k=1), Sampling(temperature=5.0, seed=3)], "cpu")
+    assert mixed(logits, step)[:2].tolist() == logits[:2].argmax(-1).tolist()
+    # Gumbel-max draws follow softmax(logits / T): 4,000 steps of one row against the probabilities
+    z = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
+    s = Sampler([Sampling(temperature=0.8, seed=9)], "cpu")
+    draws = torch.tensor([int(s(z, torch.tensor([i]))) for i in range(4000)])
+    freq = torch.bincount(draws, minlength=5).double() / 4000
+    assert (freq - (z[0] / 0.8).double().softmax(-1)).abs().max() < 0.03, freq
+    # top_p: only the likeliest tokens holding the mass are ever drawn; top_k: only the k likeliest
+    probs = logits[0].softmax(-1)
+    order = probs.argsort(descending=True)
+    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
+    p = Sampler([Sampling(temperature=1.0, top_p=0.5, seed=4)], "cpu")
+    assert {int(p(logits[:1], torch.tensor([i]))) for i in range(300)} <= nucleus
+    k = Sampler([Sampling(temperature=3.0, top_k=3, seed=4)], "cpu")
+    assert {int(k(logits[:1], torch.tensor([i]))) for i in range(300)} == set(order[:3].tolist())
+    # the noise depends on (seed, step) only
+    g = gumbel_noise(torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0]), 7)
+    assert not torch.equal(g[0], g[1]) and not torch.equal(g[0], g[2])
+    assert torch.equal(g[1], gumbel_noise(torch.tensor([1]), torch.tensor([1]), 7)[0])
+    with pytest.raises(ValueError, match="top_p must be in"):
+        Sampler([Sampling(top_p=0.0)], "cpu")
