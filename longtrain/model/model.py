@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from longtrain.model.attention_types import AttentionType, linear, linear_problems, selects, size_problems
 from longtrain.model.cache import FullKVCache, LayerCache, ModelCache
@@ -467,6 +468,7 @@ class LM(nn.Module):
         # Tied: the head reuses embed.weight (no second parameter, so safetensors needs no copy).
         self.unembed = None if cfg.tied_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.loss_slice = loss_slice  # the head's loss per slice of rows (compiled by compile_blocks)
+        self.activation_checkpointing = False  # train.activation_checkpointing: recompute each block in the backward
         self.reset_parameters()
 
     def compile_blocks(self, **compile_kwargs) -> None:
@@ -576,9 +578,15 @@ class LM(nn.Module):
             # chunk starts inside a query tile; a chunk starting on a tile edge is laid out as the unchunked pass.
             align = starts_inside_tile(seen, dtype=self.compute_dtype(dev), backend=self.cfg.backend)
         layers, selections = [], []
+        recompute = self.activation_checkpointing and torch.is_grad_enabled() and not decode
         for blk, lc in zip(self.blocks, cache.layers):
             blk.attn.distill_loss = None
-            x, lc, sel = blk(x, rope, pos, valid, seen, lengths, lc, decode, with_selection, full_bias, align)
+            args = (x, rope, pos, valid, seen, lengths, lc, decode, with_selection, full_bias, align)
+            if recompute:  # keeps only the block's input; the backward runs its forward again (the same kernels,
+                # the same selection from the same cache: the recomputed tensors equal the first ones bit for bit)
+                x, lc, sel = torch.utils.checkpoint.checkpoint(blk, *args, use_reentrant=False)
+            else:
+                x, lc, sel = blk(*args)
             layers.append(lc)
             selections.append(sel)
         distill = [blk.attn.distill_loss for blk in self.blocks if blk.attn.distill_loss is not None]

@@ -301,6 +301,11 @@ class TrainConfig(_Section):
         "deterministic kernels (no atomic adds, fixed cuBLAS workspaces), Inductor without timing-based "
         "choices; costs some tokens/s on CUDA (benchmarks/README.md)"
     )
+    activation_checkpointing: bool = Field(
+        False, description="keep only each block's input for the backward and recompute the block there "
+        "(torch.utils.checkpoint): less activation memory for a larger batch or chunk, at the cost of a second "
+        "forward of every block (benchmarks/activation_checkpointing.py measures both); results are unchanged"
+    )
     early_stopping: EarlyStoppingConfig | None = Field(
         None, description="stop (saving a checkpoint) after `patience` validation passes without a validation loss "
         "lower than the best by more than `min_delta`, e.g. {patience: 3, min_delta: 0.001}; needs train.valid_every"

@@ -107,6 +107,10 @@ def graph_unusable(recipe, *, device_type: str, precision: str) -> str | None:
         return "dropout draws new masks per chunk"
     if precision == "fp16":
         return "fp16 loss scaling"
+    if cfg.activation_checkpointing:
+        # the backward reruns each block's forward (the attention op and its selection included) inside the
+        # replay; equal to eager on the CPU (tests/model), not yet compared under a captured graph on a GPU
+        return "train.activation_checkpointing (its recomputation is not yet checked under a CUDA graph)"
     if cfg.freeze is not None and cfg.freeze.steps > 0:
         # On an H100 a graph captured after the frozen steps matched eager passes bitwise with eager
         # blocks, but with compiled blocks the first thawed step's gradient norm differed by 0.2%

@@ -62,7 +62,9 @@ def run_summary(t: Trainer) -> list[str]:
     lines.append(
         f"compute: {t.precision}" + (" autocast" if t.precision != "fp32" else "")
         + f", KV cache in {t.precision}" + (", loss scaling" if t.precision == "fp16" else "")
-        + (", compiled around the attention op" if t.compiles else "") + graph_note(t)
+        + (", compiled around the attention op" if t.compiles else "")
+        + (", activation checkpointing (each block recomputed in the backward)" if cfg.activation_checkpointing else "")
+        + graph_note(t)
         + (", deterministic" if cfg.deterministic else "")
     )
     if cfg.score_distill > 0:

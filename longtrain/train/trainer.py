@@ -226,6 +226,7 @@ class Trainer:
             self.init_notes = init_from_checkpoint(self.model, self.cfg.init_from, self.recipe)
             self.state.imported_from = imported_origin(self.cfg.init_from)  # export writes its HF config back
         self.model.set_score_distill(self.cfg.score_distill_queries if self.cfg.score_distill > 0 else 0)
+        self.model.activation_checkpointing = self.cfg.activation_checkpointing  # blocks recomputed in the backward
         if self.compiles:  # before FSDP wraps it (torchtitan's order)
             mode = {"mode": os.environ[COMPILE_MODE_ENV]} if os.environ.get(COMPILE_MODE_ENV) else {}
             self.model.compile_blocks(backend=os.environ.get(COMPILE_BACKEND_ENV, "inductor"), **mode)

@@ -271,3 +271,43 @@ def test_cpu_half_precision_linear_gives_a_row_the_same_bits_in_any_chunk(thread
             assert torch.equal(linear(x, w, b), torch.nn.functional.linear(x, w, b))  # gradients: the fast kernel
     finally:
         torch.set_num_threads(before)
+
+
+AC_CASES = [
+    ("sparsek+sw", dict(attention="sparsek+sw", topk=6, window=8), 60, 23),
+    ("full", dict(attention="full"), 70, 31),
+    ("dropout", dict(attention="sparsek+sw", topk=6, window=8, dropout=0.1), 45, 23),
+]
+
+
+@pytest.mark.parametrize("name,kw,T,chunk", AC_CASES, ids=[c[0] for c in AC_CASES])
+def test_activation_checkpointing_changes_no_output_and_no_gradient(name, kw, T, chunk):
+    """Recomputing each block in the backward (train.activation_checkpointing) gives the same losses,
+    caches and gradients bit for bit, chunk by chunk; and the chunked read still equals one pass."""
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, T + 1))
+    runs = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = make(**kw).train()
+        model.activation_checkpointing = on
+        cache, losses, kept = model.empty_cache(2, dtype=torch.float64), [], []
+        for s in range(0, T, chunk):
+            e = min(s + chunk, T)
+            # what the forward keeps for the backward (a checkpointed block keeps its input only)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
+                out = model(tokens[:, s:e], cache=cache, targets=tokens[:, s + 1 : e + 1])
+            out.loss_sum.backward()
+            cache = out.cache
+            losses.append(out.loss_sum.detach())
+        runs.append((torch.stack(losses), cache, {n: p.grad.clone() for n, p in model.named_parameters()}, sum(kept)))
+    (plain, plain_cache, plain_grads, plain_kept), (ac, ac_cache, ac_grads, ac_kept) = runs
+    assert ac_kept < plain_kept / 2  # the blocks' activations are recomputed, not kept
+    assert torch.equal(plain, ac)
+    assert all(torch.equal(a, b) for a, b in zip(plain_cache.layers[-1].attn.__dict__.values(), ac_cache.layers[-1].attn.__dict__.values())
+               if isinstance(a, torch.Tensor))
+    assert plain_grads.keys() == ac_grads.keys() and all(torch.equal(plain_grads[n], ac_grads[n]) for n in plain_grads)
+    if not kw.get("dropout"):
+        torch.manual_seed(0)
+        with torch.no_grad():
+            whole = make(**kw)(tokens[:, :T], targets=tokens[:, 1 : T + 1]).loss_sum
+        assert abs(float(whole) - float(ac.sum())) <= 1e-9 * abs(float(whole))

@@ -178,3 +178,21 @@ def test_keep_best_and_early_stopping_need_validation(workspace):
     tmp, recipe = workspace
     r = cli("fit", recipe(), "--set", "train.valid_every=0", "--set", "checkpoint.keep_best=true", "--dry-run")
     assert r.exit_code == 2 and "checkpoint.keep_best compare validation losses, but train.valid_every is 0" in " ".join(r.output.split())
+
+
+def test_activation_checkpointing_trains_bitwise_the_same_and_resumes(workspace):
+    tmp, recipe = workspace
+    path = recipe(steps=4, every=2)
+    on = ("--set", "train.activation_checkpointing=true")
+    assert cli("fit", path, "--run-dir", tmp / "plain").exit_code == 0
+    r = cli("fit", path, "--run-dir", tmp / "ac", *on)
+    assert r.exit_code == 0, r.output
+    assert "activation checkpointing (each block recomputed in the backward)" in r.output
+    half = cli("fit", path, "--run-dir", tmp / "resumed", *on, "--set", "train.steps=2")
+    assert half.exit_code == 0, half.output
+    assert cli("fit", path, "--run-dir", tmp / "resumed", *on).exit_code == 0
+    want = load_file(tmp / "plain/checkpoints/step-00000004/model.safetensors")
+    for run in ("ac", "resumed"):
+        got = load_file(tmp / run / "checkpoints/step-00000004/model.safetensors")
+        assert all(torch.equal(got[k], want[k]) for k in want), run
+    assert losses(tmp / "ac") == losses(tmp / "plain")
