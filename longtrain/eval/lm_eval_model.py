@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import simple_parse_args_string
 
 from longtrain.data.stream import IGNORE
 from longtrain.data.tokenizer import eod_id
@@ -66,6 +67,16 @@ class LongtrainLM(LM):
         self.chunk = resolve_chunk_size(None if chunk_size is None else int(chunk_size), loaded.recipe.train.chunk_size, prefill=True)
         self.max_gen_toks = int(max_gen_toks)
         self._context = None  # (context tokens but the last, the cache after them): shared by consecutive requests
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "LongtrainLM":
+        """model_args first: lm-eval's own --device (and batch sizes) only where model_args leave them out."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "LongtrainLM":
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     # ------------------------------------------------------------------------- tokens
 

@@ -147,3 +147,16 @@ def test_missing_lm_eval_names_the_install_line(runs, monkeypatch):
     res = CliRunner().invoke(app, ["eval", str(runs["sparsek"]), "--task", "lm-eval:hellaswag"])
     assert res.exit_code == 1
     assert "pip install 'longtrain[eval]'" in res.output
+
+
+@needs_lm_eval
+def test_model_args_come_before_lm_evals_own_flags(runs):
+    """`lm_eval --model longtrain --model_args checkpoint=RUN,device=cpu` with lm-eval's --device cuda: model_args win."""
+    from lm_eval.api.registry import get_model
+
+    import longtrain.eval.lm_eval_model  # noqa: F401  (registers "longtrain")
+
+    lm = get_model("longtrain").create_from_arg_string(
+        f"checkpoint={runs['sw']},device=cpu,dtype=float64,chunk_size=16", {"device": "cuda", "batch_size": 4}
+    )
+    assert lm.dev.type == "cpu" and lm.model.embed.weight.dtype == torch.float64 and lm.chunk == 16
