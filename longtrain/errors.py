@@ -56,6 +56,14 @@ class PlotError(UsageError):
     """A run dir without metrics, or an output path that cannot be written."""
 
 
+class PromptTooLong(EvalUsageError, ValueError):
+    """A RULER template (and in-context example) alone leave no room in `length` tokens."""
+
+    def __init__(self, task: str, length: int, needed: int):
+        super().__init__(f"a {task} prompt needs at least {needed:,} tokens (its template and answer); asked for {length:,}")
+        self.task, self.length, self.needed = task, length, needed
+
+
 # ----------------------------------------------------------------------------- exit 1
 
 

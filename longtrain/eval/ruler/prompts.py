@@ -39,6 +39,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from longtrain.errors import PromptTooLong  # noqa: F401  (raised here; defined with the others)
 from longtrain.eval.ruler.values import distinct_values, distinct_words
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -100,14 +101,6 @@ class Sample:
     haystack_units: int  # noise sentences, book sentences, distractor needles or list words
     needles: list[tuple[int, str]]
     depths: list[float]
-
-
-class PromptTooLong(ValueError):
-    """The template (and in-context example) alone leave no room in `length` tokens."""
-
-    def __init__(self, task: str, length: int, needed: int):
-        super().__init__(f"a {task} prompt needs at least {needed:,} tokens (its template and answer); asked for {length:,}")
-        self.task, self.length, self.needed = task, length, needed
 
 
 # ----------------------------------------------------------------------------- assembling text
