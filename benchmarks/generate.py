@@ -1,6 +1,6 @@
 """Generation speed and memory: prefill and decode tokens/s, single and batched, and decode == chunked forward in bf16.
 
-    PYTHONPATH=. python benchmarks/generate.py --out OUT_DIR            # the device run (about 6 minutes on an H100)
+    PYTHONPATH=. python benchmarks/generate.py --out OUT_DIR --compile  # the device run (under 8 minutes on an H100)
     PYTHONPATH=. python benchmarks/generate.py --small --out /tmp/gen   # a tiny CPU version, to check the script
 
 A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with SparseK+SW (k = w =
@@ -100,12 +100,24 @@ def decode_rate(model: LM, cache, logits: torch.Tensor, steps: int, *, graph: bo
             "error": dec.graph_error}
 
 
-def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, compile: bool, dev: torch.device) -> dict:
+def single_prompt(model: LM, n_prompt: int) -> torch.Tensor:
+    """[1, n_prompt] random tokens, the same for every attention type (on the host: chunks go over)."""
+    g = torch.Generator().manual_seed(n_prompt)
+    return torch.randint(0, model.cfg.vocab_size, (1, n_prompt), generator=g)
+
+
+def batched_prompts(model: LM, rows: int, n_prompt: int) -> list[list[int]]:
+    """`rows` random prompts of n_prompt/2 .. n_prompt tokens (ragged)."""
+    g = torch.Generator().manual_seed(rows)
+    lengths = torch.randint(n_prompt // 2, n_prompt + 1, (rows,), generator=g).tolist()
+    return [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev: torch.device) -> dict:
     row = {"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n_prompt}
     if name == "full" and n_prompt > FULL_ATTENTION_MAX:
         return row | {"skipped": f"full attention's O(n^2) prefill of {n_prompt:,} tokens is beyond this benchmark"}
-    g = torch.Generator().manual_seed(n_prompt)
-    prompt = torch.randint(0, model.cfg.vocab_size, (1, n_prompt), generator=g)  # stays on the host: chunks go over
+    prompt = single_prompt(model, n_prompt)
     row["allocated_at_start_bytes"] = _fresh(dev)
     _sync(dev)
     t0 = time.perf_counter()
@@ -120,23 +132,16 @@ def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, com
         row["cuda_graph_error"] = d["error"]
     if graph:
         row["decode_tokens_per_s_eager"] = decode_rate(model, cache, logits, max(new // 4, 8), graph=False)["tokens_per_s"]
-        if compile:
-            c = decode_rate(model, cache, logits, new, graph=True, compile=True)
-            row |= {"decode_tokens_per_s_compiled": c["tokens_per_s"] if c["compiled"] else None,
-                    "compile_setup_s": c["setup_s"]}
-            if c["error"]:
-                row["compile_error"] = c["error"]
     row["peak_memory_bytes"] = peak_bytes(dev)
     row["kv_cache_bytes"] = cache.nbytes()
     row["kv_entries_per_layer"] = cache.kv_entries_per_layer
     return row
 
 
-def run_batched(model: LM, name: str, rows: int, n_prompt: int, *, chunk: int, new: int, compile: bool, dev: torch.device) -> dict:
+def run_batched(model: LM, name: str, rows: int, n_prompt: int, *, chunk: int, new: int, dev: torch.device) -> dict:
     """`rows` prompts of n_prompt/2 .. n_prompt tokens (ragged), prefilled side by side and decoded together."""
-    g = torch.Generator().manual_seed(rows)
-    lengths = torch.randint(n_prompt // 2, n_prompt + 1, (rows,), generator=g).tolist()
-    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    prompts = batched_prompts(model, rows, n_prompt)
+    lengths = [len(p) for p in prompts]
     row = {"kind": "batched", "attention": name, "rows": rows, "prompt_tokens": sum(lengths),
            "prompt_lengths": [min(lengths), max(lengths)], "allocated_at_start_bytes": _fresh(dev)}
     _sync(dev)
@@ -151,15 +156,22 @@ def run_batched(model: LM, name: str, rows: int, n_prompt: int, *, chunk: int, n
             "decode_setup_s": d["setup_s"]}
     if d["error"]:
         row["cuda_graph_error"] = d["error"]
-    if graph and compile:
-        c = decode_rate(model, cache, logits, new, graph=True, compile=True)
-        row |= {"decode_tokens_per_s_compiled": c["tokens_per_s"] if c["compiled"] else None, "compile_setup_s": c["setup_s"]}
-        if c["error"]:
-            row["compile_error"] = c["error"]
     row["peak_memory_bytes"] = peak_bytes(dev)
     row["kv_cache_bytes"] = cache.nbytes()
     row["kv_entries_per_layer"] = cache.kv_entries_per_layer
     return row
+
+
+def add_compiled(model: LM, row: dict, *, chunk: int, new: int, batch_prompt: int, dev: torch.device) -> None:
+    """The row's decoding again with the step through torch.compile (then captured): its tokens/s and setup time."""
+    prompts = single_prompt(model, row["prompt_tokens"]) if row["kind"] == "single" else \
+        batched_prompts(model, row["rows"], batch_prompt)
+    _fresh(dev)
+    cache, logits = prefill(model, prompts, chunk_size=chunk)
+    c = decode_rate(model, cache, logits, new, graph=True, compile=True)
+    row |= {"decode_tokens_per_s_compiled": c["tokens_per_s"] if c["compiled"] else None, "compile_setup_s": c["setup_s"]}
+    if c["error"]:
+        row["compile_error"] = c["error"]
 
 
 @torch.no_grad()
@@ -220,6 +232,7 @@ def main() -> None:
     batch_prompt = args.batch_prompt or (64 if small else 4096)
     check_prompt = args.check_prompt if args.check_prompt is not None else (512 if small else 65536)
     check_tokens = args.check_tokens or (20 if small else 1000)
+    batch_new = max(new // 4, 8)  # steps of the batched rows
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     args.out.mkdir(parents=True, exist_ok=True)
     console = Console()
@@ -238,21 +251,40 @@ def main() -> None:
         console.print(json.dumps(row), highlight=False)
         write(report, args.out)
 
-    for name, kw in attns:
+    models = {}
+    for name, kw in attns:  # first what every attention type is measured by; the compiled step after
         torch.manual_seed(0)
         model = LM(LMConfig(**base, **kw)).to(dev, dtype).eval()
         if check_prompt and name == "sparsek+sw" and not over_budget():
             report["check"] = decode_equals_forward(model, check_prompt, check_tokens, chunk=chunk, dev=dev)
             console.print(json.dumps(report["check"]), highlight=False)
         for n in prompts:
-            skip = over_budget()
-            add({"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n, "skipped": "time budget"} if skip else
-                run_single(model, name, n, chunk=chunk, new=new, compile=args.compile and n == prompts[0], dev=dev))
+            add({"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n, "skipped": "time budget"} if over_budget()
+                else run_single(model, name, n, chunk=chunk, new=new, dev=dev))
         if batch:
             add({"kind": "batched", "attention": name, "rows": batch, "skipped": "time budget"} if over_budget() else
-                run_batched(model, name, batch, batch_prompt, chunk=chunk, new=max(new // 4, 8), compile=args.compile, dev=dev))
-        del model
+                run_batched(model, name, batch, batch_prompt, chunk=chunk, new=batch_new, dev=dev))
+        models[name] = model.cpu()  # off the GPU until the compiled pass
         _fresh(dev)
+    if args.compile and dev.type == "cuda":
+        for name in ("sparsek+sw", "sw"):
+            if name not in models:
+                continue
+            model = models[name].to(dev)
+            for row in report["rows"]:  # the shortest single prompt (the step does not depend on it) and the batch
+                if row["attention"] != name or "skipped" in row or (row["kind"] == "single" and row["prompt_tokens"] != prompts[0]):
+                    continue
+                if over_budget():
+                    row["compile_error"] = "time budget"
+                    continue
+                add_compiled(model, row, chunk=chunk, new=new if row["kind"] == "single" else batch_new,
+                             batch_prompt=batch_prompt, dev=dev)
+                console.print(json.dumps({k: row[k] for k in ("kind", "attention", "rows") if k in row}
+                                         | {k: row.get(k) for k in ("decode_tokens_per_s_compiled", "compile_setup_s", "compile_error")}),
+                              highlight=False)
+                write(report, args.out)
+            models[name] = model.cpu()
+            _fresh(dev)
 
     report["ratios"] = ratios(report["rows"])
     report["sparsek_peak_memory_check"] = memory_check(report["rows"])
