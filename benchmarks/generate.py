@@ -14,6 +14,8 @@ A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with S
              - eager: the same step launched op by op;
   batched  BATCH rows (default 64) of prompts between half and all of BATCH_PROMPT tokens (different
            lengths: the ragged prefill), decoded together; tokens/s over all rows;
+  profile  torch.profiler over 20 eager decode steps after the shortest prompt (CUDA): the kernels by
+           device time per step and the launches per step (JSON only);
   check    decode == chunked forward in bf16 (SparseK+SW): after a CHECK_PROMPT-token prompt, the same
            CHECK_TOKENS tokens once as one chunk through the forward (the chunk op, device scan) and
            once token by token through the decode step; per layer, the positions whose selection
@@ -113,7 +115,7 @@ def batched_prompts(model: LM, rows: int, n_prompt: int) -> list[list[int]]:
     return [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
-def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev: torch.device) -> dict:
+def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev: torch.device, profile: bool = False) -> dict:
     row = {"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n_prompt}
     if name == "full" and n_prompt > FULL_ATTENTION_MAX:
         return row | {"skipped": f"full attention's O(n^2) prefill of {n_prompt:,} tokens is beyond this benchmark"}
@@ -132,6 +134,11 @@ def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev
         row["cuda_graph_error"] = d["error"]
     if graph:
         row["decode_tokens_per_s_eager"] = decode_rate(model, cache, logits, max(new // 4, 8), graph=False)["tokens_per_s"]
+        if profile:
+            try:
+                row["profile"] = profile_step(model, cache, logits)
+            except Exception as e:  # the profiler is a help, never the reason the row is lost
+                row["profile"] = {"error": f"{type(e).__name__}: {e}"}
     row["peak_memory_bytes"] = peak_bytes(dev)
     row["kv_cache_bytes"] = cache.nbytes()
     row["kv_entries_per_layer"] = cache.kv_entries_per_layer
@@ -160,6 +167,30 @@ def run_batched(model: LM, name: str, rows: int, n_prompt: int, *, chunk: int, n
     row["kv_cache_bytes"] = cache.nbytes()
     row["kv_entries_per_layer"] = cache.kv_entries_per_layer
     return row
+
+
+@torch.no_grad()
+def profile_step(model: LM, cache, logits: torch.Tensor, steps: int = 20) -> dict:
+    """Where a decode step's device time goes: torch.profiler over `steps` eager steps (every kernel
+    launched on its own, so each is named); per step, the kernels by device time and their count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dec = Decoder(model, cache, cuda_graph=False)
+    dec.start(logits)
+    for _ in range(3):
+        dec.advance()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            dec.advance()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels)
+    return {"steps": steps, "device_us_per_step": total / steps,
+            "launches_per_step": sum(e.count for e in kernels) / steps,
+            "top": [{"kernel": e.key[:120], "us_per_step": e.self_device_time_total / steps, "per_step": e.count / steps}
+                    for e in kernels[:25]]}
 
 
 def add_compiled(model: LM, row: dict, *, chunk: int, new: int, batch_prompt: int, dev: torch.device) -> None:
@@ -260,7 +291,7 @@ def main() -> None:
             console.print(json.dumps(report["check"]), highlight=False)
         for n in prompts:
             add({"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n, "skipped": "time budget"} if over_budget()
-                else run_single(model, name, n, chunk=chunk, new=new, dev=dev))
+                else run_single(model, name, n, chunk=chunk, new=new, dev=dev, profile=n == prompts[0]))
         if batch:
             add({"kind": "batched", "attention": name, "rows": batch, "skipped": "time budget"} if over_budget() else
                 run_batched(model, name, batch, batch_prompt, chunk=chunk, new=batch_new, dev=dev))
