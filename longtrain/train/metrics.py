@@ -35,6 +35,31 @@ TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "memory_bytes"
 RATE_WINDOW_S = 30.0  # tokens/s and the ETA are measured over the last this-many seconds of training
 
 
+WANDB_ID_FILE = "wandb-id"  # logging.wandb: the W&B run this run dir logs to (a resume continues it)
+
+
+def wandb_missing() -> str | None:
+    """None when logging.wandb can log, else what to install."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return "logging.wandb needs the wandb package: pip install 'longtrain[wandb]'"
+    return None
+
+
+def wandb_settings(run_dir: str | Path, *, project: str, name: str, config: dict) -> dict:
+    """wandb.init's arguments for this run dir: its W&B run id (made once, kept in RUN_DIR/wandb-id),
+    files under RUN_DIR/wandb, no console capture (longtrain prints its own lines)."""
+    import secrets
+
+    id_file = Path(run_dir) / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.is_file() else ""
+    if not run_id:
+        run_id = secrets.token_hex(4)
+        id_file.write_text(run_id + "\n")
+    return {"project": project, "name": name, "id": run_id, "resume": "allow", "dir": str(run_dir), "config": config}
+
+
 def tensorboard_missing() -> str | None:
     """None when TensorBoard event files can be written, else what to install."""
     try:
@@ -53,7 +78,7 @@ class MetricsLogger:
     events after step N are purged the same way.
     """
 
-    def __init__(self, run_dir: str | Path, *, start_step: int = 0, tensorboard: bool = False):
+    def __init__(self, run_dir: str | Path, *, start_step: int = 0, tensorboard: bool = False, wandb: dict | None = None):
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
@@ -63,6 +88,11 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR), purge_step=start_step + 1)
+        self._wandb = None
+        if wandb is not None:  # wandb_settings(...): a W&B run beside metrics.jsonl
+            import wandb as wandb_lib
+
+            self._wandb = wandb_lib.init(**wandb, settings=wandb_lib.Settings(console="off", silent=True))
 
     def log(self, record: dict[str, Any]) -> None:
         if "step" not in record:
@@ -78,11 +108,19 @@ class MetricsLogger:
                     if key != "layer" and isinstance(value, (int, float)):
                         self._tb.add_scalar(f"selection/{key}/layer{layer['layer']}", value, global_step=record["step"])
             self._tb.flush()
+        if self._wandb is not None:  # the same scalars as TensorBoard's, under the same names
+            scalars = {key: record[key] for key in TENSORBOARD_SCALARS if isinstance(record.get(key), (int, float))}
+            for layer in record.get("selection") or []:
+                scalars |= {f"selection/{key}/layer{layer['layer']}": value for key, value in layer.items()
+                            if key != "layer" and isinstance(value, (int, float))}
+            self._wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -352,6 +352,12 @@ class LoggingConfig(_Section):
         False, description="also write TensorBoard event files to RUN_DIR/tensorboard "
         "(needs the extra: pip install 'longtrain[tensorboard]')"
     )
+    wandb: bool = Field(
+        False, description="also log the same scalars to Weights & Biases (needs the extra: pip install "
+        "'longtrain[wandb]'; WANDB_MODE=offline keeps it on disk, `wandb sync` uploads later). The run's id is "
+        "kept in RUN_DIR/wandb-id, so a resumed run continues the same W&B run"
+    )
+    wandb_project: str = Field("longtrain", min_length=1, description="the W&B project of logging.wandb")
     run_dir: str | None = Field(None, description="run directory; null means runs/<recipe name>")
 
 

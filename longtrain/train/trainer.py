@@ -61,12 +61,15 @@ from longtrain.train.lora import add_lora
 from longtrain.train.metrics import (
     METRICS_FILE,
     TENSORBOARD_DIR,
+    WANDB_ID_FILE,
     MetricsLogger,
     ProgressDisplay,
     RowProgress,
     StepStats,
     peak_memory_bytes,
     tensorboard_missing,
+    wandb_missing,
+    wandb_settings,
 )
 from longtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from longtrain.train.checkpoint.ranks import Layout
@@ -250,6 +253,8 @@ class Trainer:
 
     def check_extras(self) -> None:
         """Optional packages the recipe asks for (fit and its dry run alike)."""
+        if self.recipe.logging.wandb and (missing := wandb_missing()):
+            raise TrainingError(missing)
         if self.recipe.logging.tensorboard and (missing := tensorboard_missing()):
             raise TrainingError(missing)
 
@@ -360,7 +365,10 @@ class Trainer:
         moved = self.set_aside_previous()
         (self.run_dir / RECIPE_FILE).write_text(recipe_to_yaml(self.recipe))
         (self.run_dir / TOKENIZER_FILE).write_text(self.corpus.tokenizer.to_str(pretty=True))
-        self.metrics = MetricsLogger(self.run_dir, start_step=self.state.step, tensorboard=self.recipe.logging.tensorboard)
+        log = self.recipe.logging
+        wandb = wandb_settings(self.run_dir, project=log.wandb_project, name=self.recipe.name or self.run_dir.name,
+                               config=self.recipe.model_dump(mode="json")) if log.wandb else None
+        self.metrics = MetricsLogger(self.run_dir, start_step=self.state.step, tensorboard=log.tensorboard, wandb=wandb)
         self.display = ProgressDisplay(
             self.cfg.steps, start_tokens=self.state.tokens, every=self.recipe.logging.every,
             live=self.recipe.logging.progress, console=self.console,
@@ -386,7 +394,7 @@ class Trainer:
         if not old:
             return []
         if self.resume == "never":
-            paths = [self.checkpoints.dir, self.run_dir / METRICS_FILE, self.run_dir / TENSORBOARD_DIR]
+            paths = [self.checkpoints.dir, self.run_dir / METRICS_FILE, self.run_dir / TENSORBOARD_DIR, self.run_dir / WANDB_ID_FILE]
             moved = move_aside(paths, "replaced")
             where = ", ".join(str(new) for _, new in moved)
             return [f"--resume never: moved the previous run ({_n(len(old), 'checkpoint')}, {steps_text(old)}) aside to "

@@ -2,6 +2,7 @@
 
 import json
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,26 @@ def test_activation_checkpointing_trains_bitwise_the_same_and_resumes(workspace)
         got = load_file(tmp / run / "checkpoints/step-00000004/model.safetensors")
         assert all(torch.equal(got[k], want[k]) for k in want), run
     assert losses(tmp / "ac") == losses(tmp / "plain")
+
+
+def test_wandb_logs_offline_and_a_resume_continues_the_same_run(workspace, monkeypatch):
+    pytest.importorskip("wandb")  # the extra: pip install 'longtrain[wandb]'
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    tmp, recipe = workspace
+    path = recipe(steps=4, every=2)
+    on = ("--set", "logging.wandb=true", "--set", "train.valid_every=2")
+    r = cli("fit", path, "--run-dir", tmp / "r", *on, "--set", "train.steps=2")
+    assert r.exit_code == 0, r.output
+    run_id = (tmp / "r/wandb-id").read_text().strip()
+    [first] = (tmp / "r/wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
+    keys = (b"loss", b"grad_norm", b"valid_loss", b"selection/tau/layer0")
+    for _ in range(100):  # wandb's service process may still be writing its file when finish() returns
+        if all(key in first.read_bytes() for key in keys):
+            break
+        time.sleep(0.1)
+    assert all(key in first.read_bytes() for key in keys)
+    assert cli("fit", path, "--run-dir", tmp / "r", *on).exit_code == 0  # resumed: the same W&B run, continued
+    assert (tmp / "r/wandb-id").read_text().strip() == run_id
+    assert len(list((tmp / "r/wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))) >= 1
+    again = cli("fit", path, "--run-dir", tmp / "r", *on, "--resume", "never")  # a new run: a new W&B run
+    assert again.exit_code == 0 and (tmp / "r/wandb-id").read_text().strip() != run_id
