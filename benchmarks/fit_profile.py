@@ -74,7 +74,7 @@ def load_fit_throughput():
 def wrap_ranges() -> list[str]:
     """Put record_function ranges around longtrain's functions (those that exist in this checkout)."""
     targets = [  # (module, class or None, function, range); names this checkout lacks are skipped
-        ("longtrain.model.model", None, "sparsek_attention_chunk", "lt.attention_op"),
+        ("longtrain.model.attention", None, "sparsek_attention_chunk", "lt.attention_op"),
         ("longtrain.ops.sparsek_attention.op", None, "select", "lt.scan"),  # the op's stages (ops/ layout of issue 23)
         ("longtrain.ops.sparsek_attention.op", None, "attend", "lt.attention_core"),
         ("longtrain.ops.sparsek_attention.op", None, "lay_out_keys", "lt.cache"),

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import longtrain.model.attention as attention_module
 import longtrain.model.model as model_module
 from longtrain.train.metrics import read_metrics
 from longtrain.train.recipe import RecipeError, load_recipe
@@ -38,7 +39,7 @@ class SyncCounter:
         for name in self.READS:
             monkeypatch.setattr(torch.Tensor, name, self._counted(getattr(torch.Tensor, name), name))
         monkeypatch.setattr(torch.cuda, "synchronize", self._counted(torch.cuda.synchronize, "cuda.synchronize"))
-        monkeypatch.setattr(model_module, "sparsek_attention_chunk", self._paused(model_module.sparsek_attention_chunk))
+        monkeypatch.setattr(attention_module, "sparsek_attention_chunk", self._paused(attention_module.sparsek_attention_chunk))
         monkeypatch.setattr(torch.optim.AdamW, "step", self._paused(torch.optim.AdamW.step))
 
     def _counted(self, real, name):
