@@ -12,6 +12,13 @@ checkpoint, and calling it again resumes where it stopped.
     python benchmarks/recall_experiment.py --out $OUT --part eval      # every trained model in $OUT/runs
     python benchmarks/recall_experiment.py --out $OUT --part plot      # recall.png, table.md from eval/*.json
     python benchmarks/recall_experiment.py --out $OUT --part all --model sparsek,sw   # the four in a row
+    python benchmarks/recall_experiment.py --out $OUT --part all --model sparsek-distill,sw --seeds 0,1,2,3,4 \
+        --set train.deterministic=true --circuit-set train.deterministic=true            # a seed study, one command
+
+The circuit is checked before stage 2: its own recall at its longest distances must reach
+CIRCUIT_FORMED, or every circuit trains its steps again (up to CIRCUIT_EXTENSIONS times) and the
+experiment stops with a message if one still has not formed (stage 2 never inherits a circuit that
+cannot recall). With --seeds each seed changes train.seed and the recall data's seed of both stages.
 
 --model also takes the ablations below (recall-sparsek with one setting changed). Runs live in
 $OUT/runs/<model> (the circuit in $OUT/circuit); eval writes $OUT/eval/<model>.json, plot writes
@@ -56,7 +63,11 @@ ABLATIONS = {
     "sparsek-scorelr30": ["train.score_lr_scale=30.0"],
     "sparsek-scorelr100": ["train.score_lr_scale=100.0"],
     "sparsek-only": ["attention.type=sparsek", "attention.topk=64", "attention.window=0"],
+    "sparsek-distill": ["train.score_distill=1.0"],  # every key's score learns where dense attention goes
+    "sparsek-distill-nofreeze": ["train.score_distill=1.0", "train.freeze.steps=0"],
 }
+CIRCUIT_FORMED = 0.9  # the circuit's own recall at its longest distances that counts as formed
+CIRCUIT_EXTENSIONS = 2  # times the circuit trains for its steps again before the experiment stops
 SETTINGS = ("train", "4x", "4x-far")
 
 
@@ -99,20 +110,70 @@ def wait_all(procs: dict[str, subprocess.Popen], budget_s: float) -> None:
         log(f"{name}: exit {rc} after {time.monotonic() - t0:.0f} s")
 
 
-def circuit(out: Path, budget_s: float, extra: list[str]) -> None:
-    """Stage 1: recall-circuit into out/circuit."""
-    wait_all({"circuit": fit(CIRCUIT, out / "circuit", extra, out / "fit-circuit.log")}, budget_s)
+def circuit_dir(out: Path, seed: int | None) -> Path:
+    return out / ("circuit" if seed is None else f"circuit-s{seed}")
 
 
-def train(out: Path, models: list[str], budget_s: float, extra: list[str]) -> None:
-    """Stage 2: each model from the circuit's weights into out/runs/<model>, all at once."""
-    if not (out / "circuit" / "checkpoints").is_dir():
-        raise SystemExit(f"no circuit in {out / 'circuit'}: run --part circuit first")
+def seed_sets(seed: int | None, data_offset: int) -> list[str]:
+    """A seed study changes the init and the data: train.seed and the recall generator's seed."""
+    return [] if seed is None else [f"train.seed={seed}", f"data.recall.seed={data_offset + seed}"]
+
+
+def circuit_recall(run_dir: Path, device: str) -> float:
+    """The circuit's own exact recall over its longest quarter of distances (its training setting)."""
+    from longtrain.eval.recall import measure_recall
+    from longtrain.eval.runner import pick_device
+    from longtrain.train.checkpointer import load_checkpoint
+
+    ckpt = load_checkpoint(run_dir, device=pick_device(device))
+    far = ckpt.recipe.data.recall.max_distance // 2
+    buckets = [b for b in measure_recall(ckpt, docs=32) if b["trials"] and b["start"] >= far]
+    return sum(b["accuracy"] * b["trials"] for b in buckets) / max(1, sum(b["trials"] for b in buckets))
+
+
+def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str], device: str) -> None:
+    """Stage 1: recall-circuit per seed, side by side; a circuit whose recall stays under CIRCUIT_FORMED
+    trains its steps again (up to CIRCUIT_EXTENSIONS times), then the experiment stops, saying which."""
+    steps = None
+    for attempt in range(CIRCUIT_EXTENSIONS + 1):
+        more = [] if steps is None else [f"train.steps={steps * (attempt + 1)}"]
+        procs = {f"circuit-s{s}": fit(CIRCUIT, circuit_dir(out, s), [*seed_sets(s, 1), *extra, *more],
+                                      out / f"fit-{circuit_dir(out, s).name}.log") for s in seeds}
+        wait_all(procs, budget_s)
+        recalls = {s: circuit_recall(circuit_dir(out, s), device) for s in seeds}
+        log("circuit recall at its longest distances: " + ", ".join(f"seed {s}: {r:.2f}" for s, r in recalls.items()))
+        (out / "circuit.json").write_text(json.dumps({str(s): r for s, r in recalls.items()}))
+        unformed = [s for s, r in recalls.items() if r < CIRCUIT_FORMED]
+        if not unformed:
+            return
+        steps = steps or _recipe_steps(CIRCUIT, extra)
+        if attempt < CIRCUIT_EXTENSIONS:
+            log(f"circuit not formed for seeds {unformed} (< {CIRCUIT_FORMED}): training all circuits "
+                f"{steps} more steps")
+    raise SystemExit(f"the recall circuit did not form for seeds {unformed} after {steps * (CIRCUIT_EXTENSIONS + 1)} "
+                     f"steps (recall < {CIRCUIT_FORMED}); stage 2 would inherit a model that cannot recall. Try "
+                     "--circuit-set train.lr=... or more steps (--circuit-set train.steps=...)")
+
+
+def _recipe_steps(recipe: Path, sets: list[str]) -> int:
+    from longtrain.train.recipe import load_recipe
+
+    return load_recipe(recipe, sets).train.steps
+
+
+def train(out: Path, models: list[str], seeds: list[int | None], budget_s: float, extra: list[str]) -> None:
+    """Stage 2: each model (and seed) from its circuit's weights into out/runs/<model>[-s<seed>], all at once."""
     procs = {}
-    for model in models:
-        recipe, sets = model_args(model)
-        sets = [f"train.init_from={out / 'circuit'}", f"tokenizer.path={out / 'circuit' / 'tokenizer.json'}", *sets, *extra]
-        procs[model] = fit(recipe, out / "runs" / model, sets, out / f"fit-{model}.log")
+    for seed in seeds:
+        source = circuit_dir(out, seed)
+        if not (source / "checkpoints").is_dir():
+            raise SystemExit(f"no circuit in {source}: run --part circuit first")
+        for model in models:
+            recipe, sets = model_args(model)
+            name = model if seed is None else f"{model}-s{seed}"
+            sets = [f"train.init_from={source}", f"tokenizer.path={source / 'tokenizer.json'}", *seed_sets(seed, 0),
+                    *sets, *extra]
+            procs[name] = fit(recipe, out / "runs" / name, sets, out / f"fit-{name}.log")
     wait_all(procs, budget_s)
 
 
@@ -263,15 +324,18 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=64, help="eval: documents per setting")
     ap.add_argument("--run", type=Path, help="eval-one: the run dir")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--seeds", default="", help="comma-separated seeds (train.seed and the data's seed of both "
+                    "stages); each seed gets its own circuit and runs (<model>-s<seed>). Empty: the recipes' own")
     a = ap.parse_args()
+    seeds = [int(x) for x in a.seeds.split(",") if x] or [None]
     a.out.mkdir(parents=True, exist_ok=True)
     models = [m for m in a.model.split(",") if m]
     for m in models:
         model_args(m)  # an unknown name fails before anything runs
     if a.part in ("circuit", "all"):  # a finished circuit resumes to "nothing to do"
-        circuit(a.out, a.circuit_budget_s if a.part == "all" else a.budget_s, a.circuit_sets)
+        circuit(a.out, seeds, a.circuit_budget_s if a.part == "all" else a.budget_s, a.circuit_sets, a.device)
     if a.part in ("train", "all"):
-        train(a.out, models, a.budget_s, a.sets)
+        train(a.out, models, seeds, a.budget_s, a.sets)
     if a.part in ("eval", "all"):
         evaluate(a.out, models, a.docs, a.device)
     if a.part == "eval-one":

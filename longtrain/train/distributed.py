@@ -176,6 +176,36 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class LateVotes:
+    """A device scalar per step, read on the host one step later without waiting for the newer work.
+
+    `push(v)` starts v's copy to pinned host memory and returns the previous step's value: on CUDA
+    it waits for that copy's event alone (long done by then), not for the step queued since.
+    """
+
+    def __init__(self):
+        self.pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+
+    def push(self, value: torch.Tensor) -> float:
+        before = self.read()
+        if value.device.type == "cuda":
+            host = torch.empty((), dtype=value.dtype, pin_memory=True).copy_(value, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self.pending = (host, done)
+        else:
+            self.pending = (value.clone(), None)
+        return before
+
+    def read(self) -> float:
+        if self.pending is None:
+            return 0.0
+        host, done = self.pending
+        if done is not None:
+            done.synchronize()
+        return float(host)
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

@@ -52,3 +52,9 @@ def kill_for_tests_after(step: int, rank: int = 0) -> None:
     """
     if os.environ.get("LONGTRAIN_TEST_KILL_AFTER") == str(step) and os.environ.get("LONGTRAIN_TEST_KILL_RANK", str(rank)) == str(rank):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def signal_for_tests_at(step: int, rank: int = 0) -> None:
+    """Tests send one rank a SIGINT after step N: `LONGTRAIN_TEST_SIGINT_AT=N:RANK` (the others must follow)."""
+    if os.environ.get("LONGTRAIN_TEST_SIGINT_AT") == f"{step}:{rank}":
+        os.kill(os.getpid(), signal.SIGINT)

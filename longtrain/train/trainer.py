@@ -76,7 +76,7 @@ from longtrain.train.checkpoint.ranks import Layout
 from longtrain.train.recipe import Recipe, recipe_to_yaml
 from longtrain.train.checkpoint.rng import seed_everything
 from longtrain.train.run_dir import RunLock, move_aside
-from longtrain.train.signals import StopSignal, kill_for_tests_after
+from longtrain.train.signals import StopSignal, kill_for_tests_after, signal_for_tests_at
 from longtrain.train import summary
 from longtrain.train.summary import steps_text
 from longtrain.train.validation import evaluate
@@ -149,6 +149,7 @@ class Trainer:
         self.ranks = Ranks()  # one process until start_ranks() reads torchrun's environment
         self.rank_notes: list[str] = []
         self.stop_agreed: int | None = None  # with several ranks: the signal any rank got, as all ranks know it
+        self.votes = distributed.LateVotes()  # with several ranks: the stop votes, read a step late
         self._warned_overflow = False
         self.best_unsaved = False  # checkpoint.keep_best: this step's validation is a new best, not yet saved
         self.pending: list[dict] = []  # step records not yet written (their numbers may still be on the device)
@@ -456,6 +457,7 @@ class Trainer:
         self.pending.append(record)
         if self.read_back_due():
             self.read_back()
+        signal_for_tests_at(step, self.ranks.rank)
         return record
 
     @property
@@ -554,19 +556,20 @@ class Trainer:
                 )
         self.last_loss = self.pending[-1]["loss"] if self.pending else self.last_loss
 
-    def agree(self, loss_sum: torch.Tensor) -> torch.Tensor | float:
-        """The step's summed loss over every rank, and whether any rank was asked to stop (one collective).
+    def agree(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The step's summed loss over every rank (on the device), and whether any rank was asked to stop.
 
-        Every rank then takes the same decisions: NaN, stop, save. One rank: the loss stays on the device.
-        Several: the collective and its read-back are a host sync per step (the stop vote is needed now).
+        One all-reduce of [loss, stop votes] per step. The votes reach the host one step later
+        (`distributed.LateVotes`: a copy that waits on that collective alone), so no rank waits for its
+        GPU to drain, and every rank reads the same votes at the same step: they stop together.
         """
         if not self.ranks.parallel:
             return loss_sum
-        votes = torch.stack([loss_sum.float(), torch.tensor(float(self.stop.requested), device=self.device)])
-        total, stops = distributed.all_reduce_sum(votes).tolist()
-        if stops and self.stop_agreed is None:
+        vote = send(torch.tensor(float(self.stop.requested)), self.device)
+        votes = distributed.all_reduce_sum(torch.stack([loss_sum.float(), vote]))
+        if self.votes.push(votes[1]) and self.stop_agreed is None:  # the previous step's votes
             self.stop_agreed = next(s for s in distributed.all_gather_objects(self.stop.signum) if s is not None)
-        return total
+        return votes[0]
 
     @property
     def stopping(self) -> bool:
