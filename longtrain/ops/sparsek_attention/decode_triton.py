@@ -170,7 +170,8 @@ def attend_kernel(
     Q, PK, PV, TK, TV, NK, NV,  # q [B, H, D]; pool K/V [B, K, Hkv, D]; tail K/V [B, Wt, Hkv, D]; the token's K/V [B, Hkv, D]
     PPOS, PU, TAU, SEEN,  # [B, K] int64 pool positions (-1: empty), [B, K] pool scores, [B] float64 tau, [B] int64 t
     O,  # out: [B, H, D]
-    K, Wt, Hkv, H, scale,
+    SCALE,  # [1] float64 (a float argument would be rounded to float32)
+    K, Wt, Hkv, H,
     R: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, BN: tl.constexpr,
     GATED: tl.constexpr, SOFT_KV: tl.constexpr, SELF_OK: tl.constexpr, CDT: tl.constexpr,
 ):
@@ -188,6 +189,7 @@ def attend_kernel(
     acc = tl.zeros([RB, DB], CDT)
     tau = tl.load(TAU + b)
     t = tl.load(SEEN + b)
+    scale = tl.load(SCALE).to(CDT)
 
     # the pool: gated by clamp(u - tau, 0, 1) (empty slots: masked)
     for j0 in range(0, K, BN):
@@ -263,7 +265,7 @@ def attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, w
         q.contiguous(), cache.pool_k.contiguous(), cache.pool_v.contiguous(), cache.tail_k.contiguous(),
         cache.tail_v.contiguous(), k.contiguous(), v.contiguous(),
         cache.pool_pos.contiguous(), cache.pool_u.contiguous(), cache.tau.contiguous(), cache.seen.contiguous(),
-        o, K, Wt, Hkv, H, scale,
+        o, torch.full((1,), scale, dtype=torch.float64, device=q.device), K, Wt, Hkv, H,
         R=H // Hkv, RB=triton.next_power_of_2(H // Hkv), D=D, DB=triton.next_power_of_2(D), BN=32,
         GATED=K > 0 and variant != "straight_through", SOFT_KV=variant == "soft_kv", SELF_OK=window > 0, CDT=cdt,
         num_warps=4,
