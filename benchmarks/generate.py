@@ -295,27 +295,30 @@ def main() -> None:
         if batch:
             add({"kind": "batched", "attention": name, "rows": batch, "skipped": "time budget"} if over_budget() else
                 run_batched(model, name, batch, batch_prompt, chunk=chunk, new=batch_new, dev=dev))
-        models[name] = model.cpu()  # off the GPU until the compiled pass
+        if name != "full":
+            models[name] = model.cpu()  # kept for the compiled pass, off the GPU (its rows' peaks stay theirs)
+        del model
         _fresh(dev)
     if args.compile and dev.type == "cuda":
-        for name in ("sparsek+sw", "sw"):
-            if name not in models:
-                continue
-            model = models[name].to(dev)
-            for row in report["rows"]:  # the shortest single prompt (the step does not depend on it) and the batch
-                if row["attention"] != name or "skipped" in row or (row["kind"] == "single" and row["prompt_tokens"] != prompts[0]):
+        # single rows first (SparseK+SW and SW: the ratio), then the batches; the shortest single prompt
+        # only (a step does not depend on the prompt's length)
+        order = [(kind, name) for kind in ("single", "batched") for name in ("sparsek+sw", "sw")]
+        for kind, name in order:
+            for row in report["rows"]:
+                if (row["kind"], row["attention"]) != (kind, name) or "skipped" in row or name not in models:
+                    continue
+                if kind == "single" and row["prompt_tokens"] != prompts[0]:
                     continue
                 if over_budget():
                     row["compile_error"] = "time budget"
                     continue
-                add_compiled(model, row, chunk=chunk, new=new if row["kind"] == "single" else batch_new,
+                add_compiled(models[name].to(dev), row, chunk=chunk, new=new if kind == "single" else batch_new,
                              batch_prompt=batch_prompt, dev=dev)
-                console.print(json.dumps({k: row[k] for k in ("kind", "attention", "rows") if k in row}
-                                         | {k: row.get(k) for k in ("decode_tokens_per_s_compiled", "compile_setup_s", "compile_error")}),
-                              highlight=False)
+                console.print(json.dumps({k: row.get(k) for k in ("kind", "attention", "rows", "decode_tokens_per_s_compiled",
+                                                                  "compile_setup_s", "compile_error")}), highlight=False)
                 write(report, args.out)
-            models[name] = model.cpu()
-            _fresh(dev)
+                models[name].cpu()
+                _fresh(dev)
 
     report["ratios"] = ratios(report["rows"])
     report["sparsek_peak_memory_check"] = memory_check(report["rows"])
