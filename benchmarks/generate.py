@@ -299,6 +299,7 @@ def main() -> None:
             models[name] = model.cpu()  # kept for the compiled pass, off the GPU (its rows' peaks stay theirs)
         del model
         _fresh(dev)
+    summarize(report, args.out)  # written now too: a run stopped during the compiled pass keeps the ratios
     if args.compile and dev.type == "cuda":
         # single rows first (SparseK+SW and SW: the ratio), then the batches; the shortest single prompt
         # only (a step does not depend on the prompt's length)
@@ -312,19 +313,27 @@ def main() -> None:
                 if over_budget():
                     row["compile_error"] = "time budget"
                     continue
-                add_compiled(models[name].to(dev), row, chunk=chunk, new=new if kind == "single" else batch_new,
-                             batch_prompt=batch_prompt, dev=dev)
+                try:
+                    add_compiled(models[name].to(dev), row, chunk=chunk, new=new if kind == "single" else batch_new,
+                                 batch_prompt=batch_prompt, dev=dev)
+                except Exception as e:  # e.g. out of memory: the row keeps its plain numbers
+                    row["compile_error"] = f"{type(e).__name__}: {e}"
                 console.print(json.dumps({k: row.get(k) for k in ("kind", "attention", "rows", "decode_tokens_per_s_compiled",
                                                                   "compile_setup_s", "compile_error")}), highlight=False)
                 write(report, args.out)
                 models[name].cpu()
                 _fresh(dev)
 
+    report["seconds"] = time.perf_counter() - t_start
+    summarize(report, args.out)
+    console.print(markdown(report), highlight=False)
+
+
+def summarize(report: dict, out: Path) -> None:
+    """The ratios and the memory check from the rows so far, written with them."""
     report["ratios"] = ratios(report["rows"])
     report["sparsek_peak_memory_check"] = memory_check(report["rows"])
-    report["seconds"] = time.perf_counter() - t_start
-    write(report, args.out)
-    console.print(markdown(report), highlight=False)
+    write(report, out)
 
 
 def ratios(rows: list[dict]) -> dict:
