@@ -95,5 +95,9 @@ class RunDirBusy(LongtrainError):
     """Another process holds the run directory; the message names it."""
 
 
+class RunDirWriteError(LongtrainError):
+    """A file of the run directory could not be written (a full disk, say); the file is as it was."""
+
+
 class LaunchError(LongtrainError, RuntimeError):
     """The launch does not fit this machine (more ranks than GPUs); the message says what to change."""

@@ -19,7 +19,11 @@ def fit(
     resume: str = typer.Option(
         "auto", "--resume",
         help="auto (newest complete checkpoint, if any) | never (start over; the old checkpoints and metrics are "
-        "moved aside, not deleted) | PATH to a checkpoint directory",
+        "moved aside, not deleted) | PATH to a checkpoint directory of this run",
+    ),
+    fork: bool = typer.Option(
+        False, "--fork", help="with --resume PATH: start this run afresh from that checkpoint's state (another "
+        "run's, too); this run's old checkpoints and metrics are moved aside",
     ),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="print the resolved recipe, model size, KV budget, tokens per step, data and what "
@@ -36,8 +40,11 @@ def fit(
     from longtrain.train.trainer import Trainer
 
     out = make_console()
+    if fork and resume in ("auto", "never"):
+        raise fail(f"--fork starts a new run from a checkpoint's state: give the checkpoint as --resume PATH "
+                   f"(not --resume {resume})", 2)
     try:
-        trainer = Trainer(load_recipe(recipe, overrides), run_dir=run_dir, resume=resume, console=out)
+        trainer = Trainer(load_recipe(recipe, overrides), run_dir=run_dir, resume=resume, fork=fork, console=out)
         if dry_run:
             for line in trainer.dry_run():
                 out.print(line, markup=False)
@@ -84,6 +91,8 @@ def summary_lines(result) -> list[str]:
         how = "stopped early (train.early_stopping)"
     span = f"steps {result.start_step + 1}–{result.steps}" if result.session_steps > 1 else f"step {result.steps}"
     resumed = f" (resumed at step {result.start_step})" if result.start_step else ""
+    if result.forked_from is not None:
+        resumed = f" (a new run forked from {result.forked_from} at step {result.start_step})"
     loss = f"; last loss {result.last_loss:.4f}" if result.last_loss is not None else ""
     final = f", final validation loss {result.final_valid_loss:.4f}" if result.final_valid_loss is not None else ""
     best = f", best {result.best_valid_loss:.4f}" if result.best_valid_loss is not None else ""

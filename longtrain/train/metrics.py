@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from rich.text import Text
 
 from longtrain.console import make_console
 from longtrain.train.diagnostics import selection_table, summary_line
+from longtrain.train.run_dir import write_atomically
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -130,9 +130,8 @@ class MetricsLogger:
 
     def _truncate_after(self, step: int) -> None:
         kept = [r for r in read_metrics(self.path) if r["step"] <= step] if self.path.exists() else []
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        why = f"to keep its steps up to {step}, where the run resumes" if step else "to start the run's metrics"
+        write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept), why=why)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ lists them and `longtrain clean` deletes them).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -21,11 +22,30 @@ import sys
 import time
 from pathlib import Path
 
-from longtrain.errors import RunDirBusy  # noqa: F401  (raised here; defined with the others)
+from longtrain.errors import RunDirBusy, RunDirWriteError  # noqa: F401  (raised here; defined with the others)
 
 LOCK_FILE = ".lock"
 ASIDE_TAGS = ("replaced", "superseded", "unusable")  # --resume never; --resume PATH; checkpoints failing their checks
 _ASIDE = re.compile(r"\.(?:" + "|".join(ASIDE_TAGS) + r")-(\d{8}-\d{6})$")
+
+
+def os_error_words(e: OSError) -> str:
+    return "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+
+
+def write_atomically(path: Path, text: str, *, why: str) -> None:
+    """Replace `path` with `text` through a temporary file beside it: on failure (a full disk) `path`
+    is as it was, no temporary file stays, and RunDirWriteError says what to do."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RunDirWriteError(
+            f"could not write {path} ({why}): {os_error_words(e)}. It is unchanged; free some space "
+            "(or choose another --run-dir) and rerun the same command"
+        ) from None
 
 
 class RunLock:

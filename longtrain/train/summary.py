@@ -7,6 +7,7 @@ returns lines; the trainer decides when to print them.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,9 +71,10 @@ def run_summary(t: Trainer) -> list[str]:
     if cfg.score_distill > 0:
         lines.append(f"score distillation: weight {cfg.score_distill} over {cfg.score_distill_queries} sampled "
                      "queries per chunk and row (the scores learn where dense attention goes)")
-    lines += memory_lines(t)
+    lines += memory_lines(t) + disk_lines(t)
     if t.resume_from is not None:
-        lines.append(f"resuming from {t.resume_from} (step {t.state.step}, {t.state.tokens:,} tokens)")
+        how = "forking (a new run) from" if t.fork else "resuming from"
+        lines.append(f"{how} {t.resume_from} (step {t.state.step}, {t.state.tokens:,} tokens)")
     return lines + notes(t)
 
 
@@ -121,6 +123,33 @@ def memory_lines(t: Trainer) -> list[str]:
         return [line]
     return [line, f"warning: this run needs about {gib(need)} at document position {position:,} but {dev} "
             f"has {gib(have)}: it will likely run out of memory. To fit: {fit_advice(t, have)}"]
+
+
+def checkpoint_bytes(t: Trainer) -> int:
+    """About one checkpoint's size: the newest one's, else float32 weights, AdamW's two moments, the caches."""
+    if existing := t.checkpoints.existing():
+        return disk_size(existing[-1])
+    cache = t.model.empty_cache(t.cfg.batch_docs, device="meta", dtype=t.compute_dtype)
+    caches = sum(v.numel() * v.element_size() for v in cache.state_dict().values()) * t.ranks.world_size
+    return 12 * t.model.num_params() + caches + len(t.corpus.tokenizer.to_str())
+
+
+def disk_lines(t: Trainer) -> list[str]:
+    """How much disk the checkpoints need at once (checkpoint.keep, plus one while saving with keep = 1), and
+    a warning when the checkpoint folder's file system has less free."""
+    ck = t.recipe.checkpoint
+    size = checkpoint_bytes(t)
+    at_once = max(ck.keep, 2) + (1 if ck.keep_best else 0)  # keep ≥ 2: the oldest goes before a save
+    folder = next(p for p in (t.checkpoints.dir, *t.checkpoints.dir.parents) if p.exists())
+    free = shutil.disk_usage(folder).free
+    have = free + sum(disk_size(p) for p in t.checkpoints.existing())  # the run's own checkpoints make room too
+    how = "the old one is deleted after the new one is complete" if ck.keep == 1 else "the oldest is deleted before a save"
+    line = (f"disk: a checkpoint is about {gib(size) if size >= 10 * 2**20 else f'{size / 2**20:.2f} MiB'}; checkpoint.keep = {ck.keep} needs room for {at_once} "
+            f"({gib(at_once * size)}; {how}); {gib(free)} free for {t.checkpoints.dir}")
+    if at_once * size <= have:
+        return [line]
+    return [line, f"warning: the checkpoints need about {gib(at_once * size)} but {t.checkpoints.dir} has {gib(free)} free: a save "
+            f"will fail. Free some space, lower checkpoint.keep (now {ck.keep}) or set checkpoint.dir on another disk"]
 
 
 def fit_advice(t: Trainer, have: int) -> str:
@@ -196,6 +225,9 @@ def dry_run_plan(t: Trainer) -> str:
         plan = f"already finished at step {t.state.step}: fit would do nothing"
     elif why := t.out_of_patience():
         plan = f"already stopped early at step {t.state.step} ({why}): fit would do nothing"
+    elif t.resume_from is not None and t.fork:
+        plan = (f"would start a new run from the state of {t.resume_from} (--fork), moving this run's checkpoints "
+                f"and metrics aside, and train steps {t.state.step + 1}–{cfg.steps}")
     elif t.resume_from is not None:
         plan = f"would resume from {t.resume_from} and train steps {t.state.step + 1}–{cfg.steps}"
     elif old := t.checkpoints.existing():

@@ -75,7 +75,7 @@ from longtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from longtrain.train.checkpoint.ranks import Layout
 from longtrain.train.recipe import Recipe, recipe_to_yaml
 from longtrain.train.checkpoint.rng import seed_everything
-from longtrain.train.run_dir import RunLock, move_aside
+from longtrain.train.run_dir import RunLock, move_aside, write_atomically
 from longtrain.train.signals import StopSignal, kill_for_tests_after, signal_for_tests_at
 from longtrain.train import summary
 from longtrain.train.summary import steps_text
@@ -103,6 +103,7 @@ class FitResult:
     stopped_by: int | None = None  # the signal that stopped the run early (SIGINT, SIGTERM)
     out_of_patience: str | None = None  # train.early_stopping stopped the run: why, in words
     best_checkpoint: Path | None = None  # checkpoint.keep_best: the checkpoint of the best validation loss
+    forked_from: Path | None = None  # --fork: the checkpoint (often another run's) this run started from
 
     @property
     def session_steps(self) -> int:
@@ -122,18 +123,21 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def fit(recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", console=None) -> FitResult:
+def fit(recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", fork: bool = False, console=None) -> FitResult:
     """Train `recipe` into `run_dir` (what `longtrain fit` runs)."""
-    return Trainer(recipe, run_dir=run_dir, resume=resume, console=console).train()
+    return Trainer(recipe, run_dir=run_dir, resume=resume, fork=fork, console=console).train()
 
 
 class Trainer:
-    """One training run: a recipe, its run dir and a resume choice (auto | never | a checkpoint path)."""
+    """One training run: a recipe, its run dir and a resume choice (auto | never | a checkpoint path);
+    fork: the path's state starts this run afresh (it may belong to another run)."""
 
-    def __init__(self, recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", console=None):
+    def __init__(
+        self, recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", fork: bool = False, console=None,
+    ):
         self.recipe, self.cfg = recipe, recipe.train
         self.run_dir = Path(run_dir) if run_dir else recipe.run_dir()
-        self.resume = resume
+        self.resume, self.fork = resume, fork
         self.console = console or make_console()
         self.checkpoints = RunCheckpoints(self.run_dir, recipe.checkpoint)  # which one to resume, what is there
         self.state = TrainState()
@@ -262,7 +266,8 @@ class Trainer:
     def read_inputs(self) -> dict | None:
         """The corpus, and the checkpoint to resume with its meta checked against this recipe (or None)."""
         # rank 0 picks the checkpoint (validating it whole) and tells the others
-        self.resume_from = self.last_saved = distributed.on_main(lambda: self.checkpoints.to_resume(self.resume), self.ranks)
+        self.resume_from = distributed.on_main(lambda: self.checkpoints.to_resume(self.resume, fork=self.fork), self.ranks)
+        self.last_saved = None if self.fork else self.resume_from  # a fork has saved nothing of its own yet
         if self.cfg.init_from and self.resume_from is None:  # a fresh fine-tuning run reads its source first
             check_init_source(self.cfg.init_from)
         self.corpus = self.prepare_data()
@@ -364,12 +369,18 @@ class Trainer:
             self.display, self.metrics = distributed.OtherRankDisplay(self.ranks), distributed.NoMetrics()
             return
         moved = self.set_aside_previous()
-        (self.run_dir / RECIPE_FILE).write_text(recipe_to_yaml(self.recipe))
-        (self.run_dir / TOKENIZER_FILE).write_text(self.corpus.tokenizer.to_str(pretty=True))
         log = self.recipe.logging
         wandb = wandb_settings(self.run_dir, project=log.wandb_project, name=self.recipe.name or self.run_dir.name,
                                config=self.recipe.model_dump(mode="json")) if log.wandb else None
+        # metrics first: a resume drops its steps after the checkpoint (what a later attempt does alike), so a
+        # write that fails (a full disk) leaves every file as it was; each write is atomic
         self.metrics = MetricsLogger(self.run_dir, start_step=self.state.step, tensorboard=log.tensorboard, wandb=wandb)
+        try:
+            write_atomically(self.run_dir / RECIPE_FILE, recipe_to_yaml(self.recipe), why="the resolved recipe")
+            write_atomically(self.run_dir / TOKENIZER_FILE, self.corpus.tokenizer.to_str(pretty=True), why="the tokenizer")
+        except BaseException:
+            self.metrics.close()
+            raise
         self.display = ProgressDisplay(
             self.cfg.steps, start_tokens=self.state.tokens, every=self.recipe.logging.every,
             live=self.recipe.logging.progress, console=self.console,
@@ -384,6 +395,12 @@ class Trainer:
         a resume moves the checkpoints after its step, which belong to the future it rewrites.
         """
         old = self.checkpoints.existing()
+        if self.fork:  # a new run from another checkpoint's state: nothing of this run's past stays in its way
+            paths = [self.checkpoints.dir, self.run_dir / METRICS_FILE, self.run_dir / TENSORBOARD_DIR]
+            moved = move_aside(paths, "replaced")
+            aside = f"; moved this run's previous files aside to {', '.join(str(new) for _, new in moved)}" if moved else ""
+            return [f"--fork: a new run from {self.resume_from} (step {self.state.step}): its metrics and checkpoints "
+                    f"start at step {self.state.step + 1}{aside}"]
         if self.resume_from is not None:
             later = [p for p in old if step_of(p) > self.state.step]
             if not later:
@@ -684,4 +701,5 @@ class Trainer:
             best_valid_loss=self.state.best_valid_loss, checkpoint=self.last_saved,
             out_of_patience=self.out_of_patience(), best_checkpoint=self.best_checkpoint(),
             stopped_by=self.stop_agreed if self.ranks.parallel else self.stop.signum,
+            forked_from=self.resume_from if self.fork else None,
         )

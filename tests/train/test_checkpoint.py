@@ -53,6 +53,27 @@ def test_keeps_the_newest_n(tmp_path):
     assert [p.name for p in manager.steps()] == ["step-00000003", "step-00000004"]
 
 
+@pytest.mark.parametrize("keep, on_disk_while_saving", [(1, ["step-00000002"]), (2, ["step-00000002"]),
+                                                        (3, ["step-00000001", "step-00000002"])])
+def test_a_save_frees_the_oldest_first_when_keep_allows(tmp_path, monkeypatch, keep, on_disk_while_saving):
+    """Issue 31: a save needs room for keep checkpoints, not keep + 1: with keep ≥ 2 the oldest goes
+    before the new one is written (keep − 1 complete ones stay meanwhile); keep = 1 keeps its only one
+    until the new one is complete."""
+    manager = CheckpointManager(tmp_path, keep=keep)
+    save_steps(manager, 1, 2)
+    seen = []
+    write_file = ckpt._write_file
+
+    def spy(path, data):
+        seen.append([p.name for p in manager.steps()])
+        return write_file(path, data)
+
+    monkeypatch.setattr(ckpt, "_write_file", spy)
+    save_steps(manager, 3)
+    assert seen[0] == on_disk_while_saving
+    assert [p.name for p in manager.steps()] == ["step-00000001", "step-00000002", "step-00000003"][-keep:]
+
+
 def test_saving_the_same_step_again_replaces_it(tmp_path):
     manager = CheckpointManager(tmp_path, keep=2)
     save_steps(manager, 5)

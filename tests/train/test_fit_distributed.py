@@ -182,9 +182,9 @@ def test_two_by_two_resumes_as_one_by_four_and_other_totals_are_refused(space, d
 def test_fsdp_without_torchrun_runs_as_one_rank_with_a_note(space, ddp):
     # one process, fsdp (a world of one), resuming the 2 × 2 ddp run's checkpoint 8 with 1 × 4 rows
     step8 = space / "ddp/checkpoints/step-00000008"
-    r = ok(fit(space, "fsdp1", "--resume", step8, "--set", "train.parallel=fsdp", "--set", "train.batch_docs=4"))
+    r = ok(fit(space, "fsdp1", "--resume", step8, "--fork", "--set", "train.parallel=fsdp", "--set", "train.batch_docs=4"))
     assert "note: train.parallel is fsdp but the run was not launched by torchrun: running as world size 1" in r.stdout
-    assert "ranks: 1 rank (fsdp, gloo on cpu)" in r.stdout and "resuming from" in r.stdout
+    assert "ranks: 1 rank (fsdp, gloo on cpu)" in r.stdout and "forking (a new run) from" in r.stdout
     a, b = records(space, "ddp"), records(space, "fsdp1")
     assert sorted(b) == [9, 10]
     assert all(abs(a[s]["loss"] - b[s]["loss"]) <= 1e-5 * a[s]["loss"] for s in (9, 10))

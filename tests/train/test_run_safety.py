@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from longtrain.data.cache import disk_size
 from longtrain.train.metrics import read_metrics
 from longtrain.train.run_dir import RunLock
 
@@ -50,6 +54,85 @@ def test_resuming_an_earlier_checkpoint_moves_the_later_ones_aside(workspace):
     assert sorted(p.name for p in ckpts.iterdir() if "." not in p.name) == ["step-00000002", "step-00000003"]
     r = cli("fit", path, "--run-dir", tmp / "r", "--set", "train.steps=3")  # auto now finds step 3, not the old 6
     assert "already finished at step 3" in r.output
+
+
+def test_another_runs_checkpoint_is_refused_unless_forked_into_a_new_run(workspace):
+    """Issue 31: `--resume PATH` of another run merged it into this one (metrics 1-120 then 801-900, and
+    checkpoint.keep pruned this run's own checkpoints). Refused; --fork starts this run afresh from it."""
+    tmp, recipe = workspace
+    path = recipe(steps=4, every=2)
+    assert cli("fit", path, "--run-dir", tmp / "a").exit_code == 0
+    assert cli("fit", path, "--run-dir", tmp / "b", "--set", "train.steps=2").exit_code == 0
+    a, b = snapshot(tmp / "a"), snapshot(tmp / "b")
+    other = tmp / "a/checkpoints/step-00000004"
+    for dry in ((), ("--dry-run",)):
+        r = cli("fit", path, "--run-dir", tmp / "b", "--set", "train.steps=6", "--resume", other, *dry)
+        assert r.exit_code == 1 and "belongs to another run" in r.output and "--fork" in r.output, r.output
+        assert f"train.init_from={other}" in r.output and snapshot(tmp / "b") == b
+    r = cli("fit", path, "--run-dir", tmp / "b", "--resume", "auto", "--fork")
+    assert r.exit_code == 2 and "--resume PATH" in r.output
+
+    r = cli("fit", path, "--run-dir", tmp / "b", "--set", "train.steps=6", "--resume", other, "--fork", "--dry-run")
+    assert r.exit_code == 0 and "would start a new run from the state of" in r.output and snapshot(tmp / "b") == b
+    r = cli("fit", path, "--run-dir", tmp / "b", "--set", "train.steps=6", "--resume", other, "--fork")
+    assert r.exit_code == 0, r.output
+    assert f"--fork: a new run from {other} (step 4): its metrics and checkpoints start at step 5" in r.output
+    assert f"done: steps 5–6 (a new run forked from {other} at step 4)" in r.output
+    assert sorted(losses(tmp / "b")) == [5, 6]  # this run's metrics from the fork on, none of its old steps 1-2
+    assert sorted(p.name for p in (tmp / "b/checkpoints").iterdir()) == ["step-00000006"]
+    [old_ckpts] = (tmp / "b").glob("checkpoints.replaced-*")
+    [old_metrics] = (tmp / "b").glob("metrics.jsonl.replaced-*")
+    assert {p.name for p in old_ckpts.iterdir()} == {"step-00000002"} and old_metrics.read_bytes() == b["metrics.jsonl"]
+    assert snapshot(tmp / "a") == a  # the other run is only read
+    shutil.copytree(tmp / "a", tmp / "a2")  # a itself resumed to step 6: the fork went on from the same state
+    assert cli("fit", path, "--run-dir", tmp / "a2", "--set", "train.steps=6").exit_code == 0
+    assert {s: v for s, v in losses(tmp / "a2").items() if s > 4} == losses(tmp / "b")
+
+
+def test_a_full_disk_when_resuming_says_so_and_leaves_the_run_dir_as_it_was(workspace, monkeypatch):
+    """Issue 31: rewriting metrics.jsonl for a resume on a full disk was a raw OSError (Errno 28) that left
+    metrics.jsonl.tmp behind; now a message, and the run dir byte-identical."""
+    tmp, recipe = workspace
+    path = recipe(steps=4, every=2)
+    assert cli("fit", path, "--run-dir", tmp / "r").exit_code == 0
+    before = snapshot(tmp / "r")
+    write_text = Path.write_text
+    for full in ("metrics.jsonl", "recipe.yaml"):  # the issue's case; the first file a resume writes
+
+        def full_disk(self, data, *args, full=full, **kwargs):
+            if self.name.startswith(full):
+                write_text(self, data[: len(data) // 2], *args, **kwargs)  # what fits, then the disk is full
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return write_text(self, data, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "write_text", full_disk)
+        r = cli("fit", path, "--run-dir", tmp / "r", "--set", "train.steps=6")
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+        assert f"could not write {tmp / 'r' / full}" in r.output and "no space left on the device" in r.output
+        assert "rerun the same command" in r.output
+        assert snapshot(tmp / "r") == before  # no .tmp file left, recipe.yaml and metrics.jsonl untouched
+
+
+def test_the_summary_says_how_much_disk_the_checkpoints_need(workspace, monkeypatch):
+    """Issue 31: the checkpoints' room (keep of them; keep = 1: two while saving) is in the summary and the
+    dry run, about the size a checkpoint turns out to be, and a warning when the disk has less free."""
+    import longtrain.train.summary as summary
+
+    tmp, recipe = workspace
+    path = recipe(steps=2, every=2)
+    r = cli("fit", path, "--run-dir", tmp / "r", "--dry-run")
+    [line] = [x for x in r.output.splitlines() if x.startswith("disk: ")]
+    assert "checkpoint.keep = 3 needs room for 3" in line and "the oldest is deleted before a save" in line, line
+    estimate = float(line.split("a checkpoint is about ")[1].split(" MiB")[0])
+    assert cli("fit", path, "--run-dir", tmp / "r").exit_code == 0
+    real = disk_size(tmp / "r/checkpoints/step-00000002") / 2**20
+    assert 0.8 * real <= estimate <= 1.25 * real, (estimate, real)
+    r = cli("fit", path, "--run-dir", tmp / "r2", "--set", "checkpoint.keep=1", "--dry-run")
+    assert "checkpoint.keep = 1 needs room for 2" in r.output and "warning: the checkpoints need" not in r.output
+
+    monkeypatch.setattr(summary.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    r = cli("fit", path, "--run-dir", tmp / "r2", "--dry-run")
+    assert "warning: the checkpoints need about" in r.output and "lower checkpoint.keep (now 3)" in r.output, r.output
 
 
 def test_an_already_finished_run_says_so_and_writes_nothing(workspace):

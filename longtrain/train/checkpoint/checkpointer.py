@@ -68,8 +68,13 @@ class RunCheckpoints:
     def dir(self) -> Path:
         return self.manager.dir
 
-    def to_resume(self, resume: str) -> Path | None:
-        """The checkpoint `--resume` means: auto (newest complete one, if any), never (none) or a PATH."""
+    def to_resume(self, resume: str, *, fork: bool = False) -> Path | None:
+        """The checkpoint `--resume` means: auto (newest complete one, if any), never (none) or a PATH.
+
+        A PATH outside this run's checkpoint folder belongs to another run: continuing it here would
+        mix the two runs' metrics and let `keep` prune this run's checkpoints, so it needs `fork`
+        (this run then starts over from that state, as a new run).
+        """
         if resume == "never":
             return None
         if resume == "auto":
@@ -78,6 +83,13 @@ class RunCheckpoints:
         problem = ckpt.validate(path) if path.is_dir() else f"no checkpoint directory at {path}"
         if problem:
             raise CheckpointError(f"--resume {resume}: {problem}")
+        if not fork and path.resolve().parent != self.dir.resolve():
+            raise CheckpointError(
+                f"--resume {resume}: this checkpoint belongs to another run (not to {self.dir}); continuing it "
+                f"here would mix the two runs' metrics and checkpoints. To start this run from its state as a new "
+                f"run (this run's checkpoints and metrics moved aside), add --fork; to continue that run, give "
+                f"its own --run-dir; to start from its weights only, --set train.init_from={resume}"
+            )
         return path
 
     def existing(self) -> list[Path]:

@@ -56,6 +56,9 @@ class CheckpointManager:
     ) -> Path:
         """Write checkpoint `step` atomically, then prune to the newest `keep`.
 
+        With keep ≥ 2 the oldest are deleted first, down to keep − 1, so a save needs room for `keep`
+        checkpoints (keep = 1: two, the old one goes once the new one is complete).
+
         `files` are extra files by name (the recipe, the tokenizer), checked like the tensors.
         With `ranks` (several processes) every rank calls save with its own tensor groups, under
         names no other rank uses, and its `rank_meta`; rank 0's `meta` is the checkpoint's, with
@@ -68,6 +71,8 @@ class CheckpointManager:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 self.clean_stale()
+                if self.keep > 1:  # room first: the oldest goes before the new one is written (keep − 1 stay)
+                    self.prune(self.keep - 1, besides=final)
                 tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
                 tmp.mkdir()
             except OSError as e:
@@ -161,10 +166,11 @@ class CheckpointManager:
     ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
         return load(path, groups)
 
-    def prune(self) -> None:
-        """Delete the oldest checkpoints beyond `keep`; the `protected` ones (checkpoint.keep_best) stay
-        and do not count."""
-        for path in [p for p in self.steps() if p.name not in self.protected][: -self.keep]:
+    def prune(self, keep: int | None = None, *, besides: Path | None = None) -> None:
+        """Delete the oldest checkpoints beyond `keep` (default self.keep), not counting `besides` (the one
+        about to be written, a step saved twice); the `protected` ones (checkpoint.keep_best) stay and do not count."""
+        keep = self.keep if keep is None else keep
+        for path in [p for p in self.steps() if p.name not in self.protected and p != besides][: -keep]:
             shutil.rmtree(path, ignore_errors=True)
 
     def clean_stale(self) -> None:
