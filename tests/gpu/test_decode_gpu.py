@@ -41,7 +41,8 @@ def test_graph_replay_equals_eager_decoding_and_the_forward(kw):
 @pytest.mark.parametrize("topk,window,cap", [(512, 512, None), (64, 0, None), (16, 8, 24)])
 @torch.no_grad()
 def test_the_admission_kernel_equals_the_torch_admission(topk, window, cap):
-    """The Triton admission (one launch) and the torch one, step by step from a device-scan prefill."""
+    """The Triton step (the query and the admission, one launch each) and the torch one, step by step from a
+    device-scan prefill."""
     torch.manual_seed(0)
     B, H, Hkv, D = 3, 8, 4, 64
     dev = "cuda"
@@ -58,7 +59,7 @@ def test_the_admission_kernel_equals_the_torch_admission(topk, window, cap):
         q, k, v, u = [x[:, 0] for x in rand(1, 3000 + step)]
         oa, a, _ = sparsek_attention_decode(q, k, v, u, a, topk=topk, window=window, backend="triton")
         ob, b, _ = sparsek_attention_decode(q, k, v, u, b, topk=topk, window=window, backend="torch")
-        assert torch.equal(oa, ob), step
+        assert torch.allclose(oa, ob, atol=1e-5, rtol=0), step  # attend_triton against attend_torch: rounding
         assert torch.equal(a.pool_pos, b.pool_pos) and torch.equal(a.pool_k, b.pool_k), step
         assert torch.equal(a.thr_count, b.thr_count) and torch.equal(a.overflow, b.overflow), step
         assert torch.allclose(a.tau, b.tau, atol=1e-9, rtol=0), step
