@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +39,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import finetune_hf  # noqa: E402  (its Bench's helpers)
 
 SIZES = {
     "full": dict(vocab=8192, model_vocab=32000, layers=22, d=2048, heads=32, kv=4, mlp=5632, steps=30, chunk=2048, batch=4,
@@ -62,7 +63,7 @@ def main() -> None:
     Bench(args, SIZES["tiny" if args.tiny else "full"]).run()
 
 
-class Bench:
+class Bench(finetune_hf.Bench):  # its say, env and longtrain (a CLI call, logged)
     def __init__(self, args, size):
         self.args, self.s = args, size
         self.device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
@@ -72,11 +73,6 @@ class Bench:
         args.out.mkdir(parents=True, exist_ok=True)
         self.log = open(args.out / "log.txt", "w")
         self.results: dict = {"size": size, "device": torch.cuda.get_device_name() if self.device == "cuda" else "cpu"}
-
-    def say(self, text: str) -> None:
-        print(text, flush=True)
-        self.log.write(text + "\n")
-        self.log.flush()
 
     def run(self) -> None:
         t0 = time.monotonic()
@@ -242,18 +238,6 @@ class Bench:
                  f">= {ctx} {result['loss_beyond_context']:.4f}")
         del loaded, model
         return result
-
-    # ------------------------------------------------------------------ helpers
-
-    def longtrain(self, *args) -> None:
-        cmd = [sys.executable, "-m", "longtrain.cli", *map(str, args)]
-        self.say("$ longtrain " + " ".join(map(str, args)))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-        for line in proc.stdout:
-            self.say(line.rstrip())
-        if proc.wait():
-            raise SystemExit(f"longtrain {args[0]} failed with exit code {proc.returncode}; see {self.args.out / 'log.txt'}")
 
     def summary(self) -> str:
         r, s = self.results, self.s

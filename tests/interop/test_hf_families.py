@@ -178,7 +178,7 @@ def test_end_of_document_from_the_models_eos_token_id(where, tmp_path):
     # A fine-tuning recipe that takes its tokenizer from the import keeps the token.
     from longtrain.train.recipe import load_recipe
 
-    r = load_recipe("finetune-llama", [f"train.init_from={tmp_path / 'run'}"])
+    r = load_recipe("finetune-llama", [f"train.init_from={tmp_path / 'run'}", "attention.topk=8", "attention.window=8"])
     assert r.tokenizer.eod_token == "<|eot_id|>"
 
 
