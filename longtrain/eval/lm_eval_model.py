@@ -16,10 +16,10 @@ imported, so its own `lm_eval` command does not know this one; run it through
                            whole and split where the context alone ends.
   loglikelihood_rolling    log p(text), every token after the end-of-document token: the whole
                            text in chunks with the cache carried, however long (no window rolling).
-  generate_until           greedy (or sampled, do_sample) continuations through the decoder, cut at
-                           the first `until` string.
+  generate_until           greedy (or sampled, do_sample) continuations through the batched decoder
+                           (`batch_size` rows at a time), cut before the first `until` string.
 
-Requests are read one at a time; lm-eval's batch_size and max_batch_size are accepted and unused.
+Log-likelihood requests are read one at a time; max_batch_size is accepted and unused.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from lm_eval.utils import simple_parse_args_string
 
 from longtrain.data.stream import IGNORE
 from longtrain.data.tokenizer import eod_id
-from longtrain.generate import Decoder, Sampling, TextStream, prefill, sample
+from longtrain.generate import Sampling, generate_batch, prefill
 from longtrain.model.chunks import ChunkReader, resolve_chunk_size, split_rows
 from longtrain.model.loss import SLICE_ELEMENTS
 
@@ -47,8 +47,8 @@ class LongtrainLM(LM):
         dtype: str | None = None,
         chunk_size: int | None = None,
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
-        batch_size: int | str | None = None,  # lm-eval passes these; requests are read one at a time
-        max_batch_size: int | None = None,
+        batch_size: int | str | None = None,  # generate_until: requests decoded side by side ("auto": 1)
+        max_batch_size: int | None = None,  # lm-eval passes it; unused
         loaded=None,  # a LoadedCheckpoint instead of checkpoint (longtrain eval)
     ):
         super().__init__()
@@ -66,6 +66,7 @@ class LongtrainLM(LM):
         self.eod = eod_id(self.tok)  # every longtrain tokenizer has one (load_tokenizer adds it)
         self.chunk = resolve_chunk_size(None if chunk_size is None else int(chunk_size), loaded.recipe.train.chunk_size, prefill=True)
         self.max_gen_toks = int(max_gen_toks)
+        self.rows = int(batch_size) if str(batch_size).isdigit() and int(batch_size) > 0 else 1
         self._context = None  # (context tokens but the last, the cache after them): shared by consecutive requests
 
     @classmethod
@@ -153,42 +154,29 @@ class LongtrainLM(LM):
 
     # ------------------------------------------------------------------------- generation
 
-    @torch.no_grad()
-    def continue_text(self, context: str, until: list[str], max_new_tokens: int, sampling: Sampling) -> str:
-        """The continuation of `context`, cut before the first `until` string (or at the end-of-document token)."""
-        ids = self.encode(context) or [self.eod]
-        cache, logits = prefill(self.model, torch.tensor([ids], dtype=torch.int64), chunk_size=self.chunk)
-        decoder = Decoder(self.model, cache, cuda_graph=False)  # short answers: a graph's capture costs more
-        stream, text = TextStream(self.tok), ""
-        gen = torch.Generator().manual_seed(sampling.seed)
-        for step in range(max_new_tokens):
-            token = sample(logits, sampling, gen)  # [1]
-            if int(token[0]) == self.eod:
-                break
-            text += stream.push(int(token[0]))
-            if any(u in text for u in until):
-                break
-            if step + 1 < max_new_tokens:
-                logits = decoder.step(token.to(self.dev))
-        for u in until:
-            text = text.split(u)[0]
-        return text
-
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Continuations cut before the first `until` string (or at the end-of-document token), `batch_size`
+        requests decoded side by side, each with its own settings."""
         out = []
-        for req in requests:
-            context, kwargs = req.args
-            kwargs = dict(kwargs or {})
-            until = kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
-            temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
-            do_sample = bool(kwargs.pop("do_sample", False)) and temperature > 0
-            sampling = Sampling(temperature=temperature if do_sample else 0.0, top_p=float(kwargs.pop("top_p", 1.0) or 1.0),
-                                top_k=int(kwargs.pop("top_k", 0) or 0))
-            text = self.continue_text(context, until, max_new, sampling)
-            self.cache_hook.add_partial("generate_until", req.args, text)
-            out.append(text)
+        args = [req.args for req in requests]
+        for s in range(0, len(args), self.rows):
+            batch = args[s : s + self.rows]
+            prompts, max_new, stops, sampling = [], [], [], []
+            for context, kwargs in batch:
+                kwargs = dict(kwargs or {})
+                until = kwargs.get("until") or []
+                stops.append([until] if isinstance(until, str) else list(until))
+                max_new.append(int(kwargs.get("max_gen_toks", self.max_gen_toks)))
+                temperature = float(kwargs.get("temperature", 0.0) or 0.0)
+                greedy = not kwargs.get("do_sample", False) or temperature <= 0
+                sampling.append(Sampling(temperature=0.0 if greedy else temperature, top_k=int(kwargs.get("top_k", 0) or 0),
+                                         top_p=float(kwargs.get("top_p", 1.0) or 1.0)))
+                prompts.append(self.encode(context) or [self.eod])
+            gen = generate_batch(self.model, prompts, max_new_tokens=max_new, sampling=sampling, stop=stops,
+                                 eod_id=self.eod, tokenizer=self.tok, chunk_size=self.chunk)
+            for a, row in zip(batch, gen.rows):
+                self.cache_hook.add_partial("generate_until", a, row.text)
+                out.append(row.text)
         return out
 
 

@@ -70,13 +70,24 @@ def test_rolling_loglikelihood_scores_every_token_after_the_eod(adapter):
 
 def test_generate_until_is_the_decoders_text_cut_at_the_stop(adapter):
     (free,) = adapter.generate_until([request("generate_until", CONTEXT, {"until": ["\u2603"], "max_gen_toks": 12})])
-    ids = adapter.encode(CONTEXT)
-    out = generate(adapter.model, ids, max_new_tokens=12, chunk_size=16, eod_id=eod_id(adapter.tok)).tokens
-    assert free == adapter.tok.decode([t for t in out if t != eod_id(adapter.tok)])
+    eod = eod_id(adapter.tok)
+    out = generate(adapter.model, adapter.encode(CONTEXT), max_new_tokens=12, chunk_size=16, eod_id=eod).rows[0].tokens
+    assert free == adapter.tok.decode([t for t in out if t != eod])
     stop = free.strip()[:2]
     if stop:
         (cut,) = adapter.generate_until([request("generate_until", CONTEXT, {"until": [stop], "max_gen_toks": 12})])
         assert cut == free.split(stop)[0]
+
+
+def test_generate_until_in_batches_gives_each_requests_own_text(adapter):
+    reqs = [request("generate_until", c, {"until": ["\u2603"], "max_gen_toks": n})
+            for c, n in [(CONTEXT, 5), ("the ship", 9), ("in the morning the river was", 3)]]
+    alone = [adapter.generate_until([r])[0] for r in reqs]
+    adapter.rows = 3
+    try:
+        assert adapter.generate_until(reqs) == alone
+    finally:
+        adapter.rows = 1
 
 
 # ----------------------------------------------------------------------------- through lm-eval

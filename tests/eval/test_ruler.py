@@ -131,15 +131,18 @@ def test_eval_task_scores_the_continuations(runs, tmp_path, monkeypatch, corpus)
     """Through the CLI: prompts reach the model, continuations are scored per task and length."""
     seen = []
 
-    def answer_half(model, tokenizer, ids, max_new_tokens, chunk_size):
-        seen.append((len(ids), max_new_tokens))
-        s = next(x for x in made if x.ids == ids)
-        return " " + " ".join(s.answers[: (len(s.answers) + 1) // 2]) if s.index == 0 else " nothing"
+    def answer_half(model, tokenizer, prompts, max_new_tokens, chunk_size):
+        out = []
+        for ids in prompts:
+            seen.append((len(ids), max_new_tokens))
+            s = next(x for x in made if x.ids == ids)
+            out.append(" " + " ".join(s.answers[: (len(s.answers) + 1) // 2]) if s.index == 0 else " nothing")
+        return out
 
     made = []
     real = ruler_task.make_sample
     monkeypatch.setattr(ruler_task, "make_sample", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
-    monkeypatch.setattr(ruler_task, "continuation", answer_half)
+    monkeypatch.setattr(ruler_task, "continuations", answer_half)
     out = tmp_path / "r.json"
     res = CliRunner().invoke(app, ["eval", str(runs["sparsek"]), "--task", "ruler:niah_single_1,niah_multivalue",
                                    "--max-len", "1024", "--trials", "2", "--data", str(corpus / "*.txt"), "--json", str(out)])

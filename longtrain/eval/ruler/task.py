@@ -4,8 +4,8 @@
 --trials samples (RULER's own runs use 500; the default here, 4, is a quick look); each prompt
 ends with the task's answer prefix and the model continues it greedily for the task's token budget
 (RULER's tokens_to_generate: 128 for niah, 30 vt, 120 cwe, 50 fwe) or until the end-of-document
-token. Scores are string_match_all in percent, so they read as RULER's tables for a base model.
-The essay haystacks are text of the evaluation documents (--data, else the run's validation
+token, ROWS prompts side by side. Scores are string_match_all in percent, so they read as RULER's
+tables for a base model. The essay haystacks are text of the evaluation documents (--data, else the run's validation
 split). The table prints each length next to the KV budget (k + w): past it, a sliding window
 alone cannot see the needle.
 """
@@ -32,7 +32,7 @@ from longtrain.eval.tasks import (
     TaskResult,
     register,
 )
-from longtrain.generate import generate
+from longtrain.generate import generate_batch
 from longtrain.model.chunks import resolve_chunk_size
 
 FIRST_LENGTH = 4096  # RULER's shortest
@@ -55,14 +55,21 @@ def selected_tasks(argument: str | None) -> list[str]:
     return [n for n in TASKS if n in names]
 
 
+ROWS = 8  # prompts decoded side by side
+
+
 @torch.no_grad()
-def continuation(model, tokenizer, ids: list[int], max_new_tokens: int, chunk_size: int) -> str:
-    """The greedy continuation of a prompt: `max_new_tokens`, or up to the end-of-document token."""
+def continuations(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, chunk_size: int) -> list[str]:
+    """Greedy continuations of the prompts (any lengths, ROWS at a time): `max_new_tokens` each, or up to the
+    end-of-document token."""
     from longtrain.data.tokenizer import eod_id
 
-    eod = eod_id(tokenizer)
-    out = generate(model, ids, max_new_tokens=max_new_tokens, chunk_size=chunk_size, eod_id=eod).tokens
-    return tokenizer.decode([t for t in out if t != eod])
+    out = []
+    for s in range(0, len(prompts), ROWS):
+        gen = generate_batch(model, prompts[s : s + ROWS], max_new_tokens=max_new_tokens, eod_id=eod_id(tokenizer),
+                             tokenizer=tokenizer, chunk_size=chunk_size)
+        out += [row.text for row in gen.rows]
+    return out
 
 
 def haystack_text(ctx: EvalContext, tokens: int) -> list[str]:
@@ -88,14 +95,14 @@ def run(ctx: EvalContext) -> TaskResult:
     cells = []
     for length in lengths:
         for name in names:
-            guess, samples = None, []
+            made, guess = [], None
             for i in range(opts.trials):
-                s = make_sample(name, tok, length, seed=opts.seed, index=i, haystack=haystack, guess=guess)
-                guess = s.haystack_units
-                pred = continuation(model, tok, s.ids, s.max_new_tokens, chunk)
-                samples.append({"prompt_tokens": len(s.ids), "answers": s.answers, "prediction": pred,
-                                "score": match_all(pred, s.answers)})
-                ctx.progress.advance(length)
+                made.append(make_sample(name, tok, length, seed=opts.seed, index=i, haystack=haystack, guess=guess))
+                guess = made[-1].haystack_units
+            preds = continuations(model, tok, [s.ids for s in made], made[0].max_new_tokens, chunk)
+            samples = [{"prompt_tokens": len(s.ids), "answers": s.answers, "prediction": p, "score": match_all(p, s.answers)}
+                       for s, p in zip(made, preds)]
+            ctx.progress.advance(length * len(made))
             score = 100 * sum(x["score"] for x in samples) / len(samples)
             cells.append({"task": name, "length": length, "score": score, "samples": samples})
 
