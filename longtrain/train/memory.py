@@ -112,6 +112,8 @@ def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position:
             # k + w + 63 gathered keys for the backward (measured: 120 KB a query at k = w = 128, 8 heads)
             op_keys += layers * B * L * H * ((att.topk or 0) + (att.window or 0) + 63) * 48
     op = layers * B * (2 * L * H * D * e + 4 * L * H) + op_keys  # q and o, a float32 row statistic
+    if cfg.activation_checkpointing:  # each block keeps its float32 input; the backward recomputes one block at a time
+        acts, op = layers * B * L * d * 4 + acts // layers, op // layers
     rows = max(1, SLICE_ELEMENTS // vocab_size)
     loss = min(rows, B * L) * vocab_size * (2 * e + 8) + B * L * d * 4 + vocab_size * d * 4
     embed = 3 * B * L * d * 4  # the embedding's output, the final norm's input and output
@@ -148,4 +150,6 @@ def advice(recipe, *, suggest_max_context: int | None = None) -> str:
         tips.append("or train with attention.type sparsek+sw, whose cache has a fixed size")
     elif cfg.precision in ("fp32",):
         tips.append("or train.precision bf16")
+    if not cfg.activation_checkpointing:
+        tips.append("or --set train.activation_checkpointing=true (blocks recomputed in the backward: less memory, same results)")
     return "; ".join(tips)
