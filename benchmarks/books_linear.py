@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--steps", type=int, default=300, help="steps per run (the cosine schedule's length)")
+    ap.add_argument("--steps", type=int, default=250, help="steps per run (the cosine schedule's length)")
     ap.add_argument("--budget", type=float, default=300, help="seconds of training per run (all run at once)")
     ap.add_argument("--part", default="all", choices=["all", "prepare", "train", "eval", "summary"])
     ap.add_argument("--smoke", action="store_true", help="a toy size on the CPU")
