@@ -3,9 +3,10 @@
 Reads `config.json`, the safetensors weights (one file, or shards listed by
 `model.safetensors.index.json`) with `safetensors` and `tokenizer.json` with `tokenizers`: no network
 and no `transformers`. Families: Llama (1-3, TinyLlama), Mistral, Qwen2 and GPT-NeoX (Pythia),
-with plain or scaled RoPE (linear, dynamic, yarn, llama3); see hf_families. Writes `RUN_DIR/checkpoints/step-00000000/` (float32 weights in longtrain's layout, the
-recipe, the tokenizer) and `RUN_DIR/recipe.yaml`, so `fit` (through `train.init_from`), `eval`,
-`generate` and `verify-equivalence` take it like any checkpoint. Imported with `--attention full`, the
+with plain or scaled RoPE (linear, dynamic, yarn, llama3); see hf_families. Writes
+`RUN_DIR/checkpoints/step-00000000/` (float32 weights in longtrain's layout, the recipe, the tokenizer)
+and `RUN_DIR/recipe.yaml`, so `fit` (through `train.init_from`), `eval`, `generate` and
+`verify-equivalence` take it like any checkpoint. Imported with `--attention full`, the
 model computes what the Hugging Face one does (CI compares logits with `transformers`).
 
 With a SparseK attention type each layer gains a scoring vector w_score [G, d] (G = 1 shared, or one
