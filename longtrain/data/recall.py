@@ -22,10 +22,10 @@ Filler: `words` (random common English words, built in), `stdlib` (the standard 
 or `files` (the documents under data.path, e.g. books): a window of `doc_tokens` - 1 tokens at a random
 offset of a random filler document long enough. Document i is a function of (seed, i) only.
 
-Training goes through the ordinary path: the tokenizer is trained on (or loaded for) the filler,
-the generated documents are written once into the token cache (keyed by the recall settings, the
-tokenizer and the filler's content) and read by `DocumentStream` like any corpus, so chunks, the
-KV cache, resume and validation (a `data.valid` fraction) all work unchanged.
+Training goes through the ordinary path: the tokenizer is trained on (or loaded for) the filler, and
+`GeneratedDocs` (TokenDocs' interface, each document generated when it is first read; keyed by the
+recall settings, the tokenizer and the filler's content) is read by `DocumentStream` like any corpus,
+so chunks, the KV cache, resume and validation (a `data.valid` fraction) all work unchanged.
 """
 
 from __future__ import annotations
