@@ -89,3 +89,29 @@ def test_trust_remote_code_runs_sparsek_with_longtrains_logits(name, tmp_path):
     for _ in range(6):
         seq = torch.cat([seq, lt(seq).logits[:, -1:].argmax(-1)], 1)
     assert torch.equal(out, seq)
+
+
+def test_the_remote_threshold_equals_longtrains_operator():
+    """modeling_longtrain.py's plain sparsek_threshold against longtrain.ops' (ties, n just above k, wide spreads)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from longtrain.ops import sparsek_threshold
+
+    folder = Path(__file__).resolve().parents[2] / "longtrain/interop/remote"
+    try:  # as a package of its own, as transformers loads it (its relative import of configuration_longtrain)
+        spec = importlib.util.spec_from_file_location("longtrain_remote", folder / "__init__.py", submodule_search_locations=[str(folder)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["longtrain_remote"] = package
+        spec.loader.exec_module(package)
+        from longtrain_remote import modeling_longtrain as remote
+    finally:
+        for name in [m for m in sys.modules if m.startswith("longtrain_remote")]:
+            del sys.modules[name]
+    g = torch.Generator().manual_seed(0)
+    for n, k, scale in ((5, 4, 1.0), (9, 3, 0.1), (40, 7, 3.0), (64, 1, 10.0), (17, 16, 0.01)):
+        z = torch.randn(6, n, generator=g, dtype=torch.float64) * scale
+        z[0, 1:3] = z[0, 0]  # ties
+        z[1, :k] = z[1, k:].max() + 1 + torch.rand(k, generator=g, dtype=torch.float64)  # f flat at k: the smallest tau
+        assert torch.allclose(remote.sparsek_threshold(z, k), sparsek_threshold(z, k), rtol=0, atol=1e-12)

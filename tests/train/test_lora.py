@@ -54,3 +54,25 @@ def test_only_adapters_and_scoring_vectors_learn_even_after_a_freeze_thaws():
 def test_a_target_the_model_lacks_is_refused():
     with pytest.raises(RecipeError, match=r"train.lora.targets \['gate'\] are not projections of this gpt2 model"):
         adapted(style="gpt2", targets=["q_proj", "gate"])
+
+
+def test_adapter_gradients_in_float64():
+    """Gradients through the hooked linear (input, A, B) against finite differences, and its output."""
+    from torch.func import functional_call
+
+    from longtrain.train.lora import LoRA, _add_adapter_output
+
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(5, 4).double()
+    linear.lora = LoRA(linear, rank=2, alpha=3.0, dropout=0.0).double()
+    linear.register_forward_hook(_add_adapter_output)
+
+    def f(x, a, b):
+        return functional_call(linear, {"lora.a": a, "lora.b": b}, (x,), strict=False)
+
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(f, (x, a, b))
+    want = x @ linear.weight.T + linear.bias + x @ a.T @ b.T * 1.5  # alpha / rank
+    assert torch.allclose(f(x, a, b), want, rtol=0, atol=1e-12)

@@ -54,16 +54,18 @@ def sparsek_threshold(z: torch.Tensor, k: int) -> torch.Tensor:
     """tau [R] with sum_j clamp(z_j - tau, 0, 1) = k for rows z [R, n] (n > k), float64.
 
     f(t) = sum clamp(z - t, 0, 1) is continuous, piecewise linear and non-increasing, with breakpoints
-    at every z_j and z_j - 1: find the two neighbouring breakpoints around f = k and interpolate.
+    at every z_j and z_j - 1: find the two neighbouring breakpoints around f = k and interpolate. Where
+    f is flat at k, tau is not unique (the gates are): this takes the smallest, as longtrain does.
     """
     z = z.to(torch.float64)
+    n = z.shape[-1]
     breaks = torch.cat([z, z - 1], dim=-1).sort(dim=-1, descending=True).values  # [R, 2n]
     f = (z[:, None, :] - breaks[:, :, None]).clamp(0, 1).sum(-1)  # [R, 2n], non-decreasing
-    j = (f < k).sum(-1, keepdim=True).clamp(1, breaks.shape[-1] - 1)  # first breakpoint with f >= k
-    t_lo, f_lo = breaks.gather(-1, j), f.gather(-1, j)
-    t_hi, f_hi = breaks.gather(-1, j - 1), f.gather(-1, j - 1)
-    slope = torch.where(f_lo > f_hi, (t_hi - t_lo) / (f_lo - f_hi), torch.zeros_like(t_lo))
-    return (t_lo + (f_lo - k) * slope)[:, 0]
+    tol = 1e-12 * n * (1 + z.abs().amax(-1, keepdim=True))  # rounding of the sums
+    j = ((f <= k + tol).sum(-1, keepdim=True) - 1).clamp(0, 2 * n - 2)  # last breakpoint with f <= k
+    t_hi, f_hi = breaks.gather(-1, j), f.gather(-1, j)  # f(t_hi) <= k
+    t_lo, f_lo = breaks.gather(-1, j + 1), f.gather(-1, j + 1)  # f(t_lo) > k: tau is between
+    return (t_hi - (k - f_hi) * (t_hi - t_lo) / (f_lo - f_hi).clamp(min=1e-300))[:, 0]
 
 
 def sparsek_gates(u: torch.Tensor, query_pos: int, key_pos: torch.Tensor, topk: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
