@@ -42,10 +42,13 @@ def inspect(
     from longtrain.device import pick_device
     from longtrain.train.checkpoint import load_checkpoint
 
-    content = read_text(text.read_bytes(), str(text))  # a binary or empty file is refused before the checkpoint is read
+    limit = max_tokens or MAX_TOKENS
+    with open(text, "rb") as f:  # what first_tokens can use (32 characters a token, up to 4 bytes each), not a whole huge file
+        raw = f.read(128 * limit + 1)
+    # a binary or empty file is refused before the checkpoint is read
+    content = read_text(raw[: 128 * limit], str(text), cut=len(raw) > 128 * limit)
     device = pick_device(device)
     loaded = load_checkpoint(checkpoint, device=device)
-    limit = max_tokens or MAX_TOKENS
     content, n_tokens = first_tokens(loaded.tokenizer, content, limit)
     if n_tokens > limit:
         print(f"note: read the first {limit:,} tokens of {text} (it has more); --max-tokens N reads more")

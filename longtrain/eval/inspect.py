@@ -50,8 +50,9 @@ def selecting_layers(model) -> list[int]:
     return [i for i, blk in enumerate(model.blocks) if blk.attn.topk > 0]
 
 
-def read_text(raw: bytes, name: str) -> str:
-    """The file's bytes as text; InspectError for a binary or non-UTF-8 file (before any model work)."""
+def read_text(raw: bytes, name: str, *, cut: bool = False) -> str:
+    """The file's bytes as text; InspectError for a binary or non-UTF-8 file (before any model work).
+    cut: `raw` is the start of a longer file, so a character its end splits is dropped."""
     nul = raw.find(b"\x00")
     if nul >= 0:
         raise InspectError(
@@ -61,6 +62,8 @@ def read_text(raw: bytes, name: str) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
+        if cut and e.reason == "unexpected end of data":
+            return read_text(raw[: e.start], name)
         raise InspectError(
             f"--text {name} is not UTF-8 text (byte {e.start:,} is {raw[e.start:e.start + 1]!r}); "
             "give a UTF-8 text file (convert it first, e.g. iconv -t UTF-8)"

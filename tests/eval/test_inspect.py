@@ -158,3 +158,12 @@ def test_a_png_too_tall_is_refused_before_the_model_pass(sparsek_run, tmp_path, 
     msg = " ".join(one.output.split())
     assert one.exit_code == 2 and "too tall for a PNG" in msg and "--layer" not in msg
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_character_cut_by_the_bounded_read_is_dropped_not_refused():
+    from longtrain.eval.inspect import InspectError, read_text
+
+    cut_inside = "caféé".encode()[:-1]  # the last é's second byte is missing
+    assert read_text(cut_inside, "f.txt", cut=True) == "café"
+    with pytest.raises(InspectError, match="not UTF-8 text"):
+        read_text(cut_inside, "f.txt")  # a whole file that ends mid-character is not UTF-8
