@@ -271,6 +271,11 @@ class Trainer:
         if self.cfg.init_from and self.resume_from is None:  # a fresh fine-tuning run reads its source first
             check_init_source(self.cfg.init_from)
         self.corpus = self.prepare_data()
+        wants = [k for k, on in (("checkpoint.keep_best", self.recipe.checkpoint.keep_best),
+                                 ("train.early_stopping", self.cfg.early_stopping is not None)) if on]
+        if wants and not len(self.corpus.valid):
+            raise TrainingError(f"{' and '.join(wants)} compare validation losses, but the data has no validation "
+                                "documents; set data.valid (a folder, or a fraction such as 0.02)")
         self.hashes = run_hashes(self.recipe, self.corpus.tokenizer)
         if self.resume_from is None:
             return None

@@ -179,6 +179,9 @@ def test_keep_best_and_early_stopping_need_validation(workspace):
     tmp, recipe = workspace
     r = cli("fit", recipe(), "--set", "train.valid_every=0", "--set", "checkpoint.keep_best=true", "--dry-run")
     assert r.exit_code == 2 and "checkpoint.keep_best compare validation losses, but train.valid_every is 0" in " ".join(r.output.split())
+    r = cli("fit", recipe(), "--run-dir", tmp / "r", "--set", "data.valid=null", "--set", "train.early_stopping={patience: 2}")
+    assert r.exit_code == 1 and "the data has no validation documents; set data.valid" in " ".join(r.output.split())
+    assert not (tmp / "r").exists()
 
 
 def test_activation_checkpointing_trains_bitwise_the_same_and_resumes(workspace):
