@@ -164,8 +164,8 @@ def test_bad_arguments(args, message):
 
 @pytest.mark.parametrize("topk,window,H,Hkv,D,variant,t", [
     (5, 4, 6, 2, 12, "hard_k_soft_v", 9),  # 3 query heads per KV head, D no power of 2, a pool not yet full
-    (40, 3, 2, 2, 8, "soft_kv", 70),  # K above the kernel's block of keys
-    (0, 37, 4, 1, 16, "hard_k_soft_v", 20),  # sliding window only, a tail longer than the block, partly before 0
+    (140, 3, 2, 2, 8, "soft_kv", 300),  # K above the kernel's block of keys (128 here)
+    (0, 150, 4, 1, 16, "hard_k_soft_v", 100),  # sliding window only, a tail longer than the block, partly before 0
     (6, 0, 2, 2, 8, "straight_through", 30),  # SparseK only: the token sees itself only through the pool
     (3, 1, 4, 4, 8, "soft_kv", 5),  # w = 1: no tail
 ])

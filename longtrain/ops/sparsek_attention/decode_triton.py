@@ -261,12 +261,16 @@ def attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, w
     K, Wt = cache.topk, cache.tail_slots
     o = torch.empty_like(q)
     cdt = tl.float64 if q.dtype == torch.float64 else tl.float32
+    RB, DB = triton.next_power_of_2(H // Hkv), triton.next_power_of_2(D)
+    # Keys per block: as many as keep the [RB, BN, DB] product at 8k elements (one row alone has only Hkv
+    # programs, so fewer, longer blocks shorten its chain of dependent loads), 16 to 128.
+    BN = max(16, min(128, 8192 // (RB * DB)))
     attend_kernel[(B, Hkv)](
         q.contiguous(), cache.pool_k.contiguous(), cache.pool_v.contiguous(), cache.tail_k.contiguous(),
         cache.tail_v.contiguous(), k.contiguous(), v.contiguous(),
         cache.pool_pos.contiguous(), cache.pool_u.contiguous(), cache.tau.contiguous(), cache.seen.contiguous(),
         o, torch.full((1,), scale, dtype=torch.float64, device=q.device), K, Wt, Hkv, H,
-        R=H // Hkv, RB=triton.next_power_of_2(H // Hkv), D=D, DB=triton.next_power_of_2(D), BN=32,
+        R=H // Hkv, RB=RB, D=D, DB=DB, BN=BN,
         GATED=K > 0 and variant != "straight_through", SOFT_KV=variant == "soft_kv", SELF_OK=window > 0, CDT=cdt,
         num_warps=4,
     )
