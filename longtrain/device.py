@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from longtrain.errors import UsageError
+from longtrain.errors import TrainingError, UsageError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -26,3 +26,12 @@ def pick_dtype(dtype: str | None, device: str) -> str:
     if dtype not in DTYPES:
         raise UsageError(f"must be one of {', '.join(DTYPES)}; got {dtype!r}", arg="dtype")
     return dtype
+
+
+def train_device(choice: str) -> torch.device:
+    """`fit`'s device for train.device (auto | cpu | cuda)."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise TrainingError("train.device is cuda but no CUDA device is visible; use `--set train.device=cpu`")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)

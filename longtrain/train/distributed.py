@@ -25,6 +25,7 @@ SparseK scorers keep fp32 parameters: scores decide the selection, see DESIGN.md
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import warnings
@@ -128,8 +129,16 @@ def setup(parallel: str, device: torch.device) -> tuple[Ranks, torch.device, lis
     return ranks, device, notes
 
 
-def teardown() -> None:
-    """Close the process group (every rank, at the end of the run, also after an error)."""
+def teardown(drop: list | None = None) -> None:
+    """Close the process group (every rank, at the end of the run, also after an error).
+
+    `drop`: what holds on to the group (a model, FSDP's mesh), released first. The group must be
+    destroyed while Python is fully alive: if what holds it outlives it until interpreter shutdown,
+    gloo's destructor waits on worker threads that wait for the GIL (a hang).
+    """
+    if drop is not None:
+        drop.clear()
+        gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -295,6 +304,21 @@ class NoMetrics:
 
 
 # ------------------------------------------------------------------ the model
+
+
+@contextmanager
+def hold_run_dir(run_dir, ranks: Ranks):
+    """Rank 0 holds the run dir (run_dir.RunLock) for the whole run; if it is busy, every rank stops
+    with the same error."""
+    from longtrain.train.run_dir import RunLock
+
+    lock = RunLock(run_dir)
+    on_main(lambda: lock.__enter__() and None, ranks)
+    try:
+        yield
+    finally:
+        if ranks.is_main:
+            lock.__exit__(None, None, None)
 
 
 def wrap_model(

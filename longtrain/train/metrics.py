@@ -69,6 +69,11 @@ def tensorboard_missing() -> str | None:
     return None
 
 
+def missing_extras(logging) -> str | None:
+    """What the recipe's `logging:` section asks for that is not installed (wandb, tensorboard), in words."""
+    return (logging.wandb and wandb_missing()) or (logging.tensorboard and tensorboard_missing()) or None
+
+
 class MetricsLogger:
     """Appends step records to metrics.jsonl, consistent with the checkpoint resumed from.
 
@@ -320,3 +325,17 @@ def _duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def read_numbers(records: list[dict], keys: Sequence[str], flag: torch.Tensor | None) -> tuple[int, bool]:
+    """Replace the device tensors under `keys` in `records` by their numbers, reading them and `flag`
+    ([] bool on the device, or None) in one host sync; returns (how many were read, the flag's value)."""
+    unread = [(r, key) for r in records for key in keys if isinstance(r.get(key), torch.Tensor)]
+    flags = [flag] if flag is not None else []
+    if not unread and not flags:
+        return 0, False
+    values = torch.stack([r[key].detach().float().reshape(()) for r, key in unread] + [f.float() for f in flags])
+    numbers = values.tolist()
+    for (r, key), value in zip(unread, numbers):
+        r[key] = value
+    return len(unread), bool(flags) and numbers[-1] > 0

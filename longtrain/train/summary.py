@@ -8,6 +8,7 @@ returns lines; the trainer decides when to print them.
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,6 @@ from longtrain.data.cache import disk_size
 from longtrain.model.attention_types import kv_entries
 from longtrain.train import memory
 from longtrain.train.metrics import gib
-from longtrain.train.checkpoint import step_of
 from longtrain.train.run_dir import set_aside
 
 if TYPE_CHECKING:
@@ -34,6 +34,34 @@ def skipped_files(stats: dict) -> list[str]:
             named = "; ".join(f"{f} {why}" for f, why in skipped[:10]) + (f"; and {len(skipped) - 10} more" if len(skipped) > 10 else "")
             out.append(f"warning: {_n(len(skipped), 'file')} of the {split} data skipped (data.on_bad_file: skip): {named}")
     return out
+
+
+@dataclass
+class FitResult:
+    run_dir: Path
+    start_step: int  # the step this session started from (0, or the checkpoint's)
+    steps: int  # last completed step
+    tokens: int  # trained on since step 0
+    session_tokens: int  # trained on in this session
+    seconds: float  # wall clock of this session's training loop
+    train_seconds: float  # of which training steps: validation and checkpoint saves left out
+    last_loss: float | None  # None when this session ran no step
+    final_valid_loss: float | None
+    best_valid_loss: float | None
+    checkpoint: Path | None
+    stopped_by: int | None = None  # the signal that stopped the run early (SIGINT, SIGTERM)
+    out_of_patience: str | None = None  # train.early_stopping stopped the run: why, in words
+    best_checkpoint: Path | None = None  # checkpoint.keep_best: the checkpoint of the best validation loss
+    forked_from: Path | None = None  # --fork: the checkpoint (often another run's) this run started from
+
+    @property
+    def session_steps(self) -> int:
+        return self.steps - self.start_step
+
+    @property
+    def exit_code(self) -> int:
+        """0 for a run that finished, 128 + signal for one a signal stopped (130 SIGINT, 143 SIGTERM)."""
+        return 128 + self.stopped_by if self.stopped_by is not None else 0
 
 
 def run_summary(t: Trainer) -> list[str]:
@@ -239,8 +267,23 @@ def dry_run_plan(t: Trainer) -> str:
         plan += f", starting from the weights of {cfg.init_from}"
     return plan
 
+def nan_loss_message(loss: float, step: int, last_saved: Path | None) -> str:
+    """Why the run stops at a NaN or infinite loss, and what to change."""
+    where = f"; the last good checkpoint is {last_saved}" if last_saved else ""
+    return (f"loss is {loss} at step {step}: stopping without saving{where}. "
+            "Lower train.lr or raise train.warmup_steps, then resume.")
 
-def steps_text(checkpoints: list[Path]) -> str:
-    """'step 4' or 'steps 2–8': the steps of a list of checkpoints, oldest first."""
-    first, last = step_of(checkpoints[0]), step_of(checkpoints[-1])
-    return f"steps {first}–{last}" if len(checkpoints) > 1 else f"step {first}"
+
+def overflow_warning(step: int) -> str:
+    """The trainer's warning when a threshold state overflowed (read at log lines)."""
+    return (f"a layer's SparseK threshold state hit its cap (attention.threshold_cap) by step {step} "
+            "(it is read at log lines, so it may have happened up to logging.every steps earlier); "
+            "thresholds are approximate from there. Raise attention.threshold_cap to keep them exact.")
+
+
+def out_of_patience_message(state, stop) -> str:
+    """Why train.early_stopping (`stop`) ends the run at TrainState `state`."""
+    at = f" (at step {state.best_step})" if state.best_step is not None else ""
+    passes = f"{stop.patience} validation pass{'es' if stop.patience != 1 else ''}"
+    return (f"validation loss has not improved by more than {stop.min_delta:g} for {passes}; "
+            f"the best was {state.best_valid_loss:.4f}{at}")

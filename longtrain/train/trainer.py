@@ -34,31 +34,32 @@ stop) reach every rank, so they go on or stop together.
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from longtrain.console import make_console
-from longtrain.console import plural as _n
 from longtrain.data import DocumentStream, PreparedCorpus, prepare_corpus
 from longtrain.data.stream import Chunk
+from longtrain.device import train_device
 from longtrain.errors import TrainingError  # noqa: F401  (raised here; defined with the others)
 from longtrain.model import LM, LMConfig, warn_threshold_overflow
 from longtrain.model.chunks import ChunkReader, send
 from longtrain.train import distributed
-from longtrain.train.checkpoint import RECIPE_FILE, TOKENIZER_FILE, Checkpointer, RunCheckpoints, TrainState, run_hashes, step_of
+from longtrain.train.checkpoint import RECIPE_FILE, TOKENIZER_FILE, Checkpointer, RunCheckpoints, TrainState, run_hashes
 from longtrain.train.determinism import deterministic
 from longtrain.train.diagnostics import SelectionDiagnostics
 from longtrain.train.distributed import Ranks
 from longtrain.train.init import apply_freeze, check_init_source, imported_origin, init_from_checkpoint
 from longtrain.train.lora import add_lora
 from longtrain.train.metrics import (
+    missing_extras,
+    read_numbers,
     METRICS_FILE,
     TENSORBOARD_DIR,
     WANDB_ID_FILE,
@@ -67,60 +68,22 @@ from longtrain.train.metrics import (
     RowProgress,
     StepStats,
     peak_memory_bytes,
-    tensorboard_missing,
-    wandb_missing,
     wandb_settings,
 )
 from longtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from longtrain.train.checkpoint.ranks import Layout
 from longtrain.train.recipe import Recipe, recipe_to_yaml
 from longtrain.train.checkpoint.rng import seed_everything
-from longtrain.train.run_dir import RunLock, move_aside, write_atomically
+from longtrain.train.run_dir import write_atomically
 from longtrain.train.signals import StopSignal, kill_for_tests_after, signal_for_tests_at
 from longtrain.train import summary
-from longtrain.train.summary import steps_text
+from longtrain.train.summary import FitResult
 from longtrain.train.validation import evaluate
 from longtrain.train.step_graph import ChunkGraph, ChunkInputs, ChunkResult, graph_unusable
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COMPILE_BACKEND_ENV = "LONGTRAIN_COMPILE_BACKEND"  # train.compile's backend: inductor, or aot_eager to debug
 COMPILE_MODE_ENV = "LONGTRAIN_COMPILE_MODE"  # torch.compile's mode to try, e.g. max-autotune-no-cudagraphs
-
-
-@dataclass
-class FitResult:
-    run_dir: Path
-    start_step: int  # the step this session started from (0, or the checkpoint's)
-    steps: int  # last completed step
-    tokens: int  # trained on since step 0
-    session_tokens: int  # trained on in this session
-    seconds: float  # wall clock of this session's training loop
-    train_seconds: float  # of which training steps: validation and checkpoint saves left out
-    last_loss: float | None  # None when this session ran no step
-    final_valid_loss: float | None
-    best_valid_loss: float | None
-    checkpoint: Path | None
-    stopped_by: int | None = None  # the signal that stopped the run early (SIGINT, SIGTERM)
-    out_of_patience: str | None = None  # train.early_stopping stopped the run: why, in words
-    best_checkpoint: Path | None = None  # checkpoint.keep_best: the checkpoint of the best validation loss
-    forked_from: Path | None = None  # --fork: the checkpoint (often another run's) this run started from
-
-    @property
-    def session_steps(self) -> int:
-        return self.steps - self.start_step
-
-    @property
-    def exit_code(self) -> int:
-        """0 for a run that finished, 128 + signal for one a signal stopped (130 SIGINT, 143 SIGTERM)."""
-        return 128 + self.stopped_by if self.stopped_by is not None else 0
-
-
-def pick_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("train.device is cuda but no CUDA device is visible; use `--set train.device=cpu`")
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(choice)
 
 
 def fit(recipe: Recipe, *, run_dir: Path | None = None, resume: str = "auto", fork: bool = False, console=None) -> FitResult:
@@ -166,7 +129,7 @@ class Trainer:
     def train(self) -> FitResult:
         self.start_ranks()  # torchrun's ranks and their process group (none for one process)
         try:
-            with self.hold_run_dir(), deterministic(self.cfg.deterministic):
+            with distributed.hold_run_dir(self.run_dir, self.ranks), deterministic(self.cfg.deterministic):
                 self.setup()  # nothing is written to the run dir before this returns
                 if self.state.step >= self.cfg.steps or self.out_of_patience():  # finished: nothing to do or write
                     return self.result(seconds=0.0)
@@ -185,35 +148,17 @@ class Trainer:
             self.stop_ranks()
 
     def stop_ranks(self) -> None:
-        """Close the process group, if any; first drop what holds on to it (FSDP's mesh).
-
-        The group must be destroyed while Python is fully alive: if what holds it outlives it until
-        interpreter shutdown, gloo's destructor waits on worker threads that wait for the GIL (a hang).
-        """
-        if not self.ranks.active:
-            return
-        for name in ("train_model", "model", "optimizer", "reader"):
-            self.__dict__.pop(name, None)
-        gc.collect()
-        distributed.teardown()
+        """Close the process group, if any, once what holds on to it is dropped (distributed.teardown)."""
+        if self.ranks.active:
+            held = ("train_model", "model", "optimizer", "reader", "checkpointer")
+            distributed.teardown(drop=[self.__dict__.pop(name, None) for name in held])
 
     def start_ranks(self) -> None:
         """This process's rank, its device (GPU LOCAL_RANK under torchrun) and the process group."""
         try:
-            self.ranks, self.device, self.rank_notes = distributed.setup(self.cfg.parallel, pick_device(self.cfg.device))
+            self.ranks, self.device, self.rank_notes = distributed.setup(self.cfg.parallel, train_device(self.cfg.device))
         except distributed.LaunchError as e:
             raise TrainingError(str(e)) from None
-
-    @contextmanager
-    def hold_run_dir(self):
-        """Rank 0 holds the run dir for the whole run; if it is busy, every rank stops with the same error."""
-        lock = RunLock(self.run_dir)
-        distributed.on_main(lambda: lock.__enter__() and None, self.ranks)
-        try:
-            yield
-        finally:
-            if self.ranks.is_main:
-                lock.__exit__(None, None, None)
 
     def layout(self) -> Layout:
         """This run's rows: ranks × train.batch_docs (global row g = rank · batch_docs + r)."""
@@ -224,7 +169,8 @@ class Trainer:
     def setup(self) -> None:
         """Data, model, optimizer, stream and the checkpoint to resume, all checked before the run starts."""
         seed_everything(self.cfg.seed)  # the same on every rank: every replica starts from the same weights
-        self.check_extras()
+        if missing := missing_extras(self.recipe.logging):  # optional packages the recipe asks for
+            raise TrainingError(missing)
         meta = self.read_inputs()
         if meta is not None and (meta["step"] >= self.cfg.steps or self.out_of_patience(TrainState.from_meta(meta))):
             self.state = self.start = TrainState.from_meta(meta)  # finished: no need to build anything
@@ -256,13 +202,6 @@ class Trainer:
             self.checkpointer.restore(self.resume_from)
         self.start = replace(self.state)  # a copy: the state changes every step
 
-    def check_extras(self) -> None:
-        """Optional packages the recipe asks for (fit and its dry run alike)."""
-        if self.recipe.logging.wandb and (missing := wandb_missing()):
-            raise TrainingError(missing)
-        if self.recipe.logging.tensorboard and (missing := tensorboard_missing()):
-            raise TrainingError(missing)
-
     def read_inputs(self) -> dict | None:
         """The corpus, and the checkpoint to resume with its meta checked against this recipe (or None)."""
         # rank 0 picks the checkpoint (validating it whole) and tells the others
@@ -287,8 +226,9 @@ class Trainer:
         It writes nothing to the run dir (the token cache may fill: tokenizing is part of the check), and
         refuses what `fit` would refuse, with the same messages.
         """
-        pick_device(self.cfg.device)  # as start_ranks: no CUDA device is a clean refusal
-        self.check_extras()
+        train_device(self.cfg.device)  # as start_ranks: no CUDA device is a clean refusal
+        if missing := missing_extras(self.recipe.logging):  # optional packages the recipe asks for
+            raise TrainingError(missing)
         meta = self.read_inputs()
         if meta is not None:
             self.state = TrainState.from_meta(meta)
@@ -373,7 +313,13 @@ class Trainer:
         if not self.ranks.is_main:  # the others print only their warnings, and write nothing
             self.display, self.metrics = distributed.OtherRankDisplay(self.ranks), distributed.NoMetrics()
             return
-        moved = self.set_aside_previous()
+        # what the run would otherwise overwrite or mix with (--resume never, --fork: the metrics too)
+        moved = self.checkpoints.set_aside_previous(
+            self.resume, resumed_step=self.state.step if self.resume_from is not None else None,
+            forked_from=self.resume_from if self.fork else None,
+            run_files=[self.run_dir / METRICS_FILE, self.run_dir / TENSORBOARD_DIR]
+            + ([] if self.fork else [self.run_dir / WANDB_ID_FILE]),
+        )
         log = self.recipe.logging
         wandb = wandb_settings(self.run_dir, project=log.wandb_project, name=self.recipe.name or self.run_dir.name,
                                config=self.recipe.model_dump(mode="json")) if log.wandb else None
@@ -392,38 +338,6 @@ class Trainer:
         )
         for line in summary.run_summary(self) + self.init_notes + moved:
             self.display.message(line)
-
-    def set_aside_previous(self) -> list[str]:
-        """Move aside what the run would otherwise overwrite or mix with; returns what it says about it.
-
-        A fresh start over existing checkpoints moves them (with `--resume never`, their metrics too);
-        a resume moves the checkpoints after its step, which belong to the future it rewrites.
-        """
-        old = self.checkpoints.existing()
-        if self.fork:  # a new run from another checkpoint's state: nothing of this run's past stays in its way
-            paths = [self.checkpoints.dir, self.run_dir / METRICS_FILE, self.run_dir / TENSORBOARD_DIR]
-            moved = move_aside(paths, "replaced")
-            aside = f"; moved this run's previous files aside to {', '.join(str(new) for _, new in moved)}" if moved else ""
-            return [f"--fork: a new run from {self.resume_from} (step {self.state.step}): its metrics and checkpoints "
-                    f"start at step {self.state.step + 1}{aside}"]
-        if self.resume_from is not None:
-            later = [p for p in old if step_of(p) > self.state.step]
-            if not later:
-                return []
-            tag = "unusable" if self.resume == "auto" else "superseded"  # auto: the newer ones failed their checks
-            moved = move_aside(later, tag)
-            return [f"moved the checkpoints after step {self.state.step} ({steps_text(later)}) aside, as "
-                    f"{', '.join(new.name for _, new in moved)} in {self.checkpoints.dir}"]
-        if not old:
-            return []
-        if self.resume == "never":
-            paths = [self.checkpoints.dir, self.run_dir / METRICS_FILE, self.run_dir / TENSORBOARD_DIR, self.run_dir / WANDB_ID_FILE]
-            moved = move_aside(paths, "replaced")
-            where = ", ".join(str(new) for _, new in moved)
-            return [f"--resume never: moved the previous run ({_n(len(old), 'checkpoint')}, {steps_text(old)}) aside to "
-                    f"{where}; delete them when you no longer need them"]
-        moved = move_aside([self.checkpoints.dir], "unusable")  # auto, and none of them is complete
-        return [f"warning: no complete checkpoint to resume from; moved the unusable ones ({steps_text(old)}) to {moved[0][1]}"]
 
     # ------------------------------------------------------------------ one step
 
@@ -481,11 +395,6 @@ class Trainer:
             self.read_back()
         signal_for_tests_at(step, self.ranks.rank)
         return record
-
-    @property
-    def cache(self):
-        """The cache the next chunk continues from (what a checkpoint saves)."""
-        return self.reader.cache
 
     def chunk_pass(self, inputs: ChunkInputs, cache) -> ChunkResult:
         """Forward, loss and backward of one chunk from `cache` (gradients stop at the detached cache):
@@ -551,19 +460,12 @@ class Trainer:
         A NaN or infinite loss stops the run here, before any validation or checkpoint of a later
         step: the steps before it are written to metrics.jsonl, the checkpoint on disk is the last good one.
         """
-        unread = [(r, key) for r in self.pending for key in ("loss", "grad_norm", "score_distill")
-                  if isinstance(r.get(key), torch.Tensor)]
-        flags = [self.overflow] if self.overflow is not None else []
-        if unread or flags:
-            values = torch.stack([r[key].detach().float().reshape(()) for r, key in unread] + [f.float() for f in flags])
-            numbers = values.tolist()
-            for (r, key), value in zip(unread, numbers):
-                r[key] = value
-            if flags and numbers[-1] > 0:
-                self.warn_overflow()
-            self.overflow = None
+        unread, overflowed = read_numbers(self.pending, ("loss", "grad_norm", "score_distill"), self.overflow)
+        if overflowed:
+            self.warn_overflow()
+        self.overflow = None
         if unread:
-            self.pending[-1]["cache_fill"] = self.cache.fill()  # for the display's log line
+            self.pending[-1]["cache_fill"] = self.reader.cache.fill()  # for the display's log line
         step = self.state.step
         if self.pending and (step % self.recipe.logging.every == 0 or step == self.cfg.steps) and (selection := self.selection.read()):
             self.pending[-1]["selection"] = selection  # per layer (this rank's rows); one host read per log line
@@ -571,11 +473,7 @@ class Trainer:
             if not math.isfinite(r["loss"]):
                 self.write_records(self.pending[:i])  # they have been through log_step
                 del self.pending[:]
-                where = f"; the last good checkpoint is {self.last_saved}" if self.last_saved else ""
-                raise TrainingError(
-                    f"loss is {r['loss']} at step {r['step']}: stopping without saving{where}. "
-                    "Lower train.lr or raise train.warmup_steps, then resume."
-                )
+                raise TrainingError(summary.nan_loss_message(r["loss"], r["step"], self.last_saved))
         self.last_loss = self.pending[-1]["loss"] if self.pending else self.last_loss
 
     def agree(self, loss_sum: torch.Tensor) -> torch.Tensor:
@@ -610,11 +508,7 @@ class Trainer:
             self._warned_overflow = True
             # the model's Python warning too (training reads the flag here, not in every forward)
             warn_threshold_overflow(stacklevel=2)
-            self.warn(
-                f"a layer's SparseK threshold state hit its cap (attention.threshold_cap) by step {self.state.step} "
-                "(it is read at log lines, so it may have happened up to logging.every steps earlier); "
-                "thresholds are approximate from there. Raise attention.threshold_cap to keep them exact."
-            )
+            self.warn(summary.overflow_warning(self.state.step))
 
     def validation_due(self) -> bool:
         return self.cfg.validates_at(self.state.step) and len(self.corpus.valid) > 0
@@ -626,13 +520,8 @@ class Trainer:
             self.model, self.corpus, self.cfg, self.device, self.ranks, autocast=self.autocast, cache_dtype=self.compute_dtype,
         )
         self.final_valid_loss = loss
-        best, stop = self.state.best_valid_loss, self.cfg.early_stopping
-        if best is None or loss < best:
-            self.state.best_valid_loss, self.state.best_step = loss, self.state.step
-            self.best_unsaved = self.recipe.checkpoint.keep_best  # saved at this step, whatever checkpoint.every says
-        if stop is not None:
-            improved = best is None or loss < best - stop.min_delta
-            self.state.stale_validations = 0 if improved else self.state.stale_validations + 1
+        if self.state.record_validation(loss, self.cfg.early_stopping):  # a new best: saved at this step with
+            self.best_unsaved = self.recipe.checkpoint.keep_best  # checkpoint.keep_best, whatever checkpoint.every says
         ppl = math.exp(min(loss, 700))
         self.display.message(f"step {self.state.step}: validation loss {loss:.4f} (ppl {ppl:.2f})")
         return {"valid_loss": loss, "valid_ppl": ppl, "valid_s": round(time.perf_counter() - t0, 4)}
@@ -673,9 +562,7 @@ class Trainer:
         state, stop = state or self.state, self.cfg.early_stopping
         if stop is None or state.stale_validations < stop.patience:
             return None
-        at = f" (at step {state.best_step})" if state.best_step is not None else ""
-        passes = f"{stop.patience} validation pass{'es' if stop.patience != 1 else ''}"
-        return f"validation loss has not improved by more than {stop.min_delta:g} for {passes}; the best was {state.best_valid_loss:.4f}{at}"
+        return summary.out_of_patience_message(state, stop)
 
     def save(self) -> None:
         """A checkpoint; with several ranks every rank writes its part and rank 0 commits it."""

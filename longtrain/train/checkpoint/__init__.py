@@ -51,11 +51,12 @@ from longtrain.train.checkpoint.storage import (
     read_meta,
     resolve_checkpoint,
     step_of,
+    steps_text,
     weights_problem,
 )
 
 __all__ = [
     "META", "RECIPE_FILE", "TOKENIZER_FILE", "CheckpointError", "CheckpointManager", "CheckpointWarning", "Checkpointer",
     "LoadedCheckpoint", "RunCheckpoints", "TrainState", "beside", "checkpoint_files", "load_checkpoint",
-    "load_recipe_and_tokenizer", "read_meta", "resolve_checkpoint", "run_hashes", "step_of", "weights_problem",
+    "load_recipe_and_tokenizer", "read_meta", "resolve_checkpoint", "run_hashes", "step_of", "steps_text", "weights_problem",
 ]

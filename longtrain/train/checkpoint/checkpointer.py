@@ -12,13 +12,15 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from longtrain.console import plural
 from longtrain.train import distributed
 from longtrain.train.checkpoint import storage as ckpt
 from longtrain.train.checkpoint.loading import checkpoint_files
 from longtrain.train.checkpoint.ranks import Layout, cache_for_rank, cache_group, check_layout, rng_for_rank, saved_groups_for
 from longtrain.train.checkpoint.rng import capture_rng, restore_rng
-from longtrain.train.checkpoint.storage import CheckpointError, CheckpointManager, read_meta
+from longtrain.train.checkpoint.storage import CheckpointError, CheckpointManager, read_meta, step_of, steps_text
 from longtrain.train.distributed import Ranks
+from longtrain.train.run_dir import move_aside
 
 
 @dataclass
@@ -43,6 +45,18 @@ class TrainState:
             best_step=meta.get("best_step"), stale_validations=meta.get("stale_validations", 0),
             grad_scaler=meta.get("grad_scaler"), imported_from=meta.get("imported_from"),
         )
+
+    def record_validation(self, loss: float, early_stopping=None) -> bool:
+        """Count a validation pass's loss: the best so far (and its step) and, with train.early_stopping,
+        the passes since the last improvement by more than its min_delta. Returns whether it is a new best."""
+        best = self.best_valid_loss
+        if early_stopping is not None:
+            improved = best is None or loss < best - early_stopping.min_delta
+            self.stale_validations = 0 if improved else self.stale_validations + 1
+        if best is None or loss < best:
+            self.best_valid_loss, self.best_step = loss, self.step
+            return True
+        return False
 
 
 def run_hashes(recipe, tokenizer: Tokenizer) -> dict[str, str]:
@@ -95,6 +109,39 @@ class RunCheckpoints:
     def existing(self) -> list[Path]:
         """Checkpoint folders already in the run's checkpoint dir (complete or not)."""
         return self.manager.steps()
+
+    def set_aside_previous(self, resume: str, *, resumed_step: int | None, forked_from: Path | None = None,
+                           run_files: list[Path]) -> list[str]:
+        """Move aside what the run would otherwise overwrite or mix with; returns what it says about it.
+
+        A fresh start over existing checkpoints moves them (with `--resume never`, the run's `run_files`
+        too: metrics and the like); a resume (from `resumed_step`) moves the checkpoints after its
+        step, which belong to the future it rewrites; a fork (`forked_from`, at `resumed_step`) moves
+        this run's checkpoints and `run_files`.
+        """
+        old = self.existing()
+        if forked_from is not None:  # a new run from another checkpoint's state: nothing of this run's past in its way
+            moved = move_aside([self.dir, *run_files], "replaced")
+            aside = f"; moved this run's previous files aside to {', '.join(str(new) for _, new in moved)}" if moved else ""
+            return [f"--fork: a new run from {forked_from} (step {resumed_step}): its metrics and checkpoints "
+                    f"start at step {resumed_step + 1}{aside}"]
+        if resumed_step is not None:
+            later = [p for p in old if step_of(p) > resumed_step]
+            if not later:
+                return []
+            tag = "unusable" if resume == "auto" else "superseded"  # auto: the newer ones failed their checks
+            moved = move_aside(later, tag)
+            return [f"moved the checkpoints after step {resumed_step} ({steps_text(later)}) aside, as "
+                    f"{', '.join(new.name for _, new in moved)} in {self.dir}"]
+        if not old:
+            return []
+        if resume == "never":
+            moved = move_aside([self.dir, *run_files], "replaced")
+            where = ", ".join(str(new) for _, new in moved)
+            return [f"--resume never: moved the previous run ({plural(len(old), 'checkpoint')}, {steps_text(old)}) aside "
+                    f"to {where}; delete them when you no longer need them"]
+        moved = move_aside([self.dir], "unusable")  # auto, and none of them is complete
+        return [f"warning: no complete checkpoint to resume from; moved the unusable ones ({steps_text(old)}) to {moved[0][1]}"]
 
     @staticmethod
     def check(path: Path, hashes: dict[str, str], layout: Layout | None = None) -> dict[str, Any]:

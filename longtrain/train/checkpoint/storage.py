@@ -413,3 +413,9 @@ def beside(path: Path, name: str) -> Path | None:
 def step_of(checkpoint: Path) -> int:
     """The step of a checkpoint folder `step-XXXXXXXX`."""
     return int(checkpoint.name.removeprefix("step-"))
+
+
+def steps_text(checkpoints: list[Path]) -> str:
+    """'step 4' or 'steps 2–8': the steps of a list of checkpoints, oldest first."""
+    first, last = step_of(checkpoints[0]), step_of(checkpoints[-1])
+    return f"steps {first}–{last}" if len(checkpoints) > 1 else f"step {first}"
