@@ -8,10 +8,8 @@ hint, so a user fixes a recipe in one round trip instead of one per typo.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
-import typing
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -23,6 +21,7 @@ from longtrain.data.config import DataConfig, TokenizerConfig
 from longtrain.errors import RecipeError  # noqa: F401  (raised here; defined with the others)
 from longtrain.model.attention_types import USES, AttentionType, linear_problems, size_problems
 from longtrain.model.rope import scaling_problems
+from longtrain.train.recipe_errors import describe_error
 
 
 def _builtin_recipes_dir() -> Path:
@@ -451,7 +450,7 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
         recipe._from_init_source = inherited
         return recipe
     except ValidationError as e:
-        problems = [_describe(err, override_paths) for err in e.errors()]
+        problems = [describe_error(err, override_paths, Recipe, example=RECIPES_DIR / f"{DEFAULT_RECIPE}.yaml") for err in e.errors()]
         noun = "problem" if len(problems) == 1 else "problems"
         raise RecipeError(f"recipe {path} has {len(problems)} {noun}:\n" + "\n".join(problems)) from None
 
@@ -588,81 +587,3 @@ def _apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[tupl
     if bad:
         raise RecipeError("bad --set override:\n" + "\n".join(bad))
     return applied
-
-
-def _describe(err: dict[str, Any], override_paths: dict[tuple[str, ...], str]) -> str:
-    loc = err["loc"]
-    where = _yaml_path(loc) or "(top level)"
-    origin = override_paths.get(tuple(str(p) for p in loc))
-    source = f" (from --set {origin})" if origin else ""
-    if err["type"] == "extra_forbidden":
-        known = _known_keys(loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-        hint = f"did you mean `{close[0]}`?" if close else "known keys: " + ", ".join(known)
-        return f"  - {where}: unknown key{source}\n      hint: {hint}"
-    if err["type"] == "missing":
-        return f"  - {where}: required key is missing\n      hint: {_field_hint(loc)}"
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] in ("value_error", "assertion_error"):  # our cross-field checks carry their hint
-        return f"  - {where}: {msg}{source}" if loc else f"  - {msg}"
-    hint = _field_hint(loc)
-    if err["type"] == "literal_error":
-        close = difflib.get_close_matches(str(err["input"]), _literal_choices(loc), n=1, cutoff=0.5)
-        if close:
-            hint = f"did you mean `{close[0]}`? ({hint})"
-    got = f" (got {err['input']!r})"
-    return f"  - {where}: {msg}{got}{source}\n      hint: {hint}"
-
-
-def _yaml_path(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _models_at(loc: Sequence[Any]) -> list[tuple[type[BaseModel], str | None]]:
-    """Walk the schema along a pydantic error location: [(model, field name)] per step."""
-    model: type[BaseModel] | None = Recipe
-    steps = []
-    for part in loc:
-        if model is None or not isinstance(part, str) or part not in model.model_fields:
-            return steps
-        steps.append((model, part))
-        model = _nested_model(model.model_fields[part].annotation)
-    if model is not None:
-        steps.append((model, None))
-    return steps
-
-
-def _nested_model(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _nested_model(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _known_keys(loc: Sequence[Any]) -> list[str]:
-    steps = _models_at(loc)
-    if len(steps) == len(loc) + 1:
-        return list(steps[-1][0].model_fields)
-    return []
-
-
-def _field_hint(loc: Sequence[Any]) -> str:
-    steps = _models_at(loc)
-    for model, field in reversed(steps):
-        if field is not None and model.model_fields[field].description:
-            return model.model_fields[field].description
-    return f"see {RECIPES_DIR / DEFAULT_RECIPE}.yaml for an example"
-
-
-def _literal_choices(loc: Sequence[Any]) -> list[str]:
-    steps = _models_at(loc)
-    if not steps or steps[-1][1] is None:
-        return []
-    model, field = steps[-1]
-    return [str(a) for a in typing.get_args(model.model_fields[field].annotation)]
