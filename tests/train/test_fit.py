@@ -223,3 +223,13 @@ def test_wandb_logs_offline_and_a_resume_continues_the_same_run(workspace, monke
     assert len(list((tmp / "r/wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))) >= 1
     again = cli("fit", path, "--run-dir", tmp / "r", *on, "--resume", "never")  # a new run: a new W&B run
     assert again.exit_code == 0 and (tmp / "r/wandb-id").read_text().strip() != run_id
+
+
+def test_wandb_without_the_package_names_the_extra(workspace, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails as if it were not installed
+    tmp, recipe = workspace
+    r = cli("fit", recipe(steps=2), "--run-dir", tmp / "r", "--set", "logging.wandb=true")
+    assert r.exit_code == 1 and "pip install 'longtrain[wandb]'" in r.output
+    assert not (tmp / "r").exists()
