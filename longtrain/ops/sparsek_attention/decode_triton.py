@@ -166,6 +166,19 @@ def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str,
 
 
 @triton.jit
+def _online_softmax(m, l, acc, s, v):
+    """One block of an online softmax: logits s [RB, BN] (-inf: masked) over values v [BN, DB] into the
+    running max m and sum l [RB] and the output acc [RB, DB] (a row masked so far keeps m = -inf)."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return m_new, l, acc
+
+
+@triton.jit
 def attend_kernel(
     Q, PK, PV, TK, TV, NK, NV,  # q [B, H, D]; pool K/V [B, K, Hkv, D]; tail K/V [B, Wt, Hkv, D]; the token's K/V [B, Hkv, D]
     PPOS, PU, TAU, SEEN,  # [B, K] int64 pool positions (-1: empty), [B, K] pool scores, [B] float64 tau, [B] int64 t
@@ -210,13 +223,7 @@ def attend_kernel(
         if SOFT_KV:
             s = s * gate[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * (gate[:, None] * vv)[None, :, :], axis=1)
-        m = m_new
+        m, l, acc = _online_softmax(m, l, acc, s, gate[:, None] * vv)
 
     # the tail: positions t - Wt .. t - 1 (those below 0 do not exist yet)
     for j0 in range(0, Wt, BN):
@@ -229,13 +236,7 @@ def attend_kernel(
         vv = tl.load(TV + at, mask=kv_mask, other=0.0).to(CDT)
         s = tl.sum(q[:, None, :] * kk[None, :, :], axis=2) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vv[None, :, :], axis=1)
-        m = m_new
+        m, l, acc = _online_softmax(m, l, acc, s, vv)
 
     # the token itself (in its own window when w > 0)
     if SELF_OK:
