@@ -96,12 +96,12 @@ def is_network_error(e: BaseException) -> bool:
 
 
 def metric_rows(results: dict) -> list[tuple[str, str]]:
-    """One row per task and metric: 'value ± stderr'."""
+    """One row per task and metric: 'value ± stderr' (sample_len, the example count, is in --json's n-samples)."""
     rows = []
     for task, metrics in results.items():
         for key, value in metrics.items():
             metric, _, filt = key.partition(",")
-            if metric.endswith("_stderr") or not isinstance(value, (int, float)) or metric == "alias":
+            if metric.endswith("_stderr") or not isinstance(value, (int, float)) or metric in ("alias", "sample_len"):
                 continue
             err = metrics.get(f"{metric}_stderr,{filt}")
             cell = f"{value:.4f}" + (f" ± {err:.4f}" if isinstance(err, (int, float)) else "")

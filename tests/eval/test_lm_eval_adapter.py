@@ -125,7 +125,7 @@ def test_a_local_task_through_longtrain_eval_scores_as_computed_directly(runs, t
         lls = [lm.score(*lm.encode_pair(r["context"], " " + c))[0] for c in r["choices"]]
         correct.append(max(range(len(lls)), key=lls.__getitem__) == r["label"])
     assert got["results"]["longtrain_tiny_mc"]["acc,none"] == pytest.approx(sum(correct) / len(rows))
-    assert "longtrain_tiny_mc acc" in res.output
+    assert "longtrain_tiny_mc acc" in res.output and "sample_len" not in res.output
 
 
 @needs_lm_eval
