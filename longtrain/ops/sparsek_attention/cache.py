@@ -21,6 +21,19 @@ import torch
 from longtrain.ops.selection import SelectionState
 
 
+def check_sizes(topk: int, window: int, cache: SparseKCache | None = None) -> None:
+    """The one check of an op call's (topk, window), chunk and decode alike: both >= 0, not both 0, and
+    (given the cache it continues from) the sizes the cache was built for."""
+    if topk < 0 or window < 0:
+        raise ValueError(f"topk and window must be >= 0; got topk={topk}, window={window}")
+    if topk == 0 and window == 0:
+        raise ValueError("topk = 0 and window = 0 leave every query with no keys; set one of them > 0")
+    if cache is not None and (cache.topk != topk or cache.tail_slots != max(window - 1, 0)):
+        raise ValueError(
+            f"cache was built for topk={cache.topk}, window={cache.tail_slots + 1}; the call uses topk={topk}, window={window}"
+        )
+
+
 @dataclass
 class SparseKCache(SelectionState):
     pool_k: torch.Tensor  # [B, K, Hkv, D] (after RoPE)

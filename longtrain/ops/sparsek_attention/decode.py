@@ -34,7 +34,7 @@ from dataclasses import replace
 
 import torch
 
-from longtrain.ops.sparsek_attention.cache import SparseKCache
+from longtrain.ops.sparsek_attention.cache import SparseKCache, check_sizes
 from longtrain.ops.sparsek_attention.naive import VARIANTS
 from longtrain.ops.sparsek_attention.op import ChunkSelection, sparsek_attention_chunk
 
@@ -158,14 +158,9 @@ def _check(q, k, v, u, cache, topk, window, variant) -> None:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
     if u.shape != q.shape[:1]:
         raise ValueError(f"u must be [B] = [{q.shape[0]}]; got {tuple(u.shape)}")
-    if topk == 0 and window == 0:
-        raise ValueError("topk = 0 and window = 0 leave every query with no keys; set one of them > 0")
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
-    if cache.topk != topk or cache.tail_slots != max(window - 1, 0):
-        raise ValueError(
-            f"cache was built for topk={cache.topk}, window={cache.tail_slots + 1}; the call uses topk={topk}, window={window}"
-        )
+    check_sizes(topk, window, cache)
 
 
 def _selection(cache: SparseKCache, topk: int) -> ChunkSelection:

@@ -23,7 +23,7 @@ import torch
 from longtrain.ops.linear_attention import causal_linear_attention, feature_map
 from longtrain.ops.selection import ThresholdFn, select
 from longtrain.ops.selection.chunk import carried
-from longtrain.ops.sparsek_attention.cache import SparseKCache
+from longtrain.ops.sparsek_attention.cache import SparseKCache, check_sizes
 from longtrain.ops.sparsek_attention.decode import sparsek_attention_decode
 from longtrain.ops.sparsek_attention.naive import LinearTerms, sparsek_attention_core_naive
 from longtrain.ops.sparsek_attention.op import ChunkSelection, _check, lay_out_keys, next_cache
@@ -102,10 +102,7 @@ def sparsek_linear_attention_chunk(
         raise ValueError("linear attention types need a window (w >= 1): the window is what g = 1 keeps exact")
     if not isinstance(cache, SparseKLinearCache):
         raise TypeError("sparsek_linear_attention_chunk needs a SparseKLinearCache")
-    if cache.topk != topk or cache.tail_slots != window - 1:
-        raise ValueError(
-            f"cache was built for topk={cache.topk}, window={cache.tail_slots + 1}; the call uses topk={topk}, window={window}"
-        )
+    check_sizes(topk, window, cache)  # (w >= 1 here: tail_slots = w - 1)
     keys = lay_out_keys(cache, k, v, u, lengths)
     sel = select(keys, cache, window=window, block=block, scan=scan)
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)

@@ -19,7 +19,7 @@ import torch
 from longtrain.ops.selection import ExtendedScores, ScanResult, ThresholdFn, lay_out_scores, select
 from longtrain.ops.selection.chunk import carried, check_scan, next_state, triton_available
 from longtrain.ops.sparsek_attention.aligned import aligned_inputs, next_tile_pool, query_tile
-from longtrain.ops.sparsek_attention.cache import SparseKCache
+from longtrain.ops.sparsek_attention.cache import SparseKCache, check_sizes
 from longtrain.ops.sparsek_attention.naive import VARIANTS, sparsek_attention_core_naive
 
 BACKENDS = ("auto", "naive", "triton")
@@ -65,10 +65,7 @@ def _check(q, k, v, u, topk, window, variant, backend, scan="auto"):
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
     if u.shape != q.shape[:2]:
         raise ValueError(f"u must be [B, T] = {tuple(q.shape[:2])}; got {tuple(u.shape)}")
-    if topk < 0 or window < 0:
-        raise ValueError(f"topk and window must be >= 0; got topk={topk}, window={window}")
-    if topk == 0 and window == 0:
-        raise ValueError("topk = 0 and window = 0 leave every query with no keys; set one of them > 0")
+    check_sizes(topk, window)
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
     if backend not in BACKENDS:
@@ -179,10 +176,7 @@ def sparsek_attention_chunk(
     knows every row starts on a tile edge: starts_inside_tile).
     """
     _check(q, k, v, u, topk, window, variant, backend, scan)
-    if cache.topk != topk or cache.tail_slots != max(window - 1, 0):
-        raise ValueError(
-            f"cache was built for topk={cache.topk}, window={cache.tail_slots + 1}; the call uses topk={topk}, window={window}"
-        )
+    check_sizes(topk, window, cache)
     keys = lay_out_keys(cache, k, v, u, lengths)
     sel = select(keys, cache, window=window, block=block, scan=scan)
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
