@@ -46,6 +46,8 @@ from longtrain.errors import DataError
 from .cache import TokenDocs
 from .config import DataConfig, RecallConfig, line_length
 from .sources import Source, files_source
+from .stdlib import stdlib_source
+from .tokenize import tokenize_source
 from .tokenizer import eod_id, tokenizer_hash
 
 GENERATOR_VERSION = 1  # part of the cache key: bump when the documents a config makes change
@@ -188,8 +190,6 @@ def filler_source(data: DataConfig) -> Source:
     if kind == "words":
         return words_source()
     if kind == "stdlib":
-        from .stdlib import stdlib_source
-
         return stdlib_source()
     return files_source(data.path, data.text_field, on_bad_file=data.on_bad_file)
 
@@ -199,8 +199,6 @@ def make_filler(
 ) -> tuple[Filler, str]:
     """The filler for `tok` and a fingerprint of its content (part of the cache key). `source`: the
     `filler_source(data)` the caller opened already (a files source reads every byte to hash them)."""
-    from .prepare import tokenize_source  # prepare imports this module
-
     cfg = data.recall
     source = source if source is not None else filler_source(data)
     n = cfg.doc_tokens - 1  # filler tokens per document, before its EOD

@@ -17,8 +17,6 @@ from pathlib import Path
 
 from longtrain.errors import DataError
 
-from .config import DataConfig
-
 # datasets builder per file extension; one document per .txt file, one per row otherwise.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 # A .txt file with more than this fraction of bytes that are not UTF-8 text is refused: it is most
@@ -37,20 +35,6 @@ class Source:
     documents: Callable[[], Iterator[str]]  # a fresh iterator on every call, same order
     # data.on_bad_file skip: (file, why) of every file left out; complete once documents() has been read
     skipped: list[tuple[str, str]] = field(default_factory=list)
-
-
-def load_source(data: DataConfig) -> Source:
-    if data.source == "stdlib":
-        from .stdlib import stdlib_source  # here: stdlib.py imports this module
-
-        return stdlib_source()
-    if data.source == "files":
-        return files_source(data.path, data.text_field, on_bad_file=data.on_bad_file)
-    if data.source == "recall":  # the filler the recall documents are written over
-        from .recall import filler_source
-
-        return filler_source(data)
-    return hub_source(data.name, data.split, data.text_field)
 
 
 # ---------------------------------------------------------------- local files

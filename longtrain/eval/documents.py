@@ -14,10 +14,11 @@ copied elsewhere reads its recipe's data source there (the cache is rebuilt once
 from __future__ import annotations
 
 from longtrain.data import DataError, TokenDocs, default_cache_dir
-from longtrain.data.prepare import corpus_documents, split_held_out, tokenize_source
+from longtrain.data.prepare import corpus_documents, split_held_out
 from longtrain.data.sources import files_source
+from longtrain.data.tokenize import tokenize_source
 from longtrain.data.tokenizer import tokenizer_hash
-from longtrain.eval.tasks import EvalError, EvalUsageError
+from longtrain.errors import EvalError, EvalUsageError
 
 MIN_TOKENS = 2  # a document needs a token to predict
 

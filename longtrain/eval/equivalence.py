@@ -35,11 +35,14 @@ import psutil
 import torch
 import torch.nn.functional as F
 
+from longtrain.data.tokenizer import load_tokenizer
 from longtrain.errors import UsageError
 from longtrain.model import LM, LMConfig, ModelCache
 from longtrain.model.chunks import ChunkReader, split_rows
 from longtrain.ops.sparsek_attention import SparseKCache
 from longtrain.ops.sparsek_attention.linear import SparseKLinearCache
+from longtrain.train.checkpoint import load_checkpoint
+from longtrain.train.recipe import load_recipe
 
 # Precision mode -> (weight dtype, autocast dtype or None).
 PRECISIONS = {
@@ -355,13 +358,8 @@ def load_model(recipe: Path | None, checkpoint: Path | None, seed: int):
     if recipe is None and checkpoint is None:
         return LM(LMConfig(**DEFAULT_MODEL)), None
     if checkpoint is not None:
-        from longtrain.train.checkpoint import load_checkpoint
-
         loaded = load_checkpoint(checkpoint)  # CheckpointError (exit 1)
         return loaded.model, loaded.tokenizer
-
-    from longtrain.data.tokenizer import load_tokenizer
-    from longtrain.train.recipe import load_recipe
 
     r = load_recipe(recipe)  # RecipeError (exit 2)
     tokenizer = load_tokenizer(r.tokenizer.path, r.tokenizer.eod_token) if r.tokenizer.path else None  # DataError (exit 1)

@@ -53,7 +53,7 @@ class LongtrainLM(LM):
     ):
         super().__init__()
         if loaded is None:
-            from longtrain.eval.runner import DTYPES, pick_device, pick_dtype
+            from longtrain.device import DTYPES, pick_device, pick_dtype
             from longtrain.train.checkpoint import load_checkpoint
 
             if checkpoint is None:

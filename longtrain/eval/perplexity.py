@@ -17,9 +17,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from longtrain.console import plural
 from longtrain.data import IGNORE, TokenDocs, iter_valid_chunks
-from longtrain.model.chunks import ChunkReader, resolve_chunk_size
 from longtrain.eval.tasks import EvalContext, EvalOptions, EvalUsageError, Progress, Task, TaskResult, register
+from longtrain.model.chunks import ChunkReader, resolve_chunk_size
 
 FIRST_BUCKET = 1024
 
@@ -118,7 +119,6 @@ def _span(start: int, end: int) -> str:
 
 
 def run(ctx: EvalContext) -> TaskResult:
-    from longtrain.console import plural
 
     recipe, opts = ctx.ckpt.recipe, ctx.opts
     res = perplexity_by_position(

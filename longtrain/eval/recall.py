@@ -16,9 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from longtrain.data import DataConfig, DataError, iter_valid_chunks
+from longtrain.data import DataConfig, DataError, default_cache_dir, iter_valid_chunks
 from longtrain.data.config import RecallConfig
 from longtrain.data.recall import chance_level, generate_documents, make_filler, value_offset
+from longtrain.errors import EvalError, EvalUsageError
+from longtrain.eval.passkey import kv_budget
+from longtrain.eval.tasks import Task, TaskResult, register
 from longtrain.model.chunks import ChunkReader, resolve_chunk_size
 
 ROWS = 8  # documents read side by side
@@ -74,7 +77,7 @@ def measure_recall(
     edges = list(edges) if edges else default_edges(cfg)
     if any(b <= a for a, b in zip(edges, edges[1:])) or len(edges) < 2:
         raise ValueError(f"bucket edges must be at least two increasing distances; got {edges}")
-    filler, _ = make_filler(data, loaded.tokenizer, cache_dir or _cache_dir(), progress=False)
+    filler, _ = make_filler(data, loaded.tokenizer, cache_dir or default_cache_dir(), progress=False)
     token_docs, recall_docs = generate_documents(cfg, loaded.tokenizer, filler, seed=cfg.seed, n_docs=docs)
 
     device = next(model.parameters()).device
@@ -133,12 +136,6 @@ def measure_recall(
     return buckets
 
 
-def _cache_dir() -> Path:
-    from longtrain.data import default_cache_dir
-
-    return default_cache_dir()
-
-
 # ----------------------------------------------------------------------------- the eval task
 
 
@@ -154,8 +151,6 @@ def _settings(recipe, opts) -> dict:
 
 
 def check(recipe, opts) -> None:
-    from longtrain.eval.tasks import EvalUsageError
-
     if opts.extra.get("recall_scale", 1) < 1:
         raise EvalUsageError(f"--recall-scale must be at least 1; got {opts.extra['recall_scale']}")
     try:
@@ -180,9 +175,6 @@ def bucket_rows(buckets: list[dict], budget: int | None) -> list[tuple[str, str]
 
 
 def run(ctx):
-    from longtrain.eval.passkey import kv_budget
-    from longtrain.eval.tasks import EvalError, TaskResult
-
     settings = _settings(ctx.ckpt.recipe, ctx.opts)
     _, cfg = recall_config(ctx.ckpt.recipe, **settings)
     try:
@@ -213,12 +205,7 @@ def plot(fig, spec, entries) -> None:
     ax.legend(fontsize=8)
 
 
-def _register() -> None:
-    from longtrain.eval.tasks import Task, register
+register(Task("recall", "long-range recall (key -> value facts)", run, in_all=False, plot=plot, check=check, order=3))
 
-    register(Task("recall", "long-range recall (key -> value facts)", run, in_all=False, plot=plot, check=check, order=3))
-
-
-_register()
 
 __all__ = ["chance_level", "default_edges", "measure_recall", "recall_config"]

@@ -13,9 +13,13 @@ from pathlib import Path
 import torch
 
 from longtrain.device import DTYPES, pick_device, pick_dtype
+from longtrain.eval import harness, passkey, perplexity, recall  # noqa: F401  (each registers its task)
+from longtrain.eval.passkey import kv_budget
 from longtrain.eval.report import CheckpointReport, render, write_json, write_plot
-from longtrain.eval.tasks import EvalContext, EvalOptions, EvalUsageError, Progress, checkpoint_label, load_tasks
+from longtrain.eval.ruler import task as ruler_task  # noqa: F401  (registers its task)
+from longtrain.eval.tasks import EvalContext, EvalOptions, EvalUsageError, Progress, checkpoint_label, registered_tasks
 from longtrain.model.attention_types import describe
+from longtrain.train.checkpoint import load_checkpoint, load_recipe_and_tokenizer, resolve_checkpoint
 
 
 def check_output(path: Path | None, flag: str, suffix: str | None = None) -> None:
@@ -37,9 +41,8 @@ def run_eval(
     console,
     live_progress: bool = True,
 ) -> list[CheckpointReport]:
-    from longtrain.train.checkpoint import load_checkpoint, load_recipe_and_tokenizer, resolve_checkpoint
 
-    registry = load_tasks()
+    registry = registered_tasks()
     name, colon, argument = task.partition(":")
     if task == "all":
         tasks = [t for t in registry.values() if t.in_all]
@@ -78,8 +81,6 @@ def run_eval(
             f"{ckpt.model.num_params() / 1e6:.2f}M parameters, {opts.dtype} on {opts.device}",
             highlight=False,
         )
-        from longtrain.eval.passkey import kv_budget
-
         report = CheckpointReport(
             label=label, path=str(path), step=ckpt.step, attention=describe(cfg.attention, cfg.topk, cfg.window), kv_budget=kv_budget(cfg)
         )

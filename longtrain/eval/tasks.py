@@ -17,7 +17,7 @@ Adding a task is a few lines in its own module:
 
     register(Task("recall", "associative recall", run, in_all=False))
 
-and one import line in `load_tasks` below.
+and one import line in `longtrain/eval/runner.py`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from longtrain.errors import EvalError, EvalUsageError  # noqa: F401  (raised here; defined with the others)
+from longtrain.eval.documents import eval_documents
 
 
 @dataclass
@@ -78,8 +79,6 @@ class EvalContext:
     def documents(self):
         """The evaluation documents (`--data`, or the run's validation split) in this checkpoint's tokenizer."""
         if self._documents is None:
-            from longtrain.eval.documents import eval_documents
-
             bar = self.progress.bar
             if bar is not None:
                 bar.stop()  # tokenizing (on a cache miss) shows a bar of its own
@@ -99,11 +98,8 @@ def register(task: Task) -> Task:
     return task
 
 
-def load_tasks() -> dict[str, Task]:
-    """Import the task modules (each registers itself) and return the registry, in table order."""
-    from longtrain.eval import harness, passkey, perplexity, recall  # noqa: F401
-    from longtrain.eval.ruler import task  # noqa: F401
-
+def registered_tasks() -> dict[str, Task]:
+    """The registry, in table order (`longtrain.eval.runner` imports the task modules, which register)."""
     return dict(sorted(TASKS.items(), key=lambda item: (item[1].order, item[0])))
 
 

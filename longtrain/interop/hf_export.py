@@ -28,8 +28,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from longtrain.data.tokenizer import eod_id
 from longtrain.interop.hf_families import LLAMA_LIKE, HFFormatError, export_family, fuse_qkv, hf_config
 from longtrain.model.rope import inverse_frequencies
+from longtrain.train.checkpoint import TOKENIZER_FILE, beside, load_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPARSEK_NOTE = (
@@ -72,8 +74,6 @@ def hf_state_dict(model, source_type: str | None = None) -> dict[str, torch.Tens
 
 def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32", max_positions: int | None = None) -> Path:
     """Write the HF folder `out` for a checkpoint (or run dir); returns `out`."""
-    from longtrain.data.tokenizer import eod_id
-    from longtrain.train.checkpoint import TOKENIZER_FILE, beside, load_checkpoint
 
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from longtrain.errors import HFFormatError  # noqa: F401  (raised here; defined with the others)
-from longtrain.model.rope import ROPE_TYPES, ntk_theta
+from longtrain.model.rope import ROPE_TYPES, ntk_theta, scaling_factor
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,6 @@ def hf_rope_parameters(model) -> dict[str, Any]:
     if s is None or s["type"] == "dynamic":  # dynamic: the fixed NTK base longtrain uses, as plain RoPE
         theta = theta if s is None else ntk_theta(model.rotary_dim, theta, s)
         return {"rope_type": "default", "rope_theta": theta}
-    from longtrain.model.rope import scaling_factor
 
     out = {"rope_type": s["type"], "rope_theta": theta, "factor": scaling_factor(s)}
     if s["type"] != "linear":

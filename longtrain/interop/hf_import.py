@@ -37,8 +37,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from longtrain.data import DataError
+from longtrain.data.tokenizer import EOD, EOD_CANDIDATES, eod_id, load_tokenizer
 from longtrain.interop.hf_families import Family, HFFormatError, family_of, model_section, split_qkv
+from longtrain.model import LM, LMConfig
+from longtrain.model.attention_types import USES
 from longtrain.model.scoring import mimic_score_weight
+from longtrain.train.checkpoint import RECIPE_FILE, TOKENIZER_FILE, CheckpointManager, checkpoint_files
+from longtrain.train.recipe import Recipe, recipe_to_yaml
 
 INDEX = "model.safetensors.index.json"
 DEFAULT_K = DEFAULT_W = 512  # the paper's fine-tuning: k = w = 512
@@ -113,7 +119,6 @@ def convert(
     folder: HFFolder, *, attention: str, topk: int, window: int, score_init: str, score_groups: str = "shared", seed: int = 0
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], list[str]]:
     """(recipe model section, longtrain float32 state dict, notes) for the folder's weights."""
-    from longtrain.model import LM, LMConfig
 
     fam, config = folder.family, folder.config
     section = model_section(fam, config)
@@ -222,7 +227,6 @@ def attention_settings(
     A folder `longtrain export` wrote records its attention under config.json's `longtrain_sparsek`:
     what the flags leave unset comes from there (k and w only when the type uses them), the rest from
     the defaults (sparsek+sw, k = w = 512, shared score groups; type sw: w = `sw_window`, a Mistral's own)."""
-    from longtrain.model.attention_types import USES
 
     saved = saved if isinstance(saved, dict) and saved.get("attention") in USES else None
     given = {"--attention": attention, "--topk": topk, "--window": window, "--score-groups": score_groups}
@@ -264,11 +268,6 @@ def import_hf(
     """Convert `hf_dir` into the run dir `out`; returns (checkpoint path, notes, the built-in fine-tuning recipe).
 
     Unset attention settings come from the folder's `longtrain_sparsek` (an export), else the defaults."""
-    from longtrain.data import DataError
-    from longtrain.data.tokenizer import load_tokenizer
-    from longtrain.train.checkpoint import CheckpointManager
-    from longtrain.train.checkpoint import RECIPE_FILE, TOKENIZER_FILE, checkpoint_files
-    from longtrain.train.recipe import Recipe, recipe_to_yaml
 
     out = Path(out).expanduser()
     manager = CheckpointManager(out, keep=1)
@@ -336,7 +335,6 @@ def import_hf(
 def _end_of_document(folder: HFFolder, tokenizer) -> tuple[str | None, str]:
     """(tokenizer.eod_token for the recipe, a note): the tokenizer's usual names first (longtrain.data.
     tokenizer.EOD_CANDIDATES), else the model's own eos_token_id (config.json, then generation_config.json)."""
-    from longtrain.data.tokenizer import EOD, EOD_CANDIDATES, eod_id
 
     named = eod_id(tokenizer)
     if named is not None:

@@ -26,17 +26,16 @@ import torch
 import yaml
 from torch import nn
 
+from longtrain.errors import CheckpointError, RecipeError
 from longtrain.model.scoring import mimic_score_weight
-from longtrain.train.lora import ADAPTER_KEYS, has_adapters, merge_lora, trains
 from longtrain.train.checkpoint import storage as ckpt
-from longtrain.train.checkpoint import CheckpointError
+from longtrain.train.checkpoint.storage import RECIPE_FILE, TOKENIZER_FILE, beside, resolve_checkpoint
+from longtrain.train.lora import ADAPTER_KEYS, has_adapters, merge_lora, trains
 
 
 def source_model_and_tokenizer(source: str | Path) -> tuple[dict, Path, str | None, dict]:
     """The `model:` section, tokenizer.json, tokenizer.eod_token and `attention:` section of a checkpoint or run dir (for a
     recipe that leaves them out)."""
-    from longtrain.train.checkpoint import RECIPE_FILE, TOKENIZER_FILE, beside, resolve_checkpoint
-    from longtrain.train.recipe import RecipeError
 
     try:
         path = resolve_checkpoint(source)
@@ -56,7 +55,6 @@ def source_model_and_tokenizer(source: str | Path) -> tuple[dict, Path, str | No
 def check_init_source(source: str | Path) -> None:
     """Refuse a `train.init_from` that cannot be read before the data is prepared (a recipe may take its
     tokenizer from that run: without this, its missing tokenizer.json would be the first error)."""
-    from longtrain.train.checkpoint import resolve_checkpoint
 
     try:
         resolve_checkpoint(source)
@@ -70,7 +68,6 @@ def check_init_source(source: str | Path) -> None:
 def imported_origin(source: str | Path) -> dict | None:
     """`longtrain import`'s record (path, model_type, config.json) of the Hugging Face model the source
     descends from, carried on by every run that starts from it; None for a model trained from scratch."""
-    from longtrain.train.checkpoint import resolve_checkpoint
 
     return json.loads((Path(resolve_checkpoint(source)) / ckpt.META).read_text()).get("imported_from")
 
@@ -81,7 +78,6 @@ def init_from_checkpoint(model: nn.Module, source: str | Path, recipe) -> list[s
 
     Refuses (CheckpointError naming the tensors) a source whose tensors disagree with the model.
     """
-    from longtrain.train.checkpoint import resolve_checkpoint
 
     path = resolve_checkpoint(source)
     if not (Path(path) / "model.safetensors").is_file():
@@ -137,7 +133,6 @@ def apply_freeze(model: nn.Module, freeze, step: int) -> int:
     """
     if freeze is None or freeze.steps == 0:
         return 0
-    from longtrain.train.recipe import RecipeError
 
     names = [n for n, _ in model.named_parameters()]
     trainable = {n for n in names if any(fnmatchcase(n, g) for g in freeze.trainable)}

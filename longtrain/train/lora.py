@@ -20,6 +20,8 @@ import math
 import torch
 from torch import nn
 
+from longtrain.errors import RecipeError
+
 # train.lora.targets -> the module of a block it names
 TARGETS = {
     "q_proj": "attn.q_proj", "k_proj": "attn.k_proj", "v_proj": "attn.v_proj", "o_proj": "attn.o_proj",
@@ -64,8 +66,6 @@ def add_lora(model: nn.Module, lora) -> str:
     returns a line for the run's summary. `lora` is the recipe's train.lora."""
     missing = [t for t in lora.targets if t not in available_targets(model)]
     if missing:
-        from longtrain.train.recipe import RecipeError
-
         raise RecipeError(
             f"train.lora.targets {missing} are not projections of this {model.cfg.style} model; "
             f"it has {', '.join(available_targets(model))}"

@@ -1,6 +1,6 @@
 import pytest
 
-from longtrain.data.prepare import split_pieces, splits_exactly
+from longtrain.data.tokenize import split_pieces, splits_exactly
 from longtrain.data.tokenizer import EOD, eod_id, sample_for_training
 
 from .corpora import GUTENBERG_VALID, make_text

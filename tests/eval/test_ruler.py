@@ -173,9 +173,9 @@ def test_eval_task_runs_the_model(runs, tmp_path):
     (["--task", "passkey:x"], "--task passkey takes no argument"),
 ])
 def test_bad_input_is_refused_before_the_model_loads(runs, args, message, monkeypatch):
-    from longtrain.train import checkpoint
+    from longtrain.eval import runner
 
-    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(runner, "load_checkpoint", lambda *a, **k: pytest.fail("the model was loaded"))
     res = CliRunner().invoke(app, ["eval", str(runs["sparsek"]), *args])
     assert res.exit_code == 2, res.output
     assert message in " ".join(res.output.split())

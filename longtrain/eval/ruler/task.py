@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from longtrain.data.tokenizer import eod_id
 from longtrain.eval.passkey import kv_budget, lengths_up_to
 from longtrain.eval.ruler.prompts import (
     TASKS,
@@ -62,7 +63,6 @@ ROWS = 8  # prompts decoded side by side
 def continuations(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, chunk_size: int) -> list[str]:
     """Greedy continuations of the prompts (any lengths, ROWS at a time): `max_new_tokens` each, or up to the
     end-of-document token."""
-    from longtrain.data.tokenizer import eod_id
 
     out = []
     for s in range(0, len(prompts), ROWS):
