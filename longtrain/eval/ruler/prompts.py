@@ -319,12 +319,12 @@ def sample_rng(task: str, length: int, seed: int, index: int, part: str = "") ->
     return random.Random(f"ruler:{task}:{length}:{seed}:{index}{part}")
 
 
-def largest_fitting(count: Callable[[int], int], budget: int, low: int, guess: int) -> int:
+def largest_fitting(count: Callable[[int], int], budget: int, low: int, guess: int, step: int | None = None) -> int:
     """The largest n >= low with count(n) <= budget (count grows with n; count(low) fits), searched from
-    `guess`: steps of ~0.5% of it away from it, doubling until one side is passed, then bisection (each
-    count is an encode of the whole prompt: a good guess saves most of them)."""
+    `guess`: steps (default ~0.5% of it) away from it, doubling until one side is passed, then bisection
+    (each count is an encode of the whole prompt: a good guess saves most of them)."""
     g = max(guess, low)
-    step = max(1, g // 200)
+    step = step or max(1, g // 200)
     if count(g) <= budget:
         lo, hi = g, None
         while hi is None:
@@ -399,11 +399,12 @@ def make_sample(
     least = count(spec.min_units)
     if least > budget:
         raise PromptTooLong(task, length, least + spec.max_new_tokens)
+    step = 1  # a guess from the previous sample of the cell is off by a few units at most
     if guess is None:  # from the tokens a few units add, then once more from the tokens that many add
-        low = spec.min_units
+        low, step = spec.min_units, None
         guess = low + int((budget - least) * 16 / max(count(low + 16) - least, 1))
         guess = low + int((guess - low) * (budget - least) / max(count(guess) - least, 1))
-    n = largest_fitting(count, budget, spec.min_units, guess)
+    n = largest_fitting(count, budget, spec.min_units, guess, step)
     built = build(n)
     ids = tokenizer.encode(built.text, add_special_tokens=False).ids
     return Sample(task=task, length=length, index=index, text=built.text, ids=ids, answers=built.answers,
