@@ -20,7 +20,7 @@ def eval_(
     max_len: int = typer.Option(8192, "--max-len", help="passkey, ruler: the longest context, in tokens (passkey 1k, 2k, ...; ruler 4k, 8k, ... up to it)"),
     trials: int = typer.Option(4, "--trials", help="passkey: random keys per length and depth; ruler: samples per task and length"),
     limit: int = typer.Option(None, "--limit", help="lm-eval: examples per task, at most (default: all)"),
-    seed: int = typer.Option(0, "--seed", help="seed of the passkeys"),
+    seed: int = typer.Option(0, "--seed", help="seed of the passkeys, of the RULER samples and of lm-eval's few-shot sampling"),
     recall_scale: int = typer.Option(1, "--recall-scale", help="recall: documents this many times the training length, with as many times the facts"),
     recall_max_distance: int = typer.Option(None, "--recall-max-distance", help="recall: the farthest fact-to-query distance (default: the training's)"),
     json_path: Path = typer.Option(None, "--json", help="write every number as JSON here"),
