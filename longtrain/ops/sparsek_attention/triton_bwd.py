@@ -212,7 +212,7 @@ def _dkv_pool_kernel(
     dk_pool_ptr, dv_pool_ptr, du_pool_ptr,  # out: sums, zeroed by the dq kernel
     stride_qb, stride_ql, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dol, stride_doh,
-    n_queries, n_ext, n_heads, GROUP: tl.constexpr, n_tiles, topk, window, scale, segment,
+    n_queries, n_ext, n_heads, group: tl.constexpr, n_tiles, topk, window, scale, segment,
     G: tl.constexpr, MQ: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
     VARIANT: tl.constexpr, PREC: tl.constexpr, ATOMIC: tl.constexpr, KEY_MAJOR: tl.constexpr,
 ):
@@ -225,7 +225,7 @@ def _dkv_pool_kernel(
     tile = tl.program_id(0)
     seg = tl.program_id(1)
     n_kv_heads, b, kvh, d, kb_ptr, vb_ptr = _kv_head(tl.program_id(2), k_ptr, v_ptr, stride_kb, stride_kh, stride_vb,
-                                                     stride_vh, n_heads, GROUP, D)
+                                                     stride_vh, n_heads, group, D)
     okv = (b * n_ext * n_kv_heads + kvh) * D
     ou = (b * n_kv_heads + kvh) * n_ext
     dk = tl.zeros([BN, D], tl.float32)
@@ -246,7 +246,7 @@ def _dkv_pool_kernel(
         dk, dv, du = _dkv_block(dk, dv, du, blk, b, kvh, k, v, u, None, None, None, None, cut, None,
                                 q_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, do_ptr, lse_ptr, delta_ptr,
                                 stride_qb, stride_ql, stride_qh, stride_dob, stride_dol, stride_doh,
-                                n_queries, n_heads, GROUP, window, scale, 0, POOL, G, MQ, D, VARIANT, True, PREC,
+                                n_queries, n_heads, group, window, scale, 0, POOL, G, MQ, D, VARIANT, True, PREC,
                                 KEY_MAJOR)
         flush = tl.load(flush_ptr + (b * n_tiles + blk) * ng + tile)
         if (flush != 0) | (blk + 1 == b1):  # few keys leave per tile: skip the masked writes

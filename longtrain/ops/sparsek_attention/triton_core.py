@@ -1,5 +1,8 @@
 """SparseK attention core on Triton kernels: same signature and results as naive.py's core.
 
+The kernels are launched by `sparsek_fwd` and `sparsek_bwd` (fla's style: every kernel argument by its
+name, strides and launch settings spelled out), which the autograd function calls.
+
 Forward: triton_fwd (O and a base-2 log-sum-exp per query and head). Backward: triton_bwd (dq and
 dtau query-major; dk, dv, du key-major; the pool keys' sums use a few atomic adds per key unless
 DETERMINISTIC or torch.use_deterministic_algorithms is on). Gradients go to q, k_ext, v_ext, u_ext
@@ -112,15 +115,6 @@ def _cut(sp, u, pos, qpos, thu, thp, L, G, topk, bw, tail, window):
     return cut, pi, pu, flush, reach
 
 
-def _strides(**tensors) -> dict:
-    """stride_<name><b|l|h> (or <b|n|h> for keys and values) of [B, T, H, D] tensors, as the kernels name them."""
-    out = {}
-    for name, t in tensors.items():
-        dims = "bnh" if name in ("k", "v", "dk") else "blh"
-        out.update({f"stride_{name}{dim}": t.stride(i) for i, dim in enumerate(dims)})
-    return out
-
-
 def _by_position(cut, pi, pu, pos):
     """The forward's pool tiles in ascending key position (naive.position_order): summed in an order that
     does not depend on the scans' slot history (issue 24). The backward keeps the stable slots its pool
@@ -134,7 +128,6 @@ class _SparseKTriton(torch.autograd.Function):
     def forward(ctx, q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool, meta):
         topk, window, tail_slots, variant, scale, block = meta
         B, L, H, D = q.shape
-        N, Hkv = k_ext.shape[1], k_ext.shape[2]
         G = max(block, QUERY_TILE)  # the kernels' query tile: its pool is the snapshot of its first block
         nt = -(-L // G)
         prec, cfg = _config(D, q.dtype)
@@ -158,70 +151,164 @@ class _SparseKTriton(torch.autograd.Function):
             cut = pi = flush = reach = torch.full((B, nt, 1), -1, dtype=torch.int32, device=dev)
             pu = torch.full((B, nt, 1), float("inf"), device=dev)
             cut_f, pi_f, pu_f = cut, pi, pu
-        o = _empty((B, L, H, D), q.dtype, dev)
-        lse = _empty((B, H, L), torch.float32, dev)  # base-2 log-sum-exp
-        common = dict(G=G, D=D, VARIANT=VARIANT_CODE[variant], HAS_TOPK=topk > 0, PREC=prec)
-        scan = dict(u_ptr=u, pos_ptr=pos, q_pos_ptr=qpos, theta_u_ptr=thu, theta_pos_ptr=thp)
-        sizes = dict(n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_tiles=nt, topk=topk, window=window)
-        _fwd_kernel[(nt, B * H)](
-            q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, **scan, tau_ptr=tau_c, cut_ptr=cut_f, pool_idx_ptr=pi_f, pool_u_ptr=pu_f,
-            reach_ptr=reach, o_ptr=o, lse_ptr=lse, **_strides(q=q, k=k_ext, v=v_ext, o=o), **sizes, tail=tail_slots,
-            scale2=scale * LOG2E.value, **cfg["fwd"], **common,
-        )
+        o, lse = sparsek_fwd(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, cut_f, pi_f, pu_f, reach, topk=topk,
+                             window=window, tail=tail_slots, scale=scale, G=G, variant=VARIANT_CODE[variant], prec=prec,
+                             launch=cfg["fwd"])
         ctx.save_for_backward(q, k_ext, v_ext, u, pos, qpos, thu, thp, tau_c, cut, pi, pu, flush, reach, o, lse)
-        ctx.meta = (topk, window, tail_slots, scale, common, cfg, u_ext.dtype, tau.dtype)
+        ctx.meta = (topk, window, tail_slots, scale, G, VARIANT_CODE[variant], prec, cfg, u_ext.dtype, tau.dtype)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, flush, reach, o, lse = ctx.saved_tensors
-        topk, window, tail_slots, scale, common, cfg, u_dtype, tau_dtype = ctx.meta
-        B, L, H, D = q.shape
-        N, Hkv = k_ext.shape[1], k_ext.shape[2]
-        G = common["G"]
-        nt = -(-L // G)
-        walk_cfg, band_cfg = (dict(cfg[n], MQ=min(G, cfg[n]["MQ"])) for n in ("walk", "band"))
-        dev = q.device
-        do = do.contiguous()
-        det = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
-        if topk > 0:  # the pool walk's sums, zeroed by the dq kernel (no memset launches)
-            dkp = _empty((B, N, Hkv, D), torch.float32, dev)
-            dvp = _empty((B, N, Hkv, D), torch.float32, dev)
-            dup = _empty((B, Hkv, N), torch.float32, dev)
-        else:
-            dkp = dvp = dup = lse  # (unused)
-        delta = _empty((B, H, L), torch.float32, dev)  # dO_i . o_i, written by the dq kernel
-        dq = _empty((B, L, H, D), q.dtype, dev)
-        dtau = _empty((B, H, L), torch.float32, dev)
-        scan = dict(u_ptr=u, pos_ptr=pos, q_pos_ptr=qpos, theta_u_ptr=thu, theta_pos_ptr=thp, tau_ptr=tau)
-        inputs = dict(q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, **scan, do_ptr=do, lse_ptr=lse)
-        strides = _strides(q=q, k=k_ext, v=v_ext, do=do)
-        sizes = dict(n_queries=L, n_ext=N, n_heads=H, n_tiles=nt, topk=topk, window=window, scale=scale)
-        _dq_kernel[(nt, B * H)](  # the forward's pool layout and cut
-            **inputs, cut_ptr=cut, pool_idx_ptr=pi, pool_u_ptr=pu, reach_ptr=reach, o_ptr=o, delta_ptr=delta,
-            dq_ptr=dq, dtau_ptr=dtau, dk_pool_ptr=dkp, dv_pool_ptr=dvp, du_pool_ptr=dup, **strides, **sizes,
-            group=H // Hkv, tail=tail_slots, zero_rows=triton.cdiv(N, nt), **cfg["dq"], **common,
+        topk, window, tail_slots, scale, G, variant, prec, cfg, u_dtype, tau_dtype = ctx.meta
+        dq, dk, dv, du, dtau = sparsek_bwd(
+            q, k_ext, v_ext, u, pos, qpos, thu, thp, tau, cut, pi, pu, flush, reach, o, lse, do.contiguous(),
+            topk=topk, window=window, tail=tail_slots, scale=scale, G=G, variant=variant, prec=prec, launch=cfg,
         )
-        # Key-major passes: pool sums first (zeroed fp32 buffers), then the band pass adds them and
-        # writes the final dk, dv, du (every ext row exactly once).
-        dk = _empty(k_ext.shape, k_ext.dtype, dev)  # [B, N, Hkv, D]
-        dv = _empty(v_ext.shape, v_ext.dtype, dev)
-        dub = _empty((B, Hkv, N), torch.float32, dev)
-        if topk > 0:  # the pool walk follows the scans' stable slots (a key never moves while pooled)
-            seg = nt if det else POOL_SEGMENT
-            _dkv_pool_kernel[(triton.cdiv(topk, walk_cfg["BN"]), triton.cdiv(nt, seg), B * Hkv)](
-                **inputs, cut_ptr=cut, pool_idx_ptr=pi, pool_u_ptr=pu, flush_ptr=flush, delta_ptr=delta,
-                dk_pool_ptr=dkp, dv_pool_ptr=dvp, du_pool_ptr=dup, **strides, **sizes, GROUP=H // Hkv, segment=seg,
-                G=G, D=D, VARIANT=common["VARIANT"], PREC=common["PREC"], ATOMIC=seg < nt, **walk_cfg,
-            )
-        _dkv_band_kernel[(triton.cdiv(N, band_cfg["BN"]), B * Hkv)](
-            **inputs, reach_ptr=reach, delta_ptr=delta, dk_pool_ptr=dkp, dv_pool_ptr=dvp, du_pool_ptr=dup,
-            dk_ptr=dk, dv_ptr=dv, du_ptr=dub, **strides, **_strides(dk=dk), **sizes, group=H // Hkv,
-            tail=tail_slots, **band_cfg, **common,
+        return dq, dk, dv, du.to(u_dtype), None, None, None, None, dtau.to(tau_dtype), None, None
+
+
+def sparsek_fwd(
+    q: torch.Tensor,  # [B, L, H, D]
+    k_ext: torch.Tensor,  # [B, N, Hkv, D]
+    v_ext: torch.Tensor,  # [B, N, Hkv, D]
+    u: torch.Tensor,  # [B, N] (detached)
+    pos: torch.Tensor,  # [B, N] int64
+    q_pos: torch.Tensor,  # [B, L] int64
+    theta_u: torch.Tensor,  # [B, L] float64
+    theta_pos: torch.Tensor,  # [B, L] int64
+    tau: torch.Tensor,  # [B, L] (detached)
+    cut: torch.Tensor,  # [B, nt, K] int32: the cut kernel's outputs, pool tiles by position (_by_position)
+    pool_idx: torch.Tensor,  # [B, nt, K] int32
+    pool_u: torch.Tensor,  # [B, nt, K] float32
+    reach: torch.Tensor,  # [B, nt, G] int32
+    *,
+    topk: int,
+    window: int,
+    tail: int,
+    scale: float,
+    G: int,  # the query tile
+    variant: int,  # VARIANT_CODE
+    prec: str,  # the dots' input precision
+    launch: dict,  # LAUNCH's fwd entry: BN, num_warps, num_stages, maxnreg (optional)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel: o [B, L, H, D] in q's dtype and the base-2 log-sum-exp [B, H, L] (float32)."""
+    B, L, H, D = q.shape
+    N, Hkv = k_ext.shape[1], k_ext.shape[2]
+    nt = triton.cdiv(L, G)
+    o = _empty((B, L, H, D), q.dtype, q.device)
+    lse = _empty((B, H, L), torch.float32, q.device)
+    _fwd_kernel[(nt, B * H)](
+        q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, q_pos_ptr=q_pos, theta_u_ptr=theta_u,
+        theta_pos_ptr=theta_pos, tau_ptr=tau, cut_ptr=cut, pool_idx_ptr=pool_idx, pool_u_ptr=pool_u, reach_ptr=reach,
+        o_ptr=o, lse_ptr=lse,
+        stride_qb=q.stride(0), stride_ql=q.stride(1), stride_qh=q.stride(2),
+        stride_kb=k_ext.stride(0), stride_kn=k_ext.stride(1), stride_kh=k_ext.stride(2),
+        stride_vb=v_ext.stride(0), stride_vn=v_ext.stride(1), stride_vh=v_ext.stride(2),
+        stride_ob=o.stride(0), stride_ol=o.stride(1), stride_oh=o.stride(2),
+        n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_tiles=nt, topk=topk, window=window, tail=tail,
+        scale2=scale * LOG2E.value, G=G, BN=launch["BN"], D=D, VARIANT=variant, HAS_TOPK=topk > 0, PREC=prec,
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"], maxnreg=launch.get("maxnreg"),
+    )
+    return o, lse
+
+
+def sparsek_bwd(
+    q: torch.Tensor,  # [B, L, H, D]
+    k_ext: torch.Tensor,  # [B, N, Hkv, D]
+    v_ext: torch.Tensor,  # [B, N, Hkv, D]
+    u: torch.Tensor,  # [B, N]
+    pos: torch.Tensor,  # [B, N] int64
+    q_pos: torch.Tensor,  # [B, L] int64
+    theta_u: torch.Tensor,  # [B, L] float64
+    theta_pos: torch.Tensor,  # [B, L] int64
+    tau: torch.Tensor,  # [B, L]
+    cut: torch.Tensor,  # [B, nt, K] int32: the cut kernel's outputs, in the scans' stable slots
+    pool_idx: torch.Tensor,  # [B, nt, K] int32
+    pool_u: torch.Tensor,  # [B, nt, K] float32
+    flush: torch.Tensor,  # [B, nt, ceil(K / walk BN)] int32
+    reach: torch.Tensor,  # [B, nt, G] int32
+    o: torch.Tensor,  # [B, L, H, D] the forward's output
+    lse: torch.Tensor,  # [B, H, L] its base-2 log-sum-exp
+    do: torch.Tensor,  # [B, L, H, D] contiguous
+    *,
+    topk: int,
+    window: int,
+    tail: int,
+    scale: float,
+    G: int,
+    variant: int,
+    prec: str,
+    launch: dict,  # LAUNCH's entries: dq (BN, num_warps, num_stages, maxnreg), walk and band (also MQ, KEY_MAJOR)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward kernels: dq [B, L, H, D], dk and dv [B, N, Hkv, D], du [B, N] and dtau [B, L] (float32).
+
+    dq and dtau query-major (the dq kernel also writes delta and zeroes the pool sums); then key-major:
+    the pool walk's sums (atomic adds unless DETERMINISTIC or torch's deterministic algorithms), and
+    the band pass, which adds them and writes every ext row's dk, dv, du exactly once."""
+    B, L, H, D = q.shape
+    N, Hkv = k_ext.shape[1], k_ext.shape[2]
+    nt = triton.cdiv(L, G)
+    dq_cfg, walk, band = launch["dq"], launch["walk"], launch["band"]
+    walk_mq, band_mq = min(G, walk["MQ"]), min(G, band["MQ"])
+    dev = q.device
+    det = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
+    delta = _empty((B, H, L), torch.float32, dev)  # dO_i . o_i, written by the dq kernel
+    if topk > 0:  # the pool walk's sums, zeroed by the dq kernel (no memset launches)
+        dkp = _empty((B, N, Hkv, D), torch.float32, dev)
+        dvp = _empty((B, N, Hkv, D), torch.float32, dev)
+        dup = _empty((B, Hkv, N), torch.float32, dev)
+    else:
+        dkp = dvp = dup = lse  # (unused)
+    dq = _empty((B, L, H, D), q.dtype, dev)
+    dtau = _empty((B, H, L), torch.float32, dev)
+    _dq_kernel[(nt, B * H)](  # the forward's pool layout and cut
+        q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, q_pos_ptr=q_pos, theta_u_ptr=theta_u,
+        theta_pos_ptr=theta_pos, tau_ptr=tau, cut_ptr=cut, pool_idx_ptr=pool_idx, pool_u_ptr=pool_u, reach_ptr=reach,
+        do_ptr=do, o_ptr=o, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq, dtau_ptr=dtau, dk_pool_ptr=dkp, dv_pool_ptr=dvp,
+        du_pool_ptr=dup,
+        stride_qb=q.stride(0), stride_ql=q.stride(1), stride_qh=q.stride(2),
+        stride_kb=k_ext.stride(0), stride_kn=k_ext.stride(1), stride_kh=k_ext.stride(2),
+        stride_vb=v_ext.stride(0), stride_vn=v_ext.stride(1), stride_vh=v_ext.stride(2),
+        stride_dob=do.stride(0), stride_dol=do.stride(1), stride_doh=do.stride(2),
+        n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_tiles=nt, topk=topk, window=window, tail=tail, scale=scale,
+        zero_rows=triton.cdiv(N, nt), G=G, BN=dq_cfg["BN"], D=D, VARIANT=variant, HAS_TOPK=topk > 0, PREC=prec,
+        num_warps=dq_cfg["num_warps"], num_stages=dq_cfg["num_stages"], maxnreg=dq_cfg.get("maxnreg"),
+    )
+    dk = _empty(k_ext.shape, k_ext.dtype, dev)  # [B, N, Hkv, D]
+    dv = _empty(v_ext.shape, v_ext.dtype, dev)
+    dub = _empty((B, Hkv, N), torch.float32, dev)
+    if topk > 0:  # the pool walk follows the scans' stable slots (a key never moves while pooled)
+        seg = nt if det else POOL_SEGMENT
+        _dkv_pool_kernel[(triton.cdiv(topk, walk["BN"]), triton.cdiv(nt, seg), B * Hkv)](
+            q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, q_pos_ptr=q_pos, theta_u_ptr=theta_u,
+            theta_pos_ptr=theta_pos, tau_ptr=tau, cut_ptr=cut, pool_idx_ptr=pool_idx, pool_u_ptr=pool_u, flush_ptr=flush,
+            do_ptr=do, lse_ptr=lse, delta_ptr=delta, dk_pool_ptr=dkp, dv_pool_ptr=dvp, du_pool_ptr=dup,
+            stride_qb=q.stride(0), stride_ql=q.stride(1), stride_qh=q.stride(2),
+            stride_kb=k_ext.stride(0), stride_kn=k_ext.stride(1), stride_kh=k_ext.stride(2),
+            stride_vb=v_ext.stride(0), stride_vn=v_ext.stride(1), stride_vh=v_ext.stride(2),
+            stride_dob=do.stride(0), stride_dol=do.stride(1), stride_doh=do.stride(2),
+            n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_tiles=nt, topk=topk, window=window, scale=scale,
+            segment=seg, G=G, MQ=walk_mq, BN=walk["BN"], D=D, VARIANT=variant, PREC=prec, ATOMIC=seg < nt,
+            KEY_MAJOR=walk["KEY_MAJOR"], num_warps=walk["num_warps"], num_stages=walk["num_stages"],
+            maxnreg=walk.get("maxnreg"),
         )
-        du = dub.sum(1).to(u_dtype)  # [B, N]: summed over kv heads
-        return (dq, dk, dv, du, None, None, None, None,
-                dtau.sum(1).to(tau_dtype), None, None)
+    _dkv_band_kernel[(triton.cdiv(N, band["BN"]), B * Hkv)](
+        q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, q_pos_ptr=q_pos, theta_u_ptr=theta_u,
+        theta_pos_ptr=theta_pos, tau_ptr=tau, reach_ptr=reach, do_ptr=do, lse_ptr=lse, delta_ptr=delta,
+        dk_pool_ptr=dkp, dv_pool_ptr=dvp, du_pool_ptr=dup, dk_ptr=dk, dv_ptr=dv, du_ptr=dub,
+        stride_qb=q.stride(0), stride_ql=q.stride(1), stride_qh=q.stride(2),
+        stride_kb=k_ext.stride(0), stride_kn=k_ext.stride(1), stride_kh=k_ext.stride(2),
+        stride_vb=v_ext.stride(0), stride_vn=v_ext.stride(1), stride_vh=v_ext.stride(2),
+        stride_dob=do.stride(0), stride_dol=do.stride(1), stride_doh=do.stride(2),
+        stride_dkb=dk.stride(0), stride_dkn=dk.stride(1), stride_dkh=dk.stride(2),
+        n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_tiles=nt, topk=topk, window=window, tail=tail, scale=scale,
+        G=G, MQ=band_mq, BN=band["BN"], D=D, VARIANT=variant, HAS_TOPK=topk > 0, PREC=prec,
+        KEY_MAJOR=band["KEY_MAJOR"], num_warps=band["num_warps"], num_stages=band["num_stages"],
+        maxnreg=band.get("maxnreg"),
+    )
+    return dq, dk, dv, dub.sum(1), dtau.sum(1)  # du, dtau: summed over the heads
 
 
 def sparsek_attention_core_triton(
