@@ -142,7 +142,7 @@ def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str,
     block = triton.next_power_of_2(cap + 1)
     out = dict(
         thr_u=torch.empty(B, cap, dtype=torch.float64, device=dev),
-        thr_saturated=torch.empty(B, cap, dtype=torch.bool, device=dev),
+        thr_saturated=torch.empty(B, cap, dtype=torch.int8, device=dev),  # bool below (a bool view trips Inductor)
         thr_count=torch.empty(B, dtype=torch.int64, device=dev),
         tau=torch.empty(B, dtype=torch.float64, device=dev),
         thr_sum=torch.empty(B, dtype=torch.float64, device=dev),
@@ -155,10 +155,12 @@ def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str,
     admit_kernel[(B,)](
         cache.thr_u.contiguous(), cache.thr_count.contiguous(), cache.tau.contiguous(), cache.overflow.contiguous(),
         cache.pool_u.contiguous(), cache.pool_pos.contiguous(), cu.to(torch.float64).contiguous(), cpos.contiguous(),
-        out["thr_u"], out["thr_saturated"].view(torch.int8), out["thr_count"], out["tau"], out["thr_sum"], out["overflow"],
+        out["thr_u"], out["thr_saturated"], out["thr_count"], out["tau"], out["thr_sum"], out["overflow"],
         out["pool_u"], out["pool_pos"], src, scratch, cap, K,
         BLOCK=block, KB=triton.next_power_of_2(max(K, 1)), num_warps=8 if block >= 4096 else 4,
     )
+    # torch 2.11's Inductor cannot lower a bool tensor viewed as int8 (the compiled decode step failed)
+    out["thr_saturated"] = out["thr_saturated"] != 0
     return out, src
 
 
