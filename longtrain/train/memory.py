@@ -10,9 +10,13 @@
   - full attention only: the keys grow with the position (up to the longest document, or
     attention.max_context), and the chunk's mask [B, L, keys] (one tensor shared by the layers);
   - the head's loss: one slice of logits and the head's gradients (longtrain.model.loss);
-and 15% for the allocator's fragmentation and kernel workspaces. It is a rough estimate (the
-benchmark `benchmarks/fit_throughput.py` prints it beside the measured peak); its purpose is the
-warning before a run that cannot fit, which names the remedies (`advice`).
+  - on the CPU, the naive attention core's scores: for each block of 64 queries it scores k + w + 63
+    keys and keeps what the backward needs (`naive_core_bytes_per_score`, measured), plus one step of
+    them being built or differentiated (CUDA's kernels keep no scores);
+and 15% for the allocator's fragmentation and kernel workspaces. `benchmarks/memory_estimate.py`
+measures it against the peak a short fit adds (CPU: within 1.5x at three pool sizes, tested). The
+summary adds, on the CPU, what the process already holds (Python, torch, the data); a run whose total
+exceeds the device's memory is refused before it starts, with the remedies (`advice`).
 
 `device_memory_bytes` is the device's total memory (psutil's total RAM on the CPU). The environment
 variable LONGTRAIN_DEVICE_MEMORY (bytes, or e.g. "12GiB") overrides it, to rehearse a smaller device.
@@ -52,6 +56,28 @@ def device_memory_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().total
 
 
+def process_bytes() -> int:
+    """The process's resident memory now."""
+    return psutil.Process().memory_info().rss
+
+
+@functools.lru_cache(maxsize=1)
+def runtime_bytes() -> int:
+    """What a first training step adds to the process besides its tensors (measured once: a tiny step on
+    the CPU): the libraries' code it pages in (autograd, oneDNN, the optimizer) and the compiled selection
+    scan; about 320 MiB here, which quickstart's 110 MiB estimate left out of the ~800 MiB its `mem` showed.
+    0 once a step has run in this process."""
+    from longtrain.model.model import LM, LMConfig
+
+    before = process_bytes()
+    with torch.random.fork_rng(devices=[]):
+        model = LM(LMConfig(vocab_size=8, layers=1, d_model=8, heads=1, attention="sparsek+sw", topk=2, window=2))
+        tokens = torch.zeros(2, 16, dtype=torch.long)
+        model(tokens, targets=tokens).loss_sum.backward()
+        torch.optim.AdamW(model.parameters()).step()
+    return max(0, process_bytes() - before)
+
+
 @functools.lru_cache(maxsize=32)
 def activation_bytes_per_token(style: str, mlp_ratio: float, dtype: torch.dtype) -> float:
     """Bytes autograd keeps per token and per unit of d_model for one block outside the attention op.
@@ -82,9 +108,56 @@ def activation_bytes_per_token(style: str, mlp_ratio: float, dtype: torch.dtype)
     return sum(saved.values()) / (B * L * d)
 
 
+QUERY_BLOCK = 64  # the attention cores' query tile (the op's `block`)
+NAIVE_STEP_SCORES = 1 << 24  # the naive core scores at most this many (query, head, key) at a time (max_scores)
+
+
+@functools.lru_cache(maxsize=32)
+def naive_core_bytes_per_score(heads: int, kv_heads: int, head_dim: int, variant: str, dtype: torch.dtype) -> float:
+    """Bytes autograd keeps in the naive attention core (the CPU's) per query, head and key it scores.
+
+    The core gathers, for each block of 64 queries, its k + w + 63 keys and scores them all: the scores,
+    softmax and gates it keeps for the backward grow with k (at k = 100,000 they were 24 GB of a
+    quickstart run). Measured on one block at two pool sizes with saved-tensor hooks (the slope).
+    """
+    from longtrain.ops.sparsek_attention.naive import sparsek_attention_core_naive
+
+    G, w = QUERY_BLOCK, 8
+
+    def saved_bytes(K: int) -> int:
+        N = K + (w - 1) + G  # [pool K][tail w - 1][chunk G]
+        with torch.random.fork_rng(devices=[]):
+            q = torch.randn(1, G, heads, head_dim, dtype=dtype, requires_grad=True)
+            k = torch.randn(1, N, kv_heads, head_dim, dtype=dtype, requires_grad=True)
+            v = torch.randn(1, N, kv_heads, head_dim, dtype=dtype, requires_grad=True)
+            u = torch.randn(1, N, requires_grad=True)
+        tau = torch.zeros(1, G, requires_grad=True)
+        pos = torch.arange(N)[None]
+        inputs = {t.untyped_storage().data_ptr() for t in (q, k, v, u, tau, pos)}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in inputs:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            sparsek_attention_core_naive(
+                q, k, v, u, pos, pos[:, N - G :], torch.full((1, G), -float("inf"), dtype=torch.float64),
+                torch.zeros(1, G, dtype=torch.long), tau, torch.arange(K)[None, None], topk=K, window=w,
+                tail_slots=w - 1, variant=variant, block=G,
+            )
+        return sum(saved.values())
+
+    return (saved_bytes(192) - saved_bytes(64)) / (128 * G * heads)
+
+
 def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position: int, compute_dtype: torch.dtype,
-                            n_trainable: int | None = None) -> int:
-    """Peak memory of one training chunk with the rows at document position `position` (per rank)."""
+                            n_trainable: int | None = None, device_type: str = "cuda") -> int:
+    """Peak memory of one training chunk with the rows at document position `position` (per rank).
+
+    device_type: "cpu" trains through the naive attention core, whose scores grow with k + w
+    (naive_core_bytes_per_score); CUDA's kernels keep no scores."""
     m, att, cfg = recipe.model, recipe.attention, recipe.train
     e = torch.empty((), dtype=compute_dtype).element_size()
     d, layers, B, L = m.d_model, m.layers, cfg.batch_docs, cfg.chunk_size
@@ -108,9 +181,16 @@ def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position:
         cache = 2 * layers * B * cached * kv
         op_keys = layers * B * (cached + L) * kv  # the op's [pool][tail][chunk] keys and values
         mask = 0
+        scored = (att.topk or 0) + (att.window or 0) + QUERY_BLOCK - 1  # keys a query block scores
+        blocks = -(-L // QUERY_BLOCK) * QUERY_BLOCK  # queries, padded to whole blocks
         if linear(att.type):  # the naive core keeps, per query and head, ~48 float32 bytes of each of its
             # k + w + 63 gathered keys for the backward (measured: 120 KB a query at k = w = 128, 8 heads)
-            op_keys += layers * B * L * H * ((att.topk or 0) + (att.window or 0) + 63) * 48
+            op_keys += layers * B * L * H * scored * 48
+        elif device_type == "cpu":  # the naive core: what it keeps, and one step's scores being built or
+            # differentiated (about twice what it keeps of them: measured, benchmarks/memory_estimate.py)
+            per_score = naive_core_bytes_per_score(H, Hkv, D, att.variant, compute_dtype)
+            scores = B * blocks * H * scored  # per layer
+            op_keys += (layers * scores + 2 * min(scores, NAIVE_STEP_SCORES)) * per_score
     op = layers * B * (2 * L * H * D * e + 4 * L * H) + op_keys  # q and o, a float32 row statistic
     if cfg.activation_checkpointing:  # each block keeps its float32 input; the backward recomputes one block at a time
         acts, op = layers * B * L * d * 4 + acts // layers, op // layers
@@ -148,7 +228,10 @@ def advice(recipe, *, suggest_max_context: int | None = None) -> str:
         mc = f"--set attention.max_context={suggest_max_context}" if suggest_max_context else "--set attention.max_context=N"
         tips.append(f"cap full attention's cache with {mc} (each query then sees the last N keys: a sliding window)")
         tips.append("or train with attention.type sparsek+sw, whose cache has a fixed size")
-    elif cfg.precision in ("fp32",):
+    elif att.topk or att.window:
+        tips.append(f"a smaller attention.topk or attention.window (now {att.topk or 0} and {att.window or 0}: the "
+                    "cache and, on the CPU, the scores each query block keeps grow with k + w)")
+    if att.type != "full" and cfg.precision in ("fp32",):
         tips.append("or train.precision bf16")
     if not cfg.activation_checkpointing:
         tips.append("or --set train.activation_checkpointing=true (blocks recomputed in the backward: less memory, same results)")

@@ -128,15 +128,29 @@ def estimate_memory(t: Trainer, position: int) -> int:
     return memory.estimate_training_bytes(
         t.recipe, n_params=t.model.num_params(), vocab_size=t.model.cfg.vocab_size,
         position=position, compute_dtype=t.compute_dtype,
-        n_trainable=sum(p.numel() for p in t.model.parameters() if p.requires_grad),
+        n_trainable=sum(p.numel() for p in t.model.parameters() if p.requires_grad), device_type=t.device_type(),
     )
 
 
+def memory_need(t: Trainer, position: int) -> tuple[int, str]:
+    """(bytes the run needs at `position`, in words): on the CPU what the process already holds (Python,
+    torch, the data) plus the training estimate, as the progress line's `mem` counts; on CUDA the estimate."""
+    if memory_device(t).type == "cuda":
+        need = estimate_memory(t, position)
+        return need, gib(need)
+    # first: the estimate's own probes page in some of the same libraries
+    held = (getattr(t, "held_bytes", 0) or memory.process_bytes()) + memory.runtime_bytes()
+    need = estimate_memory(t, position)
+    return held + need, (f"{gib(held + need)} ({gib(need)} for training on top of the {gib(held)} this process holds "
+                         "with the libraries a step runs)")
+
+
 def memory_lines(t: Trainer) -> list[str]:
-    """The estimated peak memory at the furthest position the run reaches, and a warning if it does not fit."""
+    """The estimated peak memory at the furthest position the run reaches, and the machine's memory."""
     att = t.recipe.attention
     position = memory.longest_position(t.corpus, t.cfg)
-    need, dev = estimate_memory(t, position), memory_device(t)
+    _, need = memory_need(t, position)
+    dev = memory_device(t)
     have = memory.device_memory_bytes(dev)
     where = f"{gib(have)} of {dev}" if dev.type == "cuda" else f"{gib(have)} of RAM"
     per = " per rank" if t.ranks.parallel else ""
@@ -144,13 +158,21 @@ def memory_lines(t: Trainer) -> list[str]:
         grows = f"full attention: it grows with the position, up to the longest document ({position:,} tokens)"
         if att.max_context:
             grows = f"full attention capped at attention.max_context = {att.max_context:,} keys"
-        line = f"memory: about {gib(need)}{per} at document position {position:,} ({grows}); {where}"
-    else:
-        line = f"memory: about {gib(need)}{per} at any document position (the KV cache has a fixed size); {where}"
+        return [f"memory: about {need}{per} at document position {position:,} ({grows}); {where}"]
+    return [f"memory: about {need}{per} at any document position (the KV cache has a fixed size); {where}"]
+
+
+def memory_refusal(t: Trainer) -> str | None:
+    """Why the run cannot fit its device's memory (checked before anything is written), or None."""
+    position = memory.longest_position(t.corpus, t.cfg)
+    need, words = memory_need(t, position)
+    dev = memory_device(t)
+    have = memory.device_memory_bytes(dev)
     if need <= have:
-        return [line]
-    return [line, f"warning: this run needs about {gib(need)} at document position {position:,} but {dev} "
-            f"has {gib(have)}: it will likely run out of memory. To fit: {fit_advice(t, have)}"]
+        return None
+    return (f"this run needs about {words} at document position {position:,} but {dev} has {gib(have)}: it would run "
+            f"out of memory. To fit: {fit_advice(t, have)}. (If you know it fits, {memory.DEVICE_MEMORY_ENV}=SIZE "
+            "states the memory to plan for.)")
 
 
 def checkpoint_bytes(t: Trainer) -> int:
@@ -186,7 +208,7 @@ def fit_advice(t: Trainer, have: int) -> str:
     if t.recipe.attention.type == "full":
         fits = memory.max_context_that_fits(
             t.recipe, budget=int(0.9 * have), n_params=t.model.num_params(),
-            vocab_size=t.model.cfg.vocab_size, compute_dtype=t.compute_dtype,
+            vocab_size=t.model.cfg.vocab_size, compute_dtype=t.compute_dtype, device_type=t.device_type(),
         )
     return memory.advice(t.recipe, suggest_max_context=fits)
 

@@ -76,7 +76,7 @@ from longtrain.train.recipe import Recipe, recipe_to_yaml
 from longtrain.train.checkpoint.rng import seed_everything
 from longtrain.train.run_dir import write_atomically
 from longtrain.train.signals import StopSignal, kill_for_tests_after, signal_for_tests_at
-from longtrain.train import summary
+from longtrain.train import memory, summary
 from longtrain.train.summary import FitResult
 from longtrain.train.validation import evaluate
 from longtrain.train.step_graph import ChunkGraph, ChunkInputs, ChunkResult, graph_unusable
@@ -133,6 +133,8 @@ class Trainer:
                 self.setup()  # nothing is written to the run dir before this returns
                 if self.state.step >= self.cfg.steps or self.out_of_patience():  # finished: nothing to do or write
                     return self.result(seconds=0.0)
+                if problem := summary.memory_refusal(self):  # before anything is written
+                    raise TrainingError(problem)
                 self.start_run()
                 t_start = time.monotonic()
                 with self.stop, self.display, self.metrics, self.out_of_memory_help():
@@ -215,6 +217,7 @@ class Trainer:
         if wants and not len(self.corpus.valid):
             raise TrainingError(f"{' and '.join(wants)} compare validation losses, but the data has no validation "
                                 "documents; set data.valid (a folder, or a fraction such as 0.02)")
+        self.held_bytes = memory.process_bytes()  # what the process holds before the model: Python, torch, the data
         self.hashes = run_hashes(self.recipe, self.corpus.tokenizer)
         if self.resume_from is None:
             return None
@@ -236,6 +239,8 @@ class Trainer:
         self.stream = self.build_stream()
         if meta is not None and not (self.state.step >= self.cfg.steps or self.out_of_patience()):
             self.stream.load_state_dict(meta["data_stream"])  # as Checkpointer.restore: the same corpus and seed
+        if self.state.step < self.cfg.steps and not self.out_of_patience() and (problem := summary.memory_refusal(self)):
+            raise TrainingError(problem)
         plan = summary.dry_run_plan(self)
         return [*recipe_to_yaml(self.recipe).splitlines(), "", *summary.run_summary(self), f"dry run: {plan}; nothing was written"]
 

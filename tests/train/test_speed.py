@@ -149,14 +149,16 @@ def test_compiled_run_resumes_bitwise_and_matches_eager(workspace, monkeypatch):
     assert all(abs(compiled[s] - eager[s]) <= 1e-4 * eager[s] for s in eager)
 
 
-def test_full_attention_warns_before_and_explains_out_of_memory(workspace, monkeypatch):
+def test_full_attention_is_refused_before_and_explains_out_of_memory(workspace, monkeypatch):
     tmp, recipe = workspace
     path = recipe(steps=4, every=100)
     monkeypatch.setenv("LONGTRAIN_DEVICE_MEMORY", "1MiB")
-    r = cli("fit", path, "--run-dir", tmp / "oom", "--dry-run", *FULL)
-    assert r.exit_code == 0, r.output
-    assert "warning: this run needs about" in r.output and "has 1 MiB" in r.output
-    assert "train.chunk_size" in r.output and "attention.max_context" in r.output and "sparsek+sw" in r.output
+    for dry_run in (("--dry-run",), ()):  # issue 31: refused before training, the dry run alike; nothing written
+        r = cli("fit", path, "--run-dir", tmp / "oom", *dry_run, *FULL)
+        assert r.exit_code == 1, r.output
+        assert "error: this run needs about" in r.output and "has 1 MiB" in r.output
+        assert "train.chunk_size" in r.output and "attention.max_context" in r.output and "sparsek+sw" in r.output
+        assert not (tmp / "oom").exists()
     monkeypatch.delenv("LONGTRAIN_DEVICE_MEMORY")
 
     def out_of_memory(self):
