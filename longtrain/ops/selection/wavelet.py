@@ -152,11 +152,15 @@ def empty_wavelet_tree(B: int, N: int, device) -> WaveletTree:
 def merge_levels(tree: WaveletTree) -> WaveletTree:
     """Levels LV-1 .. 0 from the leaves: one launch for the low levels, one per higher level."""
     B, LV, N = tree.left.shape[:3]
-    tensors = dict(ORD=tree.order, LEFT=tree.left, SS=tree.score_sum, HS=tree.hash_sum, N=N, LV=LV)
     low = min(LV, MERGE_TILE.bit_length() - 1)  # levels whose nodes fit in a tile
-    _merge_levels_kernel[(triton.cdiv(N, MERGE_TILE), B)](**tensors, TOP=LV, NLEV=low, BLK=MERGE_TILE)
+    _merge_levels_kernel[(triton.cdiv(N, MERGE_TILE), B)](
+        ORD=tree.order, LEFT=tree.left, SS=tree.score_sum, HS=tree.hash_sum, N=N, LV=LV, TOP=LV, NLEV=low, BLK=MERGE_TILE,
+    )
     for level in range(LV - low - 1, -1, -1):
-        _merge_levels_kernel[(triton.cdiv(N, UPPER_TILE), B)](**tensors, TOP=level + 1, NLEV=1, BLK=UPPER_TILE)
+        _merge_levels_kernel[(triton.cdiv(N, UPPER_TILE), B)](
+            ORD=tree.order, LEFT=tree.left, SS=tree.score_sum, HS=tree.hash_sum, N=N, LV=LV, TOP=level + 1, NLEV=1,
+            BLK=UPPER_TILE,
+        )
     return tree
 
 
