@@ -8,6 +8,7 @@ returns lines; the trainer decides when to print them.
 from __future__ import annotations
 
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from longtrain.console import plural as _n
+from longtrain.errors import TrainingError
 from longtrain.data.cache import disk_size
 from longtrain.model.attention_types import kv_entries
 from longtrain.train import memory
@@ -253,6 +255,18 @@ def graph_note(t: Trainer) -> str:
     if why is None:
         return ", one CUDA graph per chunk (from the second step)"
     return "" if why == "not on CUDA" else f", no CUDA graph: {why}"
+
+
+@contextmanager
+def out_of_memory_help(t: Trainer):
+    """An out-of-memory error inside becomes a TrainingError that says what to change, not a traceback."""
+    try:
+        yield
+    except RuntimeError as e:  # torch.OutOfMemoryError (CUDA), or the CPU allocator's RuntimeError
+        text = str(e)
+        if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()):
+            raise
+        raise TrainingError(out_of_memory_message(t, text)) from None
 
 
 def out_of_memory_message(t: Trainer, error: str) -> str:

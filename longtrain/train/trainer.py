@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -137,7 +137,7 @@ class Trainer:
                     raise TrainingError(problem)
                 self.start_run()
                 t_start = time.monotonic()
-                with self.stop, self.display, self.metrics, self.out_of_memory_help():
+                with self.stop, self.display, self.metrics, summary.out_of_memory_help(self):
                     while self.state.step < self.cfg.steps and not self.stopping and not self.out_of_patience():
                         record = self.train_step()
                         if self.validation_due():
@@ -555,13 +555,6 @@ class Trainer:
         return (step % self.checkpoints.every == 0 or step == self.cfg.steps or self.stopping or self.best_unsaved
                 or self.out_of_patience() is not None)
 
-    def best_checkpoint(self) -> Path | None:
-        """checkpoint.keep_best: the checkpoint of the best validation loss, if it is on disk."""
-        if not self.recipe.checkpoint.keep_best or self.state.best_step is None:
-            return None
-        path = self.checkpoints.manager.path_for(self.state.best_step)
-        return path if path.is_dir() else None
-
     def out_of_patience(self, state: TrainState | None = None) -> str | None:
         """Why train.early_stopping ends the run at `state` (this run's by default), or None while it goes on."""
         state, stop = state or self.state, self.cfg.early_stopping
@@ -579,24 +572,13 @@ class Trainer:
         self.display.message(f"saved checkpoint {self.last_saved}")
         kill_for_tests_after(self.state.step, self.ranks.rank)
 
-    @contextmanager
-    def out_of_memory_help(self):
-        """An out-of-memory error becomes a TrainingError that says what to change, not a traceback."""
-        try:
-            yield
-        except RuntimeError as e:  # torch.OutOfMemoryError (CUDA), or the CPU allocator's RuntimeError
-            text = str(e)
-            if not (isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text.lower()):
-                raise
-            raise TrainingError(summary.out_of_memory_message(self, text)) from None
-
     def result(self, *, seconds: float) -> FitResult:
         return FitResult(
             run_dir=self.run_dir, start_step=self.start.step, steps=self.state.step, tokens=self.state.tokens,
             session_tokens=self.state.tokens - self.start.tokens, seconds=seconds, train_seconds=self.train_seconds,
             last_loss=self.last_loss, final_valid_loss=self.final_valid_loss,
             best_valid_loss=self.state.best_valid_loss, checkpoint=self.last_saved,
-            out_of_patience=self.out_of_patience(), best_checkpoint=self.best_checkpoint(),
+            out_of_patience=self.out_of_patience(), best_checkpoint=self.checkpoints.best(self.state) if self.recipe.checkpoint.keep_best else None,
             stopped_by=self.stop_agreed if self.ranks.parallel else self.stop.signum,
             forked_from=self.resume_from if self.fork else None,
         )

@@ -106,6 +106,11 @@ class RunCheckpoints:
             )
         return path
 
+    def best(self, state: TrainState) -> Path | None:
+        """checkpoint.keep_best: the checkpoint of the state's best validation loss, if it is on disk."""
+        path = self.manager.path_for(state.best_step) if state.best_step is not None else None
+        return path if path is not None and path.is_dir() else None
+
     def existing(self) -> list[Path]:
         """Checkpoint folders already in the run's checkpoint dir (complete or not)."""
         return self.manager.steps()
