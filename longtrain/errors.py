@@ -7,8 +7,13 @@ and exits with the class's `exit_code` (`longtrain.cli.app` maps them, in one pl
   1  every other LongtrainError: inputs that exist but cannot be used, or a run that cannot go on.
 
 A domain function takes typed values and does not know the CLI's flags. When its message is about one
-of its arguments, it says which with `arg` (the parameter's name, e.g. "max_len"): `str(e)` reads
-"max_len must be ..." and the CLI puts the flag there instead ("--max-len must be ...").
+of its arguments, it says which with `arg` (the parameter's name, e.g. "max_len") and the CLI names
+the flag that set it: the name goes where the message says `{arg}`, else in front of it.
+
+    UsageError(f"must be at least 256; got {n}", arg="max_len")
+        str(e): "max_len must be at least 256; got 100"      longtrain eval: "--max-len must be ..."
+    EvalError("no validation documents: pass {arg} PATH|GLOB", arg="data")
+        str(e): "... pass data PATH|GLOB"                      longtrain eval: "... pass --data PATH|GLOB"
 
 This module imports nothing of longtrain, so any module can raise these without an import cycle.
 """
@@ -24,11 +29,13 @@ class LongtrainError(Exception):
     def __init__(self, message: str, *, arg: str | None = None):
         self.message = message
         self.arg = arg  # the domain argument the message is about (None: not about one)
-        super().__init__(f"{arg} {message}" if arg else message)
+        super().__init__(self.naming(arg) if arg else message)
 
-    def for_flag(self, flag: str) -> str:
-        """The message with the CLI's flag in place of the argument's name."""
-        return f"{flag} {self.message}" if self.arg else self.message
+    def naming(self, flag: str) -> str:
+        """The message with `flag` (the CLI's flag for `arg`) where `{arg}` is, or in front."""
+        if not self.arg:
+            return self.message
+        return self.message.replace("{arg}", flag) if "{arg}" in self.message else f"{flag} {self.message}"
 
 
 class UsageError(LongtrainError):

@@ -25,7 +25,7 @@ def message(e: LongtrainError, command) -> str:
     """The error's text, with the flag (or ARGUMENT) of the click `command` that stands for `e.arg`."""
     for param in command.params if command is not None and e.arg else ():
         if param.name == e.arg:
-            return e.for_flag(param.opts[0] if param.param_type_name == "option" else param.name.upper())
+            return e.naming(param.opts[0] if param.param_type_name == "option" else param.name.upper())
     return str(e)
 
 

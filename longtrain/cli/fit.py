@@ -6,11 +6,12 @@ from pathlib import Path
 
 import typer
 
-from longtrain.cli.app import app, fail
+from longtrain.cli.app import app, fail, message
 
 
 @app.command("fit")
 def fit(
+    ctx: typer.Context,
     recipe: str = typer.Argument(
         None, help="recipe YAML file or built-in name (default: quickstart; see `longtrain recipes`)", show_default=False
     ),
@@ -51,7 +52,7 @@ def fit(
             return
         result = trainer.train()
     except LongtrainError as e:  # as cli.app maps it, with the rank in front under torchrun
-        raise fail(rank_message(str(e)), e.exit_code)
+        raise fail(rank_message(message(e, ctx.command)), e.exit_code)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once, no save
         raise fail(rank_message("interrupted again: stopped without saving; the last checkpoint is unchanged"), 130)
 

@@ -24,18 +24,18 @@ MIN_TOKENS = 2  # a document needs a token to predict
 
 
 def eval_documents(recipe, tokenizer, data: str | None, *, progress: bool = True) -> TokenDocs:
-    """`--data` documents, or the run's validation documents (data=None)."""
+    """The documents at `data` (a PATH|GLOB), or the run's validation documents (data=None)."""
     cache_dir = default_cache_dir()
     tok = tokenizer_hash(tokenizer)
     try:
         if data is not None:
-            docs, _ = tokenize_source(files_source(data, "text", "--data"), tokenizer, MIN_TOKENS, cache_dir, tok, "eval", progress)
+            docs, _ = tokenize_source(files_source(data, "text", "{arg}"), tokenizer, MIN_TOKENS, cache_dir, tok, "eval", progress)
             return docs
         d = recipe.data
         if d.valid is None:
             raise EvalError(
                 "the run has no validation documents (its recipe's data.valid is null): "
-                "pass --data PATH|GLOB with documents to evaluate on"
+                "pass {arg} PATH|GLOB with documents to evaluate on", arg="data",
             )
         if isinstance(d.valid, str):
             source = files_source(d.valid, d.text_field, "data.valid")
@@ -45,11 +45,11 @@ def eval_documents(recipe, tokenizer, data: str | None, *, progress: bool = True
         _, valid = split_held_out(docs, d.valid)
     except DataError as e:
         if data is not None:
-            raise EvalUsageError(f"--data {data}: {e}") from None
+            raise EvalUsageError(f"{{arg}} {data}: {e}", arg="data") from None
         raise EvalError(
             f"the run's validation documents (its recipe's data section): {e}; "
-            "pass --data PATH|GLOB to evaluate on other documents"
+            "pass {arg} PATH|GLOB to evaluate on other documents", arg="data",
         ) from None
     if len(valid) == 0:
-        raise EvalError("the run's validation split holds no documents: pass --data PATH|GLOB")
+        raise EvalError("the run's validation split holds no documents: pass {arg} PATH|GLOB", arg="data")
     return valid

@@ -23,8 +23,6 @@ cache is known to be caught; drop_linear_state zeroes the linear types' linear s
 from __future__ import annotations
 
 import ctypes
-import json
-import os
 import threading
 import time
 from contextlib import nullcontext
@@ -351,9 +349,7 @@ def verify(
 
 
 def load_model(recipe: Path | None, checkpoint: Path | None, seed: int):
-    """(model, tokenizer or None) from a recipe (random init), a checkpoint or run dir, or the small default."""
-    if recipe is not None and checkpoint is not None:
-        raise UsageError("give --recipe or --checkpoint, not both")
+    """(model, tokenizer or None) from a recipe (random init), a checkpoint or run dir (not both), or the small default."""
     torch.manual_seed(seed)
     if recipe is None and checkpoint is None:
         return LM(LMConfig(**DEFAULT_MODEL)), None
@@ -377,84 +373,18 @@ def load_tokens(text: Path | None, n: int, vocab: int, tokenizer, seed: int) -> 
         g = torch.Generator().manual_seed(seed)
         return torch.randint(0, vocab, (n,), generator=g)
     if not text.is_file():
-        raise UsageError(f"--text {text}: no such file")
+        raise UsageError(f"{text}: no such file", arg="text")
     if tokenizer is None:
         if vocab < 256:
-            raise UsageError(f"--text without a tokenizer needs a byte vocabulary (>= 256); the model has {vocab}")
+            raise UsageError(f"without a tokenizer needs a byte vocabulary (>= 256); the model has {vocab}", arg="text")
         with open(text, "rb") as f:
             ids = list(f.read(n))
     else:
         # A token is rarely longer than 16 characters: tokenize a prefix, not the whole file.
         ids = tokenizer.encode(text.read_text(encoding="utf-8", errors="replace")[: 16 * n]).ids[:n]
     if len(ids) < 2:
-        raise UsageError(f"--text {text} has fewer than 2 tokens")
+        raise UsageError(f"{text} has fewer than 2 tokens", arg="text")
     return torch.tensor(ids, dtype=torch.int64)
-
-
-# ----------------------------------------------------------------------------- the command
-
-
-def run_command(
-    *,
-    recipe: Path | None,
-    checkpoint: Path | None,
-    text: Path | None,
-    tokens: int,
-    chunk_sizes: list[int] | None,
-    dtype: str | None,
-    device: str,
-    seed: int,
-    json_path: Path | None,
-    max_logit_diff: float | None,
-    min_agreement: float | None,
-    console,
-) -> int:
-    """Everything behind `longtrain verify-equivalence`; returns the exit code (UsageError: 2)."""
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu or cuda; got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
-    dtype = dtype or ("float64" if device == "cpu" else "float32")
-    if dtype not in PRECISIONS:
-        raise UsageError(f"--dtype must be one of {', '.join(PRECISIONS)}; got {dtype!r}")
-    if tokens < 2:
-        raise UsageError(f"--tokens must be at least 2; got {tokens}")
-    chunk_sizes = list(chunk_sizes or DEFAULT_CHUNK_SIZES)
-    if any(c < 1 for c in chunk_sizes):
-        raise UsageError(f"--chunk-size must be >= 1; got {chunk_sizes}")
-    fault = os.environ.get("LONGTRAIN_FAULT") or None
-    if fault is not None and fault not in FAULTS:
-        raise UsageError(f"LONGTRAIN_FAULT must be one of {FAULTS}; got {fault!r}")
-    if json_path is not None and not json_path.parent.is_dir():
-        raise UsageError(f"--json {json_path}: folder {json_path.parent} does not exist")
-    if min_agreement is not None and not 0.0 <= min_agreement <= 1.0:
-        raise UsageError(f"--min-agreement is a fraction of queries: give a value from 0 to 1; got {min_agreement:g}")
-    if max_logit_diff is not None and not max_logit_diff >= 0.0:
-        raise UsageError(f"--max-logit-diff is an absolute difference: give a value of at least 0; got {max_logit_diff:g}")
-    d_max, a_min = DEFAULT_THRESHOLDS[dtype]
-    d_max = d_max if max_logit_diff is None else max_logit_diff
-    a_min = a_min if min_agreement is None else min_agreement
-
-    model, tokenizer = load_model(recipe, checkpoint, seed)
-    dev = torch.device(device)
-    model = model.to(dev, DTYPES[dtype])
-    if dtype == "float64" and model.cfg.backend == "auto":
-        model.cfg.backend = "naive"  # the Triton core has no float64; the attention layers share this cfg
-    doc = load_tokens(text, tokens, model.cfg.vocab_size, tokenizer, seed).to(dev)
-    cfg = model.cfg
-    console.print(
-        f"model: {cfg.style}, {cfg.layers} layers × {cfg.d_model}, {cfg.heads} heads, {cfg.attention} "
-        f"(k={cfg.topk}, w={cfg.window}), {model.num_params() / 1e6:.2f}M parameters; "
-        f"{doc.numel():,} tokens, {dtype} on {device}"
-    )
-    report = verify(
-        model, doc, chunk_sizes, dtype=dtype, max_logit_diff=d_max, min_agreement=a_min, fault=fault,
-        on_run=lambda r: console.print(f"  chunk {r.chunk_size}: {r.seconds:.1f} s", highlight=False),
-    )
-    render(report, console)
-    if json_path is not None:
-        json_path.write_text(json.dumps(report.to_json(), indent=1))
-    return 0 if report.passed else 1
 
 
 def render(report: Report, console) -> None:

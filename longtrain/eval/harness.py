@@ -30,13 +30,13 @@ def require_lm_eval() -> None:
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        raise EvalError(f"--task lm-eval needs lm-evaluation-harness, which is not installed: {INSTALL}") from None
+        raise EvalError(f"lm-eval needs lm-evaluation-harness, which is not installed: {INSTALL}", arg="task") from None
 
 
 def parse_tasks(argument: str | None) -> tuple[list[str], list[str]]:
     """(task names, folders of local task YAML files) of `--task lm-eval:TASKS`."""
     if not argument:
-        raise EvalUsageError("--task lm-eval needs task names: --task lm-eval:TASK,TASK,... (e.g. lm-eval:lambada_openai)")
+        raise EvalUsageError("{arg} lm-eval needs task names: {arg} lm-eval:TASK,TASK,... (e.g. lm-eval:lambada_openai)", arg="task")
     import yaml
 
     names, folders = [], []
@@ -44,10 +44,10 @@ def parse_tasks(argument: str | None) -> tuple[list[str], list[str]]:
         path = Path(entry).expanduser()
         if path.suffix in (".yaml", ".yml"):
             if not path.is_file():
-                raise EvalUsageError(f"--task lm-eval:{entry}: no such task file")
+                raise EvalUsageError(f"lm-eval:{entry}: no such task file", arg="task")
             task = (yaml.safe_load(path.read_text()) or {}).get("task")
             if not isinstance(task, str):
-                raise EvalUsageError(f"--task lm-eval:{entry}: the YAML names no `task:`; it is not an lm-eval task file")
+                raise EvalUsageError(f"lm-eval:{entry}: the YAML names no `task:`; it is not an lm-eval task file", arg="task")
             names.append(task)
             folders.append(str(path.resolve().parent))
         elif entry:
@@ -81,8 +81,8 @@ def resolve(argument: str | None):
         hints = {n: difflib.get_close_matches(n, known, n=3) for n in unknown}
         close = "; ".join(f"{n}: did you mean {', '.join(h)}?" for n, h in hints.items() if h)
         raise EvalUsageError(
-            f"--task lm-eval: no lm-eval task named {', '.join(unknown)}" + (f" ({close})" if close else "")
-            + "; `lm-eval ls tasks` lists them, or give a task YAML file's path"
+            f"lm-eval: no lm-eval task named {', '.join(unknown)}" + (f" ({close})" if close else "")
+            + "; `lm-eval ls tasks` lists them, or give a task YAML file's path", arg="task",
         )
     return manager, names
 
@@ -126,9 +126,9 @@ def run(ctx: EvalContext) -> TaskResult:
     except Exception as e:
         if is_network_error(e):
             raise EvalError(
-                f"--task lm-eval:{','.join(names)}: a task's dataset must be downloaded from the Hugging Face hub, "
+                f"lm-eval:{','.join(names)}: a task's dataset must be downloaded from the Hugging Face hub, "
                 f"which cannot be reached ({type(e).__name__}: {e}). Connect to the network once (the datasets "
-                "cache keeps it), or use a local task YAML file"
+                "cache keeps it), or use a local task YAML file", arg="task",
             ) from None
         raise
     results = {t: {k: v for k, v in m.items() if isinstance(v, (int, float, str))} for t, m in out["results"].items()}
@@ -139,7 +139,7 @@ def run(ctx: EvalContext) -> TaskResult:
 def check(recipe, opts: EvalOptions) -> None:
     limit = opts.extra.get("limit")
     if limit is not None and limit < 1:
-        raise EvalUsageError(f"--limit must be at least 1; got {limit}")
+        raise EvalUsageError(f"must be at least 1; got {limit}", arg="limit")
     resolve(opts.extra.get("task_argument"))
 
 

@@ -56,8 +56,8 @@ def read_text(raw: bytes, name: str, *, cut: bool = False) -> str:
     nul = raw.find(b"\x00")
     if nul >= 0:
         raise InspectError(
-            f"--text {name} holds NUL bytes (the first at byte {nul:,}): it is a binary file, not text; "
-            "give a UTF-8 text file"
+            f"{name} holds NUL bytes (the first at byte {nul:,}): it is a binary file, not text; "
+            "give a UTF-8 text file", arg="text",
         )
     try:
         text = raw.decode("utf-8")
@@ -65,11 +65,11 @@ def read_text(raw: bytes, name: str, *, cut: bool = False) -> str:
         if cut and e.reason == "unexpected end of data":
             return read_text(raw[: e.start], name)
         raise InspectError(
-            f"--text {name} is not UTF-8 text (byte {e.start:,} is {raw[e.start:e.start + 1]!r}); "
-            "give a UTF-8 text file (convert it first, e.g. iconv -t UTF-8)"
+            f"{name} is not UTF-8 text (byte {e.start:,} is {raw[e.start:e.start + 1]!r}); "
+            "give a UTF-8 text file (convert it first, e.g. iconv -t UTF-8)", arg="text",
         ) from None
     if not text.strip():
-        raise InspectError(f"--text {name} is empty: give a text with some words in it")
+        raise InspectError(f"{name} is empty: give a text with some words in it", arg="text")
     return text
 
 
@@ -114,7 +114,7 @@ def selection_map(loaded, text: str, *, layer: int | None = None) -> SelectionMa
         )
     if layer is not None:
         if not 0 <= layer < cfg.layers:
-            raise InspectError(f"--layer {layer} is out of range: the model has {cfg.layers} layers (0..{cfg.layers - 1})")
+            raise InspectError(f"{layer} is out of range: the model has {cfg.layers} layers (0..{cfg.layers - 1})", arg="layer")
         layers = [layer]
     enc = loaded.tokenizer.encode(text, add_special_tokens=False)
     ids = enc.ids

@@ -148,14 +148,14 @@ def run(ctx: EvalContext) -> TaskResult:
 
 def check(recipe, opts: EvalOptions) -> None:
     if opts.trials < 1:
-        raise EvalUsageError(f"--trials must be at least 1; got {opts.trials}")
+        raise EvalUsageError(f"must be at least 1; got {opts.trials}", arg="trials")
     if opts.max_len < 256:
-        raise EvalUsageError(f"--max-len must be at least 256 tokens (the prompt's instruction and question); got {opts.max_len}")
+        raise EvalUsageError(f"must be at least 256 tokens (the prompt's instruction and question); got {opts.max_len}", arg="max_len")
     if recipe.attention.type == "full" and opts.device == "cpu" and opts.max_len > MAX_CPU_FULL:
         raise EvalUsageError(
-            f"--max-len {opts.max_len:,} with a full-attention model on the CPU: every prompt costs O(length²) "
-            f"attention and keeps every key, which takes far too long here. Use --max-len {MAX_CPU_FULL:,} or less, "
-            "or --device cuda."
+            f"{{arg}} {opts.max_len:,} with a full-attention model on the CPU: every prompt costs O(length²) "
+            f"attention and keeps every key, which takes far too long here. Use {{arg}} {MAX_CPU_FULL:,} or less, "
+            "or a CUDA device.", arg="max_len",
         )
 
 

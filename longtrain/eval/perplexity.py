@@ -133,11 +133,11 @@ def run(ctx: EvalContext) -> TaskResult:
 
 def check(recipe, opts: EvalOptions) -> None:
     if opts.docs < 1:
-        raise EvalUsageError(f"--docs must be at least 1; got {opts.docs}")
+        raise EvalUsageError(f"must be at least 1; got {opts.docs}", arg="docs")
     if opts.tokens is not None and opts.tokens < 2:
-        raise EvalUsageError(f"--tokens must be at least 2 (a token and its successor); got {opts.tokens}")
+        raise EvalUsageError(f"must be at least 2 (a token and its successor); got {opts.tokens}", arg="tokens")
     if opts.chunk_size is not None and opts.chunk_size < 1:
-        raise EvalUsageError(f"--chunk-size must be at least 1; got {opts.chunk_size}")
+        raise EvalUsageError(f"must be at least 1; got {opts.chunk_size}", arg="chunk_size")
 
 
 def plot(fig, spec, entries: list[tuple[str, dict]]) -> None:

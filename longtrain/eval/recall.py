@@ -152,11 +152,11 @@ def _settings(recipe, opts) -> dict:
 
 def check(recipe, opts) -> None:
     if opts.extra.get("recall_scale", 1) < 1:
-        raise EvalUsageError(f"--recall-scale must be at least 1; got {opts.extra['recall_scale']}")
+        raise EvalUsageError(f"must be at least 1; got {opts.extra['recall_scale']}", arg="recall_scale")
     try:
         recall_config(recipe, **_settings(recipe, opts))
     except DataError as e:
-        raise EvalUsageError(f"--task recall: {e}") from None
+        raise EvalUsageError(f"recall: {e}", arg="task") from None
 
 
 def bucket_rows(buckets: list[dict], budget: int | None) -> list[tuple[str, str]]:
@@ -180,7 +180,7 @@ def run(ctx):
     try:
         buckets = measure_recall(ctx.ckpt, docs=ctx.opts.docs, chunk_size=ctx.opts.chunk_size, **settings)
     except DataError as e:
-        raise EvalError(f"--task recall: {e}") from None
+        raise EvalError(f"recall: {e}", arg="task") from None
     chance = chance_level(cfg)
     budget = kv_budget(ctx.ckpt.model.cfg)
     rows = bucket_rows(buckets, budget)

@@ -22,13 +22,14 @@ from longtrain.model.attention_types import describe
 from longtrain.train.checkpoint import load_checkpoint, load_recipe_and_tokenizer, resolve_checkpoint
 
 
-def check_output(path: Path | None, flag: str, suffix: str | None = None) -> None:
+def check_output(path: Path | None, arg: str, suffix: str | None = None) -> None:
+    """A file to write (the argument `arg`) must be in a folder that exists, and end in `suffix`."""
     if path is None:
         return
     if not path.parent.is_dir():
-        raise EvalUsageError(f"{flag} {path}: folder {path.parent} does not exist")
+        raise EvalUsageError(f"{path}: folder {path.parent} does not exist", arg=arg)
     if suffix and path.suffix.lower() != suffix:
-        raise EvalUsageError(f"{flag} {path}: the file name must end in {suffix}")
+        raise EvalUsageError(f"{path}: the file name must end in {suffix}", arg=arg)
 
 
 def run_eval(
@@ -49,17 +50,17 @@ def run_eval(
     elif name in registry:
         tasks = [registry[name]]
         if colon and registry[name].argument is None:
-            raise EvalUsageError(f"--task {name} takes no argument; got {task!r}")
+            raise EvalUsageError(f"{name} takes no argument; got {task!r}", arg="task")
         opts.extra["task_argument"] = argument or None
     else:
         choices = ["all", *(f"{n}[:{t.argument}]" if t.argument else n for n, t in registry.items())]
-        raise EvalUsageError(f"--task must be one of {', '.join(choices)}; got {task!r}")
+        raise EvalUsageError(f"must be one of {', '.join(choices)}; got {task!r}", arg="task")
     if not checkpoints:
         raise EvalUsageError("give at least one checkpoint folder or run dir")
     opts.device = pick_device(opts.device)
     opts.dtype = pick_dtype(opts.dtype, opts.device)
-    check_output(json_path, "--json")
-    check_output(plot_path, "--plot", ".png")
+    check_output(json_path, "json_path")
+    check_output(plot_path, "plot_path", ".png")
 
     paths = [resolve_checkpoint(c) for c in checkpoints]  # CheckpointError: no such checkpoint
     for path in paths:

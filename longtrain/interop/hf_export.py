@@ -77,9 +77,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32"
 
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise HFFormatError(f"{out} exists and is not an empty folder; choose another --out (nothing was written)")
+        raise HFFormatError(f"{out} exists and is not an empty folder; choose another {{arg}} (nothing was written)", arg="out")
     if dtype not in DTYPES:
-        raise HFFormatError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        raise HFFormatError(f"{dtype!r}: choose one of {', '.join(DTYPES)}", arg="dtype")
     loaded = load_checkpoint(checkpoint, dtype=torch.float32)
     model, tok = loaded.model, loaded.tokenizer
     cfg = model.cfg

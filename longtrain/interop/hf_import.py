@@ -229,15 +229,15 @@ def attention_settings(
     the defaults (sparsek+sw, k = w = 512, shared score groups; type sw: w = `sw_window`, a Mistral's own)."""
 
     saved = saved if isinstance(saved, dict) and saved.get("attention") in USES else None
-    given = {"--attention": attention, "--topk": topk, "--window": window, "--score-groups": score_groups}
+    given = {"attention": attention, "score_groups": score_groups}
     attention = attention or (saved["attention"] if saved else "sparsek+sw")
     from_saved = []
     section: dict[str, Any] = {"type": attention}
-    for key, flag, value, default in (("topk", "--topk", topk, DEFAULT_K), ("window", "--window", window, DEFAULT_W)):
+    for key, value, default in (("topk", topk, DEFAULT_K), ("window", window, DEFAULT_W)):
         if key not in USES[attention]:
             if value is not None:  # the CLI checks a type it was given; this one came from the folder
-                raise HFFormatError(f"{flag} {value}: attention {attention} (config.json's longtrain_sparsek) has no {key}; "
-                                    "give --attention sparsek+sw (or another type with it)")
+                raise HFFormatError(f"{value}: attention {attention} (config.json's longtrain_sparsek) has no {key}; "
+                                    "give the attention type sparsek+sw (or another type with it)", arg=key)
             section[key] = 0
         elif value is not None:
             section[key] = value
@@ -248,7 +248,7 @@ def attention_settings(
     section["score_groups"] = score_groups or (saved or {}).get("score_groups", "shared")
     if saved:
         section |= {k: saved[k] for k in SAVED_SETTINGS if k in saved}
-        from_saved += [k for k in ("attention", "score_groups") if given[f"--{k.replace('_', '-')}"] is None and k in saved]
+        from_saved += [k for k in ("attention", "score_groups") if given[k] is None and k in saved]
     where = f"; {', '.join(from_saved)} from config.json's longtrain_sparsek" if saved and from_saved else ""
     note = f"attention: {attention} (k={section['topk']}, w={section['window']}){where}"
     return section, note
@@ -272,7 +272,7 @@ def import_hf(
     out = Path(out).expanduser()
     manager = CheckpointManager(out, keep=1)
     if manager.steps() or (out / RECIPE_FILE).exists():
-        raise HFFormatError(f"{out} already holds a run (recipe.yaml or checkpoints); choose another --out or remove it")
+        raise HFFormatError(f"{out} already holds a run (recipe.yaml or checkpoints); choose another {{arg}} or remove it", arg="out")
     folder = read_folder(hf_dir)
     # Mistral's sliding window: full attention keeps it (max_context: what transformers computes), sw takes it as w.
     sliding = folder.config.get("sliding_window") if folder.family.model_type == "mistral" else None

@@ -41,12 +41,12 @@ def trailing_mean(values: list[float], window: int) -> list[float]:
 def plot_runs(run_dirs: list[Path], out: Path, *, x: str = "tokens") -> Path:
     """Draw the runs' curves into `out` (its suffix picks the format: .png, .pdf, .svg)."""
     if x not in X_LABELS:
-        raise PlotError(f"x must be one of {', '.join(X_LABELS)}; got {x!r}")
+        raise PlotError(f"must be one of {', '.join(X_LABELS)}; got {x!r}", arg="x")
     out = Path(out)
     if out.suffix.lower() not in (".png", ".pdf", ".svg"):
-        raise PlotError(f"--out {out}: give a file ending in .png (or .pdf, .svg)")
+        raise PlotError(f"{out}: give a file ending in .png (or .pdf, .svg)", arg="out")
     if not out.parent.is_dir():
-        raise PlotError(f"--out {out}: folder {out.parent} does not exist")
+        raise PlotError(f"{out}: folder {out.parent} does not exist", arg="out")
     runs = load_runs(run_dirs)
 
     import matplotlib

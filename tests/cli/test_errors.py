@@ -64,8 +64,10 @@ def test_other_errors_exit_1(tmp_path):
 def test_arg_is_named_by_the_flag_only_in_the_cli():
     e = errors.UsageError("must be at least 1; got 0", arg="max_len")
     assert str(e) == "max_len must be at least 1; got 0"  # for a caller of the Python API
-    assert e.for_flag("--max-len") == "--max-len must be at least 1; got 0"
-    assert errors.UsageError("no arg").for_flag("--x") == "no arg"
+    assert e.naming("--max-len") == "--max-len must be at least 1; got 0"
+    e = errors.EvalError("no documents: pass {arg} PATH", arg="data")
+    assert str(e) == "no documents: pass data PATH" and e.naming("--data") == "no documents: pass --data PATH"
+    assert errors.UsageError("no arg").naming("--x") == "no arg"
 
 
 def _exception_classes() -> dict[str, str]:

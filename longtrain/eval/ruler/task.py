@@ -51,8 +51,8 @@ def selected_tasks(argument: str | None) -> list[str]:
     names = [n.strip() for n in argument.split(",") if n.strip()]
     unknown = [n for n in names if n not in TASKS]
     if unknown or not names:
-        raise EvalUsageError(f"--task ruler:{argument}: no RULER task {', '.join(unknown) or '(empty)'}; "
-                             f"the tasks are {', '.join(TASKS)}")
+        raise EvalUsageError(f"ruler:{argument}: no RULER task {', '.join(unknown) or '(empty)'}; "
+                             f"the tasks are {', '.join(TASKS)}", arg="task")
     return [n for n in TASKS if n in names]
 
 
@@ -124,7 +124,7 @@ def run(ctx: EvalContext) -> TaskResult:
 def check(recipe, opts: EvalOptions) -> None:
     selected_tasks(opts.extra.get("task_argument"))
     if opts.trials < 1:
-        raise EvalUsageError(f"--trials must be at least 1; got {opts.trials}")
+        raise EvalUsageError(f"must be at least 1; got {opts.trials}", arg="trials")
 
 
 def check_prompts(tokenizer, opts: EvalOptions) -> None:
@@ -135,9 +135,9 @@ def check_prompts(tokenizer, opts: EvalOptions) -> None:
                 check_room(name, tokenizer, length)
             except PromptTooLong as e:
                 raise EvalUsageError(
-                    f"--max-len {opts.max_len:,}: the RULER task {name} needs at least {e.needed:,} tokens at "
-                    f"{length:,} (its template and answer, in this tokenizer); raise --max-len or leave {name} "
-                    "out (--task ruler:TASK,TASK,...)"
+                    f"{{arg}} {opts.max_len:,}: the RULER task {name} needs at least {e.needed:,} tokens at "
+                    f"{length:,} (its template and answer, in this tokenizer); raise {{arg}} or leave {name} "
+                    "out (ruler:TASK,TASK,... as the task)", arg="max_len",
                 ) from None
 
 

@@ -96,13 +96,13 @@ class RunCheckpoints:
         path = Path(resume)
         problem = ckpt.validate(path) if path.is_dir() else f"no checkpoint directory at {path}"
         if problem:
-            raise CheckpointError(f"--resume {resume}: {problem}")
+            raise CheckpointError(f"{resume}: {problem}", arg="resume")
         if not fork and path.resolve().parent != self.dir.resolve():
             raise CheckpointError(
-                f"--resume {resume}: this checkpoint belongs to another run (not to {self.dir}); continuing it "
+                f"{resume}: this checkpoint belongs to another run (not to {self.dir}); continuing it "
                 f"here would mix the two runs' metrics and checkpoints. To start this run from its state as a new "
                 f"run (this run's checkpoints and metrics moved aside), add --fork; to continue that run, give "
-                f"its own --run-dir; to start from its weights only, --set train.init_from={resume}"
+                f"its own --run-dir; to start from its weights only, --set train.init_from={resume}", arg="resume",
             )
         return path
 
