@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/attention.py [--out DIR] [--quick]
 
 First checks the kernels (bf16, NaN-poisoned outputs) against the naive core in float32 at a few
-realistic shapes (tests/gpu/kernel_check.py: the GPU test's check), then times forward and forward+backward (do_bench medians, ms) for
+realistic shapes (longtrain/ops/sparsek_attention/kernel_check.py, as the GPU test), then times forward and forward+backward (do_bench medians, ms) for
 T in 2k..128k with at least 16k tokens per batch, H = 12, k = w = 512, D = 64 (and 128 at some T).
 Prints one table and writes attention.json beside it (or under --out).
 Needs CUDA; imports only longtrain.ops and that check (no data or training stack).
@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from longtrain.ops.sparsek_attention import triton_bwd, triton_core, triton_fwd
-
-from tests.gpu.kernel_check import CHECKS, G, H, K, TOKENS, W, check, core, grads_of, leaves, prepare  # noqa: F401
+from longtrain.ops.sparsek_attention.kernel_check import (  # noqa: F401
+    CHECKS, G, H, K, TOKENS, W, check, core, grads_of, leaves, prepare,
+)
 
 
 def bench(fn, reps_ms=200):

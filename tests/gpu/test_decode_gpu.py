@@ -8,7 +8,7 @@ from longtrain.generate import Decoder, prefill
 from longtrain.model import LM, LMConfig
 from longtrain.ops.sparsek_attention import SparseKCache, sparsek_attention_chunk, sparsek_attention_decode
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 CASES = [
     dict(attention="sparsek+sw", topk=64, window=64),
     dict(attention="sw", window=128),

@@ -8,7 +8,7 @@ import torch
 from longtrain.eval.equivalence import DEFAULT_MODEL, DEFAULT_THRESHOLDS, DTYPES, load_tokens, verify
 from longtrain.model import LM, LMConfig
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bfloat16-weights"])

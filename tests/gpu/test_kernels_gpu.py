@@ -5,9 +5,9 @@ chunk call on the default CUDA path without a host synchronisation."""
 import pytest
 import torch
 
-from tests.gpu.kernel_check import CHECKS, check
+from longtrain.ops.sparsek_attention.kernel_check import CHECKS, check
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 @pytest.mark.parametrize("case", CHECKS)

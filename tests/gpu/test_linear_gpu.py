@@ -8,7 +8,7 @@ import torch
 from longtrain.model import LM, LMConfig
 from longtrain.ops.linear_attention import causal_linear_attention_fla, causal_linear_attention_naive, fla_available
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 @pytest.mark.skipif(not fla_available(), reason="needs fla-core (pip install 'longtrain[linear]')")

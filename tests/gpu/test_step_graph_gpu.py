@@ -11,7 +11,7 @@ from longtrain.train.recipe import load_recipe
 from longtrain.train.trainer import Trainer
 from tests.train.tiny import write_corpus
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 RECIPE = """
 model: {{style: llama, layers: 2, d_model: 64, heads: 2, vocab_size: 320}}
