@@ -3,7 +3,8 @@
     PYTHONPATH=. python benchmarks/attention.py [--out DIR] [--quick]
 
 First checks the kernels (bf16, NaN-poisoned outputs) against the naive core in float32 at a few
-realistic shapes (longtrain/ops/sparsek_attention/kernel_check.py, as the GPU test), then times forward and forward+backward (do_bench medians, ms) for
+realistic shapes (longtrain/ops/sparsek_attention/kernel_check.py,
+    as the GPU test), then times forward and forward+backward (do_bench medians, ms) for
 T in 2k..128k with at least 16k tokens per batch, H = 12, k = w = 512, D = 64 (and 128 at some T).
 Prints one table and writes attention.json beside it (or under --out).
 Needs CUDA; imports only longtrain.ops and that check (no data or training stack).

@@ -187,7 +187,8 @@ def main(argv=None):
                 if "u" in d:
                     u = d["u"]
                     line += (f"; u first differs at {u['first_position']}, fraction {u['fraction_differing']:.4f}, "
-                             f"max |Δu| {u['max_abs_diff']:.3g} ({u['max_diff_in_f32_ulps']:.0f} f32 ulps), median {u['median_abs_diff']:.3g}")
+                             f"max |Δu| {u['max_abs_diff']:.3g} ({u['max_diff_in_f32_ulps']:.0f} f32 ulps), "
+                             f"median {u['median_abs_diff']:.3g}")
                 if "agreement" in d:
                     line += f"; agreement {d['agreement']:.6f}, first divergence {d['first_divergence']}"
                 print(line, flush=True)

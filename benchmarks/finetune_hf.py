@@ -100,7 +100,8 @@ class Bench:
         s = self.size
         self.longtrain("import", hf_dir, "--out", full, "--attention", "full")
         t = time.monotonic()
-        self.longtrain("import", hf_dir, "--out", sparse, "--attention", "sparsek+sw", "--topk", s["k"], "--window", s["w"], "--score-init", "mimic")
+        self.longtrain("import", hf_dir, "--out", sparse, "--attention", "sparsek+sw", "--topk", s["k"], "--window", s["w"],
+            "--score-init", "mimic")
         self.results["import_seconds"] = round(time.monotonic() - t, 2)
 
         ev = self.results["eval"] = {}
@@ -133,7 +134,8 @@ class Bench:
         from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
         s, dev = self.size, self.device
-        ids = np.concatenate([np.array(e.ids + [0], dtype=np.int32) for e in tok.encode_batch([f.read_text(errors="replace") for f in sorted(self.books.iterdir())])])
+        ids = np.concatenate([np.array(e.ids + [0],
+            dtype=np.int32) for e in tok.encode_batch([f.read_text(errors="replace") for f in sorted(self.books.iterdir())])])
         vocab = -(-tok.get_vocab_size() // 128) * 128  # rounded up, as Pythia's 50304
         cfg = GPTNeoXConfig(
             vocab_size=vocab, hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
@@ -219,14 +221,17 @@ class Bench:
         loaded = load_checkpoint(path, device=self.device)
         data = DataConfig(source="files", path=str(self.valid), min_doc_tokens=1024 if self.args.tiny else 4096)
         corpus = prepare_corpus(data, TokenizerConfig(path=str(path / "tokenizer.json")), progress=False)
-        cfg = SimpleNamespace(batch_docs=min(4, s["eval_docs"]), chunk_size=s["ft_chunk"], valid_docs=s["eval_docs"], valid_tokens=s["eval_tokens"])
+        cfg = SimpleNamespace(batch_docs=min(4, s["eval_docs"]), chunk_size=s["ft_chunk"], valid_docs=s["eval_docs"],
+            valid_tokens=s["eval_tokens"])
         loss = evaluate(loaded.model, SimpleNamespace(valid=corpus.train), cfg, torch.device(self.device))
-        out = {"loss": loss, "ppl": math.exp(min(loss, 700)), "docs": min(s["eval_docs"], len(corpus.train)), "tokens_per_doc": s["eval_tokens"],
+        out = {"loss": loss, "ppl": math.exp(min(loss, 700)), "docs": min(s["eval_docs"], len(corpus.train)),
+               "tokens_per_doc": s["eval_tokens"],
                "chunk": s["ft_chunk"], "attention": loaded.recipe.attention.type, "seconds": round(time.monotonic() - t, 1)}
         del loaded
         if self.cli_has_eval():
             js = self.work / f"eval-{ckpt.name}.json"
-            self.longtrain("eval", path, "--data", f"{self.valid}/*.txt", "--docs", s["eval_docs"], "--tokens", s["eval_tokens"], "--task", "ppl", "--json", js)
+            self.longtrain("eval", path, "--data", f"{self.valid}/*.txt", "--docs", s["eval_docs"], "--tokens", s["eval_tokens"],
+                "--task", "ppl", "--json", js)
             out["longtrain_eval"] = json.loads(js.read_text())
         self.say(f"eval {ckpt.name}: loss {loss:.4f} (ppl {out['ppl']:.2f})")
         return out
@@ -256,14 +261,17 @@ class Bench:
         r = self.results
         p = r["pretrain"]
         lines = [
-            f"device: {r['device']}; model: GPT-NeoX {self.size['layers']} x {self.size['hidden']} ({p['params'] / 1e6:.1f}M parameters), vocab {r['tokenizer']['vocab']}",
-            f"pretrain (plain PyTorch, full attention, {p['steps']} steps x {p['tokens_per_step']} tokens): {p['tokens_per_s']:,} tokens/s, "
+            f"device: {r['device']}; model: GPT-NeoX {self.size['layers']} x {self.size['hidden']} "
+            f"({p['params'] / 1e6:.1f}M parameters), vocab {r['tokenizer']['vocab']}",
+            f"pretrain (plain PyTorch, full attention, {p['steps']} steps x {p['tokens_per_step']} tokens): "
+            f"{p['tokens_per_s']:,} tokens/s, "
             f"loss {p['loss_first']:.3f} -> {p['loss_last_10_mean']:.3f}, peak {p['peak_memory_gib']} GiB",
         ]
         for name, f in r["finetune"].items():
             lines.append(
                 f"fine-tune {name} (k={self.size['k']}, w={self.size['w']}, {f['steps']} steps): {f['tokens_per_s']:,} tokens/s "
-                f"(steps {f['tokens_per_s_window'][0]}-{f['tokens_per_s_window'][1]}), peak {f['peak_memory_gib']} GiB, loss {f['loss_first']:.3f} -> {f['loss_last']:.3f}"
+                f"(steps {f['tokens_per_s_window'][0]}-{f['tokens_per_s_window'][1]}), peak {f['peak_memory_gib']} GiB, "
+                f"loss {f['loss_first']:.3f} -> {f['loss_last']:.3f}"
             )
         e = next(iter(r["eval"].values()))
         lines.append(f"validation ({e['docs']} books x {e['tokens_per_doc']} tokens, chunks of {e['chunk']}):")

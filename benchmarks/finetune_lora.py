@@ -78,7 +78,8 @@ class Bench(finetune_hf.Bench):  # its say, env and longtrain (a CLI call, logge
         t0 = time.monotonic()
         self.tokenizer, self.corpus = self.prepare()
         if not self.args.skip_lora:
-            self.results["lora_vs_full"] = {name: self.lora_run(name, lora) for name, lora in (("full", None), ("lora", "{rank: 16, alpha: 32}"))}
+            self.results["lora_vs_full"] = {name: self.lora_run(name, lora) for name, lora in (("full", None), ("lora",
+                "{rank: 16, alpha: 32}"))}
         self.results["ntk"] = self.ntk()
         self.results["total_seconds"] = round(time.monotonic() - t0, 1)
         (self.args.out / "results.json").write_text(json.dumps(self.results, indent=1))
@@ -229,7 +230,8 @@ class Bench(finetune_hf.Bench):  # its say, env and longtrain (a CLI call, logge
         for start in range(0, T, ctx):
             out = model(x[:, start : start + ctx], cache=cache)
             cache = out.cache
-            losses.append(torch.nn.functional.cross_entropy(out.logits.float().transpose(1, 2), x[:, start + 1 : start + ctx + 1], reduction="none"))
+            losses.append(torch.nn.functional.cross_entropy(out.logits.float().transpose(1, 2), x[:, start + 1 : start + ctx + 1],
+                reduction="none"))
         per_pos = torch.cat(losses, 1)  # [N, T]
         result = {"loss_within_context": float(per_pos[:, :ctx].mean()), "loss_beyond_context": float(per_pos[:, ctx:].mean()),
                   "loss_last_quarter": float(per_pos[:, -ctx:].mean()), "docs": len(docs), "tokens": T,
@@ -251,7 +253,8 @@ class Bench(finetune_hf.Bench):  # its say, env and longtrain (a CLI call, logge
                              f"{f['loss_last']:.3f} (mean of the last 5: {f['loss_last5_mean']:.3f})")
         n = r["ntk"]
         p = n["pretrain"]
-        lines.append(f"2. Qwen2-shaped {s['q_layers']} x {s['q_d']} ({p['params'] / 1e6:.1f}M parameters) pretrained on {p['context']}-token "
+        lines.append(f"2. Qwen2-shaped {s['q_layers']} x {s['q_d']} ({p['params'] / 1e6:.1f}M parameters) "
+                     f"pretrained on {p['context']}-token "
                      f"windows ({p['steps']} steps, loss {p['loss_first']:.3f} -> {p['loss_last_10_mean']:.3f}); fine-tuned "
                      f"{s['ntk_steps']} steps of {s['ntk_batch']} x {s['ntk_chunk']} tokens with SparseK+SW k={s['ntk_k']} w={s['ntk_w']}")
         for name, f in n["finetune"].items():

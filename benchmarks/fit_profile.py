@@ -54,7 +54,8 @@ RANGES = {
 }
 TORCH_RANGES = {"Optimizer.step#": "optimizer", "Optimizer.zero_grad#": "optimizer"}
 ATTENTION_KERNELS = re.compile(r"_fwd_kernel|_dq_kernel|_dkv_|_cut_kernel|_edge_reach|flash|fmha|efficient_attention|attention", re.I)
-SCAN_KERNELS = re.compile(r"keys_kernel|ranked_kernel|breakpoints_kernel|queries_kernel|pool_flags|pool_scan|slot_pred|slot_jump|expand_pools|finish_kernel")
+SCAN_KERNELS = re.compile(r"keys_kernel|ranked_kernel|breakpoints_kernel|queries_kernel|pool_flags|pool_scan|slot_pred|slot_jump"
+                          r"|expand_pools|finish_kernel")
 MATMUL_KERNELS = re.compile(r"gemm|cutlass|sm90_|sm80_|xmma|cublas|matmul|nvjet|wgmma", re.I)
 SYNC_CALLS = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$|^cuStreamSynchronize$|^cuCtxSynchronize$")
 DTOH = re.compile(r"Memcpy DtoH|Memcpy Device -> Host|DtoH", re.I)

@@ -228,7 +228,7 @@ def run_bare(kind: str, shape: dict, vocab: int, chunk: int, rows: int, steps: i
 
 
 def flops_per_token(shape: dict, vocab: int, keys_per_query: float) -> float:
-    L, d, H = shape["layers"], shape["d_model"], shape["heads"]
+    L, d = shape["layers"], shape["d_model"]
     matmul_params = L * (4 * d * d + 3 * d * 4 * d) + d * vocab  # attention + SwiGLU + unembedding
     return 6 * matmul_params + 12 * L * d * keys_per_query  # H · head_dim = d
 
@@ -331,7 +331,9 @@ def main() -> None:
             y = recipe_yaml(shape, ATTENTIONS[name], chunk=chunk, rows=1, steps=steps, corpus=flat_corpus,
                             tokenizer=tokenizer, device=device)
             recs = run_fit(f"flat-{name}{label}", y, work, args.out, args.timeout * 2, args.overrides)
-            at = lambda p: max((r["memory_bytes"] for r in recs if r["doc_positions"][0] <= p and r["doc_positions"][0] > 0), default=None)
+            def at(p):
+                return max((r["memory_bytes"] for r in recs if r["doc_positions"][0] <= p and r["doc_positions"][0] > 0),
+                           default=None)
             end = max((r["doc_positions"][0] for r in recs), default=0)
             results["flat"].append({"attention": name, "chunk": chunk, "last_position": end,
                                     "peak_at_16k": at(16384), "peak_at_end": at(end),
@@ -367,7 +369,8 @@ def print_table(results: dict, variants: list[str] = ()) -> None:
             print(f"| {row['model']} | {row['chunk']} × {row['rows']} | {variant or 'base'} | " + " | ".join(cells)
                   + f" | {ratio('sparsek+sw', 'sw')} | {ratio('sw', 'bare')} | {ratio('sparsek+sw', 'sdpa')} |")
     for f in results["flat"]:
-        print(f"memory flat, {f['attention']}: peak at 16k {f['peak_at_16k']}, at {f['last_position']:,} {f['peak_at_end']}, ratio {f['ratio']}")
+        print(f"memory flat, {f['attention']}: peak at 16k {f['peak_at_16k']}, at {f['last_position']:,} {f['peak_at_end']}, "
+              f"ratio {f['ratio']}")
 
 
 if __name__ == "__main__":

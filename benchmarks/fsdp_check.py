@@ -80,7 +80,8 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape, attention, chunk, rows, vocab, words = SHAPES[1024], {"type": "sparsek+sw", "topk": 512, "window": 512}, 4096, 2, 8192, 60_000
     if args.small:
-        shape, attention, chunk, vocab, words = dict(layers=2, d_model=64, heads=2), {"type": "sparsek+sw", "topk": 16, "window": 16}, 128, 512, 3000
+        shape, attention, chunk, vocab, words = dict(layers=2, d_model=64, heads=2), {"type": "sparsek+sw", "topk": 16,
+            "window": 16}, 128, 512, 3000
 
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
@@ -100,7 +101,8 @@ def main() -> None:
                "chunk": chunk, "rows": rows, "steps": args.steps}
     recs = {
         "ddp": run("ddp", [sys.executable, "-m", "longtrain.cli", *fit, "--run-dir", str(work / "run-ddp")], work, args.out, args.timeout),
-        "fsdp": run("fsdp", [*torchrun, *fit, "--run-dir", str(work / "run-fsdp"), "--set", "train.parallel=fsdp"], work, args.out, args.timeout),
+        "fsdp": run("fsdp", [*torchrun, *fit, "--run-dir", str(work / "run-fsdp"), "--set", "train.parallel=fsdp"], work, args.out,
+            args.timeout),
     }
     for name, r in recs.items():
         results[name] = {

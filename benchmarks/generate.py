@@ -244,7 +244,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="rows decoded together (default 64; --small 4; 0: none)")
     ap.add_argument("--batch-prompt", type=int, default=None, help="longest batched prompt (default 4096; --small 64)")
     ap.add_argument("--compile", action="store_true", help="also time the step through torch.compile (CUDA)")
-    ap.add_argument("--check-prompt", type=int, default=None, help="decode == forward check: prompt (default 65536; --small 512; 0: no check)")
+    ap.add_argument("--check-prompt", type=int, default=None,
+        help="decode == forward check: prompt (default 65536; --small 512; 0: no check)")
     ap.add_argument("--check-tokens", type=int, default=None, help="decode == forward check: tokens (default 1000; --small 20)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new row after this many seconds")
     args = ap.parse_args()

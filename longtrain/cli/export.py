@@ -15,7 +15,8 @@ def export(
     checkpoint: Path = typer.Argument(..., help="a checkpoint folder, or a run dir (its newest complete checkpoint)"),
     out: Path = typer.Option(..., "--out", help="folder to write (must not exist, or be empty)"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16 (the weights' dtype in the folder)"),
-    max_positions: int = typer.Option(None, "--max-positions", help="config.json max_position_embeddings (default: the imported model's, else 2048)"),
+    max_positions: int = typer.Option(None, "--max-positions",
+        help="config.json max_position_embeddings (default: the imported model's, else 2048)"),
 ) -> None:
     """Write config.json, model.safetensors and tokenizer.json that transformers loads (SparseK extras noted in the config)."""
     from longtrain.interop.hf_export import export_hf

@@ -15,11 +15,13 @@ def import_hf(
     hf_dir: Path = typer.Argument(..., help="Hugging Face model folder: config.json, *.safetensors (or a sharded index), tokenizer.json"),
     out: Path = typer.Option(..., "--out", help="run directory to create (its checkpoint is RUN_DIR/checkpoints/step-00000000)"),
     attention: str = typer.Option(
-        None, "--attention", help="sparsek+sw | sparsek | sw | sparsek+linear+sw | linear+sw | full (full: the model as it was). Default: a folder "
+        None, "--attention",
+        help="sparsek+sw | sparsek | sw | sparsek+linear+sw | linear+sw | full (full: the model as it was). Default: a folder "
         "`longtrain export` wrote keeps its own (config.json's longtrain_sparsek), any other gets sparsek+sw",
         show_default=False,
     ),
-    topk: int = typer.Option(None, "--topk", help="k, SparseK keys per query (default: the export's own, else 512, the paper's fine-tuning)"),
+    topk: int = typer.Option(None, "--topk",
+        help="k, SparseK keys per query (default: the export's own, else 512, the paper's fine-tuning)"),
     window: int = typer.Option(None, "--window", help="w, sliding-window width (default: the export's own, else 512)"),
     score_init: str = typer.Option("mimic", "--score-init", help="mimic (w = W_Q W_Kᵀ 1 / ||·||, paper 3.5) | random"),
     score_groups: str = typer.Option(

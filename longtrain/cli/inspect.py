@@ -26,7 +26,8 @@ def inspect(
         "per token and layer)", show_default=False,
     ),
 ) -> None:
-    """Show which tokens the SparseK pool keeps: every token shaded by its score u, the pool at the end of the text boxed, one panel per layer."""
+    """Show which tokens the SparseK pool keeps: every token shaded by its score u, the pool at the end of the text
+    boxed, one panel per layer."""
     suffix = out.suffix.lower()
     if suffix not in FORMATS:
         raise fail(f"--out {out}: the file must end in .html or .png (got {out.suffix or 'no suffix'!r})", 2)

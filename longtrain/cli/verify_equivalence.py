@@ -29,8 +29,10 @@ def verify_equivalence(
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
     seed: int = typer.Option(0, "--seed", help="seed of the random model and tokens"),
     json_path: Path = typer.Option(None, "--json", help="write the results as JSON here"),
-    max_logit_diff: float = typer.Option(None, "--max-logit-diff", help="pass threshold (default: 1e-9 float64, 1e-2 float32, 0.5 bfloat16)"),
-    min_agreement: float = typer.Option(None, "--min-agreement", help="pass threshold on every layer's selection agreement (default: 1 float64, 0.9999 float32, 0.999 bfloat16)"),
+    max_logit_diff: float = typer.Option(None, "--max-logit-diff",
+        help="pass threshold (default: 1e-9 float64, 1e-2 float32, 0.5 bfloat16)"),
+    min_agreement: float = typer.Option(None, "--min-agreement",
+        help="pass threshold on every layer's selection agreement (default: 1 float64, 0.9999 float32, 0.999 bfloat16)"),
 ) -> None:
     """Check that reading a document in chunks gives what one unchunked pass gives (exit 0 pass, 1 fail, 2 usage)."""
     code = run_verify(

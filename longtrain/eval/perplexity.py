@@ -59,8 +59,8 @@ class PositionLoss:
         tokens = int(self.count.sum())
         loss = float(self.nll.sum() / max(tokens, 1))
         buckets = [
-            {"start": int(s), "end": int(e), "tokens": int(n), "loss": float(l / n), "ppl": ppl(float(l / n))}
-            for s, e, n, l in zip(self.edges[:-1], self.edges[1:], self.count, self.nll)
+            {"start": int(s), "end": int(e), "tokens": int(n), "loss": float(nll / n), "ppl": ppl(float(nll / n))}
+            for s, e, n, nll in zip(self.edges[:-1], self.edges[1:], self.count, self.nll)
             if n > 0
         ]
         return {"loss": loss, "ppl": ppl(loss), "tokens": tokens, "buckets": buckets}

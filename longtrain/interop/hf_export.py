@@ -53,7 +53,9 @@ def hf_state_dict(model, source_type: str | None = None) -> dict[str, torch.Tens
                             "layout; export a model of another attention type (nothing was written)")
     fam = export_family(cfg, source_type)
     if fam not in LLAMA_LIKE and cfg.kv_heads != cfg.heads:
-        raise HFFormatError(f"GPT-NeoX has no grouped-query attention: this {cfg.style} model has kv_heads {cfg.kv_heads} ≠ heads {cfg.heads}")
+        raise HFFormatError(
+            f"GPT-NeoX has no grouped-query attention: this {cfg.style} model has kv_heads {cfg.kv_heads} ≠ heads {cfg.heads}"
+        )
     state = model.state_dict()
     out: dict[str, torch.Tensor] = {}
     for key, t in state.items():

@@ -156,7 +156,9 @@ def _rope(config: dict[str, Any], default_partial: float) -> tuple[float, float,
         scaling |= {k: params.get(k) for k in ("low_freq_factor", "high_freq_factor")}
     scaling = {k: v for k, v in scaling.items() if v is not None}
     if scaling.get("factor") is None or (kind != "linear" and not scaling.get("original_context")):
-        raise HFFormatError(f"RoPE scaling {kind!r} lacks its factor or original context (max_position_embeddings); the model's config has {params}")
+        raise HFFormatError(
+            f"RoPE scaling {kind!r} lacks its factor or original context (max_position_embeddings); the model's config has {params}"
+        )
     return float(theta), float(partial), scaling
 
 

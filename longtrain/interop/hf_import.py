@@ -293,7 +293,8 @@ def import_hf(
         raw_tok = load_tokenizer(tok_file, eod_token)  # adds an end-of-document token if it has none
     except DataError as e:
         raise HFFormatError(str(e)) from None
-    section, state, notes = convert(folder, attention=attention, topk=topk, window=window, score_init=score_init, score_groups=score_groups, seed=seed)
+    section, state, notes = convert(folder, attention=attention, topk=topk, window=window, score_init=score_init,
+        score_groups=score_groups, seed=seed)
     notes.insert(1, attention_note)
     if sliding:
         notes.append(

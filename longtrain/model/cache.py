@@ -203,7 +203,7 @@ class ModelCache:
     def to(self, device) -> "ModelCache":
         return ModelCache(
             seen=self.seen.to(device),
-            layers=[LayerCache(l.attn.to(device), l.score_sum.to(device), l.score_sumsq.to(device)) for l in self.layers],
+            layers=[LayerCache(la.attn.to(device), la.score_sum.to(device), la.score_sumsq.to(device)) for la in self.layers],
         )
 
     def nbytes(self) -> int:

@@ -89,7 +89,10 @@ class LMConfig:
         if self.style not in STYLES:
             raise ValueError(f"style must be one of {sorted(STYLES)}; got {self.style!r}")
         if self.rotary_dim % 2 or not 0 < self.rotary_pct <= 1:
-            raise ValueError(f"RoPE needs an even number of rotary dims; got {self.rotary_dim} (head size {self.head_dim}, rotary_pct {self.rotary_pct})")
+            raise ValueError(
+                f"RoPE needs an even number of rotary dims; got {self.rotary_dim} (head size {self.head_dim}, "
+                f"rotary_pct {self.rotary_pct})"
+            )
         st = STYLES[self.style]
         self.intermediate_size = self.intermediate_size or int(self.mlp_ratio * self.d_model)
         self.tied_embeddings = st.tied if self.tied_embeddings is None else self.tied_embeddings
@@ -284,7 +287,8 @@ class LM(nn.Module):
         for blk in self.blocks:
             a = blk.attn
             if a.scorer is not None:
-                a.scorer.weight.copy_(mimic_score_weight(a.q_proj.weight, a.k_proj.weight, cfg.heads, cfg.kv_heads, a.scorer.weight.shape[0]))
+                a.scorer.weight.copy_(mimic_score_weight(a.q_proj.weight, a.k_proj.weight, cfg.heads, cfg.kv_heads,
+                    a.scorer.weight.shape[0]))
 
     def set_score_distill(self, queries: int) -> None:
         """Training passes also compute the score distillation loss over `queries` sampled queries per

@@ -129,7 +129,8 @@ def summary_line(stats: list[dict]) -> str:
     ages = [s["pool_age_max"] for s in stats if s["pool_age_max"] is not None]
     return (
         f"selection ({len(stats)} layers): pool age {fmt(mean('pool_age_mean'), '.0f')} mean / "
-        f"{fmt(max(ages) if ages else None, '.0f')} max | churn {fmt(None if mean('pool_churn') is None else 100 * mean('pool_churn'), '.1f')}%"
+        f"{fmt(max(ages) if ages else None, '.0f')} max | "
+        f"churn {fmt(None if mean('pool_churn') is None else 100 * mean('pool_churn'), '.1f')}%"
         f" | τ {fmt(mean('tau'), '.3f')} | |A| {fmt(mean('active'), '.1f')} | u {fmt(mean('u_mean'), '.2f')} ± {fmt(mean('u_std'), '.2f')}"
     )
 

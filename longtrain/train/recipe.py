@@ -59,7 +59,8 @@ class RopeScalingConfig(_Section):
     beta_fast: float = Field(32.0, gt=0, description="yarn: dims turning more often than this over the context are kept")
     beta_slow: float = Field(1.0, gt=0, description="yarn: dims turning less often than this are interpolated")
     attention_factor: float | None = Field(None, gt=0, description="yarn: scale of cos and sin; null: 0.1 ln(factor) + 1")
-    mscale: float | None = Field(None, description="yarn (DeepSeek): attention_factor = mscale(factor, mscale) / mscale(factor, mscale_all_dim)")
+    mscale: float | None = Field(None,
+        description="yarn (DeepSeek): attention_factor = mscale(factor, mscale) / mscale(factor, mscale_all_dim)")
     mscale_all_dim: float | None = Field(None, description="yarn (DeepSeek): see mscale")
     truncate: bool = Field(True, description="yarn: round the ramp's ends to whole dims")
 

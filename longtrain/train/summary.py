@@ -196,7 +196,8 @@ def disk_lines(t: Trainer) -> list[str]:
     free = shutil.disk_usage(folder).free
     have = free + sum(disk_size(p) for p in t.checkpoints.existing())  # the run's own checkpoints make room too
     how = "the old one is deleted after the new one is complete" if ck.keep == 1 else "the oldest is deleted before a save"
-    line = (f"disk: a checkpoint is about {gib(size) if size >= 10 * 2**20 else f'{size / 2**20:.2f} MiB'}; checkpoint.keep = {ck.keep} needs room for {at_once} "
+    line = (f"disk: a checkpoint is about {gib(size) if size >= 10 * 2**20 else f'{size / 2**20:.2f} MiB'}; "
+            f"checkpoint.keep = {ck.keep} needs room for {at_once} "
             f"({gib(at_once * size)}; {how}); {gib(free)} free for {t.checkpoints.dir}")
     if at_once * size <= have:
         return [line]

@@ -103,7 +103,6 @@ def test_ranks_read_exactly_the_rows_of_one_process_with_all_rows(world, b):
 def test_a_stream_resumes_with_another_world_size_and_the_same_total_rows():
     docs = synthetic_docs(LENGTHS)
     two = [DocumentStream(docs, batch_rows=2, chunk_size=7, seed=3, rank=r, world_size=2) for r in range(2)]
-    one = DocumentStream(docs, batch_rows=4, chunk_size=7, seed=3)
     for _ in range(13):
         for s in two:
             s.next_chunk()

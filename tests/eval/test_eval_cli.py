@@ -146,7 +146,8 @@ def test_data_that_matches_no_documents(runs, tmp_path):
 
 
 def test_max_len_too_long_for_full_attention_on_the_cpu_is_a_hint_not_a_hang(runs):
-    _check_error(evaluate(str(runs["full"]), "--max-len", "100000", "--device", "cpu"), 2, "--max-len 100,000", "Use --max-len 16,384 or less, or a CUDA device")
+    _check_error(evaluate(str(runs["full"]), "--max-len", "100000", "--device", "cpu"), 2, "--max-len 100,000",
+        "Use --max-len 16,384 or less, or a CUDA device")
 
 
 def test_bad_options(runs, tmp_path):

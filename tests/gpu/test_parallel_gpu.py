@@ -14,7 +14,7 @@ import torch
 
 from tests.train.tiny import write_corpus
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 RECIPE = """
 model: {{style: llama, layers: 2, d_model: 64, heads: 2, vocab_size: 320}}
@@ -33,7 +33,8 @@ def fit(tmp_path, name, ranks, rows, *sets):
     path = tmp_path / f"{name}.yaml"
     path.write_text(RECIPE.format(corpus=tmp_path / "corpus", rows=rows))
     args = ["fit", str(path), "--run-dir", str(tmp_path / name), *[a for s in sets for a in ("--set", s)]]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] if ranks > 1 else [sys.executable]
+    launch = [sys.executable] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     env = dict(os.environ, **NO_MULTICAST, LONGTRAIN_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([*launch, "-m", "longtrain.cli", *args], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]

@@ -99,7 +99,8 @@ def test_fit_with_scorer_first_warmup_then_resume_after_a_kill(imported, tmp_pat
     assert straight.returncode == 0, straight.stderr + straight.stdout
     assert "initialised from" in straight.stdout and "scoring vectors are new" in straight.stdout
     ckpts = tmp_path / "straight/checkpoints"
-    base, at2, at4 = base_weights(imported), load_file(ckpts / "step-00000002/model.safetensors"), load_file(ckpts / "step-00000004/model.safetensors")
+    base = base_weights(imported)
+    at2, at4 = load_file(ckpts / "step-00000002/model.safetensors"), load_file(ckpts / "step-00000004/model.safetensors")
     # Steps 1-2: only the scoring vectors moved (no update, no weight decay on the rest).
     assert all(torch.equal(at2[k], v) for k, v in base.items())
     scorers = [k for k in at2 if k.endswith("scorer.weight")]
@@ -131,16 +132,19 @@ def test_fit_with_scorer_first_warmup_then_resume_after_a_kill(imported, tmp_pat
 
 
 def test_init_from_a_checkpoint_of_another_shape_names_the_key(imported, tmp_path):
-    result = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(tmp_path / "run"), *overrides(imported, "model.intermediate_size=44")])
+    result = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(tmp_path / "run"), *overrides(imported,
+        "model.intermediate_size=44")])
     assert result.exit_code == 1
     msg = " ".join(result.output.split())
     assert "blocks.0.mlp.gate.weight: checkpoint (40, 32) vs model (44, 32)" in msg and "train.init_from" in msg
     assert not (tmp_path / "run/checkpoints").exists()
-    small = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(tmp_path / "r3"), *overrides(imported, "model.vocab_size=100")])
+    small = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(tmp_path / "r3"), *overrides(imported,
+        "model.vocab_size=100")])
     assert small.exit_code == 1 and "tokens but model.vocab_size is 100" in " ".join(small.output.split())
     into_source = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(imported / "base"), *overrides(imported)])
     assert into_source.exit_code == 1 and "holds imported weights only" in " ".join(into_source.output.split())
-    bad_freeze = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(tmp_path / "r2"), *overrides(imported, "attention.type=full", "attention.topk=0", "attention.window=0", "train.freeze={steps: 1}")])
+    bad_freeze = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(tmp_path / "r2"), *overrides(imported,
+        "attention.type=full", "attention.topk=0", "attention.window=0", "train.freeze={steps: 1}")])
     assert bad_freeze.exit_code == 2 and "has no scoring vectors" in " ".join(bad_freeze.output.split())
 
 
@@ -187,7 +191,8 @@ def test_model_hash_of_existing_recipes_is_unchanged():
 
     assert recipe_hash(load_recipe("quickstart"), ("model",)) == "de235a4e9353dc803d7026594d8f19b583552679e27b8d6a5d33e3e7a735049c"
     assert recipe_hash(load_recipe("gutenberg-sparsek"), ("model",)) == "6109fdbec2cca71b197a3b9a88d8748de24aa506a7e11606a025a2570d3d8ad7"
-    assert recipe_hash(load_recipe("quickstart", ["model.norm_eps=1e-6"]), ("model",)) != "de235a4e9353dc803d7026594d8f19b583552679e27b8d6a5d33e3e7a735049c"
+    assert recipe_hash(load_recipe("quickstart", ["model.norm_eps=1e-6"]),
+        ("model",)) != "de235a4e9353dc803d7026594d8f19b583552679e27b8d6a5d33e3e7a735049c"
 
 
 def test_a_missing_init_source_is_named_before_its_tokenizer(tmp_path):

@@ -72,7 +72,8 @@ def test_round_trip_is_bitwise_and_export_loads_in_transformers(folders, name, d
     before, after = load_file(dirs[name] / "model.safetensors"), load_file(tmp_path / "out/model.safetensors")
     assert set(before) == set(after)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert (tmp_path / "out/tokenizer.json").read_text() == tok.to_str() or json.loads((tmp_path / "out/tokenizer.json").read_text()) == json.loads(tok.to_str())
+    written = (tmp_path / "out/tokenizer.json").read_text()
+    assert written == tok.to_str() or json.loads(written) == json.loads(tok.to_str())
 
     # transformers runs the export (in float32) as longtrain runs the import.
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
@@ -150,7 +151,8 @@ def test_folder_without_config_or_weights(folders, tmp_path):
 def test_unsupported_model_type_and_settings(folders, tmp_path):
     _, dirs, _ = folders
     gpt2 = edited(dirs["llama"], tmp_path / "gpt2", model_type="gpt2")
-    assert "model_type 'gpt2' is not supported (supported: llama, mistral, qwen2, gpt_neox)" in refused("import", gpt2, "--out", tmp_path / "r")
+    assert "model_type 'gpt2' is not supported (supported: llama, mistral, qwen2, gpt_neox)" in refused("import", gpt2, "--out",
+        tmp_path / "r")
     scaled = edited(dirs["llama"], tmp_path / "scaled", rope_parameters={"rope_type": "linear", "rope_theta": 5000.0})
     assert "RoPE scaling 'linear' lacks its factor or original context" in refused("import", scaled, "--out", tmp_path / "r")
 

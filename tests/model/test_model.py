@@ -17,9 +17,12 @@ CASES = [
     ("sparsek only", dict(attention="sparsek", topk=7), 160, 37),
     ("sw only", dict(attention="sw", window=9), 120, 50),
     ("full", dict(attention="full"), 90, 31),
-    ("llama gqa per-kv-head", dict(style="llama", kv_heads=2, score_groups="per_kv_head", attention="sparsek+sw", topk=5, window=8), 170, 64),
-    ("no tsn, soft_kv, mimic", dict(attention="sparsek+sw", topk=5, window=6, timestep_norm=False, variant="soft_kv", score_init="mimic"), 140, 45),
-    ("gptneox partial rotary", dict(style="gptneox", rotary_pct=0.5, intermediate_size=40, attention="sparsek+sw", topk=5, window=8), 150, 40),
+    ("llama gqa per-kv-head", dict(style="llama", kv_heads=2, score_groups="per_kv_head", attention="sparsek+sw", topk=5, window=8),
+        170, 64),
+    ("no tsn, soft_kv, mimic", dict(attention="sparsek+sw", topk=5, window=6, timestep_norm=False, variant="soft_kv",
+        score_init="mimic"), 140, 45),
+    ("gptneox partial rotary", dict(style="gptneox", rotary_pct=0.5, intermediate_size=40, attention="sparsek+sw", topk=5, window=8),
+        150, 40),
     ("sparsek+linear+sw", dict(attention="sparsek+linear+sw", topk=6, window=8), 150, 37),
     ("linear+sw llama gqa", dict(style="llama", kv_heads=2, attention="linear+sw", window=9), 120, 50),
 ]
@@ -143,7 +146,8 @@ def test_scores_stay_float32_under_bf16_autocast():
     x = torch.randn(2, 10, 16, dtype=torch.bfloat16)
     zeros = torch.zeros(2, 1, dtype=torch.float64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        u, _, _ = scorer(x, torch.arange(10).expand(2, 10), torch.ones(2, 10, dtype=torch.bool), torch.zeros(2, dtype=torch.long), zeros, zeros)
+        u, _, _ = scorer(x, torch.arange(10).expand(2, 10), torch.ones(2, 10, dtype=torch.bool), torch.zeros(2, dtype=torch.long),
+            zeros, zeros)
     assert u.dtype == torch.float32
 
 

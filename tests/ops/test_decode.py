@@ -179,7 +179,6 @@ def test_the_attention_kernel_equals_attend_torch(topk, window, H, Hkv, D, varia
     B = 3
     for dtype, atol in ((torch.float64, 1e-12), (torch.bfloat16, 1e-2)):
         cache = SparseKCache.empty(B, topk, window, Hkv, D, dtype=dtype, score_dtype=torch.float32)
-        Wt = cache.tail_slots
         cache.pool_k.normal_(), cache.pool_v.normal_(), cache.tail_k.normal_(), cache.tail_v.normal_()
         cache.pool_u.copy_(torch.randn(B, topk))
         pos = torch.randperm(max(t, topk))[:topk].expand(B, -1).clone()

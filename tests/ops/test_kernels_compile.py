@@ -3,8 +3,8 @@
 The interpreter tests (test_triton.py) never run Triton's GPU compiler, which has crashed on kernels the
 interpreter ran (benchmarks/gpu_notes.md, v6a): this compiles every kernel of one fwd+bwd per head dim
 through benchmarks/kernels_aot.py (no GPU needed: Triton's wheel ships ptxas and cuobjdump) and reads its
-report. Without those tools it skips on a developer's machine and fails in CI (CI=true), so CI never
-passes without having compiled the kernels.
+report. Without those tools it skips on a developer's machine and fails in CI (.ci/run sets CI=true), so CI
+never passes without having compiled the kernels.
 """
 
 import os

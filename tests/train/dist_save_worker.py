@@ -18,6 +18,7 @@ for step in (1, 2):
     tensors = {cache_group(ranks.rank): {"seen": torch.full((2,), 10 * step + ranks.rank)}}
     if ranks.is_main:
         tensors["model"] = {"w": torch.full((3,), float(step))}
-    path = manager.save(step, tensors=tensors, meta={"layout": {"world_size": ranks.world_size}}, rank_meta={"rank": ranks.rank}, ranks=ranks)
+    path = manager.save(step, tensors=tensors, meta={"layout": {"world_size": ranks.world_size}}, rank_meta={"rank": ranks.rank},
+        ranks=ranks)
     print(f"rank {ranks.rank} saved {path}", flush=True)
 distributed.teardown()

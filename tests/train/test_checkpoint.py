@@ -141,7 +141,8 @@ def test_no_space_left_keeps_previous(tmp_path, monkeypatch):
     "damage, reason",
     [
         (lambda p: p.joinpath("model.safetensors").write_bytes(p.joinpath("model.safetensors").read_bytes()[:-10]), "truncated"),
-        (lambda p: p.joinpath("cache.safetensors").write_bytes(p.joinpath("cache.safetensors").read_bytes()[:-1] + b"X"), "sha256 mismatch"),
+        (lambda p: p.joinpath("cache.safetensors").write_bytes(p.joinpath("cache.safetensors").read_bytes()[:-1] + b"X"),
+            "sha256 mismatch"),
         (lambda p: p.joinpath("meta.json").unlink(), "meta.json is missing"),
         (lambda p: p.joinpath("meta.json").write_text('{"step": 2, "fil'), "meta.json is unreadable"),
         (lambda p: p.joinpath("model.safetensors").unlink(), "model.safetensors is missing"),
@@ -214,7 +215,8 @@ def test_incompatible_checkpoint_is_refused_naming_what_differs():
     with pytest.raises(CheckpointError) as e:
         check_compatible(meta, {"model": "x", "attention": "b", "tokenizer": "y"}, path="runs/q/step-00000001")
     msg = str(e.value)
-    assert "does not match this recipe's model shape and tokenizer; refusing to resume" in msg and "moves this run's checkpoints and metrics aside" in msg
+    assert "does not match this recipe's model shape and tokenizer; refusing to resume" in msg
+    assert "moves this run's checkpoints and metrics aside" in msg
     assert "--resume never" in msg and "--run-dir" in msg
 
 

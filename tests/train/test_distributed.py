@@ -67,7 +67,10 @@ def test_a_resume_regroups_the_rows_of_any_world_size_with_the_same_total(saved_
     whole = fake_cache(saved_world * saved_b, G, seed=7)  # the global rows, in order
     saved = Layout(saved_world, saved_b)
     parts = {
-        cache_group(s): {k: v[s * saved_b * (v.shape[0] // whole["seen"].shape[0]) : (s + 1) * saved_b * (v.shape[0] // whole["seen"].shape[0])] for k, v in whole.items()}
+        cache_group(s): {
+            k: v[s * saved_b * (v.shape[0] // whole["seen"].shape[0]) : (s + 1) * saved_b * (v.shape[0] // whole["seen"].shape[0])]
+            for k, v in whole.items()
+        }
         for s in range(saved_world)
     }
     meta = {"layout": saved.to_meta()}
@@ -107,7 +110,8 @@ def test_optimizer_state_converts_between_names_and_positions():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 2))
     opt = torch.optim.AdamW(
-        [{"params": [p for p in model.parameters() if p.dim() >= 2]}, {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+        [{"params": [p for p in model.parameters() if p.dim() >= 2]}, {"params": [p for p in model.parameters() if p.dim() < 2],
+            "weight_decay": 0.0}],
         foreach=True,
     )
     model(torch.randn(3, 4)).sum().backward()

@@ -121,7 +121,8 @@ def test_two_ranks_of_two_rows_train_as_one_process_of_four_rows_ddp(space, one,
     meta = json.loads((space / "ddp/checkpoints/step-00000010/meta.json").read_text())
     assert meta["layout"] == {"world_size": 2, "batch_docs": 2, "rows": 4, "parallel": "ddp"}
     assert len(meta["ranks"]) == 2 and len(meta["data_stream"]["rows"]) == 4
-    assert {"model.safetensors", "optimizer.safetensors", "cache.rank00000.safetensors", "cache.rank00001.safetensors"} <= meta["files"].keys()
+    assert {"model.safetensors", "optimizer.safetensors", "cache.rank00000.safetensors",
+        "cache.rank00001.safetensors"} <= meta["files"].keys()
 
 
 def test_two_fsdp_ranks_train_as_one_process_through_a_kill_and_the_longtrain_script_runs_under_torchrun(space, one):

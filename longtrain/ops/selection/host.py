@@ -18,7 +18,7 @@ use_user_numba_cache()  # before the decorators below: they fix where the cache 
 
 from numba import njit  # noqa: E402
 
-from longtrain.ops.selection.state import INF, ExtendedScores, ScanResult, ThresholdState, move_together
+from longtrain.ops.selection.state import INF, ExtendedScores, ScanResult, ThresholdState, move_together  # noqa: E402
 
 _MASK63 = np.uint64((1 << 63) - 1)
 

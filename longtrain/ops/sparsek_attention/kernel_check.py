@@ -1,7 +1,8 @@
 """The Triton kernels against the naive core in float32 at realistic shapes, bf16 / fp16 with NaN-poisoned outputs.
 
 Used by tests/gpu/test_kernels_gpu.py and by benchmarks/attention.py's correctness pass (and its timing, which
-runs the same prepared inputs); needs CUDA and Triton to run, nothing to import. The inputs come from the op's own stages: lay_out_keys and select on a fresh cache.
+runs the same prepared inputs); needs CUDA and Triton to run, nothing to import. The inputs come from the op's
+own stages: lay_out_keys and select on a fresh cache.
 """
 
 from __future__ import annotations
