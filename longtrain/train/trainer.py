@@ -578,7 +578,8 @@ class Trainer:
             session_tokens=self.state.tokens - self.start.tokens, seconds=seconds, train_seconds=self.train_seconds,
             last_loss=self.last_loss, final_valid_loss=self.final_valid_loss,
             best_valid_loss=self.state.best_valid_loss, checkpoint=self.last_saved,
-            out_of_patience=self.out_of_patience(), best_checkpoint=self.checkpoints.best(self.state) if self.recipe.checkpoint.keep_best else None,
+            out_of_patience=self.out_of_patience(),
+            best_checkpoint=self.checkpoints.best(self.state) if self.recipe.checkpoint.keep_best else None,
             stopped_by=self.stop_agreed if self.ranks.parallel else self.stop.signum,
             forked_from=self.resume_from if self.fork else None,
         )
