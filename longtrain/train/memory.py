@@ -187,10 +187,11 @@ def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position:
             # k + w + 63 gathered keys for the backward (measured: 120 KB a query at k = w = 128, 8 heads)
             op_keys += layers * B * L * H * scored * 48
         elif device_type == "cpu":  # the naive core: what it keeps, and one step's scores being built or
-            # differentiated (about twice what it keeps of them: measured, benchmarks/memory_estimate.py)
+            # differentiated (1.5 times what it keeps of them: the middle of what benchmarks/memory_estimate.py
+            # measured at k = 256 to 2048, whose peaks vary by ±15% between runs)
             per_score = naive_core_bytes_per_score(H, Hkv, D, att.variant, compute_dtype)
             scores = B * blocks * H * scored  # per layer
-            op_keys += (layers * scores + 2 * min(scores, NAIVE_STEP_SCORES)) * per_score
+            op_keys += (layers * scores + 1.5 * min(scores, NAIVE_STEP_SCORES)) * per_score
     op = layers * B * (2 * L * H * D * e + 4 * L * H) + op_keys  # q and o, a float32 row statistic
     if cfg.activation_checkpointing:  # each block keeps its float32 input; the backward recomputes one block at a time
         acts, op = layers * B * L * d * 4 + acts // layers, op // layers
