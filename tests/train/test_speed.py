@@ -184,7 +184,7 @@ def test_full_attention_cache_is_cut_to_the_longest_document_and_max_context(wor
         sets += [f"attention.max_context={cap}"] if cap else []
         t = Trainer(load_recipe(recipe(steps=12, every=100), sets), run_dir=tmp / f"full-{cap}")
         t.train()
-        keys = t.cache.layers[0].attn.full_k.shape[1]
+        keys = t.reader.cache.layers[0].attn.full_k.shape[1]
         positions = read_metrics(tmp / f"full-{cap}" / "metrics.jsonl")[-1]["doc_positions"]
         assert max(positions) < 12 * 48  # the rows went on to other documents
         assert keys == (cap - 1 if cap else max(positions)), (keys, positions)
