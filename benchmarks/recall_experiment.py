@@ -39,6 +39,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -122,8 +123,8 @@ def seed_sets(seed: int | None, data_offset: int) -> list[str]:
 def circuit_recall(run_dir: Path, device: str) -> float:
     """The circuit's own exact recall over its longest quarter of distances (its training setting)."""
     from longtrain.eval.recall import measure_recall
-    from longtrain.eval.runner import pick_device
-    from longtrain.train.checkpointer import load_checkpoint
+    from longtrain.device import pick_device
+    from longtrain.train.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(run_dir, device=pick_device(device))
     far = ckpt.recipe.data.recall.max_distance // 2
@@ -214,7 +215,8 @@ def evaluate_one(out: Path, run_dir: Path, docs: int, device: str) -> None:
 def evaluate(out: Path, models: list[str] | None, docs: int, device: str) -> None:
     """Every trained run (or the named ones) at once, one process each."""
     runs = sorted(d for d in (out / "runs").iterdir() if (d / "checkpoints").is_dir()) if (out / "runs").is_dir() else []
-    runs = [d for d in runs if models is None or d.name in models]
+    named = lambda d: d.name in models or d.name.rsplit("-s", 1)[0] in models  # noqa: E731 (<model>-s<seed> too)
+    runs = [d for d in runs if models is None or named(d)]
     if not runs:
         raise SystemExit(f"no trained run in {out / 'runs'}")
     procs = {}
@@ -290,6 +292,25 @@ def plot(out: Path) -> None:
     log(table)
 
 
+def seed_summary(models: dict, setting: str) -> list[str]:
+    """Rows `<model> median / worst of N seeds` for every model run with several seeds (<model>-s<seed>)."""
+    groups: dict[str, list[dict]] = {}
+    for name, m in models.items():
+        base, _, seed = name.rpartition("-s")
+        if base and seed.isdigit():
+            groups.setdefault(base, []).append(m)
+    rows = []
+    for base, runs in groups.items():
+        if len(runs) < 2:
+            continue
+        per_bucket = list(zip(*[r["recall"][setting] for r in runs]))
+        cells = [f"{statistics.median(b['accuracy'] for b in bs):.3f} / {min(b['accuracy'] for b in bs):.3f}"
+                 if all(b["trials"] for b in bs) else "-" for bs in per_bucket]
+        rows.append(f"| {base}: median / worst of {len(runs)} seeds | {runs[0]['topk']} | {runs[0]['window']} | "
+                    + " | ".join(cells) + " |")
+    return rows
+
+
 def markdown_table(res: dict) -> str:
     lines = []
     for setting in SETTINGS:
@@ -303,6 +324,7 @@ def markdown_table(res: dict) -> str:
         for name, m in models.items():
             cells = [f"{b['accuracy']:.3f}" if b["trials"] else "-" for b in m["recall"][setting]]
             lines.append(f"| {name} | {m['topk']} | {m['window']} | " + " | ".join(cells) + " |")
+        lines += seed_summary(models, setting)
     lines.append("\n| model | steps | tokens | train s | tok/s | final loss | valid loss |")
     lines.append("|---|---|---|---|---|---|---|")
     for name, m in res["models"].items():
