@@ -98,17 +98,27 @@ def fit(recipe: Path, run_dir: Path, sets: list[str], log_path: Path) -> subproc
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def wait_all(procs: dict[str, subprocess.Popen], budget_s: float) -> None:
-    """Wait for every process; SIGTERM those still running at the budget (they save and exit)."""
-    t0 = time.monotonic()
+def wait_all(procs: dict[str, subprocess.Popen], budget_s: float) -> bool:
+    """Wait for every process; SIGTERM those still running at the budget (they save and exit).
+    True if every one finished on its own."""
+    t0, finished = time.monotonic(), True
     for name, proc in procs.items():
         try:
             rc = proc.wait(timeout=max(1.0, budget_s - (time.monotonic() - t0)))
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)  # the trainer finishes its step, saves a checkpoint, exits
             rc = proc.wait()
+            finished = False
             log(f"{name}: stopped at the budget (resume by running this part again)")
         log(f"{name}: exit {rc} after {time.monotonic() - t0:.0f} s")
+        if rc not in (0, -signal.SIGTERM, 128 + signal.SIGTERM) and finished:
+            raise SystemExit(f"{name} failed (exit {rc}): see its fit-*.log")
+    return finished
+
+
+def stop_at_budget(part: str) -> None:
+    raise SystemExit(f"{part}: the time budget ran out before every run finished; their checkpoints are saved. "
+                     "Run the same command again to resume.")
 
 
 def circuit_dir(out: Path, seed: int | None) -> Path:
@@ -133,27 +143,40 @@ def circuit_recall(run_dir: Path, device: str) -> float:
 
 
 def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str], device: str) -> None:
-    """Stage 1: recall-circuit per seed, side by side; a circuit whose recall stays under CIRCUIT_FORMED
-    trains its steps again (up to CIRCUIT_EXTENSIONS times), then the experiment stops, saying which."""
-    steps = None
-    for attempt in range(CIRCUIT_EXTENSIONS + 1):
-        more = [] if steps is None else [f"train.steps={steps * (attempt + 1)}"]
-        procs = {f"circuit-s{s}": fit(CIRCUIT, circuit_dir(out, s), [*seed_sets(s, 1), *extra, *more],
-                                      out / f"fit-{circuit_dir(out, s).name}.log") for s in seeds}
-        wait_all(procs, budget_s)
-        recalls = {s: circuit_recall(circuit_dir(out, s), device) for s in seeds}
-        log("circuit recall at its longest distances: " + ", ".join(f"seed {s}: {r:.2f}" for s, r in recalls.items()))
-        (out / "circuit.json").write_text(json.dumps({str(s): r for s, r in recalls.items()}))
-        unformed = [s for s, r in recalls.items() if r < CIRCUIT_FORMED]
+    """Stage 1: recall-circuit per seed, side by side. A circuit whose recall stays under CIRCUIT_FORMED
+    trains its steps again (up to CIRCUIT_EXTENSIONS times); then the experiment stops, saying which.
+    The state (each seed's step target and recall) lives in out/circuit.json, so a part stopped by the
+    budget resumes where it stopped, extensions included."""
+    t0 = time.monotonic()
+    state_path = out / "circuit.json"
+    base = _recipe_steps(CIRCUIT, extra)
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    state = {str(s): state.get(str(s), {"steps": base, "recall": None}) for s in seeds}
+    while True:
+        pending = [s for s in seeds if state[str(s)]["recall"] is None]
+        if pending:
+            procs = {f"circuit-s{s}": fit(CIRCUIT, circuit_dir(out, s),
+                                          [*seed_sets(s, 1), *extra, f"train.steps={state[str(s)]['steps']}"],
+                                          out / f"fit-{circuit_dir(out, s).name}.log") for s in pending}
+            if not wait_all(procs, budget_s - (time.monotonic() - t0)):
+                state_path.write_text(json.dumps(state, indent=1))
+                stop_at_budget("circuit")
+            for s in pending:
+                state[str(s)]["recall"] = circuit_recall(circuit_dir(out, s), device)
+            state_path.write_text(json.dumps(state, indent=1))
+        log("circuit recall at its longest distances: "
+            + ", ".join(f"seed {s}: {v['recall']:.2f} after {v['steps']} steps" for s, v in state.items()))
+        unformed = [s for s in seeds if state[str(s)]["recall"] < CIRCUIT_FORMED]
         if not unformed:
             return
-        steps = steps or _recipe_steps(CIRCUIT, extra)
-        if attempt < CIRCUIT_EXTENSIONS:
-            log(f"circuit not formed for seeds {unformed} (< {CIRCUIT_FORMED}): training all circuits "
-                f"{steps} more steps")
-    raise SystemExit(f"the recall circuit did not form for seeds {unformed} after {steps * (CIRCUIT_EXTENSIONS + 1)} "
-                     f"steps (recall < {CIRCUIT_FORMED}); stage 2 would inherit a model that cannot recall. Try "
-                     "--circuit-set train.lr=... or more steps (--circuit-set train.steps=...)")
+        if any(state[str(s)]["steps"] >= base * (CIRCUIT_EXTENSIONS + 1) for s in unformed):
+            raise SystemExit(
+                f"the recall circuit did not form for seeds {unformed} after {base * (CIRCUIT_EXTENSIONS + 1)} "
+                f"steps (recall < {CIRCUIT_FORMED}); stage 2 would inherit a model that cannot recall. Try "
+                "--circuit-set train.lr=... or more steps (--circuit-set train.steps=...)")
+        log(f"circuit not formed for seeds {unformed} (< {CIRCUIT_FORMED}): training them {base} more steps")
+        for s in unformed:
+            state[str(s)] = {"steps": state[str(s)]["steps"] + base, "recall": None}
 
 
 def _recipe_steps(recipe: Path, sets: list[str]) -> int:
@@ -175,7 +198,8 @@ def train(out: Path, models: list[str], seeds: list[int | None], budget_s: float
             sets = [f"train.init_from={source}", f"tokenizer.path={source / 'tokenizer.json'}", *seed_sets(seed, 0),
                     *sets, *extra]
             procs[name] = fit(recipe, out / "runs" / name, sets, out / f"fit-{name}.log")
-    wait_all(procs, budget_s)
+    if not wait_all(procs, budget_s):
+        stop_at_budget("train")
 
 
 def evaluate_one(out: Path, run_dir: Path, docs: int, device: str) -> None:
