@@ -1,0 +1,220 @@
+"""Does SparseK+SW beat a same-budget window on books, beyond the seed spread? (issue 30)
+
+Trains several attentions and seeds side by side on one GPU (one `longtrain fit` each), evaluates
+perplexity by position on held-out books (`longtrain eval --task ppl`), and writes a table with the
+seed spread and a picture of the gap against tokens trained (validation loss logged during training).
+
+    python benchmarks/books_study.py --train T --valid V --out OUT --runs RUNS --size small \\
+        --run sparsek:0,1,2 --run sw:0,1,2 --run full:0 --run sparsek-64-192:0 --run sparsek-192-64:0 \\
+        --part all --budget-s 520
+
+Sizes (the paper's from-scratch comparison: the same KV budget k + w per query):
+    small    8 x 512 llama (~42M parameters, vocab 16,384), chunks of 4096 x 4 rows, 2,500 steps (41M
+             tokens); sparsek: k = w = 128; sw: w = 256; full: full attention over the last 4096 keys
+             (the chunk's length, 16x the budget: a ceiling, not a same-budget baseline)
+    medium   12 x 768 llama (~110M parameters), chunks of 4096 x 4 rows, 6,100 steps (100M tokens);
+             sparsek: k = w = 512; sw: w = 1024; full: the last 4096 keys
+Models `sparsek-K-W` set the split of the same budget (k = K, w = W).
+
+Parts: `train` (stops at --budget-s with checkpoints; the same command resumes), `eval`, `summary`
+(OUT/books.md, OUT/books-gap.png), `all` (the three in a row). RUNS may live outside OUT (the runs'
+checkpoints need not come back from a device call; the summary needs only OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = {
+    "small": {"layers": 8, "d_model": 512, "heads": 8, "steps": 2500, "budget": 256},
+    "medium": {"layers": 12, "d_model": 768, "heads": 12, "steps": 6100, "budget": 1024},
+}
+
+
+def attention_sets(model: str, budget: int) -> list[str]:
+    """The attention of a model name at a KV budget (k + w keys per query)."""
+    if model == "sw":
+        return ["attention.type=sw", "attention.topk=0", f"attention.window={budget}"]
+    if model == "full":
+        return ["attention.type=full", "attention.topk=0", "attention.window=0", "attention.max_context=4096"]
+    if model == "sparsek":
+        k, w = budget // 2, budget // 2
+    elif model.startswith("sparsek-"):
+        k, w = (int(x) for x in model.split("-")[1:3])
+        if k + w != budget:
+            raise SystemExit(f"{model}: k + w = {k + w}, not the size's budget {budget}")
+    else:
+        raise SystemExit(f"unknown model {model}: sparsek, sw, full or sparsek-K-W")
+    return ["attention.type=sparsek+sw", f"attention.topk={k}", f"attention.window={w}"]
+
+
+def common_sets(a: argparse.Namespace) -> list[str]:
+    s = SIZES[a.size]
+    return [
+        f"data.path={a.train}", f"data.valid={a.valid}", f"model.layers={s['layers']}",
+        f"model.d_model={s['d_model']}", f"model.heads={s['heads']}", "model.mlp_ratio=4.0",
+        "tokenizer.vocab_size=16384", "train.chunk_size=4096", "train.batch_docs=4",
+        f"train.steps={a.steps or s['steps']}", "train.lr=1.0e-3", "train.warmup_steps=100",
+        "train.weight_decay=0.1", "train.valid_every=250", "train.valid_docs=4", "train.valid_tokens=32768",
+        "checkpoint.every=250", "checkpoint.keep=1", "logging.every=50", "logging.progress=false",
+        *a.sets,
+    ]
+
+
+def fit_cmd(run_dir: Path, sets: list[str], extra: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "longtrain.cli", "fit", "gutenberg-sparsek", "--run-dir", str(run_dir)]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd + extra
+
+
+def runs_of(a: argparse.Namespace) -> dict[str, tuple[str, int]]:
+    """run name -> (model, seed), from --run MODEL:SEED,SEED,..."""
+    out = {}
+    for spec in a.run:
+        model, _, seeds = spec.partition(":")
+        attention_sets(model, SIZES[a.size]["budget"])  # an unknown name fails before anything runs
+        for seed in (int(x) for x in (seeds or "0").split(",")):
+            out[f"{model}-s{seed}"] = (model, seed)
+    return out
+
+
+def train(a: argparse.Namespace) -> None:
+    common = common_sets(a)
+    prep = subprocess.run(fit_cmd(a.runs / "prepare", common, ["--dry-run"]), capture_output=True, text=True, cwd=ROOT)
+    if prep.returncode:  # the token cache, once (the runs would otherwise wait on its lock)
+        raise SystemExit(prep.stdout + prep.stderr)
+    procs = {}
+    for name, (model, seed) in runs_of(a).items():
+        run_dir = a.runs / name
+        sets = [*common, *attention_sets(model, SIZES[a.size]["budget"]), f"train.seed={seed}"]
+        extra = ["--resume", "auto"] if (run_dir / "checkpoints").is_dir() else []
+        log = open(a.out / f"fit-{name}.log", "a")
+        procs[name] = subprocess.Popen(fit_cmd(run_dir, sets, extra), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    t0, unfinished, failed = time.monotonic(), [], []
+    for name, proc in procs.items():
+        try:
+            rc = proc.wait(timeout=max(1.0, a.budget_s - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # the trainer finishes its step, saves a checkpoint, exits
+            rc, _ = proc.wait(), unfinished.append(name)
+        if rc and name not in unfinished:
+            failed.append(name)
+        print(f"{name}: exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
+    if failed:
+        raise SystemExit(f"runs failed: {failed}; see {a.out}/fit-<run>.log")
+    if unfinished:
+        raise SystemExit(f"stopped at the budget: {unfinished}; run the same command again to resume them")
+
+
+def evaluate(a: argparse.Namespace) -> None:
+    runs = [str(a.runs / name) for name in runs_of(a) if (a.runs / name / "checkpoints").is_dir()]
+    cmd = [sys.executable, "-m", "longtrain.cli", "eval", *runs, "--task", "ppl", "--data", str(a.valid),
+           "--docs", str(a.docs), "--tokens", str(a.tokens), "--json", str(a.out / "books-eval.json")]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    for name in runs_of(a):  # the validation losses logged in training: the gap against tokens
+        metrics = a.runs / name / "metrics.jsonl"
+        if metrics.is_file():
+            rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+            curve = [(r["tokens"], r["valid_loss"]) for r in rows if "valid_loss" in r]
+            (a.out / f"curve-{name}.json").write_text(json.dumps(curve))
+
+
+def summary(a: argparse.Namespace) -> None:
+    res = json.loads((a.out / "books-eval.json").read_text())["results"]
+    by_model: dict[str, list[dict]] = {}
+    for r in res:
+        name = Path(r["checkpoint"]).parent.parent.name  # RUNS/<model>-s<seed>/checkpoints/step-...
+        by_model.setdefault(name.rsplit("-s", 1)[0], []).append(r)
+    buckets = [(b["start"], b["end"]) for b in res[0]["ppl"]["buckets"]]
+    k = lambda n: f"{n // 1024}k" if n >= 1024 else str(n)  # noqa: E731
+    stats: dict[str, dict] = {}
+    for model, runs in by_model.items():
+        per = {(b["start"], b["end"]): [] for b in runs[0]["ppl"]["buckets"]}
+        for r in runs:
+            for b in r["ppl"]["buckets"]:
+                per[(b["start"], b["end"])].append(b["ppl"])
+        per["all"] = [r["ppl"]["ppl"] for r in runs]
+        stats[model] = {key: (statistics.mean(v), min(v), max(v)) for key, v in per.items() if v}
+    cols = ["all", *buckets]
+    head = "| model | seeds | " + " | ".join("all" if c == "all" else f"{k(c[0])}–{k(c[1])}" for c in cols) + " |"
+    lines = [head, "|---|---|" + "---|" * len(cols)]
+    for model, st in stats.items():
+        cells = [f"{st[c][0]:.2f} ({st[c][1]:.2f}–{st[c][2]:.2f})" if len(by_model[model]) > 1 else f"{st[c][0]:.2f}"
+                 for c in cols]
+        lines.append(f"| {model} | {len(by_model[model])} | " + " | ".join(cells) + " |")
+    if "sparsek" in stats and "sw" in stats:  # beyond the spread: SparseK+SW's worst seed beats SW's best
+        marks = []
+        for c in cols:
+            (ms, _, hi_s), (mw, lo_w, _) = stats["sparsek"][c], stats["sw"][c]
+            marks.append(f"{mw - ms:+.2f}{' ✓' if hi_s < lo_w else ''}")
+        lines.append("| sw − sparsek | | " + " | ".join(marks) + " |")
+    text = (f"Perplexity by position on {a.docs} validation books × their first {a.tokens:,} tokens ({a.size}), "
+            "mean over seeds (lowest–highest). Last row: SW minus SparseK+SW; ✓ where every SparseK+SW seed beats "
+            "every SW seed.\n\n" + "\n".join(lines) + "\n")
+    (a.out / "books.md").write_text(text)
+    print(text)
+    plot_gap(a, sorted(by_model))
+
+
+def plot_gap(a: argparse.Namespace, models: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for model in models:
+        for f in sorted(a.out.glob(f"curve-{model}-s*.json")):
+            curve = json.loads(f.read_text())
+            if curve:
+                ax.plot([t / 1e6 for t, _ in curve], [v for _, v in curve], lw=1,
+                        label=f.stem.removeprefix("curve-"), ls="-" if model == "sparsek" else "--")
+    ax.set_xlabel("tokens trained (M)")
+    ax.set_ylabel("validation loss (4 books x 32k tokens)")
+    ax.set_title(f"{a.size}: validation loss against tokens trained", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(a.out / "books-gap.png", dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train", type=Path, required=True, help="folder of training books (.txt)")
+    ap.add_argument("--valid", type=Path, required=True, help="folder of held-out books (.txt)")
+    ap.add_argument("--out", type=Path, required=True, help="logs, eval JSON, table and picture")
+    ap.add_argument("--runs", type=Path, help="the runs' folders (default OUT/runs)")
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--run", action="append", default=[], help="MODEL:SEED,SEED (repeatable): sparsek, sw, full, sparsek-K-W")
+    ap.add_argument("--steps", type=int, help="steps per run (default: the size's)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="extra recipe override for every run")
+    ap.add_argument("--part", choices=("train", "eval", "summary", "all"), required=True)
+    ap.add_argument("--budget-s", type=float, default=540.0, help="train: stop (with checkpoints) after this many seconds")
+    ap.add_argument("--docs", type=int, default=12, help="eval: validation books")
+    ap.add_argument("--tokens", type=int, default=65536, help="eval: tokens per book")
+    a = ap.parse_args()
+    a.runs = a.runs or a.out / "runs"
+    a.out.mkdir(parents=True, exist_ok=True)
+    a.runs.mkdir(parents=True, exist_ok=True)
+    a.run = a.run or ["sparsek:0,1,2", "sw:0,1,2"]
+    if a.part in ("train", "all"):
+        train(a)
+    if a.part in ("eval", "all"):
+        evaluate(a)
+    if a.part in ("summary", "all"):
+        summary(a)
+
+
+if __name__ == "__main__":
+    main()
