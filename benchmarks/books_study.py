@@ -168,23 +168,48 @@ def summary(a: argparse.Namespace) -> None:
 
 
 def plot_gap(a: argparse.Namespace, models: list[str]) -> None:
+    """Left: each model's validation loss against tokens (mean over seeds, band: lowest to highest seed).
+    Right: the gap to SW (SW's mean minus the model's; above 0 the model is ahead): does it grow?"""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    curves: dict[str, list[list[tuple[int, float]]]] = {}
     for model in models:
         for f in sorted(a.out.glob(f"curve-{model}-s*.json")):
-            curve = json.loads(f.read_text())
-            if curve:
-                ax.plot([t / 1e6 for t, _ in curve], [v for _, v in curve], lw=1,
-                        label=f.stem.removeprefix("curve-"), ls="-" if model == "sparsek" else "--")
-    ax.set_xlabel("tokens trained (M)")
-    ax.set_ylabel("validation loss (4 books x 32k tokens)")
-    ax.set_title(f"{a.size}: validation loss against tokens trained", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+            if curve := json.loads(f.read_text()):
+                curves.setdefault(model, []).append(curve)
+
+    def band(runs: list[list[tuple[int, float]]]) -> tuple[list[float], list[float], list[float], list[float]]:
+        n = min(len(r) for r in runs)  # the validations every seed reached
+        x = [runs[0][i][0] / 1e6 for i in range(n)]
+        vals = [[r[i][1] for r in runs] for i in range(n)]
+        return x, [statistics.mean(v) for v in vals], [min(v) for v in vals], [max(v) for v in vals]
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for model, runs in curves.items():
+        x, mean, lo, hi = band(runs)
+        line, = left.plot(x, mean, lw=1.2, label=f"{model} ({len(runs)} seed{'s' * (len(runs) > 1)})")
+        left.fill_between(x, lo, hi, alpha=0.2, color=line.get_color())
+        if "sw" in curves and model != "sw":
+            xs, sw_mean, sw_lo, sw_hi = band(curves["sw"])
+            n = min(len(x), len(xs))
+            right.plot(x[:n], [sw_mean[i] - mean[i] for i in range(n)], marker="o", ms=3, color=line.get_color(), label=model)
+            if model == "sparsek":  # beyond the spread: SparseK+SW's worst seed against SW's best
+                right.fill_between(x[:n], [sw_lo[i] - hi[i] for i in range(n)], [sw_hi[i] - lo[i] for i in range(n)],
+                                   alpha=0.15, color=line.get_color(), label="sparsek: worst to best seed pair")
+    left.set_xlabel("tokens trained (M)")
+    left.set_ylabel("validation loss (4 books x 32k tokens)")
+    left.set_ylim(top=min(left.get_ylim()[1], 5.2))
+    left.legend(fontsize=7)
+    right.axhline(0, color="grey", lw=0.8)
+    right.set_xlabel("tokens trained (M)")
+    right.set_ylabel("SW's loss minus the model's (> 0: ahead of SW)")
+    right.legend(fontsize=7)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{a.size}: validation loss against tokens trained, and the gap to the same-budget window", fontsize=10)
     fig.tight_layout()
     fig.savefig(a.out / "books-gap.png", dpi=120)
 
