@@ -1,0 +1,42 @@
+"""benchmarks/books_study.py end to end at a toy size on the CPU (real `longtrain fit` and `longtrain eval`
+processes): two models side by side, a seed each plus a second SparseK+SW seed, the table with the seed
+range and the SW gap, the gap picture."""
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TOY = ["model.layers=1", "model.d_model=32", "model.heads=2", "tokenizer.vocab_size=300", "train.chunk_size=128",
+       "train.batch_docs=2", "train.device=cpu", "train.valid_every=2", "train.valid_tokens=256", "train.compile=false"]
+
+
+def books(folder: Path, n: int, seed: int) -> Path:
+    rng = random.Random(seed)
+    words = "the river house letter morning captain garden window silence evening mountain quiet ship".split()
+    folder.mkdir()
+    for i in range(n):
+        (folder / f"book{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(3000)))
+    return folder
+
+
+def test_two_models_train_evaluate_and_summarise(tmp_path):
+    train, valid = books(tmp_path / "train", 4, 0), books(tmp_path / "valid", 2, 1)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "books_study.py"), "--train", str(train), "--valid", str(valid),
+           "--out", str(out), "--run", "sparsek:0,1", "--run", "sw:0", "--steps", "4", "--part", "all",
+           "--docs", "2", "--tokens", "1024"]
+    for s in TOY:
+        cmd += ["--set", s]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    table = (out / "books.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert rows["sparsek"].split("|")[2].strip() == "2" and rows["sw"].split("|")[2].strip() == "1"  # seeds
+    assert "(" in rows["sparsek"] and "(" not in rows["sw"]  # the range only where there are several seeds
+    assert "sw − sparsek" in rows
+    assert (out / "books-gap.png").stat().st_size > 10_000
+    assert sorted(p.name for p in out.glob("curve-*.json")) == ["curve-sparsek-s0.json", "curve-sparsek-s1.json", "curve-sw-s0.json"]
