@@ -14,11 +14,14 @@ checkpoint, and calling it again resumes where it stopped.
     python benchmarks/recall_experiment.py --out $OUT --part all --model sparsek,sw   # the four in a row
     python benchmarks/recall_experiment.py --out $OUT --part all --model sparsek-distill,sw --seeds 0,1,2,3,4 \
         --set train.deterministic=true --circuit-set train.deterministic=true            # a seed study, one command
+    python benchmarks/recall_experiment.py --out $OUT --part circuit --seeds 0,1,2,3,4 \
+        --circuit-stage 'data.recall.max_distance=32 train.steps=2000'                    # short distances first
 
 The circuit is checked before stage 2: its own recall at its longest distances must reach
 CIRCUIT_FORMED, or every circuit trains its steps again (up to CIRCUIT_EXTENSIONS times) and the
 experiment stops with a message if one still has not formed (stage 2 never inherits a circuit that
-cannot recall). With --seeds each seed changes train.seed and the recall data's seed of both stages.
+cannot recall). With --seeds each seed changes train.seed and the recall data's seed of both stages. --circuit-stage adds a
+curriculum before the circuit (e.g. short distances first), each stage from the previous one's weights.
 
 --model also takes the ablations below (recall-sparsek with one setting changed). Runs live in
 $OUT/runs/<model> (the circuit in $OUT/circuit); eval writes $OUT/eval/<model>.json, plot writes
@@ -142,12 +145,34 @@ def circuit_recall(run_dir: Path, device: str) -> float:
     return sum(b["accuracy"] * b["trials"] for b in buckets) / max(1, sum(b["trials"] for b in buckets))
 
 
-def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str], device: str) -> None:
+def start_from(run_dir: Path | None) -> list[str]:
+    """Overrides that start a run from another's weights and tokenizer (none for a fresh start)."""
+    return [] if run_dir is None else [f"train.init_from={run_dir}", f"tokenizer.path={run_dir / 'tokenizer.json'}"]
+
+
+def warmup(out: Path, seeds: list[int | None], stages: list[list[str]], budget_s: float, extra: list[str]) -> dict:
+    """A curriculum before the circuit: each stage (recall-circuit with its own overrides, e.g. short distances
+    first) trains every seed side by side from the previous stage's weights. Returns each seed's last stage."""
+    t0, last = time.monotonic(), {s: None for s in seeds}
+    for j, stage in enumerate(stages):
+        runs = {s: out / f"warmup{j}-s{s}" for s in seeds}
+        procs = {d.name: fit(CIRCUIT, d, [*seed_sets(s, 1), *extra, *stage, *start_from(last[s])], out / f"fit-{d.name}.log")
+                 for s, d in runs.items()}
+        if not wait_all(procs, budget_s - (time.monotonic() - t0)):
+            stop_at_budget(f"warm-up stage {j}")
+        last = runs
+    return last
+
+
+def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str], device: str,
+            stages: list[list[str]] = ()) -> None:
     """Stage 1: recall-circuit per seed, side by side. A circuit whose recall stays under CIRCUIT_FORMED
     trains its steps again (up to CIRCUIT_EXTENSIONS times); then the experiment stops, saying which.
     The state (each seed's step target and recall) lives in out/circuit.json, so a part stopped by the
     budget resumes where it stopped, extensions included."""
     t0 = time.monotonic()
+    start = warmup(out, seeds, list(stages), budget_s, extra) if stages else {s: None for s in seeds}
+    budget_s, t0 = budget_s - (time.monotonic() - t0), time.monotonic()  # what the curriculum left
     state_path = out / "circuit.json"
     base = _recipe_steps(CIRCUIT, extra)
     state = json.loads(state_path.read_text()) if state_path.is_file() else {}
@@ -156,7 +181,8 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
         pending = [s for s in seeds if state[str(s)]["recall"] is None]
         if pending:
             procs = {f"circuit-s{s}": fit(CIRCUIT, circuit_dir(out, s),
-                                          [*seed_sets(s, 1), *extra, f"train.steps={state[str(s)]['steps']}"],
+                                          [*seed_sets(s, 1), *extra, *start_from(start[s]),
+                                           f"train.steps={state[str(s)]['steps']}"],
                                           out / f"fit-{circuit_dir(out, s).name}.log") for s in pending}
             if not wait_all(procs, budget_s - (time.monotonic() - t0)):
                 state_path.write_text(json.dumps(state, indent=1))
@@ -367,6 +393,9 @@ def main() -> None:
     ap.add_argument("--circuit-budget-s", type=float, default=540.0, help="all: the circuit's budget (--budget-s is the models')")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra recipe override for every model (repeatable)")
     ap.add_argument("--circuit-set", dest="circuit_sets", action="append", default=[], help="circuit: recipe override (repeatable)")
+    ap.add_argument("--circuit-stage", dest="circuit_stages", action="append", default=[],
+                    help="a curriculum stage before the circuit, space-separated overrides, e.g. "
+                         "'data.recall.max_distance=32 train.steps=2000' (repeatable; each starts from the previous)")
     ap.add_argument("--docs", type=int, default=64, help="eval: documents per setting")
     ap.add_argument("--run", type=Path, help="eval-one: the run dir")
     ap.add_argument("--device", default="auto")
@@ -379,7 +408,8 @@ def main() -> None:
     for m in models:
         model_args(m)  # an unknown name fails before anything runs
     if a.part in ("circuit", "all"):  # a finished circuit resumes to "nothing to do"
-        circuit(a.out, seeds, a.circuit_budget_s if a.part == "all" else a.budget_s, a.circuit_sets, a.device)
+        circuit(a.out, seeds, a.circuit_budget_s if a.part == "all" else a.budget_s, a.circuit_sets, a.device,
+                [stage.split() for stage in a.circuit_stages])
     if a.part in ("train", "all"):
         train(a.out, models, seeds, a.budget_s, a.sets)
     if a.part in ("eval", "all"):

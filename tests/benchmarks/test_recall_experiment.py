@@ -1,5 +1,6 @@
 """benchmarks/recall_experiment.py's stage-1 check (issue 30): a circuit that has not formed trains again, only
 the unformed seeds, and then the experiment stops with a message naming them; stage 2 never starts from it.
+A curriculum stage (--circuit-stage) trains first and the circuit starts from it.
 A real run of the script (real `longtrain fit` processes) at a toy size on the CPU."""
 
 import json
@@ -8,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ["train.steps=2", "model.layers=1", "model.d_model=32", "model.heads=2", "train.batch_docs=2",
        "data.recall.docs=200", "train.device=cpu", "checkpoint.every=2", "train.valid_every=0", "train.compile=false"]
@@ -15,7 +18,8 @@ TOY = ["train.steps=2", "model.layers=1", "model.d_model=32", "model.heads=2", "
 
 def test_an_unformed_circuit_trains_again_then_stops_with_a_message(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "recall_experiment.py"), "--out", str(tmp_path), "--part", "all",
-           "--model", "sparsek", "--seeds", "3", "--device", "cpu", "--circuit-budget-s", "600"]
+           "--model", "sparsek", "--seeds", "3", "--device", "cpu", "--circuit-budget-s", "600",
+           "--circuit-stage", "data.recall.max_distance=32 train.steps=2"]
     for s in TOY:
         cmd += ["--circuit-set", s]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -28,3 +32,9 @@ def test_an_unformed_circuit_trains_again_then_stops_with_a_message(tmp_path):
     assert not (tmp_path / "runs").exists()  # stage 2 did not start from a circuit that cannot recall
     metrics = [json.loads(x) for x in (tmp_path / "circuit-s3" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert max(r["step"] for r in metrics) == 6  # the extensions resumed the same run
+    # the curriculum stage ran first, at its own distances, and the circuit started from its weights
+    stage = yaml.safe_load((tmp_path / "warmup0-s3" / "recipe.yaml").read_text())
+    assert stage["data"]["recall"]["max_distance"] == 32
+    circuit = yaml.safe_load((tmp_path / "circuit-s3" / "recipe.yaml").read_text())
+    assert circuit["data"]["recall"]["max_distance"] == 256
+    assert Path(circuit["train"]["init_from"]).name == "warmup0-s3"
