@@ -173,25 +173,23 @@ class Attention(nn.Module):
             qf, kf, vf, uf, lf = q, k, v, u[..., 0], lengths
         if self.phi_weight is not None and decode:
             o, attn_cache, sel = sparsek_linear_attention_decode(
-                qf[:, 0], kf[:, 0], vf[:, 0], uf[:, 0], self.phi_weight, cache.attn, topk=self.topk,
-                window=self.window, variant=cfg.variant, with_selection=with_selection,
+                qf[:, 0], kf[:, 0], vf[:, 0], uf[:, 0], self.phi_weight, cache.attn, variant=cfg.variant,
+                with_selection=with_selection,
             )
             o = o[:, None]
         elif self.phi_weight is not None:
             o, attn_cache, sel = sparsek_linear_attention_chunk(
-                qf, kf, vf, uf, self.phi_weight, cache.attn, topk=self.topk, window=self.window, variant=cfg.variant,
-                lengths=lf, scan=cfg.scan,
+                qf, kf, vf, uf, self.phi_weight, cache.attn, variant=cfg.variant, lengths=lf, scan=cfg.scan,
             )
         elif decode:
             o, attn_cache, sel = sparsek_attention_decode(
-                qf[:, 0], kf[:, 0], vf[:, 0], uf[:, 0], cache.attn, topk=self.topk, window=self.window,
-                variant=cfg.variant, with_selection=with_selection,
+                qf[:, 0], kf[:, 0], vf[:, 0], uf[:, 0], cache.attn, variant=cfg.variant,
+                with_selection=with_selection,
             )
             o = o[:, None]  # [B·G, 1, H/G, D]
         else:
             o, attn_cache, sel = sparsek_attention_chunk(
-                qf, kf, vf, uf, cache.attn, topk=self.topk, window=self.window, variant=cfg.variant,
-                lengths=lf, backend=cfg.backend, scan=cfg.scan, align=align,
+                qf, kf, vf, uf, cache.attn, variant=cfg.variant, lengths=lf, backend=cfg.backend, scan=cfg.scan, align=align,
             )
         if G > 1:
             o = o.view(B, G, L, H // G, D).transpose(1, 2)

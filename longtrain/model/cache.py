@@ -129,7 +129,9 @@ class ModelCache:
         (copying one into another's buffers, as a CUDA graph's replay needs)."""
         out = [self.seen]
         for layer in self.layers:
-            out += [getattr(layer.attn, f.name) for f in fields(layer.attn)] + [layer.score_sum, layer.score_sumsq]
+            attn = layer.attn.tensors().values() if isinstance(layer.attn, SparseKCache) else (
+                getattr(layer.attn, f.name) for f in fields(layer.attn))
+            out += [*attn, layer.score_sum, layer.score_sumsq]
         return out
 
     def copy_(self, other: "ModelCache") -> "ModelCache":

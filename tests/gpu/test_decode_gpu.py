@@ -53,12 +53,12 @@ def test_the_admission_kernel_equals_the_torch_admission(topk, window, cap):
                 torch.randn(B, T, Hkv, D, device=dev), u)
 
     cache = SparseKCache.empty(B, topk, window, Hkv, D, device=dev, cap=cap)
-    _, cache, _ = sparsek_attention_chunk(*rand(3000, 0), cache, topk=topk, window=window)
+    _, cache, _ = sparsek_attention_chunk(*rand(3000, 0), cache)
     a = b = cache
     for step in range(200):
         q, k, v, u = [x[:, 0] for x in rand(1, 3000 + step)]
-        oa, a, _ = sparsek_attention_decode(q, k, v, u, a, topk=topk, window=window, backend="triton")
-        ob, b, _ = sparsek_attention_decode(q, k, v, u, b, topk=topk, window=window, backend="torch")
+        oa, a, _ = sparsek_attention_decode(q, k, v, u, a, backend="triton")
+        ob, b, _ = sparsek_attention_decode(q, k, v, u, b, backend="torch")
         assert torch.allclose(oa, ob, atol=1e-5, rtol=0), step  # attend_triton against attend_torch: rounding
         assert torch.equal(a.pool_pos, b.pool_pos) and torch.equal(a.pool_k, b.pool_k), step
         assert torch.equal(a.thr_count, b.thr_count) and torch.equal(a.overflow, b.overflow), step

@@ -15,7 +15,7 @@ def test_its_gradient_reaches_keys_the_lm_loss_never_selects_float64():
     q, k, v = (torch.randn(B, L, H, D, dtype=torch.float64) for _ in range(3))
     u = torch.randn(B, L, dtype=torch.float64, requires_grad=True)
     cache = SparseKCache.empty(B, topk, window, H, D, dtype=torch.float64, score_dtype=torch.float64, device="cpu")
-    o, _, _ = sparsek_attention_chunk(q, k, v, u, cache, topk=topk, window=window, variant="hard_k_soft_v", backend="naive")
+    o, _, _ = sparsek_attention_chunk(q, k, v, u, cache, variant="hard_k_soft_v", backend="naive")
     (o * torch.randn_like(o)).sum().backward()
     lm_grad = u.grad.clone()
     older = torch.arange(L) < L - window  # keys some query sees as a candidate

@@ -68,7 +68,7 @@ def test_chunked_forward_equals_unchunked(chunk, k, w):
     outs = []
     for s in range(0, T, chunk):
         sl = slice(s, s + chunk)
-        o, cache, sel = sparsek_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], cache, topk=k, window=w)
+        o, cache, sel = sparsek_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], cache)
         outs.append(o)
         assert not sel.overflowed
     assert torch.allclose(torch.cat(outs, 1), whole, atol=1e-12, rtol=0)
@@ -79,7 +79,7 @@ def test_ragged_lengths_and_row_reset():
     q, kk, v, u = inputs(40, 2, 2)
     cache = SparseKCache.empty(2, 4, 3, 2, 8, dtype=torch.float64, score_dtype=torch.float64)
     lengths = torch.tensor([40, 25])
-    o, cache, _ = sparsek_attention_chunk(q, kk, v, u, cache, topk=4, window=3, lengths=lengths)
+    o, cache, _ = sparsek_attention_chunk(q, kk, v, u, cache, lengths=lengths)
     # row 1 equals an unpadded run over its 25 tokens
     ref = sparsek_attention(q[1:, :25], kk[1:, :25], v[1:, :25], u[1:, :25], topk=4, window=3)
     assert torch.allclose(o[1:, :25], ref, atol=1e-12)
@@ -94,7 +94,7 @@ def test_cache_is_detached_and_fixed_size():
     cache = SparseKCache.empty(2, 4, 6, 1, 8, dtype=torch.float64, score_dtype=torch.float64)
     sizes = {n: t.shape for n, t in cache.state_dict().items()}
     for _ in range(3):
-        _, cache, _ = sparsek_attention_chunk(q, kk, v, u, cache, topk=4, window=6)
+        _, cache, _ = sparsek_attention_chunk(q, kk, v, u, cache)
         assert all(not t.requires_grad for t in cache.state_dict().values())
         assert {n: t.shape for n, t in cache.state_dict().items()} == sizes
 
@@ -104,3 +104,16 @@ def test_bad_arguments_are_named(bad):
     q, k, v, u = inputs(8, 2, 1)
     with pytest.raises(ValueError):
         sparsek_attention(q, k, v, u, **bad)
+
+
+def test_the_cache_carries_its_window_through_resets_moves_and_state_dicts():
+    """w = 0 and w = 1 keep the same tensors (no tail): the cache's own `window` tells them apart."""
+    for topk, window in ((3, 0), (3, 1), (0, 1), (2, 4)):
+        cache = SparseKCache.empty(2, topk, window, 1, 4)
+        for again in (cache.reset_rows(torch.tensor([True, False])), cache.to("cpu"),
+                      SparseKCache.from_state_dict(cache.state_dict())):
+            assert (again.topk, again.window) == (topk, window)
+    legacy = {n: t for n, t in SparseKCache.empty(2, 3, 0, 1, 4).state_dict().items() if n != "window"}
+    assert SparseKCache.from_state_dict(legacy).window == 0  # saved before the cache carried it
+    with pytest.raises(ValueError, match="tail slots"):
+        SparseKCache(**SparseKCache.empty(1, 2, 3, 1, 4).tensors(), window=5)

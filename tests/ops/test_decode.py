@@ -78,7 +78,7 @@ def test_decode_equals_the_chunk_op(topk, window, H, Hkv, variant, cap, prefill,
     torch.manual_seed(topk * 100 + window)
     B, D, dtype = 2, 8, torch.float64
     cache = SparseKCache.empty(B, topk, window, Hkv, D, dtype=dtype, score_dtype=dtype, cap=cap)
-    kw = dict(topk=topk, window=window, variant=variant)
+    kw = dict(variant=variant)
     if prefill:  # rows at different positions: the second row's prefill is 3 tokens shorter
         q, k, v, u = _rand(B, prefill, H, Hkv, D, dtype, spread)
         lengths = torch.tensor([prefill, max(prefill - 3, 0)])
@@ -110,14 +110,14 @@ def test_float32_and_bfloat16_follow_the_reference():
         B, H, Hkv, D, topk, window = 2, 4, 2, 16, 6, 5
         cache = SparseKCache.empty(B, topk, window, Hkv, D, dtype=dtype, score_dtype=torch.float32)
         q, k, v, u = _rand(B, 20, H, Hkv, D, torch.float32, 0.7)
-        _, cache, _ = sparsek_attention_chunk(q.to(dtype), k.to(dtype), v.to(dtype), u, cache, topk=topk, window=window,
-                                              backend="naive", scan="host")
+        _, cache, _ = sparsek_attention_chunk(q.to(dtype), k.to(dtype), v.to(dtype), u, cache, backend="naive",
+                                              scan="host")
         fast, ref = cache, cache
         for step in range(20):
             q, k, v, u = [x[:, 0] for x in _rand(B, 1, H, Hkv, D, torch.float32, 0.7, t0=20 + step)]
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-            o1, fast, _ = sparsek_attention_decode(q, k, v, u, fast, topk=topk, window=window)
-            o2, ref, _ = sparsek_attention_decode_reference(q, k, v, u, ref, topk=topk, window=window)
+            o1, fast, _ = sparsek_attention_decode(q, k, v, u, fast)
+            o2, ref, _ = sparsek_attention_decode_reference(q, k, v, u, ref)
             assert o1.dtype == dtype
             assert torch.allclose(o1.float(), o2.float(), atol=atol, rtol=0), (dtype, step)
             assert torch.equal(fast.pool_pos.sort(1).values, ref.pool_pos.sort(1).values)
@@ -132,7 +132,7 @@ def test_the_pool_keeps_the_chunk_ops_layout(backend):
     cache = SparseKCache.empty(1, 4, 2, 1, 4, dtype=torch.float64, score_dtype=torch.float64, cap=16)
     for t in range(40):
         q, k, v, u = [x[:, 0] for x in _rand(1, 1, 1, 1, 4, torch.float64, 1.0, t0=t)]
-        _, cache, _ = sparsek_attention_decode(q, k, v, u, cache, topk=4, window=2, backend=backend)
+        _, cache, _ = sparsek_attention_decode(q, k, v, u, cache, backend=backend)
         pos = cache.pool_pos[0]
         n = int((pos >= 0).sum())
         assert (pos[n:] == -1).all() and torch.equal(pos[:n], pos[:n].sort().values)
@@ -148,7 +148,6 @@ def test_position_hash_is_the_scans():
     [
         (dict(q=torch.zeros(2, 3, 4)), "multiple of kv heads"),
         (dict(u=torch.zeros(3)), "u must be [B]"),
-        (dict(window=5), "cache was built for"),
         (dict(variant="soft"), "variant must be"),
         (dict(backend="cuda"), "backend must be"),
     ],
@@ -156,7 +155,7 @@ def test_position_hash_is_the_scans():
 def test_bad_arguments(args, message):
     cache = SparseKCache.empty(2, 3, 2, 2, 4)
     kw = dict(q=torch.zeros(2, 4, 4), k=torch.zeros(2, 2, 4), v=torch.zeros(2, 2, 4), u=torch.zeros(2), cache=cache,
-              topk=3, window=2, variant="hard_k_soft_v")
+              variant="hard_k_soft_v")
     kw.update(args)
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         sparsek_attention_decode(**kw)

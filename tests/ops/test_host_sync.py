@@ -102,7 +102,7 @@ def chunk_call(scan: str, backend: str = "triton"):
     q, kk, v = (torch.randn(B, 2 * L, h, D, requires_grad=True) for h in (H, Hkv, Hkv))
     u = torch.randn(B, 2 * L, requires_grad=True)
     cache = SparseKCache.empty(B, k, w, Hkv, D)
-    kw = dict(topk=k, window=w, scan=scan, backend=backend, block=16, lengths=torch.tensor([L, L - 5]))
+    kw = dict(scan=scan, backend=backend, block=16, lengths=torch.tensor([L, L - 5]))
     _, cache, _ = sparsek_attention_chunk(q[:, :L], kk[:, :L], v[:, :L], u[:, :L], cache, **kw)
 
     def second():

@@ -92,7 +92,7 @@ def test_chunked_forward_equals_unchunked(chunk, k, w):
     outs = []
     for s in range(0, T, chunk):
         sl = slice(s, s + chunk)
-        o, cache, sel = sparsek_linear_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], phi, cache, topk=k, window=w)
+        o, cache, sel = sparsek_linear_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], phi, cache)
         outs.append(o)
         assert not sel.overflowed
     assert torch.allclose(torch.cat(outs, 1), whole, atol=1e-12, rtol=0)
@@ -111,7 +111,7 @@ def test_ragged_lengths_and_row_reset():
     q, kk, v, u, phi = inputs(40, 2, 2)
     cache = SparseKLinearCache.empty(2, 4, 3, 2, 8, dtype=torch.float64, score_dtype=torch.float64)
     lengths = torch.tensor([40, 25])
-    o, cache, _ = sparsek_linear_attention_chunk(q, kk, v, u, phi, cache, topk=4, window=3, lengths=lengths)
+    o, cache, _ = sparsek_linear_attention_chunk(q, kk, v, u, phi, cache, lengths=lengths)
     ref = sparsek_linear_attention(q[1:, :25], kk[1:, :25], v[1:, :25], u[1:, :25], phi, topk=4, window=3)
     assert torch.allclose(o[1:, :25], ref, atol=1e-12)
     fresh = cache.reset_rows(torch.tensor([False, True]))
@@ -126,13 +126,12 @@ def test_decode_equals_the_chunk_op(k, w, variant):
     q, kk, v, u, phi = inputs(T, 4, 2)
     cache = SparseKLinearCache.empty(2, k, w, 2, 8, dtype=torch.float64, score_dtype=torch.float64)
     _, cache, _ = sparsek_linear_attention_chunk(q[:, :prefix], kk[:, :prefix], v[:, :prefix], u[:, :prefix], phi, cache,
-                                                 topk=k, window=w, variant=variant)
+                                                 variant=variant)
     ref = cache
     for t in range(prefix, T):
-        o, cache, _ = sparsek_linear_attention_decode(q[:, t], kk[:, t], v[:, t], u[:, t], phi, cache, topk=k, window=w,
-                                                      variant=variant)
+        o, cache, _ = sparsek_linear_attention_decode(q[:, t], kk[:, t], v[:, t], u[:, t], phi, cache, variant=variant)
         o_ref, ref, _ = sparsek_linear_attention_chunk(q[:, t:t + 1], kk[:, t:t + 1], v[:, t:t + 1], u[:, t:t + 1], phi,
-                                                       ref, topk=k, window=w, variant=variant)
+                                                       ref, variant=variant)
         assert torch.allclose(o, o_ref[:, 0], atol=1e-12, rtol=0), t
         assert torch.allclose(cache.lin_kv, ref.lin_kv, atol=1e-12) and torch.allclose(cache.lin_k, ref.lin_k, atol=1e-12)
     whole = sparsek_linear_attention(q, kk, v, u, phi, topk=k, window=w, variant=variant)

@@ -146,8 +146,7 @@ def test_op_device_scan_equals_host_scan(w, k):
         for i, s in enumerate(range(0, T, 16)):
             sl = slice(s, s + 16)
             use = scan if scan != "mixed" else ("device", "host")[i % 2]
-            o, cache, sel = sparsek_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], cache, topk=k, window=w,
-                                                     backend="naive", scan=use, block=8)
+            o, cache, sel = sparsek_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], cache, backend="naive", scan=use, block=8)
             os.append(o)
             sels.append(sel)
         o = torch.cat(os, 1)
@@ -167,7 +166,7 @@ def test_device_scan_refuses_float64_scores():
     q = torch.randn(1, 8, 1, 4, dtype=torch.float64)
     cache = SparseKCache.empty(1, 2, 2, 1, 4, dtype=torch.float64, score_dtype=torch.float64)
     with pytest.raises(ValueError, match="scan='host'"):
-        sparsek_attention_chunk(q, q, q, torch.randn(1, 8, dtype=torch.float64), cache, topk=2, window=2, scan="device")
+        sparsek_attention_chunk(q, q, q, torch.randn(1, 8, dtype=torch.float64), cache, scan="device")
 
 
 @pytest.mark.parametrize("B,N", [(1, 1), (2, 7), (3, 64), (2, 301), (1, 2500)])
@@ -290,8 +289,7 @@ def test_kernels_on_the_device_scans_stable_pools(w, k, L, block):
         cache = SparseKCache.empty(B, k, w, H, D, device=DEV)
         os = []
         for s in (slice(0, L), slice(L, 2 * L)):  # the second chunk starts from a full cache
-            o, cache, _ = sparsek_attention_chunk(q[:, s], kk[:, s], v[:, s], u[:, s], cache, topk=k, window=w,
-                                                   backend=backend, scan=scan, block=block)
+            o, cache, _ = sparsek_attention_chunk(q[:, s], kk[:, s], v[:, s], u[:, s], cache, backend=backend, scan=scan, block=block)
             os.append(o)
         o = torch.cat(os, 1)
         outs[backend] = (o, torch.autograd.grad((o * torch.linspace(-1, 1, D, device=DEV)).sum(), (q, kk, v, u)))

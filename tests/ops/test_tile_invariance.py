@@ -44,7 +44,7 @@ def run(x, schedule, *, topk, window, backend, align=None):
         take = lambda t: torch.stack([torch.nn.functional.pad(t[b, seen[b] : seen[b] + lens[b]],  # noqa: E731
                                                               (0, 0) * (t.dim() - 2) + (0, L - lens[b])) for b in range(B)])
         o, cache, sel = sparsek_attention_chunk(
-            take(q), take(k), take(v), take(u), cache, topk=topk, window=window, backend=backend, scan="host",
+            take(q), take(k), take(v), take(u), cache, backend=backend, scan="host",
             lengths=torch.tensor(lens, device=DEV), align=align,
         )
         for b in range(B):

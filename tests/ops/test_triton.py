@@ -40,7 +40,7 @@ def run_chunks(backend, args, chunks, *, topk, window, variant, block, lengths=N
     for c in chunks:
         sl = slice(s, s + c)
         o, cache, _ = sparsek_attention_chunk(
-            q[:, sl], k[:, sl], v[:, sl], u[:, sl], cache, topk=topk, window=window, variant=variant,
+            q[:, sl], k[:, sl], v[:, sl], u[:, sl], cache, variant=variant,
             backend=backend, block=block, lengths=lengths,
         )
         outs.append(o)

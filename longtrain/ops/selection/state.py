@@ -8,7 +8,7 @@ cache's own tensors are the state the scans read, on whatever device they live o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -20,11 +20,19 @@ def default_threshold_cap(topk: int) -> int:
     return max(8 * topk, 1024)
 
 
+def size_field(**kw):
+    """A dataclass field that is a size (a Python int known on the host), not a tensor: no host sync reads it."""
+    return field(kw_only=True, metadata={"size": True}, **kw)
+
+
 class _Tensors:
-    """Dataclasses of tensors: their fields as a dict, moved or saved together."""
+    """Dataclasses of tensors: their fields as a dict, moved or saved together (size fields travel beside them)."""
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.metadata.get("size")}
+
+    def sizes(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("size")}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: t.detach().contiguous() for name, t in self.tensors().items()}
@@ -37,7 +45,7 @@ class _Tensors:
         return cls(**{f.name: d[f.name] for f in fields(cls)})
 
     def to(self, device):
-        return type(self)(**{name: t.to(device) for name, t in self.tensors().items()})
+        return type(self)(**{name: t.to(device) for name, t in self.tensors().items()}, **self.sizes())
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())

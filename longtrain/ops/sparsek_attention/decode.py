@@ -34,7 +34,7 @@ from dataclasses import replace
 
 import torch
 
-from longtrain.ops.sparsek_attention.cache import SparseKCache, check_sizes
+from longtrain.ops.sparsek_attention.cache import SparseKCache
 from longtrain.ops.sparsek_attention.naive import VARIANTS
 from longtrain.ops.sparsek_attention.op import ChunkSelection, sparsek_attention_chunk
 
@@ -68,10 +68,8 @@ def sparsek_attention_decode(
     k: torch.Tensor,  # [B, Hkv, D] its key (after RoPE)
     v: torch.Tensor,  # [B, Hkv, D]
     u: torch.Tensor,  # [B] its importance score
-    cache: SparseKCache,  # after positions [0, t)
+    cache: SparseKCache,  # after positions [0, t); its topk and window are the call's
     *,
-    topk: int,
-    window: int,
     variant: str = "hard_k_soft_v",
     scale: float | None = None,
     with_selection: bool = False,
@@ -84,7 +82,8 @@ def sparsek_attention_decode(
     backend: how the query attends and a candidate is admitted: "torch" (tensor ops: attend_torch,
     _admit_pool, _admit_threshold), "triton" (two kernels, decode_triton.py) or "auto" (Triton for CUDA tensors).
     """
-    _check(q, k, v, u, cache, topk, window, variant)
+    _check(q, k, v, u, variant)
+    topk, window = cache.topk, cache.window
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be auto, torch or triton; got {backend!r}")
     if backend == "auto":
@@ -151,7 +150,7 @@ def attend_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Spars
     return torch.einsum("bgrn,bngd->bgrd", p, vals).reshape(B, H, D).to(q.dtype)
 
 
-def _check(q, k, v, u, cache, topk, window, variant) -> None:
+def _check(q, k, v, u, variant) -> None:
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"decode takes q [B, H, D], k and v [B, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[1] % k.shape[1]:
@@ -160,7 +159,6 @@ def _check(q, k, v, u, cache, topk, window, variant) -> None:
         raise ValueError(f"u must be [B] = [{q.shape[0]}]; got {tuple(u.shape)}")
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
-    check_sizes(topk, window, cache)
 
 
 def _selection(cache: SparseKCache, topk: int) -> ChunkSelection:
@@ -315,16 +313,14 @@ def sparsek_attention_decode_reference(
     u: torch.Tensor,
     cache: SparseKCache,
     *,
-    topk: int,
-    window: int,
     variant: str = "hard_k_soft_v",
     scale: float | None = None,
     with_selection: bool = False,
 ) -> tuple[torch.Tensor, SparseKCache, ChunkSelection | None]:
     """sparsek_attention_decode by definition: a chunk of one token through the chunk op (naive core, CPU scan)."""
-    _check(q, k, v, u, cache, topk, window, variant)
+    _check(q, k, v, u, variant)
     o, nxt, sel = sparsek_attention_chunk(
-        q[:, None], k[:, None], v[:, None], u[:, None], cache, topk=topk, window=window, variant=variant,
-        scale=scale, backend="naive", scan="host",
+        q[:, None], k[:, None], v[:, None], u[:, None], cache, variant=variant, scale=scale,
+        backend="naive", scan="host",
     )
     return o[:, 0], nxt, sel if with_selection else None

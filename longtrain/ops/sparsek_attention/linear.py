@@ -16,14 +16,14 @@ cache needs no second copy of the pool's and tail's keys.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from longtrain.ops.linear_attention import causal_linear_attention, feature_map
 from longtrain.ops.selection import ThresholdFn, select
 from longtrain.ops.selection.chunk import carried
-from longtrain.ops.sparsek_attention.cache import SparseKCache, check_sizes
+from longtrain.ops.sparsek_attention.cache import SparseKCache
 from longtrain.ops.sparsek_attention.decode import sparsek_attention_decode
 from longtrain.ops.sparsek_attention.naive import LinearTerms, sparsek_attention_core_naive
 from longtrain.ops.sparsek_attention.op import ChunkSelection, _check, lay_out_keys, next_cache
@@ -50,19 +50,28 @@ class SparseKLinearCache(SparseKCache):
                                   device=device, cap=cap)
         F = features or head_dim
         sdt = state_dtype(dtype)
-        return cls(**base.tensors(), lin_kv=torch.zeros(batch, kv_heads, F, head_dim, dtype=sdt, device=device),
+        return cls(**base.tensors(), window=window, lin_kv=torch.zeros(batch, kv_heads, F, head_dim, dtype=sdt, device=device),
                    lin_k=torch.zeros(batch, kv_heads, F, dtype=sdt, device=device))
 
     def reset_rows(self, mask: torch.Tensor) -> SparseKLinearCache:
         base = SparseKCache(**{f.name: getattr(self, f.name) for f in fields(SparseKCache)}).reset_rows(mask)
         m = mask.to(self.lin_kv.device)
-        return SparseKLinearCache(**base.tensors(), lin_kv=torch.where(m[:, None, None, None], 0, self.lin_kv),
+        return SparseKLinearCache(**base.tensors(), window=self.window, lin_kv=torch.where(m[:, None, None, None], 0, self.lin_kv),
                                   lin_k=torch.where(m[:, None, None], 0, self.lin_k))
 
 
 def state_dtype(kv_dtype: torch.dtype) -> torch.dtype:
     """The linear state's dtype: float32 at least (a long sum), float64 for float64 keys."""
     return torch.promote_types(kv_dtype, torch.float32)
+
+
+def _linear_window(cache: SparseKLinearCache) -> int:
+    """The cache's window, which the linear types need (w >= 1): the window is what g = 1 keeps exact."""
+    if not isinstance(cache, SparseKLinearCache):
+        raise TypeError("the linear attention types need a SparseKLinearCache")
+    if cache.window < 1:
+        raise ValueError("linear attention types need a window (w >= 1): the window is what g = 1 keeps exact")
+    return cache.window
 
 
 def _phi_keys(k: torch.Tensor, pos: torch.Tensor, phi_weight: torch.Tensor) -> torch.Tensor:
@@ -82,10 +91,8 @@ def sparsek_linear_attention_chunk(
     v: torch.Tensor,  # [B, L, Hkv, D]
     u: torch.Tensor,  # [B, L] importance scores (unused when topk = 0)
     phi_weight: torch.Tensor,  # [Hkv, D, F] the head-wise linear map of phi
-    cache: SparseKLinearCache,
+    cache: SparseKLinearCache,  # its topk and window are the call's
     *,
-    topk: int,
-    window: int,
     variant: str = "hard_k_soft_v",
     scale: float | None = None,
     lengths: torch.Tensor | None = None,
@@ -97,12 +104,8 @@ def sparsek_linear_attention_chunk(
 
     The SparseK part runs the naive core (the Triton kernels have no linear part); linear_backend
     picks the causal linear attention (ops/linear_attention: fla on CUDA when installed)."""
-    _check(q, k, v, u, topk, window, variant, "naive", scan)
-    if window < 1:
-        raise ValueError("linear attention types need a window (w >= 1): the window is what g = 1 keeps exact")
-    if not isinstance(cache, SparseKLinearCache):
-        raise TypeError("sparsek_linear_attention_chunk needs a SparseKLinearCache")
-    check_sizes(topk, window, cache)  # (w >= 1 here: tail_slots = w - 1)
+    _check(q, k, v, u, variant, "naive", scan)
+    window = _linear_window(cache)
     keys = lay_out_keys(cache, k, v, u, lengths)
     sel = select(keys, cache, window=window, block=block, scan=scan)
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
@@ -127,7 +130,7 @@ def sparsek_linear_attention_chunk(
         kept[rows.rows, torch.where(rows.pool_ok, rows.pool, N)] = True
         kept = kept[:, :N]
         lin_kv, lin_k = _add_state(cache.lin_kv, cache.lin_k, phk.detach(), keys.v.detach(), (keys.pos >= 0) & ~kept)
-    return o, SparseKLinearCache(**base.tensors(), lin_kv=lin_kv, lin_k=lin_k), ChunkSelection.of(sel, u)
+    return o, SparseKLinearCache(**base.tensors(), lin_kv=lin_kv, lin_k=lin_k, window=window), ChunkSelection.of(sel, u)
 
 
 def sparsek_linear_attention(q, k, v, u, phi_weight, *, topk: int, window: int, variant: str = "hard_k_soft_v",
@@ -136,8 +139,8 @@ def sparsek_linear_attention(q, k, v, u, phi_weight, *, topk: int, window: int, 
     """SparseK+Linear+SW over whole sequences (positions 0..T-1): o [B, T, H, D] (topk = 0: Linear+SW)."""
     cache = SparseKLinearCache.empty(q.shape[0], topk, window, k.shape[2], k.shape[3], dtype=k.dtype,
                                      score_dtype=u.dtype, device=q.device, features=phi_weight.shape[-1])
-    o, _, _ = sparsek_linear_attention_chunk(q, k, v, u, phi_weight, cache, topk=topk, window=window, variant=variant,
-                                             scale=scale, linear_backend=linear_backend, scan=scan, block=block)
+    o, _, _ = sparsek_linear_attention_chunk(q, k, v, u, phi_weight, cache, variant=variant, scale=scale,
+                                             linear_backend=linear_backend, scan=scan, block=block)
     return o
 
 
@@ -147,10 +150,8 @@ def sparsek_linear_attention_decode(
     v: torch.Tensor,  # [B, Hkv, D]
     u: torch.Tensor,  # [B]
     phi_weight: torch.Tensor,  # [Hkv, D, F]
-    cache: SparseKLinearCache,  # after positions [0, t)
+    cache: SparseKLinearCache,  # after positions [0, t); its topk and window are the call's
     *,
-    topk: int,
-    window: int,
     variant: str = "hard_k_soft_v",
     scale: float | None = None,
     with_selection: bool = False,
@@ -160,8 +161,7 @@ def sparsek_linear_attention_decode(
     one token. The query sees [pool][tail][itself] (every key there is causal): exp part g e^{s - M}, linear
     part (1 - g) phi(q).phi(k) there plus phi(q) . state. The SparseK decode step then updates pool, tail
     and threshold; the keys it drops (the rejected candidate or the evicted pool key) join the state."""
-    if window < 1:
-        raise ValueError("linear attention types need a window (w >= 1)")
+    window = _linear_window(cache)
     B, H, D = q.shape
     Hkv = k.shape[1]
     t = cache.seen
@@ -199,13 +199,13 @@ def sparsek_linear_attention_decode(
     den = w.sum(-1, keepdim=True) + torch.exp(-M) * torch.einsum("bgrf,bgf->bgr", phq, cache.lin_k.to(cdt))[..., None]
     o = (num / den).reshape(B, H, D).to(q.dtype)
 
-    _, base, sel = sparsek_attention_decode(q, k, v, u, cache, topk=topk, window=window, variant=variant, scale=scale,
+    _, base, sel = sparsek_attention_decode(q, k, v, u, cache, variant=variant, scale=scale,
                                             with_selection=with_selection, backend=backend)
     # Dropped: the keys of [pool][tail][itself] in neither the new pool nor the new tail (positions t-w+2 .. t).
     in_pool = (pos[:, :, None] == base.pool_pos[:, None, :]).any(-1)  # [B, N]
     dropped = ok & ~in_pool & (pos <= t[:, None] - window + 1)
     lin_kv, lin_k = _add_state(cache.lin_kv, cache.lin_k, phk.detach(), vals.detach(), dropped)
-    nxt = SparseKLinearCache(**{f.name: getattr(base, f.name) for f in fields(SparseKCache)}, lin_kv=lin_kv, lin_k=lin_k)
+    nxt = replace(base, lin_kv=lin_kv, lin_k=lin_k)  # base: the linear cache the SparseK step updated
     return o, nxt, sel
 
 

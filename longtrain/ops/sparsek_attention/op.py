@@ -19,7 +19,7 @@ import torch
 from longtrain.ops.selection import ExtendedScores, ScanResult, ThresholdFn, lay_out_scores, select
 from longtrain.ops.selection.chunk import carried, check_scan, next_state, triton_available
 from longtrain.ops.sparsek_attention.aligned import aligned_inputs, next_tile_pool, query_tile
-from longtrain.ops.sparsek_attention.cache import SparseKCache, check_sizes
+from longtrain.ops.sparsek_attention.cache import SparseKCache
 from longtrain.ops.sparsek_attention.naive import VARIANTS, sparsek_attention_core_naive
 
 BACKENDS = ("auto", "naive", "triton")
@@ -56,7 +56,7 @@ class ChunkSelection:
         return bool((self.overflow > 0).any())
 
 
-def _check(q, k, v, u, topk, window, variant, backend, scan="auto"):
+def _check(q, k, v, u, variant, backend, scan="auto"):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
@@ -65,7 +65,6 @@ def _check(q, k, v, u, topk, window, variant, backend, scan="auto"):
         raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
     if u.shape != q.shape[:2]:
         raise ValueError(f"u must be [B, T] = {tuple(q.shape[:2])}; got {tuple(u.shape)}")
-    check_sizes(topk, window)
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
     if backend not in BACKENDS:
@@ -145,7 +144,7 @@ def next_cache(cache: SparseKCache, keys: ExtendedKeys, scan: ScanResult, *, win
         pool_v=torch.where(okv, keys.v[rows.rows, rows.pool], 0).to(cache.pool_v.dtype),
         tail_k=keys.k[rows.rows, rows.tail].to(cache.tail_k.dtype),
         tail_v=keys.v[rows.rows, rows.tail].to(cache.tail_v.dtype),
-        tile_pool_pos=tile_pool[0], tile_pool_at=tile_pool[1],
+        tile_pool_pos=tile_pool[0], tile_pool_at=tile_pool[1], window=cache.window,
     )
 
 
@@ -154,10 +153,8 @@ def sparsek_attention_chunk(
     k: torch.Tensor,  # [B, L, Hkv, D] (after RoPE)
     v: torch.Tensor,  # [B, L, Hkv, D]
     u: torch.Tensor,  # [B, L] importance scores
-    cache: SparseKCache,
+    cache: SparseKCache,  # its topk and window are the call's
     *,
-    topk: int,
-    window: int,
     variant: str = "hard_k_soft_v",
     scale: float | None = None,
     lengths: torch.Tensor | None = None,  # [B] valid tokens per row (default L)
@@ -175,8 +172,8 @@ def sparsek_attention_chunk(
     unchunked pass when the chunk starts inside a tile; slower). None: always; False: never (the caller
     knows every row starts on a tile edge: starts_inside_tile).
     """
-    _check(q, k, v, u, topk, window, variant, backend, scan)
-    check_sizes(topk, window, cache)
+    _check(q, k, v, u, variant, backend, scan)
+    window = cache.window
     keys = lay_out_keys(cache, k, v, u, lengths)
     sel = select(keys, cache, window=window, block=block, scan=scan)
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
@@ -206,12 +203,12 @@ def sparsek_attention(
     q [B, T, H, D], k and v [B, T, Hkv, D], u [B, T] importance scores. topk = 0 is a sliding
     window, window = 0 is SparseK only, topk + window >= T is full causal attention.
     """
-    _check(q, k, v, u, topk, window, variant, backend, scan)
+    _check(q, k, v, u, variant, backend, scan)
     cache = SparseKCache.empty(
         q.shape[0], topk, window, k.shape[2], k.shape[3], dtype=k.dtype, score_dtype=u.dtype, device=q.device
     )
     o, _, _ = sparsek_attention_chunk(
-        q, k, v, u, cache, topk=topk, window=window, variant=variant, scale=scale, backend=backend, scan=scan,
+        q, k, v, u, cache, variant=variant, scale=scale, backend=backend, scan=scan,
         align=False,  # position 0 is a tile edge
     )
     return o
