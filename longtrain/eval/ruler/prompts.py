@@ -140,15 +140,22 @@ def split_template(template: str, **fields) -> tuple[str, str]:
 
 
 @dataclass(frozen=True)
-class Niah:
+class Family:
+    """What the fitter reads of every family: the answer's token budget and the fewest haystack units a prompt
+    has (keywords, so that each family's own fields come first and the registry sets these per task)."""
+
+    max_new_tokens: int = field(default=128, kw_only=True)
+    min_units: int = field(default=0, kw_only=True)
+
+
+@dataclass(frozen=True)
+class Niah(Family):
     haystack: str  # "repeat" (noise), "essay" (book sentences) or "needle" (distractor needles)
     key: str  # "words" | "numbers" | "uuids"
     value: str
     keys: int = 1
     values: int = 1
     queries: int = 1
-    max_new_tokens: int = 128
-    min_units: int = 0
 
     def build(self, rng: random.Random, n: int, length: int, haystack: list[str]) -> Built:
         keys = distinct_values(rng, self.key, self.keys)
@@ -185,11 +192,9 @@ class Niah:
 
 
 @dataclass(frozen=True)
-class VariableTracking:
+class VariableTracking(Family):
     chains: int = 1
     hops: int = 4
-    max_new_tokens: int = 30
-    min_units: int = 0
 
     def chain(self, rng: random.Random, name_len: int) -> tuple[list[list[str]], list[list[str]], str]:
         """(variables per chain, statements per chain, the first chain's value)."""
@@ -235,12 +240,10 @@ class VariableTracking:
 
 
 @dataclass(frozen=True)
-class CommonWords:
+class CommonWords(Family):
     common: int = 10
     common_repeats: int = 30
     uncommon_repeats: int = 3
-    max_new_tokens: int = 120
-    min_units: int = 10  # words in all: the common ones at least
 
     def example(self, rng: random.Random, words: list[str], common_repeats: int, uncommon_repeats: int) -> tuple[str, list[str]]:
         common, uncommon = words[: self.common], words[self.common :]
@@ -264,10 +267,8 @@ class CommonWords:
 
 
 @dataclass(frozen=True)
-class FrequentWords:
+class FrequentWords(Family):
     word_len: int = 6
-    max_new_tokens: int = 50
-    min_units: int = 0  # words drawn (N); the vocabulary is length // 50 coded words
 
     def counts(self, n: int, vocab: int) -> list[int]:
         """Occurrences of the word of each rank k = 1..vocab: int(n k^-alpha / zeta(alpha)), as RULER."""
@@ -291,7 +292,7 @@ def distinct_values_coded(rng: random.Random, n: int, word_len: int) -> list[str
 
 
 # RULER's 11 synthetic tasks (its qa_1, qa_2 need downloads), with one example each for --help and README.
-TASKS: dict[str, Niah | VariableTracking | CommonWords | FrequentWords] = {
+TASKS: dict[str, Family] = {
     "niah_single_1": Niah("repeat", "words", "numbers"),
     "niah_single_2": Niah("essay", "words", "numbers"),
     "niah_single_3": Niah("essay", "words", "uuids"),
@@ -300,9 +301,9 @@ TASKS: dict[str, Niah | VariableTracking | CommonWords | FrequentWords] = {
     "niah_multikey_3": Niah("needle", "uuids", "uuids"),
     "niah_multivalue": Niah("essay", "words", "numbers", values=4),
     "niah_multiquery": Niah("essay", "words", "numbers", keys=4, queries=4),
-    "vt": VariableTracking(),
-    "cwe": CommonWords(),
-    "fwe": FrequentWords(),
+    "vt": VariableTracking(max_new_tokens=30),
+    "cwe": CommonWords(max_new_tokens=120, min_units=10),  # units: words in all, the common ones at least
+    "fwe": FrequentWords(max_new_tokens=50),  # units: words drawn (N); the vocabulary is length // 50 coded words
 }
 
 

@@ -219,25 +219,42 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class LlamaLayer(nn.Module):
-    def __init__(self, config: LongtrainConfig, layer: int):
+class Layer(nn.Module):
+    """One layer of either layout: attention, then the MLP, each after its norm (GPT-NeoX's parallel residual:
+    both read the layer's input). The attention sits under the name the layout's checkpoints give it."""
+
+    def __init__(self, config: LongtrainConfig, norm: type[nn.Module], attention_name: str, attention: nn.Module,
+                 mlp: nn.Module, parallel: bool = False):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.self_attn = LlamaAttention(config, layer)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.mlp = SwiGLU(config)
+        self.input_layernorm = norm(config.hidden_size, eps=config.norm_eps)
+        self.attention_name = attention_name
+        self.add_module(attention_name, attention)
+        self.post_attention_layernorm = norm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = mlp
+        self.parallel = parallel
 
     def forward(self, x, cos, sin, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        a = getattr(self, self.attention_name)(self.input_layernorm(x), cos, sin, cache)
+        if self.parallel:  # attention and MLP both read the layer's input
+            return x + a + self.mlp(self.post_attention_layernorm(x))
+        x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def llama_layer(config: LongtrainConfig, layer: int) -> Layer:
+    return Layer(config, nn.RMSNorm, "self_attn", LlamaAttention(config, layer), SwiGLU(config))
+
+
+def stack(config: LongtrainConfig, layer, norm: type[nn.Module]) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
+    """Either layout's embedding, layers and final norm (each layout keeps its own weight names)."""
+    layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
+    return nn.Embedding(config.vocab_size, config.hidden_size), layers, norm(config.hidden_size, eps=config.norm_eps)
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: LongtrainConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.embed_tokens, self.layers, self.norm = stack(config, llama_layer, nn.RMSNorm)
 
 
 # ----------------------------------------------------------------------------- GPT-NeoX layout (Pythia, longtrain's gpt2 style)
@@ -269,29 +286,15 @@ class GeluMLP(nn.Module):
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
 
 
-class NeoXLayer(nn.Module):
-    def __init__(self, config: LongtrainConfig, layer: int):
-        super().__init__()
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.attention = NeoXAttention(config, layer)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
-        self.mlp = GeluMLP(config)
-        self.parallel = config.longtrain_sparsek.get("parallel_residual", True)
-
-    def forward(self, x, cos, sin, cache):
-        a = self.attention(self.input_layernorm(x), cos, sin, cache)
-        if self.parallel:  # attention and MLP both read the layer's input
-            return x + a + self.mlp(self.post_attention_layernorm(x))
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x))
+def neox_layer(config: LongtrainConfig, layer: int) -> Layer:
+    parallel = config.longtrain_sparsek.get("parallel_residual", True)
+    return Layer(config, nn.LayerNorm, "attention", NeoXAttention(config, layer), GeluMLP(config), parallel=parallel)
 
 
 class NeoXModel(nn.Module):
     def __init__(self, config: LongtrainConfig):
         super().__init__()
-        self.embed_in = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(NeoXLayer(config, i) for i in range(config.num_hidden_layers))
-        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        self.embed_in, self.layers, self.final_layer_norm = stack(config, neox_layer, nn.LayerNorm)
 
 
 # ----------------------------------------------------------------------------- the causal LM

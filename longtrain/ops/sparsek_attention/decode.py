@@ -35,8 +35,7 @@ from dataclasses import replace
 import torch
 
 from longtrain.ops.sparsek_attention.cache import SparseKCache
-from longtrain.ops.sparsek_attention.naive import VARIANTS
-from longtrain.ops.sparsek_attention.op import ChunkSelection, sparsek_attention_chunk
+from longtrain.ops.sparsek_attention.op import ChunkSelection, check_inputs, sparsek_attention_chunk
 
 _MASK63 = (1 << 63) - 1
 _U64 = 1 << 64
@@ -82,7 +81,7 @@ def sparsek_attention_decode(
     backend: how the query attends and a candidate is admitted: "torch" (tensor ops: attend_torch,
     _admit_pool, _admit_threshold), "triton" (two kernels, decode_triton.py) or "auto" (Triton for CUDA tensors).
     """
-    _check(q, k, v, u, variant)
+    check_inputs(q, k, v, u, variant, one_token=True)
     topk, window = cache.topk, cache.window
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be auto, torch or triton; got {backend!r}")
@@ -148,17 +147,6 @@ def attend_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Spars
     logits = logits.masked_fill(~ok[:, None, None], -torch.inf)
     p = torch.softmax(logits, dim=-1) * gate[:, None, None]
     return torch.einsum("bgrn,bngd->bgrd", p, vals).reshape(B, H, D).to(q.dtype)
-
-
-def _check(q, k, v, u, variant) -> None:
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"decode takes q [B, H, D], k and v [B, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
-    if u.shape != q.shape[:1]:
-        raise ValueError(f"u must be [B] = [{q.shape[0]}]; got {tuple(u.shape)}")
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
 
 
 def _selection(cache: SparseKCache, topk: int) -> ChunkSelection:
@@ -318,7 +306,7 @@ def sparsek_attention_decode_reference(
     with_selection: bool = False,
 ) -> tuple[torch.Tensor, SparseKCache, ChunkSelection | None]:
     """sparsek_attention_decode by definition: a chunk of one token through the chunk op (naive core, CPU scan)."""
-    _check(q, k, v, u, variant)
+    check_inputs(q, k, v, u, variant, one_token=True)
     o, nxt, sel = sparsek_attention_chunk(
         q[:, None], k[:, None], v[:, None], u[:, None], cache, variant=variant, scale=scale,
         backend="naive", scan="host",

@@ -56,17 +56,24 @@ class ChunkSelection:
         return bool((self.overflow > 0).any())
 
 
-def _check(q, k, v, u, variant, backend, scan="auto"):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be [B, T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+def check_inputs(q, k, v, u, variant: str, *, one_token: bool = False) -> None:
+    """The one check of an op call's tensors and variant, chunk and decode alike: q [B, T, H, D], k and v
+    [B, T, Hkv, D], u [B, T]; one_token (the decode step): the same without T. The sizes are the cache's."""
+    lead, names = (1, "[B") if one_token else (2, "[B, T")
+    if q.dim() != lead + 2 or k.dim() != lead + 2 or v.dim() != lead + 2:
+        raise ValueError(f"q must be {names}, H, D], k and v {names}, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[:lead] != k.shape[:lead] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
-    if u.shape != q.shape[:2]:
-        raise ValueError(f"u must be [B, T] = {tuple(q.shape[:2])}; got {tuple(u.shape)}")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"query heads ({q.shape[-2]}) must be a multiple of kv heads ({k.shape[-2]})")
+    if u.shape != q.shape[:lead]:
+        raise ValueError(f"u must be {names}] = {list(q.shape[:lead])}; got {tuple(u.shape)}")
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}")
+
+
+def _check(q, k, v, u, variant, backend, scan="auto"):
+    check_inputs(q, k, v, u, variant)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     check_scan(scan, u)

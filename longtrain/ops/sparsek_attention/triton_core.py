@@ -93,6 +93,14 @@ def _empty(shape, dtype, device):
     return x
 
 
+def _qkv_strides(q: torch.Tensor, k_ext: torch.Tensor, v_ext: torch.Tensor) -> dict[str, int]:
+    """The strides every launch passes: q [B, L, H, D] and the extended keys and values [B, N, Hkv, D]
+    (batch, row, head; D is contiguous)."""
+    return dict(stride_qb=q.stride(0), stride_ql=q.stride(1), stride_qh=q.stride(2),
+                stride_kb=k_ext.stride(0), stride_kn=k_ext.stride(1), stride_kh=k_ext.stride(2),
+                stride_vb=v_ext.stride(0), stride_vn=v_ext.stride(1), stride_vh=v_ext.stride(2))
+
+
 def _cut(sp, u, pos, qpos, thu, thp, L, G, topk, bw, tail, window):
     """Per query tile and pool slot [B, nt, K]: how many of the tile's queries select the key (int32),
     and the snapshot compacted for the kernels: ext index (int32, -1 empty), score (float32, +inf empty).
@@ -203,9 +211,7 @@ def sparsek_fwd(
         q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, q_pos_ptr=q_pos, theta_u_ptr=theta_u,
         theta_pos_ptr=theta_pos, tau_ptr=tau, cut_ptr=cut, pool_idx_ptr=pool_idx, pool_u_ptr=pool_u, reach_ptr=reach,
         o_ptr=o, lse_ptr=lse,
-        stride_qb=q.stride(0), stride_ql=q.stride(1), stride_qh=q.stride(2),
-        stride_kb=k_ext.stride(0), stride_kn=k_ext.stride(1), stride_kh=k_ext.stride(2),
-        stride_vb=v_ext.stride(0), stride_vn=v_ext.stride(1), stride_vh=v_ext.stride(2),
+        **_qkv_strides(q, k_ext, v_ext),
         stride_ob=o.stride(0), stride_ol=o.stride(1), stride_oh=o.stride(2),
         n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_tiles=nt, topk=topk, window=window, tail=tail,
         scale2=scale * LOG2E.value, G=G, BN=launch["BN"], D=D, VARIANT=variant, HAS_TOPK=topk > 0, PREC=prec,
@@ -268,9 +274,7 @@ def sparsek_bwd(
         theta_pos_ptr=theta_pos, tau_ptr=tau, cut_ptr=cut, pool_idx_ptr=pool_idx, pool_u_ptr=pool_u, reach_ptr=reach,
         do_ptr=do, o_ptr=o, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq, dtau_ptr=dtau, dk_pool_ptr=dkp, dv_pool_ptr=dvp,
         du_pool_ptr=dup,
-        stride_qb=q.stride(0), stride_ql=q.stride(1), stride_qh=q.stride(2),
-        stride_kb=k_ext.stride(0), stride_kn=k_ext.stride(1), stride_kh=k_ext.stride(2),
-        stride_vb=v_ext.stride(0), stride_vn=v_ext.stride(1), stride_vh=v_ext.stride(2),
+        **_qkv_strides(q, k_ext, v_ext),
         stride_dob=do.stride(0), stride_dol=do.stride(1), stride_doh=do.stride(2),
         n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_tiles=nt, topk=topk, window=window, tail=tail, scale=scale,
         zero_rows=triton.cdiv(N, nt), G=G, BN=dq_cfg["BN"], D=D, VARIANT=variant, HAS_TOPK=topk > 0, PREC=prec,
@@ -285,9 +289,7 @@ def sparsek_bwd(
             q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, q_pos_ptr=q_pos, theta_u_ptr=theta_u,
             theta_pos_ptr=theta_pos, tau_ptr=tau, cut_ptr=cut, pool_idx_ptr=pool_idx, pool_u_ptr=pool_u, flush_ptr=flush,
             do_ptr=do, lse_ptr=lse, delta_ptr=delta, dk_pool_ptr=dkp, dv_pool_ptr=dvp, du_pool_ptr=dup,
-            stride_qb=q.stride(0), stride_ql=q.stride(1), stride_qh=q.stride(2),
-            stride_kb=k_ext.stride(0), stride_kn=k_ext.stride(1), stride_kh=k_ext.stride(2),
-            stride_vb=v_ext.stride(0), stride_vn=v_ext.stride(1), stride_vh=v_ext.stride(2),
+            **_qkv_strides(q, k_ext, v_ext),
             stride_dob=do.stride(0), stride_dol=do.stride(1), stride_doh=do.stride(2),
             n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_tiles=nt, topk=topk, window=window, scale=scale,
             segment=seg, G=G, MQ=walk_mq, BN=walk["BN"], D=D, VARIANT=variant, PREC=prec, ATOMIC=seg < nt,
@@ -298,9 +300,7 @@ def sparsek_bwd(
         q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, q_pos_ptr=q_pos, theta_u_ptr=theta_u,
         theta_pos_ptr=theta_pos, tau_ptr=tau, reach_ptr=reach, do_ptr=do, lse_ptr=lse, delta_ptr=delta,
         dk_pool_ptr=dkp, dv_pool_ptr=dvp, du_pool_ptr=dup, dk_ptr=dk, dv_ptr=dv, du_ptr=dub,
-        stride_qb=q.stride(0), stride_ql=q.stride(1), stride_qh=q.stride(2),
-        stride_kb=k_ext.stride(0), stride_kn=k_ext.stride(1), stride_kh=k_ext.stride(2),
-        stride_vb=v_ext.stride(0), stride_vn=v_ext.stride(1), stride_vh=v_ext.stride(2),
+        **_qkv_strides(q, k_ext, v_ext),
         stride_dob=do.stride(0), stride_dol=do.stride(1), stride_doh=do.stride(2),
         stride_dkb=dk.stride(0), stride_dkn=dk.stride(1), stride_dkh=dk.stride(2),
         n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_tiles=nt, topk=topk, window=window, tail=tail, scale=scale,
