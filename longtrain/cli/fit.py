@@ -37,7 +37,7 @@ def fit(
     """
     from longtrain.console import make_console
     from longtrain.errors import LongtrainError
-    from longtrain.train.recipe import load_recipe
+    from longtrain.train.init import load_fit_recipe
     from longtrain.train.trainer import Trainer
 
     out = make_console()
@@ -45,7 +45,7 @@ def fit(
         raise fail(f"--fork starts a new run from a checkpoint's state: give the checkpoint as --resume PATH "
                    f"(not --resume {resume})", 2)
     try:
-        trainer = Trainer(load_recipe(recipe, overrides), run_dir=run_dir, resume=resume, fork=fork, console=out)
+        trainer = Trainer(load_fit_recipe(recipe, overrides), run_dir=run_dir, resume=resume, fork=fork, console=out)
         if dry_run:
             for line in trainer.dry_run():
                 out.print(line, markup=False)

@@ -40,6 +40,7 @@ from longtrain.model.chunks import ChunkReader, split_rows
 from longtrain.ops.sparsek_attention import SparseKCache
 from longtrain.ops.sparsek_attention.linear import SparseKLinearCache
 from longtrain.train.checkpoint import load_checkpoint
+from longtrain.train.init import read_init_source
 from longtrain.train.recipe import load_recipe
 
 # Precision mode -> (weight dtype, autocast dtype or None).
@@ -357,7 +358,7 @@ def load_model(recipe: Path | None, checkpoint: Path | None, seed: int):
         loaded = load_checkpoint(checkpoint)  # CheckpointError (exit 1)
         return loaded.model, loaded.tokenizer
 
-    r = load_recipe(recipe)  # RecipeError (exit 2)
+    r = load_recipe(recipe, init_source=read_init_source)  # RecipeError (exit 2); an unreadable train.init_from: CheckpointError
     tokenizer = load_tokenizer(r.tokenizer.path, r.tokenizer.eod_token) if r.tokenizer.path else None  # DataError (exit 1)
     vocab = tokenizer.get_vocab_size() if tokenizer is not None else r.tokenizer.vocab_size
     try:

@@ -19,6 +19,7 @@ when it thaws it warms up again (longtrain.train.optim.set_lr).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from fnmatch import fnmatchcase
 from pathlib import Path
 
@@ -31,16 +32,19 @@ from longtrain.model.scoring import mimic_score_weight
 from longtrain.train.checkpoint import storage as ckpt
 from longtrain.train.checkpoint.storage import RECIPE_FILE, TOKENIZER_FILE, beside, resolve_checkpoint
 from longtrain.train.lora import ADAPTER_KEYS, has_adapters, merge_lora, trains
+from longtrain.train.recipe import Recipe, load_recipe
 
 
-def source_model_and_tokenizer(source: str | Path) -> tuple[dict, Path, str | None, dict]:
+def load_fit_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
+    """The recipe `fit` runs: load_recipe, with train.init_from resolved here, where the run starts (read_init_source)."""
+    return load_recipe(path, overrides, init_source=read_init_source)
+
+
+def read_init_source(source: str | Path) -> tuple[dict, Path, str | None, dict]:
     """The `model:` section, tokenizer.json, tokenizer.eod_token and `attention:` section of a checkpoint or run dir (for a
-    recipe that leaves them out)."""
+    recipe that leaves them out); a source that cannot be read: check_init_source's CheckpointError."""
 
-    try:
-        path = resolve_checkpoint(source)
-    except CheckpointError as e:
-        raise RecipeError(f"train.init_from: {e}") from None
+    path = check_init_source(source)
     recipe_path, tok_path = beside(path, RECIPE_FILE), beside(path, TOKENIZER_FILE)
     if recipe_path is None or tok_path is None:
         missing = RECIPE_FILE if recipe_path is None else TOKENIZER_FILE
@@ -52,12 +56,12 @@ def source_model_and_tokenizer(source: str | Path) -> tuple[dict, Path, str | No
     return model, tok_path, (raw.get("tokenizer") or {}).get("eod_token"), attention if isinstance(attention, dict) else {}
 
 
-def check_init_source(source: str | Path) -> None:
-    """Refuse a `train.init_from` that cannot be read before the data is prepared (a recipe may take its
-    tokenizer from that run: without this, its missing tokenizer.json would be the first error)."""
+def check_init_source(source: str | Path) -> Path:
+    """The checkpoint of a `train.init_from`; refuses one that cannot be read, before the data is prepared (a recipe may
+    take its tokenizer from that run: without this, its missing tokenizer.json would be the first error)."""
 
     try:
-        resolve_checkpoint(source)
+        return resolve_checkpoint(source)
     except CheckpointError as e:
         raise CheckpointError(
             f"train.init_from: {e}. Train or import that model first (`longtrain fit RECIPE --run-dir DIR`, "

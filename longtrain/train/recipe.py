@@ -4,13 +4,17 @@
 validates everything at once against the pydantic schema below. Every problem
 comes back in one `RecipeError` that names its YAML path, the bad value and a
 hint, so a user fixes a recipe in one round trip instead of one per typo.
+
+The parser reads no checkpoint: `train.init_from` is a path it checks the form of, and what a
+fine-tuning recipe takes from it comes from the caller's reader (`fit` resolves the path where the
+run starts: longtrain.train.init.load_fit_recipe).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -439,13 +443,20 @@ def resolve_recipe_path(name_or_path: str | Path | None) -> Path:
     return RECIPES_DIR / f"{path.name}.yaml"
 
 
-def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
-    """Read, override and validate a recipe; every problem in one RecipeError."""
+# What a fine-tuning recipe may take from train.init_from's run: its `model:` section, tokenizer.json,
+# tokenizer.eod_token and `attention:` section (longtrain.train.init.read_init_source reads them).
+InitSource = tuple[dict, Path, "str | None", dict]
+
+
+def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), *,
+                init_source: Callable[[str], InitSource] | None = None) -> Recipe:
+    """Read, override and validate a recipe; every problem in one RecipeError. `init_source` reads
+    train.init_from's run for the keys a fine-tuning recipe leaves out (None: such a recipe is refused)."""
     path = resolve_recipe_path(path)
     raw = _read_yaml(path)
     override_paths = _apply_overrides(raw, overrides)
     raw.setdefault("name", path.stem)
-    inherited = _fill_from_init_source(raw, path)
+    inherited = _fill_from_init_source(raw, path, init_source)
     try:
         recipe = Recipe.model_validate(raw)
         recipe._from_init_source = inherited
@@ -488,13 +499,14 @@ def recipe_hash(recipe: Recipe, sections: Iterable[str] = ("model", "attention",
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _fill_from_init_source(raw: dict[str, Any], path: Path) -> list[str]:
+def _fill_from_init_source(raw: dict[str, Any], path: Path, init_source: Callable[[str], InitSource] | None) -> list[str]:
     """A fine-tuning recipe (train.init_from set) may leave out `model:`, tokenizer.path and
     attention.topk / attention.window: they come from the source checkpoint, so nobody copies a model's
     shape by hand and an import's `--topk 32 --window 32` carry on. Keys the recipe does set win (e.g.
     `--set model.rope_theta=...`, `--set attention.topk=64`). A complete recipe (as saved in a run)
     never reads the source, so a fine-tuned checkpoint loads after its source is gone.
-    Returns the attention keys taken from the source."""
+    The source is read by `init_source` (the caller's: fit's resolves the path); here only the form is
+    checked. Returns the attention keys taken from the source."""
     train, model, tok, att = raw.get("train"), raw.get("model"), raw.get("tokenizer"), raw.get("attention")
     source = train.get("init_from") if isinstance(train, dict) else None
     model_complete = isinstance(model, dict) and all(k in model for k in ("layers", "d_model", "heads"))
@@ -507,9 +519,14 @@ def _fill_from_init_source(raw: dict[str, Any], path: Path) -> list[str]:
     unset_sizes = [k for k in ("topk", "window") if att_type in USES and k in USES[att_type] and att.get(k) is None]
     if not source or (model_complete and isinstance(tok, dict) and tok.get("path") and not unset_sizes):
         return []
-    from longtrain.train.init import source_model_and_tokenizer
-
-    source_model, tokenizer_path, eod_token, source_attention = source_model_and_tokenizer(source)  # RecipeError if unreadable
+    if not isinstance(source, str):
+        raise RecipeError(f"recipe {path}: train.init_from must be a path (a run dir or checkpoint); got {source!r}")
+    if init_source is None:
+        raise RecipeError(
+            f"recipe {path} takes its model, tokenizer or attention sizes from train.init_from ({source}), which "
+            "`longtrain fit` reads; give the recipe a `model:` section, tokenizer.path and the attention sizes to read it here"
+        )
+    source_model, tokenizer_path, eod_token, source_attention = init_source(source)
     if not model_complete:
         raw["model"] = {**source_model, **(model if isinstance(model, dict) else {})}
     tok = raw.setdefault("tokenizer", {})

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from longtrain.cli import app
 from longtrain.model import LM, LMConfig
 from longtrain.model.scoring import mimic_score_weight
-from longtrain.train.init import apply_freeze, init_from_checkpoint
+from longtrain.errors import CheckpointError
+from longtrain.train.init import apply_freeze, init_from_checkpoint, load_fit_recipe
 from longtrain.train.metrics import read_metrics
 from longtrain.train.optim import build_optimizer, lr_at, set_lr
 from longtrain.train.recipe import RecipeError, TrainConfig, load_recipe, recipe_to_yaml
@@ -60,7 +61,7 @@ def base_weights(root):
 
 
 def test_finetune_recipe_takes_model_and_tokenizer_from_the_source(imported, tmp_path):
-    r = load_recipe("finetune-llama", sets(overrides(imported, "model.dropout=0.1")))
+    r = load_fit_recipe("finetune-llama", sets(overrides(imported, "model.dropout=0.1")))
     m = r.model
     assert (m.style, m.layers, m.d_model, m.heads, m.kv_heads, m.intermediate_size, m.rope_theta, m.norm_eps) == (
         "llama", 2, 32, 4, 2, 40, 5000.0, 1e-6)
@@ -75,7 +76,9 @@ def test_finetune_recipe_takes_model_and_tokenizer_from_the_source(imported, tmp
     imported.rename(hidden)
     try:
         assert load_recipe(saved).model == m
-        with pytest.raises(RecipeError, match="train.init_from: .* does not exist"):
+        with pytest.raises(CheckpointError, match="train.init_from: .* does not exist.*Train or import that model first"):
+            load_fit_recipe("finetune-llama", sets(overrides(imported)))
+        with pytest.raises(RecipeError, match="which `longtrain fit` reads"):  # the parser itself reads no checkpoint
             load_recipe("finetune-llama", sets(overrides(imported)))
     finally:
         hidden.rename(imported)
@@ -206,6 +209,11 @@ def test_a_missing_init_source_is_named_before_its_tokenizer(tmp_path):
     assert result.exit_code == 1, result.output
     assert f"train.init_from: {tmp_path / 'circuit'} does not exist" in msg and "longtrain fit RECIPE" in msg
     assert "tokenizer" not in msg and not run.exists()
+    # A recipe that takes its model from the source (no `model:` section): the same error, from where fit starts.
+    result = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(run), "--dry-run",
+                                      "--set", f"train.init_from={tmp_path / 'circuit'}"])
+    assert result.exit_code == 1, result.output
+    assert f"train.init_from: {tmp_path / 'circuit'} does not exist" in " ".join(result.output.split())
 
 
 def test_finetune_keeps_the_imports_k_and_w_unless_the_recipe_sets_them(imported, tmp_path):
@@ -213,12 +221,12 @@ def test_finetune_keeps_the_imports_k_and_w_unless_the_recipe_sets_them(imported
     assert r.exit_code == 0, r.output
     own = [s for s in sets(overrides(imported)) if not s.startswith(("attention.", "train.init_from"))]
     source = [f"train.init_from={tmp_path / 'sk'}"]
-    recipe = load_recipe("finetune-llama", [*own, *source])
+    recipe = load_fit_recipe("finetune-llama", [*own, *source])
     assert (recipe.attention.topk, recipe.attention.window) == (4, 6)
-    recipe = load_recipe("finetune-llama", [*own, *source, "attention.topk=8"])
+    recipe = load_fit_recipe("finetune-llama", [*own, *source, "attention.topk=8"])
     assert (recipe.attention.topk, recipe.attention.window) == (8, 6)
     with pytest.raises(RecipeError, match=r"attention.topk comes from train.init_from, and .* \(attention full\) has none"):
-        load_recipe("finetune-llama", [*own, f"train.init_from={imported / 'base'}"])
+        load_fit_recipe("finetune-llama", [*own, f"train.init_from={imported / 'base'}"])
     args = [a for s in [*own, *source, "attention.topk=8"] for a in ("--set", s)]
     dry = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(tmp_path / "run"), "--dry-run", *args])
     assert dry.exit_code == 0, dry.output
@@ -255,7 +263,7 @@ def test_lora_fit_keeps_the_base_frozen_merges_on_export_and_resumes(imported, t
     assert all(torch.equal(final[k], at4[k]) for k in at4)
 
     # init_from the LoRA run: a full fine-tune starts from the merged weights, a LoRA one from its adapters.
-    r = load_recipe("finetune-llama", sets(overrides(imported)) + [f"train.init_from={tmp_path / 'lora'}"])
+    r = load_fit_recipe("finetune-llama", sets(overrides(imported)) + [f"train.init_from={tmp_path / 'lora'}"])
     full = LM(LMConfig.from_recipe(r.model, r.attention))
     assert "merged into its weights" in " ".join(init_from_checkpoint(full, r.train.init_from, r))
     assert all(torch.equal(full.state_dict()[k], v) for k, v in merged.items())

@@ -176,9 +176,9 @@ def test_end_of_document_from_the_models_eos_token_id(where, tmp_path):
     assert loaded.recipe.tokenizer.eod_token == "<|eot_id|>"
     assert eod_id(loaded.tokenizer) == eot and loaded.tokenizer.get_vocab_size() == tok.get_vocab_size()  # nothing added
     # A fine-tuning recipe that takes its tokenizer from the import keeps the token.
-    from longtrain.train.recipe import load_recipe
+    from longtrain.train.init import load_fit_recipe
 
-    r = load_recipe("finetune-llama", [f"train.init_from={tmp_path / 'run'}", "attention.topk=8", "attention.window=8"])
+    r = load_fit_recipe("finetune-llama", [f"train.init_from={tmp_path / 'run'}", "attention.topk=8", "attention.window=8"])
     assert r.tokenizer.eod_token == "<|eot_id|>"
 
 
