@@ -15,6 +15,12 @@ the flag that set it: the name goes where the message says `{arg}`, else in fron
     EvalError("no validation documents: pass {arg} PATH|GLOB", arg="data")
         str(e): "... pass data PATH|GLOB"                      longtrain eval: "... pass --data PATH|GLOB"
 
+A message that names other arguments as fixes (resume from elsewhere, another run dir) writes each as
+`{name}` and lists it in `names`; the CLI puts the flag of each there, str(e) the bare name:
+
+    CheckpointError("... start a fresh run with `{resume} never` or another {run_dir}", names=("resume", "run_dir"))
+        str(e): "... `resume never` or another run_dir"         longtrain fit: "... `--resume never` or another --run-dir"
+
 This module imports nothing of longtrain, so any module can raise these without an import cycle.
 """
 
@@ -26,16 +32,21 @@ class LongtrainError(Exception):
 
     exit_code = 1
 
-    def __init__(self, message: str, *, arg: str | None = None):
+    def __init__(self, message: str, *, arg: str | None = None, names: tuple[str, ...] = ()):
         self.message = message
         self.arg = arg  # the domain argument the message is about (None: not about one)
-        super().__init__(self.naming(arg) if arg else message)
+        self.names = names  # other domain arguments the message names as `{name}` (a fix: use another one)
+        super().__init__(self.naming(arg or ""))
 
-    def naming(self, flag: str) -> str:
-        """The message with `flag` (the CLI's flag for `arg`) where `{arg}` is, or in front."""
+    def naming(self, flag: str, flags: dict[str, str] | None = None) -> str:
+        """The message with `flag` (the CLI's flag for `arg`) where `{arg}` is, or in front, and each of
+        `names` as `flags` spells it (else its bare name)."""
+        text = self.message
+        for name in self.names:
+            text = text.replace("{" + name + "}", (flags or {}).get(name, name))
         if not self.arg:
-            return self.message
-        return self.message.replace("{arg}", flag) if "{arg}" in self.message else f"{flag} {self.message}"
+            return text
+        return text.replace("{arg}", flag) if "{arg}" in text else f"{flag} {text}"
 
 
 class UsageError(LongtrainError):
@@ -99,7 +110,12 @@ class TrainingError(LongtrainError):
 
 
 class RunDirBusy(LongtrainError):
-    """Another process holds the run directory; the message names it."""
+    """Another process holds the run directory `run_dir` (`holder` says which)."""
+
+    def __init__(self, run_dir, holder: str):
+        super().__init__(f"run dir {run_dir} is in use by {holder}; wait for it to finish (or stop it: Ctrl-C saves a "
+                         "checkpoint), or choose another {run_dir}", names=("run_dir",))
+        self.run_dir, self.holder = run_dir, holder
 
 
 class RunDirWriteError(LongtrainError):

@@ -22,11 +22,9 @@ class Verbs(TyperGroup):
 
 
 def message(e: LongtrainError, command) -> str:
-    """The error's text, with the flag (or ARGUMENT) of the click `command` that stands for `e.arg`."""
-    for param in command.params if command is not None and e.arg else ():
-        if param.name == e.arg:
-            return e.naming(param.opts[0] if param.param_type_name == "option" else param.name.upper())
-    return str(e)
+    """The error's text, with the flags (or ARGUMENTs) of the click `command` that stand for `e.arg` and `e.names`."""
+    flags = {p.name: p.opts[0] if p.param_type_name == "option" else p.name.upper() for p in command.params} if command else {}
+    return e.naming(flags.get(e.arg, e.arg) if e.arg else "", flags)
 
 
 app = typer.Typer(

@@ -43,7 +43,8 @@ def clean(
                 else:
                     path.unlink()
     except RunDirBusy as e:
-        raise fail(f"{e}; nothing was deleted", 1)
+        raise fail(f"run dir {e.run_dir} is in use by {e.holder}; wait for it to finish (or stop it: Ctrl-C saves a "
+                   "checkpoint); nothing was deleted", 1)
     typer.echo(f"deleted {total}")
 
 

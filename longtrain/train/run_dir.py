@@ -44,7 +44,7 @@ def write_atomically(path: Path, text: str, *, why: str) -> None:
         tmp.unlink(missing_ok=True)
         raise RunDirWriteError(
             f"could not write {path} ({why}): {os_error_words(e)}. It is unchanged; free some space "
-            "(or choose another --run-dir) and rerun the same command"
+            "(or choose another {run_dir}) and rerun the same command", names=("run_dir",)
         ) from None
 
 
@@ -64,10 +64,7 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise RunDirBusy(
-                f"run dir {self.run_dir} is in use by {self._holder()}; wait for it to finish "
-                "(or stop it: Ctrl-C saves a checkpoint), or choose another --run-dir"
-            ) from None
+            raise RunDirBusy(self.run_dir, self._holder()) from None
         self._fd = fd
         info = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)}\n"
         (self.run_dir / LOCK_FILE).write_text(info)

@@ -70,6 +70,14 @@ def test_arg_is_named_by_the_flag_only_in_the_cli():
     assert errors.UsageError("no arg").naming("--x") == "no arg"
 
 
+def test_other_arguments_a_fix_names_are_flags_only_in_the_cli():
+    e = errors.CheckpointError("start over with `{resume} never` or another {run_dir}", names=("resume", "run_dir"))
+    assert str(e) == "start over with `resume never` or another run_dir"
+    assert e.naming("", {"resume": "--resume", "run_dir": "--run-dir"}) == "start over with `--resume never` or another --run-dir"
+    busy = errors.RunDirBusy("runs/x", "process pid 7")
+    assert (busy.run_dir, busy.holder) == ("runs/x", "process pid 7") and "choose another run_dir" in str(busy)
+
+
 def _exception_classes() -> dict[str, str]:
     """{class name: module path} of every class in longtrain/ that derives from an exception type by name."""
     found = {}

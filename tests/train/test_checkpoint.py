@@ -217,7 +217,9 @@ def test_incompatible_checkpoint_is_refused_naming_what_differs():
     msg = str(e.value)
     assert "does not match this recipe's model shape and tokenizer; refusing to resume" in msg
     assert "moves this run's checkpoints and metrics aside" in msg
-    assert "--resume never" in msg and "--run-dir" in msg
+    assert "`resume never`" in msg and "`run_dir`" in msg and "--" not in msg  # the CLI names the flags
+    cli = e.value.naming("", {"resume": "--resume", "run_dir": "--run-dir"})
+    assert "`--resume never`" in cli and "`--run-dir`" in cli
 
 
 def test_state_of_another_shape_is_refused():

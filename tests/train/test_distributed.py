@@ -101,7 +101,8 @@ def test_other_total_rows_are_refused_saying_what_matches():
     assert "2 ranks × 2 rows = 4 rows in total (ddp)" in msg and "3 ranks × 2 rows = 6 rows in total (fsdp)" in msg
     assert "Same: train.batch_docs (2). Different: ranks (2 vs 3), rows in total (4 vs 6)." in msg
     assert "ranks × train.batch_docs = 4 (1 × 4, 2 × 2, 4 × 1; e.g. `torchrun --nproc_per_node 2" in msg
-    assert "--resume never" in msg
+    assert "resume never or another run_dir" in msg  # `longtrain fit` says --resume, --run-dir
+    assert "--resume never or another --run-dir" in e.value.naming("", {"resume": "--resume", "run_dir": "--run-dir"})
     with pytest.raises(CheckpointError, match=r"Same: ranks \(1\)\. Different: train.batch_docs \(4 vs 3\).*without torchrun"):
         check_layout(Layout(1, 4), Layout(1, 3))
 

@@ -101,8 +101,9 @@ class RunCheckpoints:
             raise CheckpointError(
                 f"{resume}: this checkpoint belongs to another run (not to {self.dir}); continuing it "
                 f"here would mix the two runs' metrics and checkpoints. To start this run from its state as a new "
-                f"run (this run's checkpoints and metrics moved aside), add --fork; to continue that run, give "
-                f"its own --run-dir; to start from its weights only, --set train.init_from={resume}", arg="resume",
+                f"run (this run's checkpoints and metrics moved aside), add {{fork}}; to continue that run, give "
+                f"its own {{run_dir}}; to start from its weights only, --set train.init_from={resume}", arg="resume",
+                names=("fork", "run_dir"),
             )
         return path
 

@@ -72,7 +72,7 @@ def check_layout(saved: Layout, current: Layout, *, path: str | Path = "") -> No
         + (f"Same: {', '.join(same)}. " if same else "")
         + f"Different: {', '.join(differ)}. Every row carries its document's position and cache, so the rows in total "
         f"must stay {saved.rows}: resume with ranks × train.batch_docs = {saved.rows} ({options}; e.g. {launch}), "
-        "or start a new run with --resume never or another --run-dir."
+        "or start a new run with {resume} never or another {run_dir}.", names=("resume", "run_dir"),
     )
 
 

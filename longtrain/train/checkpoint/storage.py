@@ -246,7 +246,7 @@ def check_compatible(meta: Mapping[str, Any], hashes: Mapping[str, str], *, path
         run = Path(path).parent.parent
         raise CheckpointError(
             f"checkpoint {path} holds imported weights only (`longtrain import`): there is no run to resume. "
-            f"Fine-tune it in another run dir: --set train.init_from={run} --run-dir SOMEWHERE_ELSE"
+            f"Fine-tune it in another run dir: --set train.init_from={run} with {{run_dir}} SOMEWHERE_ELSE", names=("run_dir",)
         )
     saved = meta.get("hashes", {})
     differ = [key for key, value in hashes.items() if saved.get(key) != value]
@@ -254,8 +254,8 @@ def check_compatible(meta: Mapping[str, Any], hashes: Mapping[str, str], *, path
         what = " and ".join(_WHAT.get(key, key) for key in differ)
         raise CheckpointError(
             f"checkpoint {path} does not match this recipe's {what}; refusing to resume. Start a fresh "
-            "run with `--resume never` (it moves this run's checkpoints and metrics aside, as "
-            "`longtrain fit -h` says) or choose another `--run-dir`."
+            "run with `{resume} never` (it moves this run's checkpoints and metrics aside, as "
+            "`longtrain fit -h` says) or choose another `{run_dir}`.", names=("resume", "run_dir"),
         )
 
 
