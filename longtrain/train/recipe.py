@@ -5,9 +5,7 @@ validates everything at once against the pydantic schema below. Every problem
 comes back in one `RecipeError` that names its YAML path, the bad value and a
 hint, so a user fixes a recipe in one round trip instead of one per typo.
 
-The parser reads no checkpoint: `train.init_from` is a path it checks the form of, and what a
-fine-tuning recipe takes from it comes from the caller's reader (`fit` resolves the path where the
-run starts: longtrain.train.init.load_fit_recipe).
+The parser reads no checkpoint: what a recipe takes from train.init_from, its caller reads (fit: train.init.load_fit_recipe).
 """
 
 from __future__ import annotations
@@ -443,13 +441,11 @@ def resolve_recipe_path(name_or_path: str | Path | None) -> Path:
     return RECIPES_DIR / f"{path.name}.yaml"
 
 
-# What a fine-tuning recipe may take from train.init_from's run: its `model:` section, tokenizer.json,
-# tokenizer.eod_token and `attention:` section (longtrain.train.init.read_init_source reads them).
-InitSource = tuple[dict, Path, "str | None", dict]
+# A reader of train.init_from's run: its `model:`, tokenizer.json, tokenizer.eod_token and `attention:` (train.init.read_init_source)
+InitSource = Callable[[str], tuple[dict, Path, "str | None", dict]]
 
 
-def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), *,
-                init_source: Callable[[str], InitSource] | None = None) -> Recipe:
+def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), *, init_source: InitSource | None = None) -> Recipe:
     """Read, override and validate a recipe; every problem in one RecipeError. `init_source` reads
     train.init_from's run for the keys a fine-tuning recipe leaves out (None: such a recipe is refused)."""
     path = resolve_recipe_path(path)
@@ -499,14 +495,13 @@ def recipe_hash(recipe: Recipe, sections: Iterable[str] = ("model", "attention",
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _fill_from_init_source(raw: dict[str, Any], path: Path, init_source: Callable[[str], InitSource] | None) -> list[str]:
+def _fill_from_init_source(raw: dict[str, Any], path: Path, init_source: InitSource | None) -> list[str]:
     """A fine-tuning recipe (train.init_from set) may leave out `model:`, tokenizer.path and
     attention.topk / attention.window: they come from the source checkpoint, so nobody copies a model's
     shape by hand and an import's `--topk 32 --window 32` carry on. Keys the recipe does set win (e.g.
     `--set model.rope_theta=...`, `--set attention.topk=64`). A complete recipe (as saved in a run)
     never reads the source, so a fine-tuned checkpoint loads after its source is gone.
-    The source is read by `init_source` (the caller's: fit's resolves the path); here only the form is
-    checked. Returns the attention keys taken from the source."""
+    `init_source` reads the source (fit's resolves the path). Returns the attention keys taken from the source."""
     train, model, tok, att = raw.get("train"), raw.get("model"), raw.get("tokenizer"), raw.get("attention")
     source = train.get("init_from") if isinstance(train, dict) else None
     model_complete = isinstance(model, dict) and all(k in model for k in ("layers", "d_model", "heads"))
@@ -522,10 +517,8 @@ def _fill_from_init_source(raw: dict[str, Any], path: Path, init_source: Callabl
     if not isinstance(source, str):
         raise RecipeError(f"recipe {path}: train.init_from must be a path (a run dir or checkpoint); got {source!r}")
     if init_source is None:
-        raise RecipeError(
-            f"recipe {path} takes its model, tokenizer or attention sizes from train.init_from ({source}), which "
-            "`longtrain fit` reads; give the recipe a `model:` section, tokenizer.path and the attention sizes to read it here"
-        )
+        raise RecipeError(f"recipe {path} takes its model, tokenizer or attention sizes from train.init_from ({source}), which "
+                          "`longtrain fit` reads; give the recipe a `model:` section, tokenizer.path and the sizes to read it here")
     source_model, tokenizer_path, eod_token, source_attention = init_source(source)
     if not model_complete:
         raw["model"] = {**source_model, **(model if isinstance(model, dict) else {})}
