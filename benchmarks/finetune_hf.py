@@ -77,6 +77,41 @@ class Bench:
         self.books = self._books(args.books, "train", size["max_books"])
         self.valid = self._books(args.valid, "valid", None)
 
+    def pretrain_windows(self, model, ids: np.ndarray, *, steps: int, batch: int, length: int, lr: float,
+                         log_every: int) -> list[float]:
+        """Plain PyTorch training of an HF causal LM on random `length`-token windows of `ids`: AdamW, linear
+        warm-up over a tenth of the steps, cosine to 10%, bf16 autocast on CUDA, clip 1.0. The losses per step."""
+        dev = self.device
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+        rng = np.random.default_rng(0)
+        warm = max(1, steps // 10)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev == "cuda" else torch.autocast("cpu", enabled=False)
+        losses = []
+        for step in range(1, steps + 1):
+            progress = max(0, step - warm) / max(1, steps - warm)
+            step_lr = lr * (step / warm if step <= warm else 0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+            for g in opt.param_groups:
+                g["lr"] = step_lr
+            starts = rng.integers(0, len(ids) - length - 1, batch)
+            x = torch.from_numpy(np.stack([ids[i : i + length + 1] for i in starts]).astype(np.int64)).to(dev)
+            with autocast:
+                logits = model(x[:, :-1]).logits  # [B, T, V]
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss))
+            if step % log_every == 0 or step == 1:
+                self.say(f"pretrain step {step}/{steps} loss {losses[-1]:.3f} lr {step_lr:.2e}")
+        return losses
+
+    def write_results(self) -> None:
+        """results.json and summary.txt in --out; the summary printed too."""
+        (self.args.out / "results.json").write_text(json.dumps(self.results, indent=1))
+        (self.args.out / "summary.txt").write_text(self.summary())
+        self.say(self.summary())
+
     def say(self, text: str) -> None:
         print(text, flush=True)
         self.log.write(text + "\n")
@@ -113,9 +148,7 @@ class Bench:
             ft[name] = self.finetune(sparse, run, extra, name)
             ev[f"sparsek_sw_after_finetune_{name}"] = self.evaluate(run)
         self.results["total_seconds"] = round(time.monotonic() - t0, 1)
-        (self.args.out / "results.json").write_text(json.dumps(self.results, indent=1))
-        (self.args.out / "summary.txt").write_text(self.summary())
-        self.say(self.summary())
+        self.write_results()
 
     # ------------------------------------------------------------------ steps
 
@@ -145,29 +178,9 @@ class Bench:
         torch.manual_seed(0)
         model = GPTNeoXForCausalLM(cfg).to(dev).train()
         params = sum(p.numel() for p in model.parameters())
-        opt = torch.optim.AdamW(model.parameters(), lr=s["pre_lr"], betas=(0.9, 0.95), weight_decay=0.1)
-        rng = np.random.default_rng(0)
         steps, B, T = s["pre_steps"], s["pre_batch"], s["seq"]
-        warm = max(1, steps // 10)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev == "cuda" else torch.autocast("cpu", enabled=False)
-        losses, t = [], time.monotonic()
-        for step in range(1, steps + 1):
-            progress = max(0, step - warm) / max(1, steps - warm)  # linear warm-up, cosine to 10%
-            lr = s["pre_lr"] * (step / warm if step <= warm else 0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
-            for g in opt.param_groups:
-                g["lr"] = lr
-            starts = rng.integers(0, len(ids) - T - 1, B)
-            x = torch.from_numpy(np.stack([ids[i : i + T + 1] for i in starts]).astype(np.int64)).to(dev)
-            with autocast:
-                logits = model(x[:, :-1]).logits  # [B, T, V]
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(float(loss))
-            if step % max(1, steps // 10) == 0 or step == 1:
-                self.say(f"pretrain step {step}/{steps} loss {losses[-1]:.3f} lr {lr:.2e}")
+        t = time.monotonic()
+        losses = self.pretrain_windows(model, ids, steps=steps, batch=B, length=T, lr=s["pre_lr"], log_every=max(1, steps // 10))
         secs = time.monotonic() - t
         self.results["pretrain"] = {
             "how": "plain PyTorch on transformers' GPTNeoXForCausalLM, random windows, full attention, bf16 autocast",
@@ -179,7 +192,7 @@ class Bench:
         out = self.work / "hf-pretrained"
         model.to("cpu").save_pretrained(out)
         tok.save(str(out / "tokenizer.json"))
-        del model, opt
+        del model  # (the optimizer went with pretrain_windows)
         if dev == "cuda":
             torch.cuda.empty_cache()
         return out

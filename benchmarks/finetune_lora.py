@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 import time
@@ -63,7 +62,7 @@ def main() -> None:
     Bench(args, SIZES["tiny" if args.tiny else "full"]).run()
 
 
-class Bench(finetune_hf.Bench):  # its say, env and longtrain (a CLI call, logged)
+class Bench(finetune_hf.Bench):  # its say, env, write_results and longtrain (a CLI call, logged)
     def __init__(self, args, size):
         self.args, self.s = args, size
         self.device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
@@ -82,9 +81,7 @@ class Bench(finetune_hf.Bench):  # its say, env and longtrain (a CLI call, logge
                 "{rank: 16, alpha: 32}"))}
         self.results["ntk"] = self.ntk()
         self.results["total_seconds"] = round(time.monotonic() - t0, 1)
-        (self.args.out / "results.json").write_text(json.dumps(self.results, indent=1))
-        (self.args.out / "summary.txt").write_text(self.summary())
-        self.say(self.summary())
+        self.write_results()
 
     def prepare(self):
         """The tokenizer (trained on the stdlib corpus, 10% held out) and the tokenized corpus."""
@@ -178,28 +175,9 @@ class Bench(finetune_hf.Bench):  # its say, env and longtrain (a CLI call, logge
         )
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(cfg).to(dev).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-        rng = np.random.default_rng(0)
         steps, B, T = s["pre_steps"], s["pre_batch"], s["ctx"]
-        warm = max(1, steps // 10)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev == "cuda" else torch.autocast("cpu", enabled=False)
-        losses, t = [], time.monotonic()
-        for step in range(1, steps + 1):
-            lr = 1e-3 * (step / warm if step <= warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm))))
-            for g in opt.param_groups:
-                g["lr"] = lr
-            starts = rng.integers(0, len(ids) - T - 1, B)
-            x = torch.from_numpy(np.stack([ids[i : i + T + 1] for i in starts])).to(dev)
-            with autocast:
-                logits = model(x[:, :-1]).logits  # [B, T, V]
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(float(loss))
-            if step % max(1, steps // 5) == 0 or step == 1:
-                self.say(f"pretrain step {step}/{steps} loss {losses[-1]:.3f}")
+        t = time.monotonic()
+        losses = self.pretrain_windows(model, ids, steps=steps, batch=B, length=T, lr=1e-3, log_every=max(1, steps // 5))
         self.results["pretrain"] = {
             "model": "Qwen2ForCausalLM", "params": sum(p.numel() for p in model.parameters()), "steps": steps,
             "tokens_per_step": B * T, "context": T, "seconds": round(time.monotonic() - t, 1),
@@ -208,7 +186,7 @@ class Bench(finetune_hf.Bench):  # its say, env and longtrain (a CLI call, logge
         out = self.work / "qwen2-pretrained"
         model.to("cpu").save_pretrained(out)
         shutil.copy(self.tokenizer, out / "tokenizer.json")
-        del model, opt
+        del model  # (the optimizer went with pretrain_windows)
         return out
 
     @torch.no_grad()
