@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from side_by_side import ROOT, start_fit, wait_all
+
 SIZES = {
     "small": {"layers": 8, "d_model": 512, "heads": 8, "steps": 2500, "budget": 256},
     "medium": {"layers": 12, "d_model": 768, "heads": 12, "steps": 6100, "budget": 1024},
@@ -70,13 +68,6 @@ def common_sets(a: argparse.Namespace) -> list[str]:
     ]
 
 
-def fit_cmd(run_dir: Path, sets: list[str], extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "longtrain.cli", "fit", "gutenberg-sparsek", "--run-dir", str(run_dir)]
-    for s in sets:
-        cmd += ["--set", s]
-    return cmd + extra
-
-
 def runs_of(a: argparse.Namespace) -> dict[str, tuple[str, int]]:
     """run name -> (model, seed), from --run MODEL:SEED,SEED,..."""
     out = {}
@@ -90,31 +81,16 @@ def runs_of(a: argparse.Namespace) -> dict[str, tuple[str, int]]:
 
 def train(a: argparse.Namespace) -> None:
     common = common_sets(a)
-    prep = subprocess.run(fit_cmd(a.runs / "prepare", common, ["--dry-run"]), capture_output=True, text=True, cwd=ROOT)
+    prep = subprocess.run([sys.executable, "-m", "longtrain.cli", "fit", "gutenberg-sparsek", "--run-dir", str(a.runs / "prepare"),
+                           *[x for s in common for x in ("--set", s)], "--dry-run"], capture_output=True, text=True, cwd=ROOT)
     if prep.returncode:  # the token cache, once (the runs would otherwise wait on its lock)
         raise SystemExit(prep.stdout + prep.stderr)
     procs = {}
     for name, (model, seed) in runs_of(a).items():
-        run_dir = a.runs / name
         sets = [*common, *attention_sets(model, SIZES[a.size]["budget"]), f"train.seed={seed}"]
-        extra = ["--resume", "auto"] if (run_dir / "checkpoints").is_dir() else []
-        log = open(a.out / f"fit-{name}.log", "a")
-        procs[name] = subprocess.Popen(fit_cmd(run_dir, sets, extra), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    t0, unfinished, failed = time.monotonic(), [], []
-    for name, proc in procs.items():
-        try:
-            rc = proc.wait(timeout=max(1.0, a.budget_s - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # the trainer finishes its step, saves a checkpoint, exits
-            rc, _ = proc.wait(), unfinished.append(name)
-        if rc and name not in unfinished:
-            failed.append(name)
-        print(f"{name}: exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
-    if failed:
-        raise SystemExit(f"runs failed: {failed}; see {a.out}/fit-<run>.log")
-    if unfinished:
-        raise SystemExit(f"stopped at the budget: {unfinished}; run the same command again to resume them")
+        procs[name] = start_fit("gutenberg-sparsek", a.runs / name, sets, a.out / f"fit-{name}.log")
+    if stopped := wait_all(procs, a.budget_s):
+        raise SystemExit(f"stopped at the budget: {stopped}; run the same command again to resume them")
 
 
 def evaluate(a: argparse.Namespace) -> None:

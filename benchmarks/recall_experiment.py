@@ -40,13 +40,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from side_by_side import start_fit, wait_all
 
 ROOT = Path(__file__).resolve().parents[1]
 CIRCUIT = ROOT / "recipes" / "recall-circuit.yaml"
@@ -90,35 +90,6 @@ def model_args(model: str) -> tuple[Path, list[str]]:
 # ----------------------------------------------------------------------------- train
 
 
-def fit(recipe: Path, run_dir: Path, sets: list[str], log_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "longtrain.cli", "fit", str(recipe), "--run-dir", str(run_dir)]
-    for s in sets:
-        cmd += ["--set", s]
-    if (run_dir / "checkpoints").is_dir():
-        cmd += ["--resume", "auto"]
-    log(f"$ {' '.join(cmd)}")
-    with open(log_path, "a") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def wait_all(procs: dict[str, subprocess.Popen], budget_s: float) -> bool:
-    """Wait for every process; SIGTERM those still running at the budget (they save and exit).
-    True if every one finished on its own."""
-    t0, finished = time.monotonic(), True
-    for name, proc in procs.items():
-        try:
-            rc = proc.wait(timeout=max(1.0, budget_s - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # the trainer finishes its step, saves a checkpoint, exits
-            rc = proc.wait()
-            finished = False
-            log(f"{name}: stopped at the budget (resume by running this part again)")
-        log(f"{name}: exit {rc} after {time.monotonic() - t0:.0f} s")
-        if rc not in (0, -signal.SIGTERM, 128 + signal.SIGTERM) and finished:
-            raise SystemExit(f"{name} failed (exit {rc}): see its fit-*.log")
-    return finished
-
-
 def stop_at_budget(part: str) -> None:
     raise SystemExit(f"{part}: the time budget ran out before every run finished; their checkpoints are saved. "
                      "Run the same command again to resume.")
@@ -156,9 +127,9 @@ def warmup(out: Path, seeds: list[int | None], stages: list[list[str]], budget_s
     t0, last = time.monotonic(), {s: None for s in seeds}
     for j, stage in enumerate(stages):
         runs = {s: out / f"warmup{j}-s{s}" for s in seeds}
-        procs = {d.name: fit(CIRCUIT, d, [*seed_sets(s, 1), *extra, *stage, *start_from(last[s])], out / f"fit-{d.name}.log")
+        procs = {d.name: start_fit(CIRCUIT, d, [*seed_sets(s, 1), *extra, *stage, *start_from(last[s])], out / f"fit-{d.name}.log")
                  for s, d in runs.items()}
-        if not wait_all(procs, budget_s - (time.monotonic() - t0)):
+        if wait_all(procs, budget_s - (time.monotonic() - t0)):
             stop_at_budget(f"warm-up stage {j}")
         last = runs
     return last
@@ -180,11 +151,11 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
     while True:
         pending = [s for s in seeds if state[str(s)]["recall"] is None]
         if pending:
-            procs = {f"circuit-s{s}": fit(CIRCUIT, circuit_dir(out, s),
+            procs = {f"circuit-s{s}": start_fit(CIRCUIT, circuit_dir(out, s),
                                           [*seed_sets(s, 1), *extra, *start_from(start[s]),
                                            f"train.steps={state[str(s)]['steps']}"],
                                           out / f"fit-{circuit_dir(out, s).name}.log") for s in pending}
-            if not wait_all(procs, budget_s - (time.monotonic() - t0)):
+            if wait_all(procs, budget_s - (time.monotonic() - t0)):
                 state_path.write_text(json.dumps(state, indent=1))
                 stop_at_budget("circuit")
             for s in pending:
@@ -223,8 +194,8 @@ def train(out: Path, models: list[str], seeds: list[int | None], budget_s: float
             name = model if seed is None else f"{model}-s{seed}"
             sets = [f"train.init_from={source}", f"tokenizer.path={source / 'tokenizer.json'}", *seed_sets(seed, 0),
                     *sets, *extra]
-            procs[name] = fit(recipe, out / "runs" / name, sets, out / f"fit-{name}.log")
-    if not wait_all(procs, budget_s):
+            procs[name] = start_fit(recipe, out / "runs" / name, sets, out / f"fit-{name}.log")
+    if wait_all(procs, budget_s):
         stop_at_budget("train")
 
 

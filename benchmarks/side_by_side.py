@@ -1,0 +1,45 @@
+"""Several `longtrain fit` runs side by side on one GPU, stopped gracefully at a time budget: the seed studies'
+launcher (recall_experiment.py, books_study.py). A run stopped at the budget saves a checkpoint and exits; the same
+command resumes it (`--resume auto` once the run dir has checkpoints)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_fit(recipe: str | Path, run_dir: Path, sets: list[str], log_path: Path) -> subprocess.Popen:
+    """`longtrain fit RECIPE --run-dir RUN_DIR --set ...` in the background, its output appended to log_path."""
+    cmd = [sys.executable, "-m", "longtrain.cli", "fit", str(recipe), "--run-dir", str(run_dir)]
+    for s in sets:
+        cmd += ["--set", s]
+    if (run_dir / "checkpoints").is_dir():
+        cmd += ["--resume", "auto"]
+    print(f"$ {' '.join(cmd)}", flush=True)
+    with open(log_path, "a") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_all(procs: dict[str, subprocess.Popen], budget_s: float) -> list[str]:
+    """Wait for every run; SIGTERM those still running at the budget (they finish their step, save and exit).
+    Returns the names stopped at the budget; a run that exits with an error on its own stops the caller."""
+    t0, stopped = time.monotonic(), []
+    for name, proc in procs.items():
+        try:
+            rc = proc.wait(timeout=max(1.0, budget_s - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait()
+            stopped.append(name)
+            print(f"{name}: stopped at the budget after {time.monotonic() - t0:.0f} s", flush=True)
+            continue
+        print(f"{name}: exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
+        if rc:
+            raise SystemExit(f"{name} failed (exit {rc}): see its fit-{name}.log")
+    return stopped
