@@ -38,3 +38,18 @@ def test_an_unformed_circuit_trains_again_then_stops_with_a_message(tmp_path):
     circuit = yaml.safe_load((tmp_path / "circuit-s3" / "recipe.yaml").read_text())
     assert circuit["data"]["recall"]["max_distance"] == 256
     assert Path(circuit["train"]["init_from"]).name == "warmup0-s3"
+
+
+def test_the_circuit_trains_after_the_default_curriculum_and_none_turns_it_off():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import recall_experiment as rx
+    from longtrain.train.recipe import load_recipe
+
+    stages = rx.curriculum([])
+    assert stages == [s.split() for s in rx.CIRCUIT_CURRICULUM] and stages
+    assert rx.curriculum(["none"]) == []
+    assert rx.curriculum(["train.steps=5", "train.steps=7"]) == [["train.steps=5"], ["train.steps=7"]]
+    # the curriculum's distances are shorter than the circuit's, and both recipes load
+    near = load_recipe(rx.CIRCUIT, stages[0]).data.recall
+    far = load_recipe(rx.CIRCUIT, []).data.recall
+    assert near.max_distance <= far.min_distance < far.max_distance
