@@ -126,18 +126,22 @@ def start_from(run_dir: Path | None) -> list[str]:
     return [] if run_dir is None else [f"train.init_from={run_dir}", f"tokenizer.path={run_dir / 'tokenizer.json'}"]
 
 
-def warmup(out: Path, seeds: list[int | None], stages: list[list[str]], budget_s: float, extra: list[str]) -> dict:
+def stage_dir(out: Path, stage: int, seed: int | None) -> Path:
+    return out / f"warmup{stage}-s{seed}"
+
+
+def warmup(out: Path, seeds: list[int | None], stages: list[list[str]], budget_s: float, extra: list[str]) -> None:
     """A curriculum before the circuit: each stage (recall-circuit with its own overrides, e.g. short distances
-    first) trains every seed side by side from the previous stage's weights. Returns each seed's last stage."""
-    t0, last = time.monotonic(), {s: None for s in seeds}
+    first) trains every seed side by side from the previous stage's weights (stage_dir)."""
+    t0 = time.monotonic()
     for j, stage in enumerate(stages):
-        runs = {s: out / f"warmup{j}-s{s}" for s in seeds}
-        procs = {d.name: start_fit(CIRCUIT, d, [*seed_sets(s, 1), *extra, *stage, *start_from(last[s])], out / f"fit-{d.name}.log")
+        runs = {s: stage_dir(out, j, s) for s in seeds}
+        procs = {d.name: start_fit(CIRCUIT, d, [*seed_sets(s, 1), *extra, *stage,
+                                                *start_from(stage_dir(out, j - 1, s) if j else None)],
+                                   out / f"fit-{d.name}.log")
                  for s, d in runs.items()}
         if wait_all(procs, budget_s - (time.monotonic() - t0)):
             stop_at_budget(f"warm-up stage {j}")
-        last = runs
-    return last
 
 
 def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str], device: str,
@@ -147,7 +151,10 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
     The state (each seed's step target and recall) lives in out/circuit.json, so a part stopped by the
     budget resumes where it stopped, extensions included."""
     t0 = time.monotonic()
-    start = warmup(out, seeds, list(stages), budget_s, extra) if stages else {s: None for s in seeds}
+    fresh = [s for s in seeds if not (circuit_dir(out, s) / "checkpoints").is_dir()]  # a started circuit is past them
+    if stages and fresh:
+        warmup(out, fresh, list(stages), budget_s, extra)
+    start = {s: stage_dir(out, len(stages) - 1, s) if stages else None for s in seeds}
     budget_s, t0 = budget_s - (time.monotonic() - t0), time.monotonic()  # what the curriculum left
     state_path = out / "circuit.json"
     base = _recipe_steps(CIRCUIT, extra)
@@ -197,8 +204,7 @@ def train(out: Path, models: list[str], seeds: list[int | None], budget_s: float
         for model in models:
             recipe, sets = model_args(model)
             name = model if seed is None else f"{model}-s{seed}"
-            sets = [f"train.init_from={source}", f"tokenizer.path={source / 'tokenizer.json'}", *seed_sets(seed, 0),
-                    *sets, *extra]
+            sets = [*start_from(source), *seed_sets(seed, 0), *sets, *extra]
             procs[name] = start_fit(recipe, out / "runs" / name, sets, out / f"fit-{name}.log")
     if wait_all(procs, budget_s):
         stop_at_budget("train")

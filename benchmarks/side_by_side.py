@@ -28,7 +28,8 @@ def start_fit(recipe: str | Path, run_dir: Path, sets: list[str], log_path: Path
 
 def wait_all(procs: dict[str, subprocess.Popen], budget_s: float) -> list[str]:
     """Wait for every run; SIGTERM those still running at the budget (they finish their step, save and exit).
-    Returns the names stopped at the budget; a run that exits with an error on its own stops the caller."""
+    Returns the names stopped at the budget; a run that exits with an error on its own stops the others (with a
+    checkpoint) and the caller."""
     t0, stopped = time.monotonic(), []
     for name, proc in procs.items():
         try:
@@ -41,5 +42,9 @@ def wait_all(procs: dict[str, subprocess.Popen], budget_s: float) -> list[str]:
             continue
         print(f"{name}: exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
         if rc:
+            for other in procs.values():  # none left running unwatched on the GPU: they save and exit
+                if other.poll() is None:
+                    other.send_signal(signal.SIGTERM)
+                    other.wait()
             raise SystemExit(f"{name} failed (exit {rc}): see its fit-{name}.log")
     return stopped
