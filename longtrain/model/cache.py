@@ -41,8 +41,11 @@ class FullKVCache:
         pos = torch.where(mask.to(self.full_pos.device)[:, None], -1, self.full_pos)
         return FullKVCache(self.full_k, self.full_v, pos)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name).detach().contiguous() for f in fields(self)}
+        return {name: t.detach().contiguous() for name, t in self.tensors().items()}
 
     @classmethod
     def from_state_dict(cls, d: dict[str, torch.Tensor]) -> "FullKVCache":
@@ -122,16 +125,16 @@ class ModelCache:
 
     def clone(self) -> "ModelCache":
         """A copy that shares no tensor with this cache (a CUDA graph's buffers are updated in place)."""
-        return ModelCache.from_state_dict({name: t.clone() for name, t in self.state_dict().items()})
+        layers = [LayerCache(replace(la.attn, **{n: t.clone() for n, t in la.attn.tensors().items()}),
+                             la.score_sum.clone(), la.score_sumsq.clone()) for la in self.layers]
+        return ModelCache(seen=self.seen.clone(), layers=layers)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the cache itself (no copies), in a fixed order: two caches of one model pair up
         (copying one into another's buffers, as a CUDA graph's replay needs)."""
         out = [self.seen]
         for layer in self.layers:
-            attn = layer.attn.tensors().values() if isinstance(layer.attn, SparseKCache) else (
-                getattr(layer.attn, f.name) for f in fields(layer.attn))
-            out += [*attn, layer.score_sum, layer.score_sumsq]
+            out += [*layer.attn.tensors().values(), layer.score_sum, layer.score_sumsq]
         return out
 
     def copy_(self, other: "ModelCache") -> "ModelCache":
@@ -209,4 +212,5 @@ class ModelCache:
         )
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
+        """Bytes the cache holds (its tensors as they are, no copies)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())

@@ -124,7 +124,7 @@ def test_kv_dtype_cast_and_keep_last():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("attention", ["sparsek+sw", "full"])
+@pytest.mark.parametrize("attention", ["sparsek+sw", "sparsek+linear+sw", "full"])
 def test_cache_clone_is_equal_and_shares_nothing(attention):
     # The CUDA-graph decoder and training step update their copy in place: the caller's cache must not move with it.
     model = make(attention=attention, topk=4, window=6) if attention != "full" else make(attention="full")
@@ -134,6 +134,9 @@ def test_cache_clone_is_equal_and_shares_nothing(attention):
     assert len(pairs) > 3
     for a, b in pairs:
         assert torch.equal(a, b) and (a.numel() == 0 or a.data_ptr() != b.data_ptr())
+    assert [type(la.attn) for la in copy.layers] == [type(la.attn) for la in cache.layers]
+    if attention != "full":  # the sizes (k, w) come along
+        assert [la.attn.sizes() for la in copy.layers] == [la.attn.sizes() for la in cache.layers]
     copy.seen.add_(1)
     assert not torch.equal(cache.seen, copy.seen)
     if attention == "full":  # a full-attention cache grows: copy_ needs equal shapes
