@@ -144,14 +144,24 @@ def sparsek_linear_attention(q, k, v, u, phi_weight, *, topk: int, window: int, 
     return o
 
 
-def sparsek_linear_attention_decode(q, k, v, u, phi_weight: torch.Tensor, cache: SparseKLinearCache, *, variant: str = "hard_k_soft_v",
-                                    scale: float | None = None, with_selection: bool = False, backend: str = "auto"
-                                    ) -> tuple[torch.Tensor, SparseKLinearCache, ChunkSelection | None]:
+def sparsek_linear_attention_decode(
+    q: torch.Tensor,  # [B, H, D] the new token's query
+    k: torch.Tensor,  # [B, Hkv, D] its key (after RoPE)
+    v: torch.Tensor,  # [B, Hkv, D]
+    u: torch.Tensor,  # [B]
+    phi_weight: torch.Tensor,  # [Hkv, D, F]
+    cache: SparseKLinearCache,  # after positions [0, t); its topk and window are the call's
+    *,
+    variant: str = "hard_k_soft_v",
+    scale: float | None = None,
+    with_selection: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, SparseKLinearCache, ChunkSelection | None]:
     """One token per row at position cache.seen: (o [B, H, D], next cache, selection); equals the chunk op on
-    one token. q, k, v, u, cache and the options as sparsek_attention_decode's; phi_weight [Hkv, D, F].
-    The query sees [pool][tail][itself] (every key there is causal): exp part g e^{s - M}, linear part
-    (1 - g) phi(q).phi(k) there plus phi(q) . state. The SparseK decode step then updates pool, tail
-    and threshold; the keys it drops (the rejected candidate or the evicted pool key) join the state."""
+    one token, the options as sparsek_attention_decode's. The query sees [pool][tail][itself] (every key there
+    is causal): exp part g e^{s - M}, linear part (1 - g) phi(q).phi(k) there plus phi(q) . state. The SparseK
+    decode step then updates pool, tail and threshold; the keys it drops (the rejected candidate or the evicted
+    pool key) join the state."""
     window = _linear_window(cache)
     B, H, D = q.shape
     Hkv = k.shape[1]
