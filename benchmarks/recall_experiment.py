@@ -18,11 +18,12 @@ checkpoint, and calling it again resumes where it stopped.
         --circuit-stage none                                                             # no curriculum
 
 The circuit is checked before stage 2: its own recall at its longest distances must reach
-CIRCUIT_FORMED, or every circuit trains its steps again (up to CIRCUIT_EXTENSIONS times) and the
-experiment stops with a message if one still has not formed (stage 2 never inherits a circuit that
-cannot recall). With --seeds each seed changes train.seed and the recall data's seed of both stages. The circuit
-trains after a curriculum (CIRCUIT_CURRICULUM: distances 8..32 for 2,000 steps, then the recipe's 32..256), each
-stage from the previous one's weights; --circuit-stage replaces it (repeatable; 'none': no curriculum).
+CIRCUIT_FORMED, or that circuit trains its steps again (up to CIRCUIT_EXTENSIONS times). Stage 2 trains
+only the seeds whose circuit formed (it never inherits a circuit that cannot recall); the others are
+named at the end and the experiment exits non-zero. With --seeds each seed changes train.seed and the
+recall data's seed of both stages. The circuit trains after a curriculum (CIRCUIT_CURRICULUM: distances
+8..32 for 2,000 steps, then the recipe's 32..256), each stage from the previous one's weights;
+--circuit-stage replaces it (repeatable; 'none': no curriculum).
 
 --model also takes the ablations below (recall-sparsek with one setting changed). Runs live in
 $OUT/runs/<model> (the circuit in $OUT/circuit); eval writes $OUT/eval/<model>.json, plot writes
@@ -76,7 +77,7 @@ ABLATIONS = {
 # by 10,000 steps, a lower lr or no weight decay none (H200 screen, benchmarks/README.md "Recall").
 CIRCUIT_CURRICULUM = ["data.recall.min_distance=8 data.recall.max_distance=32 train.steps=2000"]
 CIRCUIT_FORMED = 0.9  # the circuit's own recall at its longest distances that counts as formed
-CIRCUIT_EXTENSIONS = 2  # times the circuit trains for its steps again before the experiment stops
+CIRCUIT_EXTENSIONS = 2  # times an unformed circuit trains its steps again before stage 2 skips its seed
 SETTINGS = ("train", "4x", "4x-far")
 
 
@@ -145,9 +146,9 @@ def warmup(out: Path, seeds: list[int | None], stages: list[list[str]], budget_s
 
 
 def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str], device: str,
-            stages: list[list[str]] = (), extensions: int = CIRCUIT_EXTENSIONS) -> None:
+            stages: list[list[str]] = (), extensions: int = CIRCUIT_EXTENSIONS) -> list[int | None]:
     """Stage 1: recall-circuit per seed, side by side. A circuit whose recall stays under CIRCUIT_FORMED
-    trains its steps again (up to `extensions` times); then the experiment stops, saying which.
+    trains its steps again (up to `extensions` times); returns the seeds still unformed after that.
     The state (each seed's step target and recall) lives in out/circuit.json, so a part stopped by the
     budget resumes where it stopped, extensions included."""
     t0 = time.monotonic()
@@ -158,8 +159,10 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
     budget_s, t0 = budget_s - (time.monotonic() - t0), time.monotonic()  # what the curriculum left
     state_path = out / "circuit.json"
     base = _recipe_steps(CIRCUIT, extra)
-    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
-    state = {str(s): state.get(str(s), {"steps": base, "recall": None}) for s in seeds}
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {}  # other seeds' entries stay
+    for s in seeds:
+        state.setdefault(str(s), {"steps": base, "recall": None})
+    last = base * (extensions + 1)
     while True:
         pending = [s for s in seeds if state[str(s)]["recall"] is None]
         if pending:
@@ -174,18 +177,30 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
                 state[str(s)]["recall"] = circuit_recall(circuit_dir(out, s), device)
             state_path.write_text(json.dumps(state, indent=1))
         log("circuit recall at its longest distances: "
-            + ", ".join(f"seed {s}: {v['recall']:.2f} after {v['steps']} steps" for s, v in state.items()))
+            + ", ".join(f"seed {s}: {state[str(s)]['recall']:.2f} after {state[str(s)]['steps']} steps" for s in seeds))
         unformed = [s for s in seeds if state[str(s)]["recall"] < CIRCUIT_FORMED]
-        if not unformed:
-            return
-        if any(state[str(s)]["steps"] >= base * (extensions + 1) for s in unformed):
-            raise SystemExit(
-                f"the recall circuit did not form for seeds {unformed} after {base * (extensions + 1)} "
-                f"steps (recall < {CIRCUIT_FORMED}); stage 2 would inherit a model that cannot recall. Try "
-                "--circuit-set train.lr=... or more steps (--circuit-set train.steps=...)")
-        log(f"circuit not formed for seeds {unformed} (< {CIRCUIT_FORMED}): training them {base} more steps")
-        for s in unformed:
+        extend = [s for s in unformed if state[str(s)]["steps"] < last]
+        if not extend:
+            return unformed
+        log(f"circuit not formed for seeds {extend} (< {CIRCUIT_FORMED}): training them {base} more steps")
+        for s in extend:
             state[str(s)] = {"steps": state[str(s)]["steps"] + base, "recall": None}
+
+
+def unformed_message(unformed: list[int | None], out: Path) -> str:
+    state = json.loads((out / "circuit.json").read_text())
+    steps = ", ".join(f"seed {s}: {state[str(s)]['recall']:.2f} after {state[str(s)]['steps']} steps" for s in unformed)
+    return (f"the recall circuit did not form for seeds {unformed} ({steps}; formed means recall >= {CIRCUIT_FORMED}); "
+            "stage 2 skipped them (it would inherit a model that cannot recall). Train them longer with "
+            "--circuit-extensions N (then run the same command again), or try --circuit-set train.lr=...")
+
+
+def recorded_unformed(out: Path, seeds: list[int | None]) -> list[int | None]:
+    """The seeds whose circuit out/circuit.json records as measured and not formed."""
+    path = out / "circuit.json"
+    state = json.loads(path.read_text()) if path.is_file() else {}
+    return [s for s in seeds if (state.get(str(s)) or {}).get("recall") is not None
+            and state[str(s)]["recall"] < CIRCUIT_FORMED]
 
 
 def _recipe_steps(recipe: Path, sets: list[str]) -> int:
@@ -386,7 +401,7 @@ def main() -> None:
                          "'data.recall.max_distance=32 train.steps=2000' (repeatable; each starts from the previous; "
                          f"'none': no curriculum). Default: {CIRCUIT_CURRICULUM}")
     ap.add_argument("--circuit-extensions", type=int, default=CIRCUIT_EXTENSIONS,
-                    help="times an unformed circuit trains its steps again before the experiment stops")
+                    help="times an unformed circuit trains its steps again before stage 2 skips its seed")
     ap.add_argument("--docs", type=int, default=64, help="eval: documents per setting")
     ap.add_argument("--run", type=Path, help="eval-one: the run dir")
     ap.add_argument("--device", default="auto")
@@ -398,17 +413,25 @@ def main() -> None:
     models = [m for m in a.model.split(",") if m]
     for m in models:
         model_args(m)  # an unknown name fails before anything runs
+    unformed = []
     if a.part in ("circuit", "all"):  # a finished circuit resumes to "nothing to do"
-        circuit(a.out, seeds, a.circuit_budget_s if a.part == "all" else a.budget_s, a.circuit_sets, a.device,
-                curriculum(a.circuit_stages), a.circuit_extensions)
+        unformed = circuit(a.out, seeds, a.circuit_budget_s if a.part == "all" else a.budget_s, a.circuit_sets,
+                           a.device, curriculum(a.circuit_stages), a.circuit_extensions)
+        if unformed and (a.part == "circuit" or unformed == seeds):
+            raise SystemExit(unformed_message(unformed, a.out))
     if a.part in ("train", "all"):
-        train(a.out, models, seeds, a.budget_s, a.sets)
+        unformed = unformed or recorded_unformed(a.out, seeds)
+        if unformed == seeds:
+            raise SystemExit(unformed_message(unformed, a.out))
+        train(a.out, models, [s for s in seeds if s not in unformed], a.budget_s, a.sets)
     if a.part in ("eval", "all"):
         evaluate(a.out, models, a.docs, a.device)
     if a.part == "eval-one":
         evaluate_one(a.out, a.run, a.docs, a.device)
     if a.part in ("plot", "all"):
         plot(a.out)
+    if unformed:
+        raise SystemExit(unformed_message(unformed, a.out))
 
 
 if __name__ == "__main__":

@@ -1,47 +1,64 @@
 """benchmarks/recall_experiment.py's stage-1 check (issue 30): a circuit that has not formed trains again, only
-the unformed seeds, and then the experiment stops with a message naming them; stage 2 never starts from it.
-A curriculum stage (--circuit-stage) trains first and the circuit starts from it.
-A real run of the script (real `longtrain fit` processes) at a toy size on the CPU."""
+the unformed seeds; stage 2 then trains the seeds whose circuit formed and never one that did not, and the
+experiment ends with a message naming those. A curriculum stage (--circuit-stage) trains first and the
+circuit starts from it. A real run of the script's parts (real `longtrain fit` processes) at a toy size on the
+CPU, with the circuit's recall measurement replaced so that one seed forms and the other does not."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 TOY = ["train.steps=2", "model.layers=1", "model.d_model=32", "model.heads=2", "train.batch_docs=2",
        "data.recall.docs=200", "train.device=cpu", "checkpoint.every=2", "train.valid_every=0", "train.compile=false"]
+TOY_STAGE2 = ["train.steps=2", "train.freeze.steps=1", "model.layers=1", "model.d_model=32", "model.heads=2",
+              "train.batch_docs=2", "train.chunk_size=256", "data.recall.docs=200", "data.recall.doc_tokens=512",
+              "data.recall.max_distance=256", "train.device=cpu", "checkpoint.every=2", "train.valid_every=0",
+              "train.compile=false"]
 
 
-def test_an_unformed_circuit_trains_again_then_stops_with_a_message(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "recall_experiment.py"), "--out", str(tmp_path), "--part", "all",
-           "--model", "sparsek", "--seeds", "3", "--device", "cpu", "--circuit-budget-s", "600",
-           "--circuit-stage", "data.recall.max_distance=32 train.steps=2"]
-    for s in TOY:
-        cmd += ["--circuit-set", s]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert out.returncode != 0
-    assert "did not form for seeds [3] after 6 steps" in out.stderr, out.stdout[-2000:] + out.stderr[-2000:]
+def test_stage_2_trains_the_formed_seeds_and_names_the_one_that_did_not_form(tmp_path, monkeypatch, capsys):
+    import recall_experiment as rx
+
+    formed = {"circuit-s0": 0.95, "circuit-s1": 0.1}
+    monkeypatch.setattr(rx, "circuit_recall", lambda run_dir, device: formed[run_dir.name])
+    argv = ["recall_experiment.py", "--out", str(tmp_path), "--part", "all", "--model", "sparsek", "--seeds", "0,1",
+            "--device", "cpu", "--docs", "2", "--circuit-stage", "data.recall.max_distance=32 train.steps=2"]
+    argv += [x for s in TOY for x in ("--circuit-set", s)] + [x for s in TOY_STAGE2 for x in ("--set", s)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as stop:
+        rx.main()
+    assert "did not form for seeds [1] (seed 1: 0.10 after 6 steps" in str(stop.value), capsys.readouterr().out[-3000:]
     state = json.loads((tmp_path / "circuit.json").read_text())
-    assert state["3"]["steps"] == 6 and state["3"]["recall"] < 0.9  # 2 steps, then twice 2 more
-    assert out.stdout.count("training them 2 more steps") == 2
-    assert not (tmp_path / "runs").exists()  # stage 2 did not start from a circuit that cannot recall
-    metrics = [json.loads(x) for x in (tmp_path / "circuit-s3" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert state["0"] == {"steps": 2, "recall": 0.95}  # formed at once: never extended
+    assert state["1"] == {"steps": 6, "recall": 0.1}  # 2 steps, then twice 2 more
+    assert capsys.readouterr().out.count("circuit not formed for seeds [1] (< 0.9): training them 2 more steps") == 2
+    metrics = [json.loads(x) for x in (tmp_path / "circuit-s1" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert max(r["step"] for r in metrics) == 6  # the extensions resumed the same run
+    # stage 2: the formed seed trained from its circuit and was evaluated; the unformed one never started
+    assert (tmp_path / "runs" / "sparsek-s0" / "checkpoints").is_dir()
+    assert not (tmp_path / "runs" / "sparsek-s1").exists()
+    stage2 = yaml.safe_load((tmp_path / "runs" / "sparsek-s0" / "recipe.yaml").read_text())
+    assert Path(stage2["train"]["init_from"]).name == "circuit-s0"
+    assert (tmp_path / "eval" / "sparsek-s0.json").is_file() and (tmp_path / "table.md").is_file()
     # the curriculum stage ran first, at its own distances, and the circuit started from its weights
-    stage = yaml.safe_load((tmp_path / "warmup0-s3" / "recipe.yaml").read_text())
+    stage = yaml.safe_load((tmp_path / "warmup0-s1" / "recipe.yaml").read_text())
     assert stage["data"]["recall"]["max_distance"] == 32
-    circuit = yaml.safe_load((tmp_path / "circuit-s3" / "recipe.yaml").read_text())
+    circuit = yaml.safe_load((tmp_path / "circuit-s1" / "recipe.yaml").read_text())
     assert circuit["data"]["recall"]["max_distance"] == 256
-    assert Path(circuit["train"]["init_from"]).name == "warmup0-s3"
+    assert Path(circuit["train"]["init_from"]).name == "warmup0-s1"
+    # stage 2 alone refuses the recorded unformed seed, before anything trains
+    monkeypatch.setattr(sys, "argv", [*argv[:4], "train", *argv[5:7], "--seeds", "1", *argv[9:]])
+    with pytest.raises(SystemExit, match=r"did not form for seeds \[1\]"):
+        rx.main()
+    assert not (tmp_path / "runs" / "sparsek-s1").exists()
 
 
 def test_the_circuit_trains_after_the_default_curriculum_and_none_turns_it_off():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import recall_experiment as rx
     from longtrain.train.recipe import load_recipe
 
