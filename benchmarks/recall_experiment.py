@@ -71,6 +71,9 @@ ABLATIONS = {
     "sparsek-only": ["attention.type=sparsek", "attention.topk=64", "attention.window=0"],
     "sparsek-distill": ["train.score_distill=1.0"],  # every key's score learns where dense attention goes
     "sparsek-distill-nofreeze": ["train.score_distill=1.0", "train.freeze.steps=0"],
+    # pool capacity (issue 30, target 2): does a larger k hold 4x the facts? (the window stays 32)
+    "sparsek-k64": ["attention.topk=64"],
+    "sparsek-k128": ["attention.topk=128"],
 }
 # The circuit's curriculum: short distances first, then the recipe's (32..256). On seeds 2 and 4 (the two
 # that had not formed after 20,000 steps of 8..256 alone) each of the two halves formed one circuit of two
