@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from side_by_side import ROOT, start_fit, wait_all
+from side_by_side import ROOT, fit_command, start_fit, wait_all
 
 SIZES = {
     "small": {"layers": 8, "d_model": 512, "heads": 8, "steps": 2500, "budget": 256},
@@ -81,8 +81,8 @@ def runs_of(a: argparse.Namespace) -> dict[str, tuple[str, int]]:
 
 def train(a: argparse.Namespace) -> None:
     common = common_sets(a)
-    prep = subprocess.run([sys.executable, "-m", "longtrain.cli", "fit", "gutenberg-sparsek", "--run-dir", str(a.runs / "prepare"),
-                           *[x for s in common for x in ("--set", s)], "--dry-run"], capture_output=True, text=True, cwd=ROOT)
+    prep = subprocess.run([*fit_command("gutenberg-sparsek", a.runs / "prepare", common), "--dry-run"],
+                          capture_output=True, text=True, cwd=ROOT)
     if prep.returncode:  # the token cache, once (the runs would otherwise wait on its lock)
         raise SystemExit(prep.stdout + prep.stderr)
     procs = {}

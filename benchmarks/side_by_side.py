@@ -14,11 +14,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def fit_command(recipe: str | Path, run_dir: Path, sets: list[str]) -> list[str]:
+    """`longtrain fit RECIPE --run-dir RUN_DIR --set ...` as an argv."""
+    return [sys.executable, "-m", "longtrain.cli", "fit", str(recipe), "--run-dir", str(run_dir),
+            *[x for s in sets for x in ("--set", s)]]
+
+
 def start_fit(recipe: str | Path, run_dir: Path, sets: list[str], log_path: Path) -> subprocess.Popen:
-    """`longtrain fit RECIPE --run-dir RUN_DIR --set ...` in the background, its output appended to log_path."""
-    cmd = [sys.executable, "-m", "longtrain.cli", "fit", str(recipe), "--run-dir", str(run_dir)]
-    for s in sets:
-        cmd += ["--set", s]
+    """fit_command in the background (resuming a run dir that has checkpoints), its output appended to log_path."""
+    cmd = fit_command(recipe, run_dir, sets)
     if (run_dir / "checkpoints").is_dir():
         cmd += ["--resume", "auto"]
     print(f"$ {' '.join(cmd)}", flush=True)
