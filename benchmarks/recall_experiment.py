@@ -149,9 +149,9 @@ def warmup(out: Path, seeds: list[int | None], stages: list[list[str]], budget_s
 
 
 def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str], device: str,
-            stages: list[list[str]] = (), extensions: int = CIRCUIT_EXTENSIONS) -> list[int | None]:
+            stages: list[list[str]] = (), extensions: int = CIRCUIT_EXTENSIONS) -> None:
     """Stage 1: recall-circuit per seed, side by side. A circuit whose recall stays under CIRCUIT_FORMED
-    trains its steps again (up to `extensions` times); returns the seeds still unformed after that.
+    trains its steps again (up to `extensions` times); unformed() then names the seeds still under it.
     The state (each seed's step target and recall) lives in out/circuit.json, so a part stopped by the
     budget resumes where it stopped, extensions included."""
     t0 = time.monotonic()
@@ -162,7 +162,7 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
     budget_s, t0 = budget_s - (time.monotonic() - t0), time.monotonic()  # what the curriculum left
     state_path = out / "circuit.json"
     base = _recipe_steps(CIRCUIT, extra)
-    state = json.loads(state_path.read_text()) if state_path.is_file() else {}  # other seeds' entries stay
+    state = circuit_state(out)  # other seeds' entries stay
     for s in seeds:
         state.setdefault(str(s), {"steps": base, "recall": None})
     last = base * (extensions + 1)
@@ -179,31 +179,35 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
             for s in pending:
                 state[str(s)]["recall"] = circuit_recall(circuit_dir(out, s), device)
             state_path.write_text(json.dumps(state, indent=1))
-        log("circuit recall at its longest distances: "
-            + ", ".join(f"seed {s}: {state[str(s)]['recall']:.2f} after {state[str(s)]['steps']} steps" for s in seeds))
-        unformed = [s for s in seeds if state[str(s)]["recall"] < CIRCUIT_FORMED]
-        extend = [s for s in unformed if state[str(s)]["steps"] < last]
+        log(f"circuit recall at its longest distances: {describe(state, seeds)}")
+        extend = [s for s in unformed(state, seeds) if state[str(s)]["steps"] < last]
         if not extend:
-            return unformed
+            return
         log(f"circuit not formed for seeds {extend} (< {CIRCUIT_FORMED}): training them {base} more steps")
         for s in extend:
             state[str(s)] = {"steps": state[str(s)]["steps"] + base, "recall": None}
 
 
-def unformed_message(unformed: list[int | None], out: Path) -> str:
-    state = json.loads((out / "circuit.json").read_text())
-    steps = ", ".join(f"seed {s}: {state[str(s)]['recall']:.2f} after {state[str(s)]['steps']} steps" for s in unformed)
-    return (f"the recall circuit did not form for seeds {unformed} ({steps}; formed means recall >= {CIRCUIT_FORMED}); "
-            "stage 2 skipped them (it would inherit a model that cannot recall). Train them longer with "
-            "--circuit-extensions N (then run the same command again), or try --circuit-set train.lr=...")
-
-
-def recorded_unformed(out: Path, seeds: list[int | None]) -> list[int | None]:
-    """The seeds whose circuit out/circuit.json records as measured and not formed."""
+def circuit_state(out: Path) -> dict:
+    """out/circuit.json: seed -> {"steps": its step target, "recall": measured after them, or None}."""
     path = out / "circuit.json"
-    state = json.loads(path.read_text()) if path.is_file() else {}
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def describe(state: dict, seeds: list[int | None]) -> str:
+    return ", ".join(f"seed {s}: {state[str(s)]['recall']:.2f} after {state[str(s)]['steps']} steps" for s in seeds)
+
+
+def unformed(state: dict, seeds: list[int | None]) -> list[int | None]:
+    """The seeds whose circuit was measured and had not formed (recall under CIRCUIT_FORMED)."""
     return [s for s in seeds if (state.get(str(s)) or {}).get("recall") is not None
             and state[str(s)]["recall"] < CIRCUIT_FORMED]
+
+
+def unformed_message(seeds: list[int | None], out: Path) -> str:
+    return (f"the recall circuit did not form for seeds {seeds} ({describe(circuit_state(out), seeds)}; formed means "
+            f"recall >= {CIRCUIT_FORMED}); stage 2 skipped them (it would inherit a model that cannot recall). Train "
+            "them longer with --circuit-extensions N (then run the same command again), or try --circuit-set train.lr=...")
 
 
 def _recipe_steps(recipe: Path, sets: list[str]) -> int:
@@ -416,25 +420,22 @@ def main() -> None:
     models = [m for m in a.model.split(",") if m]
     for m in models:
         model_args(m)  # an unknown name fails before anything runs
-    unformed = []
     if a.part in ("circuit", "all"):  # a finished circuit resumes to "nothing to do"
-        unformed = circuit(a.out, seeds, a.circuit_budget_s if a.part == "all" else a.budget_s, a.circuit_sets,
-                           a.device, curriculum(a.circuit_stages), a.circuit_extensions)
-        if unformed and (a.part == "circuit" or unformed == seeds):
-            raise SystemExit(unformed_message(unformed, a.out))
+        circuit(a.out, seeds, a.circuit_budget_s if a.part == "all" else a.budget_s, a.circuit_sets, a.device,
+                curriculum(a.circuit_stages), a.circuit_extensions)
+    skipped = unformed(circuit_state(a.out), seeds) if a.part in ("circuit", "train", "all") else []
+    if skipped and (a.part == "circuit" or skipped == seeds):
+        raise SystemExit(unformed_message(skipped, a.out))
     if a.part in ("train", "all"):
-        unformed = unformed or recorded_unformed(a.out, seeds)
-        if unformed == seeds:
-            raise SystemExit(unformed_message(unformed, a.out))
-        train(a.out, models, [s for s in seeds if s not in unformed], a.budget_s, a.sets)
+        train(a.out, models, [s for s in seeds if s not in skipped], a.budget_s, a.sets)
     if a.part in ("eval", "all"):
         evaluate(a.out, models, a.docs, a.device)
     if a.part == "eval-one":
         evaluate_one(a.out, a.run, a.docs, a.device)
     if a.part in ("plot", "all"):
         plot(a.out)
-    if unformed:
-        raise SystemExit(unformed_message(unformed, a.out))
+    if skipped:
+        raise SystemExit(unformed_message(skipped, a.out))
 
 
 if __name__ == "__main__":

@@ -26,10 +26,13 @@ def test_stage_2_trains_the_formed_seeds_and_names_the_one_that_did_not_form(tmp
 
     formed = {"circuit-s0": 0.95, "circuit-s1": 0.1}
     monkeypatch.setattr(rx, "circuit_recall", lambda run_dir, device: formed[run_dir.name])
-    argv = ["recall_experiment.py", "--out", str(tmp_path), "--part", "all", "--model", "sparsek", "--seeds", "0,1",
-            "--device", "cpu", "--docs", "2", "--circuit-stage", "data.recall.max_distance=32 train.steps=2"]
-    argv += [x for s in TOY for x in ("--circuit-set", s)] + [x for s in TOY_STAGE2 for x in ("--set", s)]
-    monkeypatch.setattr(sys, "argv", argv)
+
+    def argv(part: str, seeds: str) -> list[str]:
+        return ["recall_experiment.py", "--out", str(tmp_path), "--part", part, "--model", "sparsek", "--seeds", seeds,
+                "--device", "cpu", "--docs", "2", "--circuit-stage", "data.recall.max_distance=32 train.steps=2",
+                *[x for s in TOY for x in ("--circuit-set", s)], *[x for s in TOY_STAGE2 for x in ("--set", s)]]
+
+    monkeypatch.setattr(sys, "argv", argv("all", "0,1"))
     with pytest.raises(SystemExit) as stop:
         rx.main()
     assert "did not form for seeds [1] (seed 1: 0.10 after 6 steps" in str(stop.value), capsys.readouterr().out[-3000:]
@@ -52,7 +55,7 @@ def test_stage_2_trains_the_formed_seeds_and_names_the_one_that_did_not_form(tmp
     assert circuit["data"]["recall"]["max_distance"] == 256
     assert Path(circuit["train"]["init_from"]).name == "warmup0-s1"
     # stage 2 alone refuses the recorded unformed seed, before anything trains
-    monkeypatch.setattr(sys, "argv", [*argv[:4], "train", *argv[5:7], "--seeds", "1", *argv[9:]])
+    monkeypatch.setattr(sys, "argv", argv("train", "1"))
     with pytest.raises(SystemExit, match=r"did not form for seeds \[1\]"):
         rx.main()
     assert not (tmp_path / "runs" / "sparsek-s1").exists()
