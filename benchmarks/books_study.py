@@ -1,4 +1,5 @@
-"""Does SparseK+SW beat a same-budget window on books, beyond the seed spread? (issue 30)
+"""Does SparseK+SW beat a same-budget window on books, beyond the seed spread? (issue 30) Does a linear part
+help it, and at what training time? (issue 38)
 
 Trains several attentions and seeds side by side on one GPU (one `longtrain fit` each), evaluates
 perplexity by position on held-out books (`longtrain eval --task ppl`), and writes a table with the
@@ -14,11 +15,16 @@ Sizes (the paper's from-scratch comparison: the same KV budget k + w per query):
              (the chunk's length, 16x the budget: a ceiling, not a same-budget baseline)
     medium   12 x 768 llama (~110M parameters), chunks of 4096 x 4 rows, 6,100 steps (100M tokens);
              sparsek: k = w = 512; sw: w = 1024; full: the last 4096 keys
-Models `sparsek-K-W` set the split of the same budget (k = K, w = W).
+Models `sparsek-K-W` set the split of the same budget (k = K, w = W); `sparsek+linear` is SparseK+Linear+SW
+(k = w = budget / 2, every other key through linear attention) and `linear` Linear+SW (w = budget), the paper's
+appendix comparison (`pip install 'longtrain[linear]'` for fla's kernels on a GPU):
+
+    python benchmarks/books_study.py ... --size small --run sparsek+linear:0,1,2 --run sparsek:0,1,2 \
+        --run linear:0,1,2 --run sw:0,1,2 --part all
 
 Parts: `train` (stops at --budget-s with checkpoints; the same command resumes), `eval`, `summary`
-(OUT/books.md, OUT/books-gap.png), `all` (the three in a row). RUNS may live outside OUT (the runs'
-checkpoints need not come back from a device call; the summary needs only OUT).
+(OUT/books.md with each model's steps and training tokens/s, OUT/books-gap.png), `all` (the three in a row).
+RUNS may live outside OUT (the runs' checkpoints need not come back from a device call; the summary needs only OUT).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from side_by_side import ROOT, fit_command, start_fit, wait_all
+from side_by_side import ROOT, fit_command, start_fit, training_summary, wait_all
 
 SIZES = {
     "small": {"layers": 8, "d_model": 512, "heads": 8, "steps": 2500, "budget": 256},
@@ -44,6 +50,10 @@ def attention_sets(model: str, budget: int) -> list[str]:
         return ["attention.type=sw", "attention.topk=0", f"attention.window={budget}"]
     if model == "full":
         return ["attention.type=full", "attention.topk=0", "attention.window=0", "attention.max_context=4096"]
+    if model == "linear":
+        return ["attention.type=linear+sw", "attention.topk=0", f"attention.window={budget}"]
+    if model == "sparsek+linear":
+        return ["attention.type=sparsek+linear+sw", f"attention.topk={budget // 2}", f"attention.window={budget // 2}"]
     if model == "sparsek":
         k, w = budget // 2, budget // 2
     elif model.startswith("sparsek-"):
@@ -51,7 +61,7 @@ def attention_sets(model: str, budget: int) -> list[str]:
         if k + w != budget:
             raise SystemExit(f"{model}: k + w = {k + w}, not the size's budget {budget}")
     else:
-        raise SystemExit(f"unknown model {model}: sparsek, sw, full or sparsek-K-W")
+        raise SystemExit(f"unknown model {model}: sparsek, sw, full, sparsek-K-W, sparsek+linear or linear")
     return ["attention.type=sparsek+sw", f"attention.topk={k}", f"attention.window={w}"]
 
 
@@ -98,12 +108,14 @@ def evaluate(a: argparse.Namespace) -> None:
     cmd = [sys.executable, "-m", "longtrain.cli", "eval", *runs, "--task", "ppl", "--data", str(a.valid),
            "--docs", str(a.docs), "--tokens", str(a.tokens), "--json", str(a.out / "books-eval.json")]
     subprocess.run(cmd, check=True, cwd=ROOT)
-    for name in runs_of(a):  # the validation losses logged in training: the gap against tokens
+    for name in runs_of(a):  # the validation losses logged in training (the gap against tokens), steps and tokens/s
         metrics = a.runs / name / "metrics.jsonl"
         if metrics.is_file():
             rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
             curve = [(r["tokens"], r["valid_loss"]) for r in rows if "valid_loss" in r]
             (a.out / f"curve-{name}.json").write_text(json.dumps(curve))
+            t = training_summary(a.runs / name)
+            (a.out / f"train-{name}.json").write_text(json.dumps({k: t[k] for k in ("steps", "tokens", "tokens_per_s")}))
 
 
 def summary(a: argparse.Namespace) -> None:
@@ -123,24 +135,38 @@ def summary(a: argparse.Namespace) -> None:
         per["all"] = [r["ppl"]["ppl"] for r in runs]
         stats[model] = {key: (statistics.mean(v), min(v), max(v)) for key, v in per.items() if v}
     cols = ["all", *buckets]
-    head = "| model | seeds | " + " | ".join("all" if c == "all" else f"{k(c[0])}–{k(c[1])}" for c in cols) + " |"
-    lines = [head, "|---|---|" + "---|" * len(cols)]
+    speed = {m: train_speed(a.out, runs) for m, runs in by_model.items()}  # (steps per seed, mean tokens/s)
+    head = ("| model | seeds | steps | tokens/s | "
+            + " | ".join("all" if c == "all" else f"{k(c[0])}–{k(c[1])}" for c in cols) + " |")
+    lines = [head, "|---|---|---|---|" + "---|" * len(cols)]
     for model, st in stats.items():
         cells = [f"{st[c][0]:.2f} ({st[c][1]:.2f}–{st[c][2]:.2f})" if len(by_model[model]) > 1 else f"{st[c][0]:.2f}"
                  for c in cols]
-        lines.append(f"| {model} | {len(by_model[model])} | " + " | ".join(cells) + " |")
-    if "sparsek" in stats and "sw" in stats:  # beyond the spread: SparseK+SW's worst seed beats SW's best
-        marks = []
-        for c in cols:
-            (ms, _, hi_s), (mw, lo_w, _) = stats["sparsek"][c], stats["sw"][c]
-            marks.append(f"{mw - ms:+.2f}{' ✓' if hi_s < lo_w else ''}")
-        lines.append("| sw − sparsek | | " + " | ".join(marks) + " |")
+        steps, tps = speed[model]
+        lines.append(f"| {model} | {len(by_model[model])} | {steps} | {f'{tps:,.0f}' if tps else '?'} | "
+                     + " | ".join(cells) + " |")
+    for base, new in (("sw", "sparsek"), ("sparsek", "sparsek+linear")):  # the issues' questions (30, 38)
+        if base in stats and new in stats:  # ✓: beyond the spread, the new model's worst seed beats base's best
+            marks = [f"{stats[base][c][0] - stats[new][c][0]:+.2f}{' ✓' if stats[new][c][2] < stats[base][c][1] else ''}"
+                     for c in cols]
+            (_, tb), (_, tn) = speed[base], speed[new]
+            time = f"{tb / tn:.2f}× time" if tb and tn else ""  # the new model's training time per token
+            lines.append(f"| {base} − {new} | | | {time} | " + " | ".join(marks) + " |")
     text = (f"Perplexity by position on {a.docs} validation books × their first {a.tokens:,} tokens ({a.size}), "
-            "mean over seeds (lowest–highest). Last row: SW minus SparseK+SW; ✓ where every SparseK+SW seed beats "
-            "every SW seed.\n\n" + "\n".join(lines) + "\n")
+            "mean over seeds (lowest–highest); steps reached per seed and training tokens/s (mean over seeds, all "
+            "runs side by side). Rows `A − B`: A's perplexity minus B's (> 0: B is ahead), ✓ where every B seed beats "
+            "every A seed, and B's training time per token relative to A's.\n\n" + "\n".join(lines) + "\n")
     (a.out / "books.md").write_text(text)
     print(text)
     plot_gap(a, sorted(by_model))
+
+
+def train_speed(out: Path, runs: list[dict]) -> tuple[str, float | None]:
+    """Steps reached per seed ("2500/2500/2412") and the mean training tokens/s, from OUT/train-<run>.json."""
+    files = [out / f"train-{Path(r['checkpoint']).parent.parent.name}.json" for r in runs]
+    train = [json.loads(f.read_text()) for f in files if f.is_file()]
+    rates = [t["tokens_per_s"] for t in train if t["tokens_per_s"]]
+    return "/".join(str(t["steps"]) for t in train) or "?", statistics.mean(rates) if rates else None
 
 
 def plot_gap(a: argparse.Namespace, models: list[str]) -> None:
@@ -197,7 +223,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="logs, eval JSON, table and picture")
     ap.add_argument("--runs", type=Path, help="the runs' folders (default OUT/runs)")
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
-    ap.add_argument("--run", action="append", default=[], help="MODEL:SEED,SEED (repeatable): sparsek, sw, full, sparsek-K-W")
+    ap.add_argument("--run", action="append", default=[],
+                    help="MODEL:SEED,SEED (repeatable): sparsek, sw, full, sparsek-K-W, sparsek+linear, linear")
     ap.add_argument("--steps", type=int, help="steps per run (default: the size's)")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra recipe override for every run")
     ap.add_argument("--part", choices=("train", "eval", "summary", "all"), required=True)

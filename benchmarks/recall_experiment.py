@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from side_by_side import start_fit, wait_all
+from side_by_side import start_fit, training_summary, wait_all
 
 ROOT = Path(__file__).resolve().parents[1]
 CIRCUIT = ROOT / "recipes" / "recall-circuit.yaml"
@@ -291,22 +291,6 @@ def merged_results(out: Path) -> dict:
         res["models"][f.stem] = one["model"]
     (out / "recall.json").write_text(json.dumps(res, indent=1))
     return res
-
-
-def training_summary(run_dir: Path) -> dict:
-    from longtrain.train.metrics import METRICS_FILE, read_metrics
-
-    records = read_metrics(run_dir / METRICS_FILE)
-    last = records[-1]
-    valid = [r for r in records if "valid_loss" in r]
-    train_s = sum(r.get("step_s", 0.0) for r in records)
-    sel = next((r["selection"] for r in reversed(records) if "selection" in r), None)
-    return {
-        "steps": last["step"], "tokens": last["tokens"], "loss": last["loss"],
-        "valid_loss": valid[-1]["valid_loss"] if valid else None,
-        "train_s": round(train_s, 1), "tokens_per_s": round(last["tokens"] / train_s) if train_s else None,
-        "selection": sel,
-    }
 
 
 # ----------------------------------------------------------------------------- plot and table

@@ -52,3 +52,20 @@ def wait_all(procs: dict[str, subprocess.Popen], budget_s: float) -> list[str]:
                     other.wait()
             raise SystemExit(f"{name} failed (exit {rc}): see its fit-{name}.log")
     return stopped
+
+
+def training_summary(run_dir: Path) -> dict:
+    """A run's steps, tokens, last losses, training seconds (the steps' own time, summed over resumes) and tokens/s."""
+    from longtrain.train.metrics import METRICS_FILE, read_metrics
+
+    records = read_metrics(run_dir / METRICS_FILE)
+    last = records[-1]
+    valid = [r for r in records if "valid_loss" in r]
+    train_s = sum(r.get("step_s", 0.0) for r in records)
+    sel = next((r["selection"] for r in reversed(records) if "selection" in r), None)
+    return {
+        "steps": last["step"], "tokens": last["tokens"], "loss": last["loss"],
+        "valid_loss": valid[-1]["valid_loss"] if valid else None,
+        "train_s": round(train_s, 1), "tokens_per_s": round(last["tokens"] / train_s) if train_s else None,
+        "selection": sel,
+    }

@@ -1,6 +1,6 @@
 """benchmarks/books_study.py end to end at a toy size on the CPU (real `longtrain fit` and `longtrain eval`
-processes): two models side by side, a seed each plus a second SparseK+SW seed, the table with the seed
-range and the SW gap, the gap picture."""
+processes): three models side by side, a seed each plus a second SparseK+SW seed, the table with the seed
+range, steps and tokens/s, the SW gap and the linear part's gap with its time ratio, the gap picture."""
 
 import os
 import random
@@ -26,7 +26,7 @@ def test_two_models_train_evaluate_and_summarise(tmp_path):
     train, valid = books(tmp_path / "train", 4, 0), books(tmp_path / "valid", 2, 1)
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "books_study.py"), "--train", str(train), "--valid", str(valid),
-           "--out", str(out), "--run", "sparsek:0,1", "--run", "sw:0", "--steps", "4", "--part", "all",
+           "--out", str(out), "--run", "sparsek:0,1", "--run", "sw:0", "--run", "sparsek+linear:0", "--steps", "4", "--part", "all",
            "--docs", "2", "--tokens", "1024"]
     for s in TOY:
         cmd += ["--set", s]
@@ -38,5 +38,9 @@ def test_two_models_train_evaluate_and_summarise(tmp_path):
     assert rows["sparsek"].split("|")[2].strip() == "2" and rows["sw"].split("|")[2].strip() == "1"  # seeds
     assert "(" in rows["sparsek"] and "(" not in rows["sw"]  # the range only where there are several seeds
     assert "sw − sparsek" in rows
+    assert rows["sparsek"].split("|")[3].strip() == "4/4" and rows["sw"].split("|")[3].strip() == "4"  # steps per seed
+    assert all(float(rows[m].split("|")[4].replace(",", "")) > 0 for m in ("sparsek", "sw", "sparsek+linear"))  # tokens/s
+    assert "× time" in rows["sparsek − sparsek+linear"].split("|")[4]
     assert (out / "books-gap.png").stat().st_size > 10_000
-    assert sorted(p.name for p in out.glob("curve-*.json")) == ["curve-sparsek-s0.json", "curve-sparsek-s1.json", "curve-sw-s0.json"]
+    assert sorted(p.name for p in out.glob("curve-*.json")) == ["curve-sparsek+linear-s0.json", "curve-sparsek-s0.json",
+                                                            "curve-sparsek-s1.json", "curve-sw-s0.json"]
