@@ -2,6 +2,7 @@
 
     python benchmarks/multi_gpu.py --out DIR --parts scaling          # first 10-minute call (--models 12x768 | 24x1024 halves it)
     python benchmarks/multi_gpu.py --out DIR --parts large,resume     # second call
+    python benchmarks/multi_gpu.py --out DIR --parts regroup          # save on N GPUs, resume on 1, and back
     python benchmarks/multi_gpu.py --out DIR --small --gpus 2         # a tiny CPU version (gloo), to check the script
 
 Parts (each writes DIR/multi_gpu-<part>.json and its runs' logs in DIR/multi_gpu-<part>.log, and prints a table):
@@ -13,6 +14,9 @@ Parts (each writes DIR/multi_gpu-<part>.json and its runs' logs in DIR/multi_gpu
            under fsdp on N GPUs, one row per GPU reading a document of 270k+ tokens: tokens/s, peak memory
            of rank 0, and that peak when its row is at position 16k and at 256k (flat: the cache has a fixed
            size), and the time of the final checkpoint (the whole model and AdamW state gathered on rank 0).
+  regroup  another world size on resume: 12 × 768 ddp, 2 rows per GPU on N GPUs for 10 steps (deterministic), a fork
+           of its checkpoint 4 on one GPU with 2N rows (steps 5..8), and a fork of that one's checkpoint 8 back on N
+           GPUs (steps 9..10): the rows read and the losses against the straight run's.
   resume   12 × 768 ddp on N GPUs, 10 steps, checkpoints every 4, train.deterministic (the kernels' backward
            without atomics, torch.use_deterministic_algorithms): a straight run, a second straight run (is the
            run reproducible at all?), and a run whose rank 1 is SIGKILLed after checkpoint 4 (torchrun then
@@ -222,6 +226,40 @@ class Bench:
               f"resumed (exit {resumed[0]}): steps 5..10 bitwise equal to a straight run: {result['resumed_equals_straight_steps_5_10']} "
               f"(max rel. diff {result['max_rel_diff_steps_5_10']}); final weights equal: {result.get('weights_equal')}; "
               f"two straight runs equal: {result['straight_reproducible']}")
+
+    def regroup(self) -> None:
+        """Save on N GPUs, resume on one (the same rows in total: 1 × 2N), and back on N from that run."""
+        n = self.args.gpus
+        recipe = self.recipe("regroup", self.shapes["12x768"], chunk=self.chunk, rows=2, steps=10, corpus=self.corpus)
+        common = ["--set", "checkpoint.every=4", "--set", "checkpoint.keep=3"]
+        one = ["--set", f"train.batch_docs={2 * n}"]
+        fork = lambda run, step: ["--resume", str(self.work / f"run-{run}/checkpoints/step-{step:08d}"), "--fork"]  # noqa: E731
+        runs = {
+            "straight": self.fit("regroup-straight", recipe, gpus=n, parallel="ddp", args=["--resume", "never", *common],
+                                 deterministic=True),
+            "one": self.fit("regroup-one", recipe, gpus=1, parallel="ddp", launch=False,
+                            args=[*fork("regroup-straight", 4), *common, *one], deterministic=True),
+        }
+        runs["back"] = self.fit("regroup-back", recipe, gpus=n, parallel="ddp", args=[*fork("regroup-one", 8), *common],
+                                deterministic=True)
+        by_step = {k: {r["step"]: r for r in v[1]} for k, v in runs.items()}
+        straight = by_step["straight"]
+
+        def against_straight(name: str, steps: range) -> dict:
+            got = by_step[name]
+            shared = [s for s in steps if s in got and s in straight]
+            return {"exit": runs[name][0], "steps": shared, "loss": [got[s]["loss"] for s in shared],
+                    "positions_equal": bool(shared) and all(got[s]["doc_positions"] == straight[s]["doc_positions"] for s in shared),
+                    "max_rel_loss_diff": max((abs(got[s]["loss"] - straight[s]["loss"]) / abs(straight[s]["loss"]) for s in shared),
+                                             default=None)}
+
+        result = {"gpus": n, "straight_exit": runs["straight"][0], "straight_loss": [straight[s]["loss"] for s in sorted(straight)],
+                  f"{n}_to_1": against_straight("one", range(5, 9)), f"1_to_{n}": against_straight("back", range(9, 11))}
+        self.save("regroup", result)
+        for key in (f"{n}_to_1", f"1_to_{n}"):
+            r = result[key]
+            print(f"\nresume {key.replace('_to_', ' → ')} GPUs (ddp, deterministic): steps {r['steps']}, the same rows as the "
+                  f"straight {n}-GPU run: {r['positions_equal']}, max relative loss difference {r['max_rel_loss_diff']}")
 
     def compare_weights(self, a: str, b: str) -> dict:
         from safetensors.torch import load_file
