@@ -74,6 +74,19 @@ def test_linear_part_matters():
     assert (o - sparsek_attention(q, k, v, u, topk=3, window=4)).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("k,w", [(0, 32), (16, 16)])
+def test_float32_follows_float64_when_the_exp_part_is_tiny_beside_the_linear_sums(k, w):
+    """Every logit far below 0 (q.k < 0, exp ~ e^-40) and phi(q).phi(k) large: the window's keys must not enter the
+    linear sums to be taken out again (a difference of large sums that rounds to noise: NaN in bf16 training)."""
+    T, D = 300, 16
+    q, kk, v, u, phi = inputs(T, 2, 2, D=D)
+    q, kk = -3 * q.abs(), 3 * kk.abs()  # [B, T, H, D]: logits about -9 * 16 * 0.64 / 4 = -23 .. -60
+    phi = 4 * phi
+    want = sparsek_linear_attention(q, kk, v, u, phi, topk=k, window=w)
+    got = sparsek_linear_attention(*(x.float() for x in (q, kk, v, u, phi)), topk=k, window=w)
+    assert torch.isfinite(got).all() and (got.double() - want).abs().max() < 1e-3
+
+
 @pytest.mark.parametrize("k,w,variant", [(3, 2, "hard_k_soft_v"), (0, 3, "hard_k_soft_v"), (2, 2, "soft_kv")])
 def test_gradcheck(k, w, variant):
     args = [x.requires_grad_() for x in inputs(11, 2, 1, D=3, B=1, u_scale=0.4)]

@@ -52,7 +52,9 @@ def causal_linear_attention_naive(
     num = torch.einsum("bngrij,bnjgd->bnigrd", a, vv)  # [B, n, C, Hkv, R, D]
     # Inter-block: the state at each block start (the carried state plus every earlier block).
     blk_kv = torch.einsum("bnjgf,bnjgd->bngfd", k, vv)  # [B, n, Hkv, F, D]
-    start_kv = state_kv[:, None].to(cdt) + blk_kv.cumsum(1) - blk_kv  # exclusive prefix
+    # Exclusive prefix as a shifted cumsum, not cumsum - blk: a query's sums must not depend on the keys
+    # after it in its block (a shorter or padded chunk would otherwise round them differently).
+    start_kv = state_kv[:, None].to(cdt) + F.pad(blk_kv.cumsum(1), (0, 0, 0, 0, 0, 0, 1, 0))[:, :n]
     num = num + torch.einsum("bnigrf,bngfd->bnigrd", q, start_kv)
     z = state_k[:, None, None].to(cdt) + k.reshape(B, n * block, Hkv, Fd).cumsum(1).view(B, n, block, Hkv, Fd)
     den = torch.einsum("bnigrf,bnigf->bnigr", q, z)  # [B, n, C, Hkv, R]

@@ -5,10 +5,11 @@ The linear part of query i is phi(q_i) . sum_j (1 - g_ij) phi(k_j) v_j^T. Split 
   - keys that can no longer be selected: they left the window and are not in the pool, so by
     irreversibility (DESIGN.md section 2, fact 1) no later query selects them: g = 0 for every later
     query. Their sums (sum phi(k) v^T, sum phi(k)) are the carried state, of fixed size;
-  - the pool, the tail and the chunk (the extended keys): their full linear sums are the causal
-    linear attention of the chunk started from state + pool + tail (ops/linear_attention), and the
-    core takes their g-weighted part back out over the window and selected keys, where g depends on
-    the query (tau_i), so a pooled key cannot join the state before it is evicted.
+  - the pool, the tail and the chunk (the extended keys): query i's linear sums over those outside
+    its window are a causal linear attention (ops/linear_attention) started from state + pool over the
+    tail and chunk keys lagged by the window (_beyond_window_sums), and the core takes the g-weighted
+    part of the selected keys back out, where g depends on the query (tau_i), so a pooled key cannot
+    join the state before it is evicted. The window's keys (g = 1) never enter the linear sums.
 After the chunk, the extended keys in neither the new pool nor the new tail join the state.
 phi(x) = elu(head-wise linear(x)) + 1 reads the keys as the cache holds them (after RoPE), so the
 cache needs no second copy of the pool's and tail's keys.
@@ -85,6 +86,26 @@ def _add_state(state_kv, state_k, phk, v, keep) -> tuple[torch.Tensor, torch.Ten
     return state_kv + torch.einsum("bngf,bngd->bgfd", phk, v.to(state_kv.dtype)), state_k + phk.sum(1)
 
 
+def _beyond_window_sums(phq, phk, keys, cache: SparseKLinearCache, window: int, backend: str):
+    """(num [B, L, H, D], den [B, L, H]): phi(q_i) . the sums over the causal keys outside query i's window
+    (positions <= p_i - w), so the window's keys (gate 1, no linear part) are never added and then taken
+    back out: that difference of two large sums cancelled to noise in bfloat16 and float32 and made the
+    denominator zero or negative (NaN in training on the GPU).
+
+    They are the state, the pool (both beyond every chunk query's window) and the tail and chunk keys
+    lagged: tail ++ chunk index e holds position seen - (W-1) + e, which leaves query i's window once
+    e <= i - lag, lag = w - (W-1); causal linear attention over that sequence shifted right by lag."""
+    K, L = keys.topk, phq.shape[1]
+    pool = keys.pos[:, :K] >= 0
+    start_kv, start_k = _add_state(cache.lin_kv, cache.lin_k, phk[:, :K], keys.v[:, :K], pool)
+    lag = window - keys.tail_slots
+
+    def lagged(x):  # [B, W-1 + L, Hkv, .] -> [B, L, Hkv, .]: row i holds tail ++ chunk index i - lag (0 before)
+        return torch.nn.functional.pad(x, (0, 0, 0, 0, lag, 0))[:, :L]
+
+    return causal_linear_attention(phq, lagged(phk[:, K:]), lagged(keys.v[:, K:]), start_kv, start_k, backend=backend)
+
+
 def sparsek_linear_attention_chunk(
     q: torch.Tensor,  # [B, L, H, D]
     k: torch.Tensor,  # [B, L, Hkv, D] (after RoPE)
@@ -109,13 +130,9 @@ def sparsek_linear_attention_chunk(
     keys = lay_out_keys(cache, k, v, u, lengths)
     sel = select(keys, cache, window=window, block=block, scan=scan)
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
-    first = keys.first_query
     phq = feature_map(q, phi_weight)  # [B, L, H, F]
     phk = _phi_keys(keys.k, keys.pos, phi_weight)  # [B, N, Hkv, F]
-    # The causal sums start from the state plus the pool and the tail (all before the chunk).
-    before = keys.pos[:, :first] >= 0
-    start_kv, start_k = _add_state(cache.lin_kv, cache.lin_k, phk[:, :first], keys.v[:, :first], before)
-    num, den = causal_linear_attention(phq, phk[:, first:], keys.v[:, first:], start_kv, start_k, backend=linear_backend)
+    num, den = _beyond_window_sums(phq, phk, keys, cache, window, linear_backend)
     o = sparsek_attention_core_naive(
         q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool,
         topk=keys.topk, window=window, tail_slots=keys.tail_slots, variant=variant, scale=scale, block=block,

@@ -18,9 +18,10 @@ gate weighs exp(q.k) in the denominator too, as in the paper's formula:
 
     o_i = sum_j (g_ij e^{s_ij} + (1 - g_ij) phi(q_i).phi(k_j)) v_j / sum_j (g_ij e^{s_ij} + (1 - g_ij) phi(q_i).phi(k_j))
 
-The linear sums over all causal keys come in precomputed (LinearTerms.num, .den: causal linear
-attention, ops/linear_attention); the core adds the exp part and takes the g-weighted linear part back
-out over the same window and selected keys it already gathers. Both parts are scaled by e^{-M_i},
+The linear sums over the causal keys outside query i's window come in precomputed (LinearTerms.num,
+.den: causal linear attention, ops/linear_attention); the core adds the exp part and takes the
+g-weighted linear part of the selected keys back out (the window's keys, g = 1, are not in the sums:
+adding and removing them cancelled to rounding noise). Both parts are scaled by e^{-M_i},
 M_i = max(0, max_j s_ij), so neither exp overflows.
 """
 
@@ -38,8 +39,8 @@ class LinearTerms(NamedTuple):
 
     phq: torch.Tensor  # [B, L, H, F] phi of the queries
     phk: torch.Tensor  # [B, N, Hkv, F] phi of the extended keys (0 in empty slots)
-    num: torch.Tensor  # [B, L, H, D] phi(q_i) . sum_{j <= i} phi(k_j) v_j^T over every causal key
-    den: torch.Tensor  # [B, L, H] phi(q_i) . sum_{j <= i} phi(k_j)
+    num: torch.Tensor  # [B, L, H, D] phi(q_i) . sum_j phi(k_j) v_j^T over the causal keys with p_j <= p_i - w
+    den: torch.Tensor  # [B, L, H] phi(q_i) . sum_j phi(k_j) over the same keys
 
 
 def position_order(block_pool: torch.Tensor, pos_ext: torch.Tensor) -> torch.Tensor:
@@ -155,8 +156,10 @@ def sparsek_attention_core_naive(
             logits = logits * gate_h
         logits = logits.masked_fill(~attend[:, :, None, None], -float("inf"))
         if linear is not None:
-            outs.append(_mix_linear(logits, gate_h, attend, vv, linear.phk[rows, safe], phq_b[:, s:e], num_b[:, s:e],
-                                    den_b[:, s:e]))
+            # S holds every key beyond the window (a document's first w + k positions, tau = -inf)?
+            complete = selected.sum(-1) == (qpos_b[:, s:e] - window + 1).clamp(min=0)  # [B, n, G]
+            outs.append(_mix_linear(logits, gate_h, attend, selected, complete, vv, linear.phk[rows, safe],
+                                    phq_b[:, s:e], num_b[:, s:e], den_b[:, s:e]))
             continue
         # Padded queries attend to nothing: give them a harmless row, then zero it.
         any_key = attend.any(-1)[:, :, None, None, :, None]  # [B, n, 1, 1, G, 1]
@@ -167,19 +170,25 @@ def sparsek_attention_core_naive(
     return o.to(q.dtype)
 
 
-def _mix_linear(logits, gate, attend, v, phk, phq, num_lin, den_lin) -> torch.Tensor:
+def _mix_linear(logits, gate, attend, selected, complete, v, phk, phq, num_lin, den_lin) -> torch.Tensor:
     """o [B, n, G, Hkv, R, D] of the SparseK+Linear+SW formula (module doc) for one step of query blocks.
 
-    logits [B, n, Hkv, R, G, Kb] (-inf off S u W), gate [B, n, 1, 1, G, Kb], attend [B, n, G, Kb],
-    v [B, n, Kb, Hkv, D], phk [B, n, Kb, Hkv, F] of the gathered keys; phq [B, n, G, Hkv, R, F],
-    num_lin [B, n, G, Hkv, R, D], den_lin [B, n, G, Hkv, R] over every causal key.
+    logits [B, n, Hkv, R, G, Kb] (-inf off S u W), gate [B, n, 1, 1, G, Kb], attend (S u W) and selected
+    (S) [B, n, G, Kb], complete [B, n, G] (S is every key beyond the window), v [B, n, Kb, Hkv, D],
+    phk [B, n, Kb, Hkv, F] of the gathered keys; phq [B, n, G, Hkv, R, F], num_lin [B, n, G, Hkv, R, D],
+    den_lin [B, n, G, Hkv, R] over the causal keys outside the window.
     """
     M = logits.detach().amax(-1, keepdim=True).clamp(min=0)  # [B, n, Hkv, R, G, 1]: a stabiliser only
     lin_w = torch.einsum("bngkrf,bnjkf->bnkrgj", phq, phk.to(phq.dtype))  # phi(q_i).phi(k_j)
-    on = attend[:, :, None, None]  # [B, n, 1, 1, G, Kb]
-    # Over S u W: g e^{s - M} minus the g-weighted linear part the causal sums already hold.
-    w = torch.where(on, gate * torch.exp(logits - M) - torch.exp(-M) * gate * lin_w, 0)
+    on, sel = attend[:, :, None, None], selected[:, :, None, None]  # [B, n, 1, 1, G, Kb]
+    lin_s = torch.where(sel, torch.exp(-M) * lin_w, 0)  # e^{-M} phi(q).phi(k) over S
+    # The linear part over S, two exact forms: when S is every key beyond the window, (1 - g) phi.phi over S
+    # alone (the sums beyond the window hold S only: their difference would be rounding noise); otherwise
+    # those sums minus g phi.phi over S.
+    full = complete[:, :, None, None, :, None]  # [B, n, 1, 1, G, 1]
+    w = torch.where(on, gate * torch.exp(logits - M), 0) + torch.where(full, (1 - gate) * lin_s, -gate * lin_s)
     eM = torch.exp(-M)[..., 0].permute(0, 1, 4, 2, 3)  # [B, n, G, Hkv, R]
+    eM = torch.where(complete[..., None, None], 0, eM)  # the sums beyond the window are S's, counted above
     num = torch.einsum("bnkrgj,bnjkd->bngkrd", w, v.to(w.dtype)) + eM[..., None] * num_lin
     den = w.sum(-1).permute(0, 1, 4, 2, 3) + eM * den_lin  # [B, n, G, Hkv, R]
     any_key = attend.any(-1)[:, :, :, None, None]  # padded queries: no keys, output 0
