@@ -3,6 +3,7 @@
     python benchmarks/fit_profile.py --out DIR                 # 12 x 768 llama, SparseK+SW k = w = 512, chunk 4096 x 4 rows
     python benchmarks/fit_profile.py --out DIR --set train.compile=true --set attention.type=sw ...
     python benchmarks/fit_profile.py --out DIR --small         # a tiny CPU version, to check the script
+    torchrun --nproc_per_node 2 benchmarks/fit_profile.py --out DIR --set train.parallel=fsdp   # every rank profiles
 
 It builds the same recipe and synthetic corpus as benchmarks/fit_throughput.py, runs the Trainer
 in this process for --warmup steps, profiles the next --steps (the last of them reads the losses
@@ -12,6 +13,8 @@ back, as a log line does), and prints one table, per step:
   cache updates      the rest of the op: the key layout, gathers of the next cache, cache resets
   host syncs         the host waiting for the device (cudaStreamSynchronize and friends, DtoH copies)
   optimizer          clipping, AdamW, zeroing the gradients
+  communication      collectives between ranks: NCCL kernels on the device; on the host, FSDP's and DDP's
+                     hooks and the c10d calls (gloo's run there)
   matmuls            every other GEMM (projections, MLPs, the head)
   other kernels      elementwise, norms, RoPE, the loss's softmax, ...
   GPU idle           wall time minus the device's busy time: Python, launches, host work
@@ -21,7 +24,8 @@ replays: they have no launching host op; `--set train.cuda_graphs=false` attribu
 ranges' own device-side spans are not kernels and are not counted (before 2026-11-24 they were,
 which made "other kernels" and "device busy" too large). Writes DIR/fit_profile.json, the
 top kernels and host ops as DIR/fit_profile.txt and, with --trace, DIR/fit_profile_trace.json
-(a Chrome/Perfetto trace). Takes about a minute on an H100 (most of it building the corpus and the
+(a Chrome/Perfetto trace). Under torchrun every rank profiles its own steps and writes
+DIR/fit_profile-rank<R>.json (and .txt); rank 0 prints its table. Takes about a minute on an H100 (most of it building the corpus and the
 token cache, shared with fit_throughput.py's work folder).
 """
 
@@ -43,7 +47,7 @@ from torch.autograd import DeviceType
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-GROUPS = ["attention kernels", "scan", "cache updates", "host syncs", "optimizer", "matmuls", "other kernels"]
+GROUPS = ["attention kernels", "scan", "cache updates", "host syncs", "optimizer", "communication", "matmuls", "other kernels"]
 # record_function ranges wrapped around longtrain's functions (module, attribute) -> group
 RANGES = {
     "lt.attention_core": "attention kernels",
@@ -60,6 +64,8 @@ MATMUL_KERNELS = re.compile(r"gemm|cutlass|sm90_|sm80_|xmma|cublas|matmul|nvjet|
 SYNC_CALLS = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$|^cuStreamSynchronize$|^cuCtxSynchronize$")
 DTOH = re.compile(r"Memcpy DtoH|Memcpy Device -> Host|DtoH", re.I)
 OPTIMIZER_KERNELS = re.compile(r"adam|multi_tensor_apply|foreach", re.I)
+COMM_KERNELS = re.compile(r"nccl", re.I)
+COMM_HOST = re.compile(r"^(FSDP::|DistributedDataParallel|c10d::|nccl:|gloo:|record_param_comms)")  # host ops of collectives
 
 
 def load_fit_throughput():
@@ -110,6 +116,8 @@ def wrap_ranges() -> list[str]:
 def group_of_range(name: str) -> str | None:
     if name in RANGES:
         return RANGES[name]
+    if COMM_HOST.search(name):
+        return "communication"
     return next((g for prefix, g in TORCH_RANGES.items() if name.startswith(prefix)), None)
 
 
@@ -125,6 +133,8 @@ def innermost_group(evt) -> str | None:
 
 
 def kernel_group(name: str, launched_in: str | None) -> str:
+    if COMM_KERNELS.search(name):
+        return "communication"
     if ATTENTION_KERNELS.search(name) and launched_in in (None, "attention kernels", "cache updates"):
         return "attention kernels"
     if SCAN_KERNELS.search(name):
@@ -204,13 +214,19 @@ def main() -> None:
         attentions = {"sparsek+sw": {"type": "sparsek+sw", "topk": 16, "window": 16}, "sw": {"type": "sw", "window": 32},
                       "sparsek": {"type": "sparsek", "topk": 32}}
         args.width, args.chunk, vocab, words, tokens = 768, 128, 512, 3000, 256
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
+    suffix = f"-rank{rank}" if world > 1 else ""
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("LONGTRAIN_CACHE", str(work / "cache"))
-    corpus, tokenizer = work / "corpus", work / "tokenizer.json"
-    if not corpus.is_dir():
-        ft.write_corpus(corpus, n_docs=8, words_per_doc=words, seed=0)
-    if not tokenizer.is_file():
-        ft.train_tokenizer(corpus, tokenizer, vocab)
+    corpus, tokenizer, ready = work / "corpus", work / "tokenizer.json", work / "corpus.ready"
+    if rank == 0:  # one rank writes the corpus and the tokenizer; the others wait for them
+        if not corpus.is_dir():
+            ft.write_corpus(corpus, n_docs=max(8, 2 * world), words_per_doc=words, seed=0)
+        if not tokenizer.is_file():
+            ft.train_tokenizer(corpus, tokenizer, vocab)
+        ready.touch()
+    while not ready.exists():
+        time.sleep(0.5)
 
     from longtrain.train.recipe import load_recipe
     from longtrain.train.trainer import Trainer
@@ -219,7 +235,7 @@ def main() -> None:
     total = args.warmup + args.steps
     yaml_text = ft.recipe_yaml(shapes[args.width], attentions[args.attention], chunk=args.chunk, rows=rows, steps=total,
                                corpus=corpus, tokenizer=tokenizer, device=device)
-    recipe_path = work / "profile.yaml"
+    recipe_path = work / f"profile{suffix}.yaml"
     recipe_path.write_text(yaml_text)
     # the profiled steps end with the run's only log line (one read-back), as the steps between log lines do
     recipe = load_recipe(recipe_path, [f"logging.every={total}", *args.overrides])
@@ -248,20 +264,23 @@ def main() -> None:
     Trainer(recipe, run_dir=work / "profile-run", resume="never").train()
     wall = clock["end"] - clock["start"]
     summary = attribute(prof.events(), args.steps, wall)
-    summary |= {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "recipe": yaml_text,
+    summary |= {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rank": rank, "world_size": world,
+                "recipe": yaml_text,
                 "commit": os.environ.get("LONGTRAIN_COMMIT"),  # the device's copy of the tree has no git history
                 "overrides": args.overrides, "ranges": wrapped, "tokens_per_step": rows * args.chunk,
                 "tokens_per_s": round(rows * args.chunk * args.steps / wall, 1)}
-    (args.out / "fit_profile.json").write_text(json.dumps(summary, indent=1))
+    (args.out / f"fit_profile{suffix}.json").write_text(json.dumps(summary, indent=1))
     sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    (args.out / "fit_profile.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+    (args.out / f"fit_profile{suffix}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
     if args.trace:
-        prof.export_chrome_trace(str(args.out / "fit_profile_trace.json"))
-    print_table(summary)
+        prof.export_chrome_trace(str(args.out / f"fit_profile_trace{suffix}.json"))
+    if rank == 0:
+        print_table(summary)
 
 
 def print_table(s: dict) -> None:
-    print(f"\none step of {s['tokens_per_step']:,} tokens on {s['device']}: {s['wall_ms_per_step']:.1f} ms wall "
+    ranks = f" (rank {s['rank']} of {s['world_size']})" if s.get("world_size", 1) > 1 else ""
+    print(f"\none step of {s['tokens_per_step']:,} tokens on {s['device']}{ranks}: {s['wall_ms_per_step']:.1f} ms wall "
           f"({s['tokens_per_s'] / 1e3:.1f}k tokens/s), device busy {s['device_busy_ms_per_step']:.1f} ms")
     print("| group | device ms/step | host ms/step |")
     print("|---|---|---|")
