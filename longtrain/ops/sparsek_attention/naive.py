@@ -181,12 +181,12 @@ def _mix_linear(logits, gate, attend, selected, complete, v, phk, phq, num_lin, 
     M = logits.detach().amax(-1, keepdim=True).clamp(min=0)  # [B, n, Hkv, R, G, 1]: a stabiliser only
     lin_w = torch.einsum("bngkrf,bnjkf->bnkrgj", phq, phk.to(phq.dtype))  # phi(q_i).phi(k_j)
     on, sel = attend[:, :, None, None], selected[:, :, None, None]  # [B, n, 1, 1, G, Kb]
-    lin_s = torch.where(sel, torch.exp(-M) * lin_w, 0)  # e^{-M} phi(q).phi(k) over S
     # The linear part over S, two exact forms: when S is every key beyond the window, (1 - g) phi.phi over S
     # alone (the sums beyond the window hold S only: their difference would be rounding noise); otherwise
-    # those sums minus g phi.phi over S.
+    # those sums minus g phi.phi over S. The choice is made on the gates, which have no head axes.
     full = complete[:, :, None, None, :, None]  # [B, n, 1, 1, G, 1]
-    w = torch.where(on, gate * torch.exp(logits - M), 0) + torch.where(full, (1 - gate) * lin_s, -gate * lin_s)
+    lin_gate = torch.where(sel, torch.where(full, 1 - gate, -gate), 0)  # [B, n, 1, 1, G, Kb]
+    w = torch.where(on, gate * torch.exp(logits - M), 0) + lin_gate * torch.exp(-M) * lin_w
     eM = torch.exp(-M)[..., 0].permute(0, 1, 4, 2, 3)  # [B, n, G, Hkv, R]
     eM = torch.where(complete[..., None, None], 0, eM)  # the sums beyond the window are S's, counted above
     num = torch.einsum("bnkrgj,bnjkd->bngkrd", w, v.to(w.dtype)) + eM[..., None] * num_lin
