@@ -13,8 +13,8 @@ back, as a log line does), and prints one table, per step:
   cache updates      the rest of the op: the key layout, gathers of the next cache, cache resets
   host syncs         the host waiting for the device (cudaStreamSynchronize and friends, DtoH copies)
   optimizer          clipping, AdamW, zeroing the gradients
-  communication      collectives between ranks: NCCL kernels on the device; on the host, FSDP's and DDP's
-                     hooks and the c10d calls (gloo's run there)
+  communication      collectives between ranks: NCCL kernels on the device; on the host, FSDP's hooks and
+                     the c10d calls (ddp's one gradient all-reduce per step; gloo's collectives run there)
   matmuls            every other GEMM (projections, MLPs, the head)
   other kernels      elementwise, norms, RoPE, the loss's softmax, ...
   GPU idle           wall time minus the device's busy time: Python, launches, host work
@@ -65,7 +65,8 @@ SYNC_CALLS = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$|^c
 DTOH = re.compile(r"Memcpy DtoH|Memcpy Device -> Host|DtoH", re.I)
 OPTIMIZER_KERNELS = re.compile(r"adam|multi_tensor_apply|foreach", re.I)
 COMM_KERNELS = re.compile(r"nccl", re.I)
-COMM_HOST = re.compile(r"^(FSDP::|DistributedDataParallel|c10d::|nccl:|gloo:|record_param_comms)")  # host ops of collectives
+COMM_HOST = re.compile(r"^(FSDP::|c10d::|nccl:|gloo:|record_param_comms)")  # host ops of collectives (not a wrapping
+# module's forward range, which would take every kernel launched inside it)
 
 
 def load_fit_throughput():
