@@ -104,15 +104,16 @@ def train(a: argparse.Namespace) -> None:
 
 
 def evaluate(a: argparse.Namespace) -> None:
+    from longtrain.train.metrics import METRICS_FILE, read_metrics
+
     runs = [str(a.runs / name) for name in runs_of(a) if (a.runs / name / "checkpoints").is_dir()]
     cmd = [sys.executable, "-m", "longtrain.cli", "eval", *runs, "--task", "ppl", "--data", str(a.valid),
            "--docs", str(a.docs), "--tokens", str(a.tokens), "--json", str(a.out / "books-eval.json")]
     subprocess.run(cmd, check=True, cwd=ROOT)
     for name in runs_of(a):  # the validation losses logged in training (the gap against tokens), steps and tokens/s
-        metrics = a.runs / name / "metrics.jsonl"
+        metrics = a.runs / name / METRICS_FILE
         if metrics.is_file():
-            rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-            curve = [(r["tokens"], r["valid_loss"]) for r in rows if "valid_loss" in r]
+            curve = [(r["tokens"], r["valid_loss"]) for r in read_metrics(metrics) if "valid_loss" in r]
             (a.out / f"curve-{name}.json").write_text(json.dumps(curve))
             t = training_summary(a.runs / name)
             (a.out / f"train-{name}.json").write_text(json.dumps({k: t[k] for k in ("steps", "tokens", "tokens_per_s")}))

@@ -79,6 +79,7 @@ ABLATIONS = {
 # that had not formed after 20,000 steps of 8..256 alone) each of the two halves formed one circuit of two
 # by 10,000 steps, a lower lr or no weight decay none (H200 screen, benchmarks/README.md "Recall").
 CIRCUIT_CURRICULUM = ["data.recall.min_distance=8 data.recall.max_distance=32 train.steps=2000"]
+CIRCUIT_STATE = "circuit.json"  # in OUT: each seed's circuit step target and recall (circuit_state)
 CIRCUIT_FORMED = 0.9  # the circuit's own recall at its longest distances that counts as formed
 CIRCUIT_EXTENSIONS = 2  # times an unformed circuit trains its steps again before stage 2 skips its seed
 SETTINGS = ("train", "4x", "4x-far")
@@ -160,7 +161,6 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
         warmup(out, fresh, list(stages), budget_s, extra)
     start = {s: stage_dir(out, len(stages) - 1, s) if stages else None for s in seeds}
     budget_s, t0 = budget_s - (time.monotonic() - t0), time.monotonic()  # what the curriculum left
-    state_path = out / "circuit.json"
     base = _recipe_steps(CIRCUIT, extra)
     state = circuit_state(out)  # other seeds' entries stay
     for s in seeds:
@@ -174,11 +174,11 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
                                            f"train.steps={state[str(s)]['steps']}"],
                                           out / f"fit-{circuit_dir(out, s).name}.log") for s in pending}
             if wait_all(procs, budget_s - (time.monotonic() - t0)):
-                state_path.write_text(json.dumps(state, indent=1))
+                save_circuit_state(out, state)
                 stop_at_budget("circuit")
             for s in pending:
                 state[str(s)]["recall"] = circuit_recall(circuit_dir(out, s), device)
-            state_path.write_text(json.dumps(state, indent=1))
+            save_circuit_state(out, state)
         log(f"circuit recall at its longest distances: {describe(state, seeds)}")
         extend = [s for s in unformed(state, seeds) if state[str(s)]["steps"] < last]
         if not extend:
@@ -190,8 +190,12 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
 
 def circuit_state(out: Path) -> dict:
     """out/circuit.json: seed -> {"steps": its step target, "recall": measured after them, or None}."""
-    path = out / "circuit.json"
+    path = out / CIRCUIT_STATE
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def save_circuit_state(out: Path, state: dict) -> None:
+    (out / CIRCUIT_STATE).write_text(json.dumps(state, indent=1))
 
 
 def describe(state: dict, seeds: list[int | None]) -> str:
