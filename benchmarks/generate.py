@@ -14,8 +14,9 @@ A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with S
              - eager: the same step launched op by op;
   batched  BATCH rows (default 64) of prompts between half and all of BATCH_PROMPT tokens (different
            lengths: the ragged prefill), decoded together; tokens/s over all rows;
-  profile  torch.profiler over 20 eager decode steps after the shortest prompt (CUDA): the kernels by
-           device time per step and the launches per step (JSON only);
+  profile  torch.profiler over 20 decode steps (CUDA): eager after the shortest prompt and in the batch,
+           and the compiled step (no graph: every kernel named) with --compile; the kernels by device
+           time per step and the launches per step (JSON only);
   check    decode == chunked forward in bf16 (SparseK+SW): after a CHECK_PROMPT-token prompt, the same
            CHECK_TOKENS tokens once as one chunk through the forward (the chunk op, device scan) and
            once token by token through the decode step; per layer, the positions whose selection
@@ -82,9 +83,11 @@ def _fresh(dev: torch.device) -> int:
 
 
 @torch.no_grad()
-def decode_rate(model: LM, cache, logits: torch.Tensor, steps: int, *, graph: bool, compile: bool = False) -> dict:
+def decode_rate(model: LM, cache, logits: torch.Tensor, steps: int, *, graph: bool, compile: bool = False,
+                profile: bool = False) -> dict:
     """Greedy decoding of `steps` tokens per row from `cache`, the sampled tokens fed back on the device:
-    {tokens_per_s (all rows), setup_s (capture, compile), graph, compiled, error}."""
+    {tokens_per_s (all rows), setup_s (capture, compile), graph, compiled, error}; profile: and the
+    kernels of 20 more steps (the graph's replays: the profiler names the kernels a graph launches)."""
     dev = logits.device
     t0 = time.perf_counter()
     dec = Decoder(model, cache, cuda_graph=None if graph else False, compile=compile)  # a failed capture: eager, says why
@@ -98,8 +101,14 @@ def decode_rate(model: LM, cache, logits: torch.Tensor, steps: int, *, graph: bo
         dec.advance()
     _sync(dev)
     rate = steps * cache.batch_size / (time.perf_counter() - t0)
-    return {"tokens_per_s": rate, "setup_s": setup, "graph": dec.graph is not None, "compiled": dec.compiled,
-            "error": dec.graph_error}
+    out = {"tokens_per_s": rate, "setup_s": setup, "graph": dec.graph is not None, "compiled": dec.compiled,
+           "error": dec.graph_error}
+    if profile and dev.type == "cuda":
+        try:
+            out["profile"] = _profile_steps(dec, 20)
+        except Exception as e:  # the profiler is a help, never the reason the row is lost
+            out["profile"] = {"error": f"{type(e).__name__}: {e}"}
+    return out
 
 
 def single_prompt(model: LM, n_prompt: int) -> torch.Tensor:
@@ -135,10 +144,7 @@ def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev
     if graph:
         row["decode_tokens_per_s_eager"] = decode_rate(model, cache, logits, max(new // 4, 8), graph=False)["tokens_per_s"]
         if profile:
-            try:
-                row["profile"] = profile_step(model, cache, logits)
-            except Exception as e:  # the profiler is a help, never the reason the row is lost
-                row["profile"] = {"error": f"{type(e).__name__}: {e}"}
+            row["profile"] = _profile_or_error(model, cache, logits)
     row["peak_memory_bytes"] = peak_bytes(dev)
     row["kv_cache_bytes"] = cache.nbytes()
     row["kv_entries_per_layer"] = cache.kv_entries_per_layer
@@ -163,31 +169,50 @@ def run_batched(model: LM, name: str, rows: int, n_prompt: int, *, chunk: int, n
             "decode_setup_s": d["setup_s"]}
     if d["error"]:
         row["cuda_graph_error"] = d["error"]
+    if graph:
+        row["profile"] = _profile_or_error(model, cache, logits)
     row["peak_memory_bytes"] = peak_bytes(dev)
     row["kv_cache_bytes"] = cache.nbytes()
     row["kv_entries_per_layer"] = cache.kv_entries_per_layer
     return row
 
 
+def _profile_or_error(model: LM, cache, logits: torch.Tensor) -> dict:
+    try:
+        return profile_step(model, cache, logits)
+    except Exception as e:  # the profiler is a help, never the reason the row is lost
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 @torch.no_grad()
 def profile_step(model: LM, cache, logits: torch.Tensor, steps: int = 20) -> dict:
     """Where a decode step's device time goes: torch.profiler over `steps` eager steps (every kernel
-    launched on its own, so each is named); per step, the kernels by device time and their count."""
-    from torch.profiler import ProfilerActivity, profile
-
+    launched on its own, so each is named)."""
     dec = Decoder(model, cache, cuda_graph=False)
     dec.start(logits)
     for _ in range(3):
         dec.advance()
+    return _profile_steps(dec, steps)
+
+
+@torch.no_grad()
+def _profile_steps(dec: Decoder, steps: int) -> dict:
+    """`steps` more steps of `dec` under torch.profiler: per step, the kernels by device time and their
+    count, the device's busy time and the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         for _ in range(steps):
             dec.advance()
         torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     kernels.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in kernels)
-    return {"steps": steps, "device_us_per_step": total / steps,
+    return {"steps": steps, "graph": dec.graph is not None, "compiled": dec.compiled,
+            "wall_us_per_step": wall / steps * 1e6, "device_us_per_step": total / steps,
             "launches_per_step": sum(e.count for e in kernels) / steps,
             "top": [{"kernel": e.key[:120], "us_per_step": e.self_device_time_total / steps, "per_step": e.count / steps}
                     for e in kernels[:25]]}
@@ -199,10 +224,12 @@ def add_compiled(model: LM, row: dict, *, chunk: int, new: int, batch_prompt: in
         batched_prompts(model, row["rows"], batch_prompt)
     _fresh(dev)
     cache, logits = prefill(model, prompts, chunk_size=chunk)
-    c = decode_rate(model, cache, logits, new, graph=True, compile=True)
+    c = decode_rate(model, cache, logits, new, graph=True, compile=True, profile="profile" in row)
     row |= {"decode_tokens_per_s_compiled": c["tokens_per_s"] if c["compiled"] else None, "compile_setup_s": c["setup_s"]}
     if c["error"]:
         row["compile_error"] = c["error"]
+    elif c.get("profile"):
+        row["profile_compiled"] = c["profile"]
 
 
 @torch.no_grad()
