@@ -1,5 +1,7 @@
 """The decode step (one query against the cache, incremental threshold) equals the chunk op on one token."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -136,6 +138,52 @@ def test_the_pool_keeps_the_chunk_ops_layout(backend):
         pos = cache.pool_pos[0]
         n = int((pos >= 0).sum())
         assert (pos[n:] == -1).all() and torch.equal(pos[:n], pos[:n].sort().values)
+
+
+@pytest.mark.parametrize("cap", [12, 16])  # no power of 2, and one (the kernel's block is then the cap itself)
+def test_the_admission_kernel_on_edge_states(cap):
+    """admit_triton against the torch admission on states the chunk op left full and unsorted: a row that must
+    drop its lowest fractional score, a row with no candidate, one sorted on arrival that admits a saturated
+    score (tau rises past its lowest ones), one with fewer scores and garbage past its count; then steps from the
+    kernel's sorted states."""
+    pytest.importorskip("triton")  # on the CPU: the kernel under TRITON_INTERPRET=1
+    from longtrain.ops.sparsek_attention.decode import _admit
+
+    torch.manual_seed(5)
+    B, K, D = 4, 4, 4
+    cache = SparseKCache.empty(B, K, 3, 1, D, dtype=torch.float64, score_dtype=torch.float64, cap=cap)
+    q, k, v, u = _rand(B, 40, 2, 1, D, torch.float64, 0.02)  # close scores: many fractional, the cap overflows
+    _, cache, _ = sparsek_attention_chunk(q, k, v, u, cache, backend="naive", scan="host")
+    assert (cache.thr_count == cap).all()
+    assert not (cache.thr_u[0, 1:] >= cache.thr_u[0, :-1]).all()  # the chunk op's order: unsorted
+    thr_u, count = cache.thr_u.clone(), cache.thr_count.clone()
+    thr_u[2] = thr_u[2].sort().values  # row 2 arrives sorted
+    count[3] = cap - 3  # row 3: three scores fewer, garbage after them
+    thr_u[3, cap - 3 :] = -7.0
+    cache = replace(cache, thr_u=thr_u, thr_count=count)
+    fast = ref = cache
+    left = 0
+    for step in range(6):
+        tau = fast.tau
+        cu = torch.stack([tau[0] + 0.3, tau[1] + 0.5, tau[2] + 5.0, tau[3] + 0.2 if step else tau[3] - 0.1])
+        cpos = fast.seen - 2 + step
+        cpos[1] = -1  # row 1: no candidate
+        ck, cv = torch.randn(B, 1, D, dtype=torch.float64), torch.randn(B, 1, D, dtype=torch.float64)
+        a = _admit(fast, ck, cv, cu, cpos, topk=K, backend="triton")
+        b = _admit(ref, ck, cv, cu, cpos, topk=K, backend="torch")
+        assert torch.equal(a.pool_pos, b.pool_pos) and torch.equal(a.pool_u, b.pool_u) and torch.equal(a.pool_k, b.pool_k)
+        assert torch.equal(a.thr_count, b.thr_count) and torch.equal(a.overflow, b.overflow), step
+        _sets_equal(a, b, K, 1e-12)
+        for r in range(B):  # the kernel's state: sorted, +inf after the count
+            n = int(a.thr_count[r])
+            assert (a.thr_u[r, 1:n] >= a.thr_u[r, : n - 1]).all() and torch.isinf(a.thr_u[r, n:]).all()
+        grew = (a.overflow - fast.overflow).tolist()
+        full = (fast.thr_count == cap).tolist()
+        assert grew[0] == full[0] and grew[2] == full[2] and grew[1] == 0  # full rows drop their lowest fractional score
+        assert torch.equal(a.thr_u[1], fast.thr_u[1].sort().values)  # no candidate: the scores, sorted
+        left += int(a.thr_count[2] < cap)  # row 2's saturated candidates raise tau past its lowest scores
+        fast, ref = a, b
+    assert left > 0
 
 
 def test_position_hash_is_the_scans():

@@ -12,6 +12,14 @@ each is a launch of a few microseconds, more than the work. This kernel does the
     pointers into the sorted scores instead of two heaps; amortised O(1) steps), and the scores at
     or below the new tau dropped.
 
+The scores are read once into registers (a block of next_power_of_2(cap)) and the sequence the steps
+above describe (inserted, dropped, cut) is never written: every scalar the state needs (where x goes,
+whether the lowest goes, the fractional count and sum, how many leave) is a reduction over the loaded
+scores, the walk reads single elements of the virtual sequence by index arithmetic, and the output is
+one gather from the scores. A scratch copy is written only where the scores arrive unsorted (then
+sorted once in registers), with one barrier. (It replaced a version that materialised each shifted
+sequence through a scratch buffer: ~10 passes of 2·cap elements and 5 barriers, spilling registers.)
+
 The same results as the torch admission (tests run both under TRITON_INTERPRET): pool exactly,
 threshold scores as sets, tau to rounding.
 """
@@ -24,13 +32,39 @@ import triton.language as tl
 
 
 @triton.jit
+def _sum_min(a0, a1, b0, b1):
+    return a0 + b0, tl.minimum(a1, b1)
+
+
+@triton.jit
+def _count_min_count_sum(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, tl.minimum(a1, b1), a2 + b2, a3 + b3
+
+
+@triton.jit
+def _score(THR, SCR, p, n0, unsorted):
+    """Element p of the row's sorted scores (+inf past the count n0): from THR_U itself, or from the scratch
+    copy where the state arrived unsorted and the kernel sorted it."""
+    ok = (p >= 0) & (p < n0)
+    from_thr = tl.load(THR + p, mask=tl.where(unsorted, False, ok), other=float("inf"))
+    from_scr = tl.load(SCR + p, mask=tl.where(unsorted, ok, False), other=float("inf"))
+    return tl.where(unsorted, from_scr, from_thr)
+
+
+@triton.jit
+def _merged(THR, SCR, s, n0, unsorted, at, x):
+    """Element s of the sorted scores with x inserted at position at (before the scores equal to it)."""
+    return tl.where(s == at, x, _score(THR, SCR, tl.where(s < at, s, s - 1), n0, unsorted))
+
+
+@triton.jit
 def admit_kernel(
     THR_U, THR_COUNT, TAU, OVERFLOW,  # in: [B, CAP] float64, [B] int64, [B] float64, [B] int64
     POOL_U, POOL_POS,  # in: [B, K] scores, [B, K] int64
     CU, CPOS,  # in: [B] float64 candidate score, [B] int64 its position (< 0: none)
     OUT_U, OUT_SAT, OUT_COUNT, OUT_TAU, OUT_SUM, OUT_OVER,  # out: the next threshold state
     OUT_PU, OUT_PPOS, SRC,  # out: [B, K] pool scores and positions, source slot in [pool K][candidate]
-    SCR,  # scratch [B, BLOCK] float64
+    SCR,  # scratch [B, BLOCK] float64: the sorted scores, written only where a state arrives unsorted
     CAP, K,
     BLOCK: tl.constexpr, KB: tl.constexpr,
 ):
@@ -48,8 +82,8 @@ def admit_kernel(
     pp = tl.load(POOL_POS + b * K + s, mask=sm, other=-1)
     pu = tl.load(POOL_U + b * K + s, mask=sm, other=0.0).to(tl.float64)
     ok = pp >= 0
-    n_pool = tl.sum(ok.to(tl.int64), axis=0)
-    umin = tl.min(tl.where(ok, pu, float("inf")), axis=0)
+    n_pool, umin = tl.reduce((ok.to(tl.int32), tl.where(ok, pu, float("inf"))), 0, _sum_min)
+    n_pool = n_pool.to(tl.int64)
     pmin = tl.min(tl.where(ok & (pu == umin), pp, 9223372036854775807), axis=0)
     evict = cand & (n_pool == K) & (x >= umin)  # the candidate's position beats every pooled one
     grow = cand & (n_pool < K)
@@ -62,46 +96,45 @@ def admit_kernel(
     tl.store(OUT_PPOS + b * K + s, new_pp, mask=sm)
     tl.store(SRC + b * K + s, src, mask=sm)
 
-    # ---- the threshold scores, sorted ascending (+inf after the count)
+    # ---- the threshold scores, sorted ascending (+inf after the count), held in registers
     i = tl.arange(0, BLOCK)
+    thr = THR_U + b * CAP
     scr = SCR + b * BLOCK
-    vals = tl.load(THR_U + b * CAP + i, mask=i < n0, other=float("inf"))
-    tl.store(scr + i, vals)
-    tl.debug_barrier()
-    nxt = tl.load(scr + i + 1, mask=i + 1 < BLOCK, other=float("inf"))
-    if tl.sum(((nxt < vals) & (i + 1 < n0)).to(tl.int32), axis=0) > 0:  # the chunk op's order: sort once
+    vals = tl.load(thr + i, mask=i < n0, other=float("inf"))
+    nxt = tl.load(thr + i + 1, mask=i + 1 < n0, other=float("inf"))  # read twice: no scratch round trip
+    unsorted = tl.sum(((nxt < vals) & (i + 1 < n0)).to(tl.int32), axis=0) > 0
+    if unsorted:  # the chunk op's order: sort once, and read the sorted copy below
         vals = tl.sort(vals)
+        tl.store(scr + i, vals)
     tl.debug_barrier()
-    tl.store(scr + i, vals)
-    tl.debug_barrier()
-    prev = tl.load(scr + i - 1, mask=i >= 1, other=-float("inf"))
 
+    # The sequence Z the steps work on, never written: the scores with x inserted at `at` (S), less its
+    # lowest element when out of room (drop): Z[m] = S[m + drop]. Each scalar below is a reduction over vals.
     ins = cand & (x > tau0)  # a score at or below tau never matters again
-    at = tl.sum((vals < x).to(tl.int64), axis=0)
-    xs = tl.where(i < at, vals, tl.where(i == at, x, prev))  # inserted
-    n = n0 + 1
-    drop = (n > CAP) & (tl.min(xs, axis=0) < tau0 + 1)  # out of room: the lowest fractional score goes
-    tl.debug_barrier()
-    tl.store(scr + i, xs)
-    tl.debug_barrier()
-    shifted = tl.load(scr + i + 1, mask=i + 1 < BLOCK, other=float("inf"))
-    xs = tl.where(drop, shifted, xs)
-    n = n - drop.to(tl.int64)
-    tl.debug_barrier()
-    tl.store(scr + i, xs)
-    tl.debug_barrier()
+    c = tau0 + 1  # fractional: below c
+    # one reduction: S = vals[:at], x, vals[at:]; vals[0]; the scores below c, their sum past vals[0]
+    at, v0, below, sum_past_v0 = tl.reduce(
+        ((vals < x).to(tl.int32), vals, (vals < c).to(tl.int32), tl.where((vals < c) & (i > 0), vals, 0.0)), 0, _count_min_count_sum)
+    at = at.to(tl.int64)
+    lowest = tl.minimum(v0, x)  # S[0]: vals[0], or x where at == 0
+    drop = (n0 + 1 > CAP) & (lowest < c)  # out of room: the lowest fractional score goes
+    d = drop.to(tl.int64)
+    n = n0 + 1 - d
+    drop_x = drop & (at == 0)  # the dropped element: x itself, or vals[0]
+    drop_v0 = drop & (at > 0)
 
     # ---- the scan's walk: raise tau over the breakpoints while f(b) > k (scan.RowScanner._solve)
-    j = tl.sum((xs < tau0 + 1).to(tl.int64), axis=0)  # [lo, j): fractional, [j, n): saturated
+    j = below.to(tl.int64) + (x < c).to(tl.int64) - d  # Z[:j]: fractional, Z[j:n]: saturated
+    fsum = sum_past_v0 + tl.where((v0 < c) & ~drop_v0, v0, 0.0) + tl.where((x < c) & ~drop_x, x, 0.0)
     lo = j * 0
     n_frac = j
     n_sat = n - j
-    fsum = tl.sum(tl.where(i < j, xs, 0.0), axis=0)
     tau = tau0
-    go = ins & (cpos + 1 > K)
+    walk = ins & (cpos + 1 > K)
+    go = walk
     while go:
-        b_frac = tl.load(scr + lo, mask=n_frac > 0, other=float("inf"))
-        b_sat = tl.load(scr + j, mask=n_sat > 0, other=float("inf")) - 1
+        b_frac = tl.where(n_frac > 0, _merged(thr, scr, lo + d, n0, unsorted, at, x), float("inf"))
+        b_sat = tl.where(n_sat > 0, _merged(thr, scr, j + d, n0, unsorted, at, x), float("inf")) - 1
         bb = tl.minimum(b_frac, b_sat)
         f_b = tl.where(n_frac > 0, n_sat + fsum - n_frac * bb, n_sat.to(tl.float64))
         step = (bb < float("inf")) & (f_b > K)
@@ -115,18 +148,21 @@ def admit_kernel(
         n_frac += take_sat.to(tl.int64) - take_frac.to(tl.int64)
         n_sat -= take_sat.to(tl.int64)
         go = step
-    tau = tl.where(ins & (cpos + 1 > K), tau, tau0)
-    gone = tl.sum(((i < j) & (xs <= tau)).to(tl.int64), axis=0)  # fractional scores at or below tau leave
-    gone = tl.where(ins & (cpos + 1 > K), gone, 0)
-    kept = tl.load(scr + i + gone, mask=i + gone < BLOCK, other=float("inf"))
+    tau = tl.where(walk, tau, tau0)
+    # the fractional scores at or below tau leave: Z is sorted, so they are Z[:gone]
+    at_or_below = tl.sum((vals <= tau).to(tl.int64), axis=0) + (x <= tau).to(tl.int64) - (drop & (lowest <= tau)).to(tl.int64)
+    gone = tl.where(walk, tl.minimum(j, at_or_below), 0)
 
-    out = tl.where(ins, kept, vals)
+    # ---- the next state: Z[gone:n] (rows with nothing inserted keep theirs), +inf after the count
     count = tl.where(ins, n - gone, n0)
     tau_out = tl.where(ins, tau, tau0)
+    shift = tl.where(ins, d + gone, 0)
+    at_out = tl.where(ins, at, BLOCK + 1)  # beyond every index: no insertion
     valid = i < count
+    out = tl.where(valid, _merged(thr, scr, i + shift, n0, unsorted, at_out, x), float("inf"))
     sat = valid & (out >= tau_out + 1)
     cm = i < CAP
-    tl.store(OUT_U + b * CAP + i, tl.where(valid, out, float("inf")), mask=cm)
+    tl.store(OUT_U + b * CAP + i, out, mask=cm)
     tl.store(OUT_SAT + b * CAP + i, sat.to(tl.int8), mask=cm)
     tl.store(OUT_COUNT + b, count)
     tl.store(OUT_TAU + b, tau_out)
@@ -139,7 +175,7 @@ def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str,
     B, cap = cache.thr_u.shape
     K = cache.topk
     dev = cu.device
-    block = triton.next_power_of_2(cap + 1)
+    block = triton.next_power_of_2(cap)
     out = dict(
         thr_u=torch.empty(B, cap, dtype=torch.float64, device=dev),
         thr_saturated=torch.empty(B, cap, dtype=torch.int8, device=dev),  # bool below (a bool view trips Inductor)
@@ -153,11 +189,14 @@ def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str,
     src = torch.empty(B, K, dtype=torch.int64, device=dev)
     scratch = torch.empty(B, block, dtype=torch.float64, device=dev)
     admit_kernel[(B,)](
-        cache.thr_u.contiguous(), cache.thr_count.contiguous(), cache.tau.contiguous(), cache.overflow.contiguous(),
-        cache.pool_u.contiguous(), cache.pool_pos.contiguous(), cu.to(torch.float64).contiguous(), cpos.contiguous(),
-        out["thr_u"], out["thr_saturated"], out["thr_count"], out["tau"], out["thr_sum"], out["overflow"],
-        out["pool_u"], out["pool_pos"], src, scratch, cap, K,
-        BLOCK=block, KB=triton.next_power_of_2(max(K, 1)), num_warps=8 if block >= 4096 else 4,
+        THR_U=cache.thr_u.contiguous(), THR_COUNT=cache.thr_count.contiguous(), TAU=cache.tau.contiguous(),
+        OVERFLOW=cache.overflow.contiguous(), POOL_U=cache.pool_u.contiguous(), POOL_POS=cache.pool_pos.contiguous(),
+        CU=cu.to(torch.float64).contiguous(), CPOS=cpos.contiguous(),
+        OUT_U=out["thr_u"], OUT_SAT=out["thr_saturated"], OUT_COUNT=out["thr_count"], OUT_TAU=out["tau"],
+        OUT_SUM=out["thr_sum"], OUT_OVER=out["overflow"], OUT_PU=out["pool_u"], OUT_PPOS=out["pool_pos"], SRC=src,
+        SCR=scratch, CAP=cap, K=K,
+        # warps: cap = 4096 holds 8 scores a thread in 120 registers (8 warps took 255 and spilled)
+        BLOCK=block, KB=triton.next_power_of_2(max(K, 1)), num_warps=min(32, max(4, block // 256)),
     )
     # torch 2.11's Inductor cannot lower a bool tensor viewed as int8 (the compiled decode step failed)
     out["thr_saturated"] = out["thr_saturated"] != 0
