@@ -65,6 +65,31 @@ def test_the_admission_kernel_equals_the_torch_admission(topk, window, cap):
         assert torch.allclose(a.tau, b.tau, atol=1e-9, rtol=0), step
 
 
+@pytest.mark.parametrize("B", [1, 64])
+@torch.no_grad()
+def test_the_split_attention_kernel_equals_attend_torch(B):
+    """attend_triton over 1, 8 and attend_splits' number of key splits against attend_torch, at 12 x 768's
+    decode shapes (k = w = 512, a full pool and tail, bf16)."""
+    from longtrain.ops.sparsek_attention.decode import attend_torch
+    from longtrain.ops.sparsek_attention.decode_triton import attend_triton
+
+    torch.manual_seed(B)
+    H, D, topk, window, dev = 12, 64, 512, 512, "cuda"
+    cache = SparseKCache.empty(B, topk, window, H, D, dtype=torch.bfloat16, device=dev)
+    for t in (cache.pool_k, cache.pool_v, cache.tail_k, cache.tail_v):
+        t.normal_()
+    cache.pool_u.copy_(torch.randn(B, topk, device=dev))
+    cache.pool_pos.copy_(torch.arange(topk, device=dev) * 3)
+    cache.tau.fill_(-0.5)
+    cache.seen.fill_(5000)
+    q, k, v = (torch.randn(B, n, D, device=dev, dtype=torch.bfloat16) for n in (H, H, H))
+    kw = dict(window=window, variant="hard_k_soft_v", scale=D**-0.5)
+    want = attend_torch(q, k, v, cache, **kw).float()
+    for splits in (1, 8, None):
+        got = attend_triton(q, k, v, cache, **kw, splits=splits).float()
+        assert torch.allclose(got, want, atol=2e-2, rtol=0), (splits, (got - want).abs().max())
+
+
 @pytest.mark.parametrize("kw", CASES[:2])
 @pytest.mark.parametrize("compile", [False, True])
 @torch.no_grad()

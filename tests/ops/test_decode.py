@@ -236,6 +236,10 @@ def test_the_attention_kernel_equals_attend_torch(topk, window, H, Hkv, D, varia
         q = torch.randn(B, H, D, dtype=dtype)
         k, v = torch.randn(B, Hkv, D, dtype=dtype), torch.randn(B, Hkv, D, dtype=dtype)
         kw = dict(window=window, variant=variant, scale=D**-0.5)
-        want, got = attend_torch(q, k, v, cache, **kw), attend_triton(q, k, v, cache, **kw)
-        assert got.dtype == dtype and got.shape == (B, H, D)
-        assert torch.allclose(got.double(), want.double(), atol=atol, rtol=0), (dtype, (got.double() - want.double()).abs().max())
+        want = attend_torch(q, k, v, cache, **kw)
+        # the keys of each (row, KV head) in one program, split in 3 and 7 (some splits hold no key), and as the shapes choose
+        for splits in (1, 3, 7, None):
+            got = attend_triton(q, k, v, cache, **kw, splits=splits)
+            assert got.dtype == dtype and got.shape == (B, H, D)
+            err = (got.double() - want.double()).abs().max()
+            assert torch.allclose(got.double(), want.double(), atol=atol, rtol=0), (dtype, splits, err)

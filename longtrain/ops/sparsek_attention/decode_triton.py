@@ -1,5 +1,6 @@
-"""The decode step's two Triton kernels per layer: the admission of one candidate (one program per row)
-and the query against the cache (one program per row and KV head, `attend_kernel`, below).
+"""The decode step's Triton kernels per layer: the admission of one candidate (one program per row)
+and the query against the cache (`attend_kernel`, below: one program per row, KV head and split of the
+keys, then `combine_kernel` merging the splits).
 
 decode.py's torch admission (`_admit_pool`, `_admit_threshold`) is ~120 small operations: on a GPU
 each is a launch of a few microseconds, more than the work. This kernel does the same in one launch:
@@ -223,16 +224,23 @@ def _online_softmax(m, l, acc, s, v):
 def attend_kernel(
     Q, PK, PV, TK, TV, NK, NV,  # q [B, H, D]; pool K/V [B, K, Hkv, D]; tail K/V [B, Wt, Hkv, D]; the token's K/V [B, Hkv, D]
     PPOS, PU, TAU, SEEN,  # [B, K] int64 pool positions (-1: empty), [B, K] pool scores, [B] float64 tau, [B] int64 t
-    O,  # out: [B, H, D]
-    SCALE,  # [1] float64 (a float argument would be rounded to float32)
-    K, Wt, Hkv, H,
+    O,  # out: [B, H, D] (one split)
+    PART_M, PART_L, PART_ACC,  # out with several splits: [B, H, S] running max and sum, [B, H, S, D] unnormalised output
+    SCALE,  # float, or [1] float64 in memory (SCALE_IN_MEMORY: a float argument would be rounded to float32)
+    K, Wt, Hkv, H, K_PER, T_PER,  # pool and tail slots per split
     R: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, BN: tl.constexpr,
     GATED: tl.constexpr, SOFT_KV: tl.constexpr, SELF_OK: tl.constexpr, CDT: tl.constexpr,
+    SPLIT: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr,
 ):
-    """One program per (row, KV head): its R query heads against [pool K][tail W-1][itself], read where
-    the cache keeps them (no concatenated copy), an online softmax in CDT, the pool's gate on the values."""
+    """One program per (row, KV head, split): its R query heads against its split's share of the pool and of
+    the tail (the last split also takes the token itself), read where the cache keeps them (no concatenated
+    copy), an online softmax in CDT, the pool's gate on the values. One split writes o; several write their
+    partial softmax for combine_kernel (one row has only Hkv programs: without splits each walks ~1k keys
+    alone, ~50 us per layer on an H200)."""
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2)
+    n_splits = tl.num_programs(2)
     r = tl.arange(0, RB)
     d = tl.arange(0, DB)
     rm = r < R
@@ -243,12 +251,16 @@ def attend_kernel(
     acc = tl.zeros([RB, DB], CDT)
     tau = tl.load(TAU + b)
     t = tl.load(SEEN + b)
-    scale = tl.load(SCALE).to(CDT)
+    if SCALE_IN_MEMORY:
+        scale = tl.load(SCALE).to(CDT)
+    else:  # a float argument: float32 from Triton's launcher, float64 from Inductor's (under torch.compile)
+        scale = tl.full([], SCALE, CDT)
 
     # the pool: gated by clamp(u - tau, 0, 1) (empty slots: masked)
-    for j0 in range(0, K, BN):
+    p_end = tl.minimum(K, (sp + 1) * K_PER)
+    for j0 in range(sp * K_PER, p_end, BN):
         j = j0 + tl.arange(0, BN)
-        jm = j < K
+        jm = j < p_end
         pos = tl.load(PPOS + b * K + j, mask=jm, other=-1)
         ok = pos >= 0
         at = ((b * K + j) * Hkv + g)[:, None] * D + d[None, :]
@@ -267,9 +279,10 @@ def attend_kernel(
         m, l, acc = _online_softmax(m, l, acc, s, gate[:, None] * vv)
 
     # the tail: positions t - Wt .. t - 1 (those below 0 do not exist yet)
-    for j0 in range(0, Wt, BN):
+    t_end = tl.minimum(Wt, (sp + 1) * T_PER)
+    for j0 in range(sp * T_PER, t_end, BN):
         j = j0 + tl.arange(0, BN)
-        jm = j < Wt
+        jm = j < t_end
         ok = jm & (t - Wt + j >= 0)
         at = ((b * Wt + j) * Hkv + g)[:, None] * D + d[None, :]
         kv_mask = jm[:, None] & dm[None, :]
@@ -279,41 +292,96 @@ def attend_kernel(
         s = tl.where(ok[None, :], s, float("-inf"))
         m, l, acc = _online_softmax(m, l, acc, s, vv)
 
-    # the token itself (in its own window when w > 0)
+    # the token itself (in its own window when w > 0), in the last split
     if SELF_OK:
-        at = (b * Hkv + g) * D + d
-        kk = tl.load(NK + at, mask=dm, other=0.0).to(CDT)
-        vv = tl.load(NV + at, mask=dm, other=0.0).to(CDT)
-        s = tl.sum(q * kk[None, :], axis=1) * scale  # [RB]
-        m_new = tl.maximum(m, s)
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)
-        l = l * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * vv[None, :]
+        if sp == n_splits - 1:
+            at = (b * Hkv + g) * D + d
+            kk = tl.load(NK + at, mask=dm, other=0.0).to(CDT)
+            vv = tl.load(NV + at, mask=dm, other=0.0).to(CDT)
+            s = tl.sum(q * kk[None, :], axis=1) * scale  # [RB]
+            m_new = tl.maximum(m, s)
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            l = l * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * vv[None, :]
+            m = m_new
 
-    o = acc / l[:, None]
-    tl.store(O + (b * H + g * R + r)[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=rm[:, None] & dm[None, :])
+    h = b * H + g * R + r  # [RB] flat (row, head)
+    if SPLIT:
+        tl.store(PART_M + h * n_splits + sp, m, mask=rm)
+        tl.store(PART_L + h * n_splits + sp, l, mask=rm)
+        tl.store(PART_ACC + (h * n_splits + sp)[:, None] * D + d[None, :], acc, mask=rm[:, None] & dm[None, :])
+    else:
+        o = acc / l[:, None]
+        tl.store(O + h[:, None] * D + d[None, :], o.to(O.dtype.element_ty), mask=rm[:, None] & dm[None, :])
+
+
+@triton.jit
+def combine_kernel(
+    PART_M, PART_L, PART_ACC,  # [B, H, S], [B, H, S], [B, H, S, D] from attend_kernel's splits
+    O,  # out: [B, H, D]
+    S, D: tl.constexpr, SB: tl.constexpr, DB: tl.constexpr,
+):
+    """One program per (row, head): the splits' partial softmaxes merged (a split with no key: m = -inf, weight 0)."""
+    h = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SB)
+    d = tl.arange(0, DB)
+    sm = s < S
+    m = tl.load(PART_M + h * S + s, mask=sm, other=float("-inf"))
+    l = tl.load(PART_L + h * S + s, mask=sm, other=0.0)
+    acc = tl.load(PART_ACC + (h * S + s)[:, None] * D + d[None, :], mask=sm[:, None] & (d < D)[None, :], other=0.0)
+    mm = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - mm))  # [SB]
+    o = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
+    tl.store(O + h * D + d, o.to(O.dtype.element_ty), mask=d < D)
+
+
+# Programs one layer's attention aims for: a few per SM of a current GPU (B * Hkv programs without splits).
+ATTEND_PROGRAMS = 512
+MAX_SPLITS = 32
+
+
+def attend_splits(batch: int, kv_heads: int, topk: int, tail_slots: int) -> int:
+    """Splits of each (row, KV head)'s keys: enough programs to fill the GPU, at least 16 keys of pool or tail
+    per split; fixed by the shapes (not the device), so every GPU sums the same way."""
+    useful = max(1, triton.cdiv(max(topk, tail_slots), 16))
+    return max(1, min(useful, MAX_SPLITS, triton.cdiv(ATTEND_PROGRAMS, batch * kv_heads)))
 
 
 def attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, window: int, variant: str,
-                  scale: float) -> torch.Tensor:
-    """o [B, H, D]: decode.attend_torch's result in one launch (the same signature)."""
+                  scale: float, splits: int | None = None) -> torch.Tensor:
+    """o [B, H, D]: decode.attend_torch's result (the same signature; `splits`: attend_splits' choice by default)."""
     B, H, D = q.shape
     Hkv = k.shape[1]
     K, Wt = cache.topk, cache.tail_slots
+    S = splits or attend_splits(B, Hkv, K, Wt)
     o = torch.empty_like(q)
-    cdt = tl.float64 if q.dtype == torch.float64 else tl.float32
+    f64 = q.dtype == torch.float64
+    cdt = tl.float64 if f64 else tl.float32
     RB, DB = triton.next_power_of_2(H // Hkv), triton.next_power_of_2(D)
-    # Keys per block: as many as keep the [RB, BN, DB] product at 8k elements (one row alone has only Hkv
-    # programs, so fewer, longer blocks shorten its chain of dependent loads), 16 to 128.
-    BN = max(16, min(128, 8192 // (RB * DB)))
-    attend_kernel[(B, Hkv)](
-        q.contiguous(), cache.pool_k.contiguous(), cache.pool_v.contiguous(), cache.tail_k.contiguous(),
-        cache.tail_v.contiguous(), k.contiguous(), v.contiguous(),
-        cache.pool_pos.contiguous(), cache.pool_u.contiguous(), cache.tau.contiguous(), cache.seen.contiguous(),
-        o, torch.full((1,), scale, dtype=torch.float64, device=q.device), K, Wt, Hkv, H,
+    k_per, t_per = triton.cdiv(K, S), triton.cdiv(Wt, S)
+    # Keys per block: the split's share, at most what keeps the [RB, BN, DB] product at 8k elements, 16 to 128.
+    BN = max(16, min(128, 8192 // (RB * DB), triton.next_power_of_2(max(k_per, t_per, 1))))
+    part_dtype = torch.float64 if f64 else torch.float32
+    if S > 1:
+        part_m = torch.empty(B, H, S, dtype=part_dtype, device=q.device)
+        part_l = torch.empty(B, H, S, dtype=part_dtype, device=q.device)
+        part_acc = torch.empty(B, H, S, D, dtype=part_dtype, device=q.device)
+    else:
+        part_m = part_l = part_acc = o  # not written
+    attend_kernel[(B, Hkv, S)](
+        Q=q.contiguous(), PK=cache.pool_k.contiguous(), PV=cache.pool_v.contiguous(), TK=cache.tail_k.contiguous(),
+        TV=cache.tail_v.contiguous(), NK=k.contiguous(), NV=v.contiguous(),
+        PPOS=cache.pool_pos.contiguous(), PU=cache.pool_u.contiguous(), TAU=cache.tau.contiguous(), SEEN=cache.seen.contiguous(),
+        O=o, PART_M=part_m, PART_L=part_l, PART_ACC=part_acc,
+        # float64 needs the scale's float64 bits; a float32 softmax takes it as an argument (no fill kernel per call)
+        SCALE=torch.full((1,), scale, dtype=torch.float64, device=q.device) if f64 else float(scale),
+        K=K, Wt=Wt, Hkv=Hkv, H=H, K_PER=k_per, T_PER=t_per,
         R=H // Hkv, RB=RB, D=D, DB=DB, BN=BN,
         GATED=K > 0 and variant != "straight_through", SOFT_KV=variant == "soft_kv", SELF_OK=window > 0, CDT=cdt,
-        num_warps=4,
+        SPLIT=S > 1, SCALE_IN_MEMORY=f64, num_warps=4,
     )
+    if S > 1:
+        combine_kernel[(B * H,)](PART_M=part_m, PART_L=part_l, PART_ACC=part_acc, O=o, S=S, D=D,
+                                 SB=triton.next_power_of_2(S), DB=DB, num_warps=1)
     return o
