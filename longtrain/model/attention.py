@@ -153,7 +153,7 @@ class Attention(nn.Module):
             o, attn_cache = self._full(q, k, v, pos, valid, cache.attn, full_bias)
             return o, LayerCache(attn_cache, cache.score_sum, cache.score_sumsq), None
         if self.scorer is not None:
-            u, ssum, ssq = self.scorer(x, pos, valid, seen, cache.score_sum, cache.score_sumsq)  # u [B, L, G]
+            u, ssum, ssq = self.scorer(x, pos, valid, seen, cache.score_sum, cache.score_sumsq, decode=decode)  # u [B, L, G]
             if self.distill_queries and not decode and torch.is_grad_enabled():
                 # the same scores from a detached input: this loss trains the scoring vectors alone
                 u_student = self.scorer(x.detach(), pos, valid, seen, cache.score_sum, cache.score_sumsq)[0]
