@@ -1,0 +1,121 @@
+"""The decode step's Triton kernels alone, timed at a model's shapes: where a decode step's time per layer goes.
+
+    PYTHONPATH=. python benchmarks/decode_kernels.py --out OUT_DIR        # on a GPU (under a minute)
+    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/decode_kernels.py --small --out /tmp/dk   # checks the script
+
+For rows B in --batches, a cache of 12 KV heads x 64 (12 x 768's), k = w = 512 (threshold capacity 8k) filled
+with random keys and scores, one query per row: `attend_triton` with every split count in --splits (and the
+count `attend_splits` picks), against `attend_torch`'s result; `admit_triton` (the candidate admission), and
+the torch reference of both. Times are CUDA-event medians over --iters launches after a warm-up, in
+microseconds per call (one layer). Writes OUT/decode_kernels.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from longtrain.ops.sparsek_attention.cache import SparseKCache  # noqa: E402
+from longtrain.ops.sparsek_attention.decode import _admit_pool, _admit_threshold, attend_torch  # noqa: E402
+from longtrain.ops.sparsek_attention.decode_triton import admit_triton, attend_splits, attend_triton  # noqa: E402
+
+
+def filled_cache(B: int, topk: int, window: int, Hkv: int, D: int, dtype, dev, seen: int) -> SparseKCache:
+    """A cache as after `seen` tokens: a full pool and tail, and a consistent threshold state at tau = 0 (k/2
+    saturated scores and fractional ones summing to k/2: f(tau) = k), so an admission walks as far as in a real step."""
+    cache = SparseKCache.empty(B, topk, window, Hkv, D, dtype=dtype, score_dtype=torch.float32, device=dev)
+    for t in (cache.pool_k, cache.pool_v, cache.tail_k, cache.tail_v):
+        t.normal_()
+    cache.pool_u.copy_(torch.randn(B, topk, device=dev) + 1.0)
+    cache.pool_pos.copy_(torch.sort(torch.randperm(seen - window, device=dev)[:topk]).values.expand(B, -1))
+    cache.seen.fill_(seen)
+    cap = cache.thr_u.shape[1]
+    n_sat, n_frac = topk // 2, min(cap // 2, topk + topk // 4)
+    frac = torch.rand(B, n_frac, device=dev, dtype=torch.float64)
+    frac = frac * ((topk - n_sat) / frac.sum(1, keepdim=True))  # sums to k - n_sat (each stays below 1)
+    sat = 1.0 + 2.0 * torch.rand(B, n_sat, device=dev, dtype=torch.float64)
+    above = torch.sort(torch.cat([frac, sat], 1)).values
+    n = n_sat + n_frac
+    cache.thr_u.fill_(float("inf"))
+    cache.thr_u[:, :n] = above
+    cache.thr_count.fill_(n)
+    cache.tau.fill_(0.0)
+    cache.thr_saturated.copy_(cache.thr_u >= 1.0)
+    cache.thr_sum.copy_(torch.where(cache.thr_u < 1.0, cache.thr_u, 0.0).sum(1))
+    return cache
+
+
+def timed(fn, iters: int, dev) -> float:
+    """Median microseconds per call."""
+    for _ in range(3):
+        fn()
+    if dev.type != "cuda":
+        return float("nan")
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--splits", default="1,2,4,8,16,32")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--small", action="store_true", help="tiny shapes (the CPU, under TRITON_INTERPRET=1)")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    H, Hkv, D, topk, window, seen = (12, 12, 64, 512, 512, 65536) if not args.small else (4, 2, 16, 16, 16, 200)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    rows = []
+    for B in [int(b) for b in args.batches.split(",")]:
+        torch.manual_seed(B)
+        cache = filled_cache(B, topk, window, Hkv, D, dtype, dev, seen)
+        q = torch.randn(B, H, D, device=dev, dtype=dtype)
+        k, v = torch.randn(B, Hkv, D, device=dev, dtype=dtype), torch.randn(B, Hkv, D, device=dev, dtype=dtype)
+        kw = dict(window=window, variant="hard_k_soft_v", scale=D**-0.5)
+        want = attend_torch(q, k, v, cache, **kw).float()
+        row = {"rows": B, "auto_splits": attend_splits(B, Hkv, topk, cache.tail_slots),
+               "attend_torch_us": timed(lambda: attend_torch(q, k, v, cache, **kw), args.iters, dev), "attend_us": {}}
+        for s in [int(x) for x in args.splits.split(",")]:
+            got = attend_triton(q, k, v, cache, **kw, splits=s).float()
+            row["attend_us"][s] = timed(lambda s=s: attend_triton(q, k, v, cache, **kw, splits=s), args.iters, dev)
+            row.setdefault("attend_max_abs_diff", {})[s] = float((got - want).abs().max())
+        cu = torch.rand(B, device=dev, dtype=torch.float64) * 3.0
+        cpos = torch.full((B,), seen - window + 1, device=dev, dtype=torch.int64)
+        ok = torch.ones(B, dtype=torch.bool, device=dev)
+        row["admit_us"] = timed(lambda: admit_triton(cache, cu, cpos), args.iters, dev)
+        row["admit_torch_us"] = timed(lambda: (_admit_pool(cache, cache.tail_k[:, 0], cache.tail_v[:, 0], cu, cpos, ok),
+                                               _admit_threshold(cache, cu, cpos, ok, topk)), max(10, args.iters // 10), dev)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+              "commit": os.environ.get("LONGTRAIN_COMMIT"), "shape": dict(H=H, Hkv=Hkv, D=D, topk=topk, window=window,
+                                                                           cap=int(cache.thr_u.shape[1])), "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode_kernels.json").write_text(json.dumps(report, indent=1))
+    print(f"\n{report['device']}, H = {H}, Hkv = {Hkv}, D = {D}, k = {topk}, w = {window}; us per call (one layer)")
+    splits = list(rows[0]["attend_us"]) if rows else []
+    print("| rows | " + " | ".join(f"attend S={s}" for s in splits) + " | auto S | admit | attend (torch) | admit (torch) |")
+    print("|---" * (len(splits) + 5) + "|")
+    for r in rows:
+        print(f"| {r['rows']} | " + " | ".join(f"{r['attend_us'][s]:.1f}" for s in splits)
+              + f" | {r['auto_splits']} | {r['admit_us']:.1f} | {r['attend_torch_us']:.1f} | {r['admit_torch_us']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
