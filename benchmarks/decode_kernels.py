@@ -6,8 +6,9 @@
 For rows B in --batches, a cache of 12 KV heads x 64 (12 x 768's), k = w = 512 (threshold capacity 8k) filled
 with random keys and scores, one query per row: `attend_triton` with every split count in --splits (and the
 count `attend_splits` picks), against `attend_torch`'s result; `admit_triton` (the candidate admission), and
-the torch reference of both. Times are CUDA-event medians over --iters launches after a warm-up, in
-microseconds per call (one layer). Writes OUT/decode_kernels.json and prints a table.
+the torch reference of both. Times are medians over CUDA-graph replays of 20 calls each (no launch
+overhead: what the calls cost inside the decoder's whole-step graph), in microseconds per call (one layer).
+Writes OUT/decode_kernels.json and prints a table.
 """
 
 from __future__ import annotations
@@ -53,20 +54,30 @@ def filled_cache(B: int, topk: int, window: int, Hkv: int, D: int, dtype, dev, s
     return cache
 
 
-def timed(fn, iters: int, dev) -> float:
-    """Median microseconds per call."""
+def timed(fn, iters: int, dev, per_graph: int = 20) -> float:
+    """Median device microseconds per call: `per_graph` calls captured in one CUDA graph, the replays timed
+    (a call launched from Python alone would time the launch, ~20 us, not the kernel)."""
     for _ in range(3):
         fn()
     if dev.type != "cuda":
         return float("nan")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            fn()
     times = []
-    for _ in range(iters):
+    for _ in range(max(3, iters // per_graph)):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+        times.append(a.elapsed_time(b) * 1e3 / per_graph)
     return statistics.median(times)
 
 
