@@ -13,7 +13,8 @@ Parts (each writes DIR/multi_gpu-<part>.json and its runs' logs in DIR/multi_gpu
   large    a ~1B llama (22 × 2048, 16 heads, 4 KV heads, SwiGLU 4×) with SparseK+SW k = w = 512 at chunk 8192
            under fsdp on N GPUs, one row per GPU reading a document of 270k+ tokens: tokens/s, peak memory
            of rank 0, and that peak when its row is at position 16k and at 256k (flat: the cache has a fixed
-           size), and the time of the final checkpoint (the whole model and AdamW state gathered on rank 0).
+           size), the time of the final checkpoint (the whole model and AdamW state gathered on rank 0), and
+           the time to load it (the run resumed for one more step: fit's "loaded in").
   regroup  another world size on resume: 12 × 768 ddp, 2 rows per GPU on N GPUs for 10 steps (deterministic), a fork
            of its checkpoint 4 on one GPU with 2N rows (steps 5..8), and a fork of that one's checkpoint 8 back on N
            GPUs (steps 9..10): the rows read and the losses against the straight run's.
@@ -180,6 +181,10 @@ class Bench:
         steps = target // chunk + 2
         recipe = self.recipe("large", self.shapes["22x2048"], chunk=chunk, rows=1, steps=steps, corpus=flat)
         rc, recs, log = self.fit("large-fsdp", recipe, gpus=n, parallel="fsdp", args=["--resume", "never"])
+        # the load: the same run resumed from its final checkpoint for one more step
+        more = self.recipe("large-more", self.shapes["22x2048"], chunk=chunk, rows=1, steps=steps + 1, corpus=flat)
+        _, _, log_more = self.fit("large-fsdp-load", more, gpus=n, parallel="fsdp", run="large-fsdp")
+        loaded = re.search(r"loaded in ([\d.]+) s", log_more)
         self.drop_checkpoints("large-fsdp")
         at = lambda p: max((r["memory_bytes"] for r in recs if 0 < r["doc_positions"][0] <= p), default=None)  # noqa: E731
         m = re.search(r"([\d.]+) s in validation, checkpoints and logging", log)
@@ -190,13 +195,15 @@ class Bench:
             "peak_mem_bytes": max((r.get("memory_bytes") or 0 for r in recs), default=None),
             "peak_at_16k": at(16384), "peak_at_256k": at(target), "last_position": max((r["doc_positions"][0] for r in recs), default=0),
             "seconds_outside_steps": float(m.group(1)) if m else None,  # the final checkpoint, mostly
+            "load_seconds": float(loaded.group(1)) if loaded else None,  # read, checked, sharded onto the GPUs
         }
         self.save("large", result)
         gib = lambda b: f"{b / 2**30:.2f} GiB" if b else "?"  # noqa: E731
         tps = f"{result['tokens_per_s']:,.0f}" if result["tokens_per_s"] else "?"
         print(f"\n~1B llama ({result['params_millions']}M parameters) fsdp on {n} GPUs, chunk {chunk}: {tps} tokens/s; "
               f"peak memory (rank 0) {gib(result['peak_mem_bytes'])}, at position 16k {gib(result['peak_at_16k'])}, "
-              f"at {target:,} {gib(result['peak_at_256k'])}; {result['seconds_outside_steps']} s outside steps (the final checkpoint)")
+              f"at {target:,} {gib(result['peak_at_256k'])}; {result['seconds_outside_steps']} s outside steps (the final checkpoint); "
+              f"loading it: {result['load_seconds']} s")
 
     def resume(self) -> None:
         n = self.args.gpus

@@ -104,7 +104,8 @@ def run_summary(t: Trainer) -> list[str]:
     lines += memory_lines(t) + disk_lines(t)
     if t.resume_from is not None:
         how = "forking (a new run) from" if t.fork else "resuming from"
-        lines.append(f"{how} {t.resume_from} (step {t.state.step}, {t.state.tokens:,} tokens)")
+        loaded = f", loaded in {t.restore_seconds:.1f} s" if t.restore_seconds is not None else ""
+        lines.append(f"{how} {t.resume_from} (step {t.state.step}, {t.state.tokens:,} tokens{loaded})")
     return lines + notes(t)
 
 

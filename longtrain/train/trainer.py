@@ -107,6 +107,7 @@ class Trainer:
         self.stop = StopSignal()
         self.start = TrainState()  # where this session starts (the resumed checkpoint's state)
         self.resume_from: Path | None = None
+        self.restore_seconds: float | None = None  # loading the resumed checkpoint
         self.last_saved: Path | None = None
         self.last_loss: float | None = None
         self.final_valid_loss: float | None = None
@@ -201,7 +202,11 @@ class Trainer:
             ranks=self.ranks, layout=self.layout(), device=self.device, cache_dtype=self.compute_dtype,
         )
         if self.resume_from is not None:
+            t0 = time.perf_counter()
             self.checkpointer.restore(self.resume_from)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.restore_seconds = time.perf_counter() - t0  # read, checked and placed (sharded under fsdp)
         self.start = replace(self.state)  # a copy: the state changes every step
 
     def read_inputs(self) -> dict | None:

@@ -1,5 +1,6 @@
 """The several-GPU benchmarks' CPU versions (gloo, real `torchrun` processes): multi_gpu.py's regroup part
-(save on 2 ranks, resume on 1 with twice the rows, and back) and fit_profile.py under torchrun with FSDP
+(save on 2 ranks, resume on 1 with twice the rows, and back), its large part (fsdp, the checkpoint's load
+timed) and fit_profile.py under torchrun with FSDP
 (every rank writes its profile; collectives have their own group)."""
 
 import json
@@ -29,6 +30,15 @@ def test_regroup_resumes_on_one_rank_and_back_on_two_reading_the_same_rows(tmp_p
         assert r[key]["positions_equal"] and r[key]["max_rel_loss_diff"] < 1e-5, (key, r[key])
     log = (out / "multi_gpu-regroup.log").read_text()
     assert "forking (a new run) from" in log and "step-00000004" in log and "step-00000008" in log
+
+
+def test_large_part_times_the_checkpoint_load_of_its_fsdp_run(tmp_path):
+    out = tmp_path / "out"
+    run([sys.executable, str(ROOT / "benchmarks" / "multi_gpu.py"), "--out", str(out), "--small", "--gpus", "2",
+         "--parts", "large"], tmp_path, MULTI_GPU_WORK=str(tmp_path / "work"))
+    r = json.loads((out / "multi_gpu-large.json").read_text())
+    assert r["exit"] == 0 and r["tokens_per_s"] > 0 and r["peak_at_16k"] and r["peak_at_256k"]
+    assert r["load_seconds"] is not None and r["load_seconds"] >= 0  # the resumed run's "loaded in"
 
 
 def test_fit_profile_under_torchrun_profiles_every_rank_with_a_communication_group(tmp_path):

@@ -1,6 +1,7 @@
 """End-to-end `longtrain fit` on a tiny generated corpus: resume exactness, signals, bad input."""
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ def test_resume_after_sigkill_is_bitwise_identical(workspace):
 
     resumed = run_cli("fit", path, "--run-dir", tmp / "resumed")
     assert resumed.returncode == 0, resumed.stderr + resumed.stdout
-    assert "resuming from" in resumed.stdout
+    assert "resuming from" in resumed.stdout and re.search(r"loaded in \d+\.\d s\)", resumed.stdout)
     a, b = losses(tmp / "straight"), losses(tmp / "resumed")
     assert sorted(b) == list(range(1, 11))
     assert [a[s] for s in range(5, 11)] == [b[s] for s in range(5, 11)]
