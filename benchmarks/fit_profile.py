@@ -197,7 +197,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=3, help="steps profiled (the last one reads back, as a log line does)")
     ap.add_argument("--warmup", type=int, default=4, help="steps before the profile (compiles, autotuning, caches)")
-    ap.add_argument("--width", type=int, default=768, choices=[768, 1024])
+    ap.add_argument("--width", type=int, default=768, choices=[768, 1024, 2048])
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--attention", default="sparsek+sw", help="sparsek+sw | sw | sparsek")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="a recipe override, as fit's --set")

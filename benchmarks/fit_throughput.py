@@ -55,7 +55,8 @@ ATTENTIONS = {  # name -> recipe attention section
     "linear+sw": {"type": "linear+sw", "window": 1024},
 }
 FULL_CASES = "768x2048,768x4096,768x8192,768x16384,1024x4096"
-SHAPES = {768: dict(layers=12, d_model=768, heads=12), 1024: dict(layers=24, d_model=1024, heads=16)}
+SHAPES = {768: dict(layers=12, d_model=768, heads=12), 1024: dict(layers=24, d_model=1024, heads=16),
+          2048: dict(layers=16, d_model=2048, heads=16)}  # 2048: head dim 128, as Llama-3-style models above 1B (issue 34)
 TOKENS_PER_STEP = 16384
 
 
@@ -254,7 +255,8 @@ def keys_per_query(kind: str, chunk: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--cases", default=FULL_CASES, help="comma list of WIDTHxCHUNK (768 = 12 x 768, 1024 = 24 x 1024)")
+    ap.add_argument("--cases", default=FULL_CASES,
+                    help="comma list of WIDTHxCHUNK (768 = 12 x 768, 1024 = 24 x 1024, 2048 = 16 x 2048, head dim 128)")
     ap.add_argument("--attentions", default="sparsek+sw,sw,sparsek")
     ap.add_argument("--anchors", default="bare,sdpa")
     ap.add_argument("--steps", type=int, default=25)
