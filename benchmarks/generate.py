@@ -84,13 +84,14 @@ def _fresh(dev: torch.device) -> int:
 
 @torch.no_grad()
 def decode_rate(model: LM, cache, logits: torch.Tensor, steps: int, *, graph: bool, compile: bool = False,
-                profile: bool = False) -> dict:
+                profile: bool = False, double_buffer: bool = False) -> dict:
     """Greedy decoding of `steps` tokens per row from `cache`, the sampled tokens fed back on the device:
     {tokens_per_s (all rows), setup_s (capture, compile), graph, compiled, error}; profile: and the
     kernels of 20 more steps (the graph's replays: the profiler names the kernels a graph launches)."""
     dev = logits.device
     t0 = time.perf_counter()
-    dec = Decoder(model, cache, cuda_graph=None if graph else False, compile=compile)  # a failed capture: eager, says why
+    # a failed capture: eager, says why
+    dec = Decoder(model, cache, cuda_graph=None if graph else False, compile=compile, double_buffer=double_buffer)
     dec.start(logits)
     for _ in range(2):  # warm: allocator, first launches
         dec.advance()
@@ -218,8 +219,10 @@ def _profile_steps(dec: Decoder, steps: int) -> dict:
                     for e in kernels[:25]]}
 
 
-def add_compiled(model: LM, row: dict, *, chunk: int, new: int, batch_prompt: int, dev: torch.device) -> None:
-    """The row's decoding again with the step through torch.compile (then captured): its tokens/s and setup time."""
+def add_compiled(model: LM, row: dict, *, chunk: int, new: int, batch_prompt: int, dev: torch.device,
+                 double_buffer: bool = False) -> None:
+    """The row's decoding again with the step through torch.compile (then captured): its tokens/s and setup time;
+    double_buffer: also with Decoder(double_buffer=True) (the next cache written into a second buffer)."""
     prompts = single_prompt(model, row["prompt_tokens"]) if row["kind"] == "single" else \
         batched_prompts(model, row["rows"], batch_prompt)
     _fresh(dev)
@@ -230,6 +233,13 @@ def add_compiled(model: LM, row: dict, *, chunk: int, new: int, batch_prompt: in
         row["compile_error"] = c["error"]
     elif c.get("profile"):
         row["profile_compiled"] = c["profile"]
+    if double_buffer:
+        c = decode_rate(model, cache, logits, new, graph=True, compile=True, profile="profile" in row, double_buffer=True)
+        row |= {"decode_tokens_per_s_compiled_double_buffer": c["tokens_per_s"] if c["compiled"] else None}
+        if c["error"]:
+            row["compile_double_buffer_error"] = c["error"]
+        elif c.get("profile"):
+            row["profile_compiled_double_buffer"] = c["profile"]
 
 
 @torch.no_grad()
@@ -271,6 +281,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="rows decoded together (default 64; --small 4; 0: none)")
     ap.add_argument("--batch-prompt", type=int, default=None, help="longest batched prompt (default 4096; --small 64)")
     ap.add_argument("--compile", action="store_true", help="also time the step through torch.compile (CUDA)")
+    ap.add_argument("--double-buffer", action="store_true",
+                    help="with --compile: also the compiled step writing the next cache into a second buffer")
     ap.add_argument("--check-prompt", type=int, default=None,
         help="decode == forward check: prompt (default 65536; --small 512; 0: no check)")
     ap.add_argument("--check-tokens", type=int, default=None, help="decode == forward check: tokens (default 1000; --small 20)")
@@ -343,11 +355,12 @@ def main() -> None:
                     continue
                 try:
                     add_compiled(models[name].to(dev), row, chunk=chunk, new=new if kind == "single" else batch_new,
-                                 batch_prompt=batch_prompt, dev=dev)
+                                 batch_prompt=batch_prompt, dev=dev, double_buffer=args.double_buffer)
                 except Exception as e:  # e.g. out of memory: the row keeps its plain numbers
                     row["compile_error"] = f"{type(e).__name__}: {e}"
-                console.print(json.dumps({k: row.get(k) for k in ("kind", "attention", "rows", "decode_tokens_per_s_compiled",
-                                                                  "compile_setup_s", "compile_error")}), highlight=False)
+                keys = ("kind", "attention", "rows", "decode_tokens_per_s_compiled", "decode_tokens_per_s_compiled_double_buffer",
+                        "compile_setup_s", "compile_error")
+                console.print(json.dumps({k: row.get(k) for k in keys}), highlight=False)
                 write(report, args.out)
                 models[name].cpu()
                 _fresh(dev)
@@ -421,6 +434,10 @@ def markdown(report: dict) -> str:
              f"tokens per single row, prefill chunks of {report['prefill_chunk']}", "",
              "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in report["rows"]] + [""]
+    for r in report["rows"]:
+        if r.get("decode_tokens_per_s_compiled_double_buffer"):
+            lines.append(f"{r['kind']} {r['attention']}, {r['rows']} rows: compiled with two cache buffers "
+                         f"{_rate(r, 'decode_tokens_per_s_compiled_double_buffer')} tokens/s")
     for key, r in report.get("ratios", {}).items():
         lines.append(f"SparseK+SW / SW, {key}: decode {r['decode']:.2f}, prefill {r['prefill']:.2f}"
                      + (f", decode compiled {r['decode_compiled']:.2f}" if "decode_compiled" in r else ""))
