@@ -14,6 +14,9 @@ A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with S
              - eager: the same step launched op by op;
   batched  BATCH rows (default 64) of prompts between half and all of BATCH_PROMPT tokens (different
            lengths: the ragged prefill), decoded together; tokens/s over all rows;
+  modes    --modes double_buffer,in_place: the graph decoding again with Decoder(double_buffer=True) (the
+           next cache written into a second buffer) and Decoder(in_place=True) (the ring layout, K/V written
+           in place), and compiled with --compile;
   profile  torch.profiler over 20 decode steps (CUDA): eager after the shortest prompt and in the batch,
            and the compiled step (no graph: every kernel named) with --compile; the kernels by device
            time per step and the launches per step (JSON only);
@@ -84,14 +87,14 @@ def _fresh(dev: torch.device) -> int:
 
 @torch.no_grad()
 def decode_rate(model: LM, cache, logits: torch.Tensor, steps: int, *, graph: bool, compile: bool = False,
-                profile: bool = False, double_buffer: bool = False) -> dict:
+                profile: bool = False, **decoder_kw) -> dict:
     """Greedy decoding of `steps` tokens per row from `cache`, the sampled tokens fed back on the device:
     {tokens_per_s (all rows), setup_s (capture, compile), graph, compiled, error}; profile: and the
     kernels of 20 more steps (the graph's replays: the profiler names the kernels a graph launches)."""
     dev = logits.device
     t0 = time.perf_counter()
     # a failed capture: eager, says why
-    dec = Decoder(model, cache, cuda_graph=None if graph else False, compile=compile, double_buffer=double_buffer)
+    dec = Decoder(model, cache, cuda_graph=None if graph else False, compile=compile, **decoder_kw)
     dec.start(logits)
     for _ in range(2):  # warm: allocator, first launches
         dec.advance()
@@ -125,7 +128,8 @@ def batched_prompts(model: LM, rows: int, n_prompt: int) -> list[list[int]]:
     return [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
-def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev: torch.device, profile: bool = False) -> dict:
+def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev: torch.device, profile: bool = False,
+               modes: tuple[str, ...] = ()) -> dict:
     row = {"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n_prompt}
     if name == "full" and n_prompt > FULL_ATTENTION_MAX:
         return row | {"skipped": f"full attention's O(n^2) prefill of {n_prompt:,} tokens is beyond this benchmark"}
@@ -142,6 +146,7 @@ def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev
     row |= {"decode_tokens": new, "decode_tokens_per_s": d["tokens_per_s"], "cuda_graph": d["graph"], "decode_setup_s": d["setup_s"]}
     if d["error"]:
         row["cuda_graph_error"] = d["error"]
+    add_modes(model, row, cache, logits, new, modes, compile=False)
     if graph:
         row["decode_tokens_per_s_eager"] = decode_rate(model, cache, logits, max(new // 4, 8), graph=False)["tokens_per_s"]
         if profile:
@@ -152,7 +157,8 @@ def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev
     return row
 
 
-def run_batched(model: LM, name: str, rows: int, n_prompt: int, *, chunk: int, new: int, dev: torch.device) -> dict:
+def run_batched(model: LM, name: str, rows: int, n_prompt: int, *, chunk: int, new: int, dev: torch.device,
+                modes: tuple[str, ...] = ()) -> dict:
     """`rows` prompts of n_prompt/2 .. n_prompt tokens (ragged), prefilled side by side and decoded together."""
     prompts = batched_prompts(model, rows, n_prompt)
     lengths = [len(p) for p in prompts]
@@ -170,6 +176,7 @@ def run_batched(model: LM, name: str, rows: int, n_prompt: int, *, chunk: int, n
             "decode_setup_s": d["setup_s"]}
     if d["error"]:
         row["cuda_graph_error"] = d["error"]
+    add_modes(model, row, cache, logits, new, modes, compile=False)
     if graph:
         row["profile"] = _profile_or_error(model, cache, logits)
     row["peak_memory_bytes"] = peak_bytes(dev)
@@ -219,10 +226,30 @@ def _profile_steps(dec: Decoder, steps: int) -> dict:
                     for e in kernels[:25]]}
 
 
+def add_modes(model: LM, row: dict, cache, logits: torch.Tensor, new: int, modes: tuple[str, ...], *, compile: bool) -> None:
+    """The row's graph decoding again in each of `modes` (Decoder's double_buffer, in_place), compiled or not:
+    row["decode_tokens_per_s[_compiled]_<mode>"], and with a profile where the row has one."""
+    for mode in modes:
+        if row["attention"] not in ("sparsek+sw", "sw"):  # full attention's cache grows: neither mode applies
+            continue
+        key = f"{'compiled_' if compile else ''}{mode}"
+        try:
+            c = decode_rate(model, cache, logits, new, graph=True, compile=compile, profile=compile and "profile" in row,
+                            **{mode: True})
+        except Exception as e:  # the row keeps its other numbers
+            row[f"error_{key}"] = f"{type(e).__name__}: {e}"
+            continue
+        row[f"decode_tokens_per_s_{key}"] = c["tokens_per_s"] if c["compiled"] or not compile else None
+        if c["error"]:
+            row[f"error_{key}"] = c["error"]
+        elif c.get("profile"):
+            row[f"profile_{key}"] = c["profile"]
+
+
 def add_compiled(model: LM, row: dict, *, chunk: int, new: int, batch_prompt: int, dev: torch.device,
-                 double_buffer: bool = False) -> None:
+                 modes: tuple[str, ...] = ()) -> None:
     """The row's decoding again with the step through torch.compile (then captured): its tokens/s and setup time;
-    double_buffer: also with Decoder(double_buffer=True) (the next cache written into a second buffer)."""
+    modes: also in each of them (add_modes)."""
     prompts = single_prompt(model, row["prompt_tokens"]) if row["kind"] == "single" else \
         batched_prompts(model, row["rows"], batch_prompt)
     _fresh(dev)
@@ -233,13 +260,7 @@ def add_compiled(model: LM, row: dict, *, chunk: int, new: int, batch_prompt: in
         row["compile_error"] = c["error"]
     elif c.get("profile"):
         row["profile_compiled"] = c["profile"]
-    if double_buffer:
-        c = decode_rate(model, cache, logits, new, graph=True, compile=True, profile="profile" in row, double_buffer=True)
-        row |= {"decode_tokens_per_s_compiled_double_buffer": c["tokens_per_s"] if c["compiled"] else None}
-        if c["error"]:
-            row["compile_double_buffer_error"] = c["error"]
-        elif c.get("profile"):
-            row["profile_compiled_double_buffer"] = c["profile"]
+    add_modes(model, row, cache, logits, new, modes, compile=True)
 
 
 @torch.no_grad()
@@ -281,13 +302,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="rows decoded together (default 64; --small 4; 0: none)")
     ap.add_argument("--batch-prompt", type=int, default=None, help="longest batched prompt (default 4096; --small 64)")
     ap.add_argument("--compile", action="store_true", help="also time the step through torch.compile (CUDA)")
-    ap.add_argument("--double-buffer", action="store_true",
-                    help="with --compile: also the compiled step writing the next cache into a second buffer")
+    ap.add_argument("--modes", default="", help="comma list of Decoder modes also timed (graph; compiled with --compile): "
+                    "double_buffer, in_place")
     ap.add_argument("--check-prompt", type=int, default=None,
         help="decode == forward check: prompt (default 65536; --small 512; 0: no check)")
     ap.add_argument("--check-tokens", type=int, default=None, help="decode == forward check: tokens (default 1000; --small 20)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new row after this many seconds")
     args = ap.parse_args()
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if bad := [m for m in modes if m not in ("double_buffer", "in_place")]:
+        ap.error(f"--modes takes double_buffer and in_place; got {bad}")
 
     t_start = time.perf_counter()
     dev = torch.device("cpu" if args.small or not torch.cuda.is_available() else "cuda")
@@ -331,10 +355,10 @@ def main() -> None:
             console.print(json.dumps(report["check"]), highlight=False)
         for n in prompts:
             add({"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n, "skipped": "time budget"} if over_budget()
-                else run_single(model, name, n, chunk=chunk, new=new, dev=dev, profile=n == prompts[0]))
+                else run_single(model, name, n, chunk=chunk, new=new, dev=dev, profile=n == prompts[0], modes=modes))
         if batch:
             add({"kind": "batched", "attention": name, "rows": batch, "skipped": "time budget"} if over_budget() else
-                run_batched(model, name, batch, batch_prompt, chunk=chunk, new=batch_new, dev=dev))
+                run_batched(model, name, batch, batch_prompt, chunk=chunk, new=batch_new, dev=dev, modes=modes))
         if name != "full":
             models[name] = model.cpu()  # kept for the compiled pass, off the GPU (its rows' peaks stay theirs)
         del model
@@ -355,12 +379,12 @@ def main() -> None:
                     continue
                 try:
                     add_compiled(models[name].to(dev), row, chunk=chunk, new=new if kind == "single" else batch_new,
-                                 batch_prompt=batch_prompt, dev=dev, double_buffer=args.double_buffer)
+                                 batch_prompt=batch_prompt, dev=dev, modes=modes)
                 except Exception as e:  # e.g. out of memory: the row keeps its plain numbers
                     row["compile_error"] = f"{type(e).__name__}: {e}"
-                keys = ("kind", "attention", "rows", "decode_tokens_per_s_compiled", "decode_tokens_per_s_compiled_double_buffer",
-                        "compile_setup_s", "compile_error")
-                console.print(json.dumps({k: row.get(k) for k in keys}), highlight=False)
+                keys = ("kind", "attention", "rows", "decode_tokens_per_s_compiled", "compile_setup_s", "compile_error")
+                console.print(json.dumps({k: v for k, v in row.items() if k in keys or k.startswith("decode_tokens_per_s_compiled_")}),
+                              highlight=False)
                 write(report, args.out)
                 models[name].cpu()
                 _fresh(dev)
@@ -435,9 +459,11 @@ def markdown(report: dict) -> str:
              "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in report["rows"]] + [""]
     for r in report["rows"]:
-        if r.get("decode_tokens_per_s_compiled_double_buffer"):
-            lines.append(f"{r['kind']} {r['attention']}, {r['rows']} rows: compiled with two cache buffers "
-                         f"{_rate(r, 'decode_tokens_per_s_compiled_double_buffer')} tokens/s")
+        other = {k.removeprefix("decode_tokens_per_s_"): v for k, v in r.items()
+                 if k.startswith("decode_tokens_per_s_") and any(k.endswith(m) for m in ("double_buffer", "in_place")) and v}
+        if other:
+            lines.append(f"{r['kind']} {r['attention']}, {r['rows']} rows, other decoders (tokens/s): "
+                         + ", ".join(f"{k} {v:,.1f}" for k, v in other.items()))
     for key, r in report.get("ratios", {}).items():
         lines.append(f"SparseK+SW / SW, {key}: decode {r['decode']:.2f}, prefill {r['prefill']:.2f}"
                      + (f", decode compiled {r['decode_compiled']:.2f}" if "decode_compiled" in r else ""))

@@ -219,10 +219,17 @@ class Decoder:
     kernels that compute it: one buffer would be read and written by the same shifted copy, so
     its next cache is built aside and copied back, the whole cache every step); two graphs, one
     per direction. Twice the cache's memory. Equal outputs (tests: CPU, eager and compiled).
+
+    in_place (SparseK and SW caches): the decoder keeps the cache in the ring layout (SparseKRingCache): each
+    step writes its token's K/V into the tail slot of the token leaving the window and an admitted key into the
+    evicted key's pool slot, in place, instead of rebuilding the tail and pool (the whole cache) every step;
+    `cache` gives it back in the chunk op's layout. The same tokens; logits to rounding (keys summed in
+    another order).
     """
 
     def __init__(self, model: LM, cache: ModelCache, *, sampling: Sampling | Sequence[Sampling] | None = None,
-                 cuda_graph: bool | None = None, compile: bool = False, double_buffer: bool = False):
+                 cuda_graph: bool | None = None, compile: bool = False, double_buffer: bool = False,
+                 in_place: bool = False):
         self.model = model
         self._cache = cache
         B = cache.batch_size
@@ -242,7 +249,11 @@ class Decoder:
             raise ValueError("a CUDA graph needs a CUDA model whose cache has a fixed size (not full attention)")
         if double_buffer and not fixed:
             raise ValueError("double_buffer needs a cache of a fixed size (not full attention)")
-        self.double_buffer = double_buffer
+        if in_place and (double_buffer or model.cfg.attention not in ("sparsek", "sparsek+sw", "sw")):
+            raise ValueError("in_place needs sparsek, sparsek+sw or sw attention, and not double_buffer")
+        if in_place:
+            self._cache = cache.clone().to_ring()  # the caller's cache stays as it was
+        self.double_buffer, self.in_place = double_buffer, in_place
         self._spare: ModelCache | None = None  # double_buffer: the buffer the next step writes
         self._graphs: list[torch.cuda.CUDAGraph] = []  # double_buffer: [reads the current buffer, reads the spare]
         self._graph_logits: list[torch.Tensor] = []
@@ -265,7 +276,8 @@ class Decoder:
 
     @property
     def cache(self) -> ModelCache:
-        return self._cache
+        """The cache after the last step, in the chunk op's layout."""
+        return self._cache.from_ring() if self.in_place else self._cache
 
     @property
     def cache_grows(self) -> bool:
@@ -326,9 +338,9 @@ class Decoder:
         static = self._cache = self._cache.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up off the capture (compiles; the step is functional: nothing changes)
-            for _ in range(2):
-                self._fn(self.tokens, static, self.steps)
+        with torch.cuda.stream(side):  # warm up off the capture (compiles; the step is functional: nothing changes,
+            for _ in range(2):  # except, in_place, the K/V it writes: on a scratch copy then)
+                self._fn(self.tokens, static.clone() if self.in_place else static, self.steps)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

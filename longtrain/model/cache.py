@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from longtrain.ops.sparsek_attention import SparseKCache
+from longtrain.ops.sparsek_attention.cache import SparseKRingCache, from_ring, to_ring
 from longtrain.ops.sparsek_attention.linear import SparseKLinearCache
 
 
@@ -129,6 +130,19 @@ class ModelCache:
                              la.score_sum.clone(), la.score_sumsq.clone()) for la in self.layers]
         return ModelCache(seen=self.seen.clone(), layers=layers)
 
+    def to_ring(self) -> "ModelCache":
+        """Every layer in the decoder's layout (SparseKRingCache: decode steps write K/V in place; plain
+        SparseK caches only: sparsek, sparsek+sw, sw)."""
+        return ModelCache(seen=self.seen, layers=[LayerCache(to_ring(la.attn), la.score_sum, la.score_sumsq)
+                                                  for la in self.layers])
+
+    def from_ring(self) -> "ModelCache":
+        """Every layer back in the chunk op's layout (a cache with no ring layer comes back as it is)."""
+        if not any(isinstance(la.attn, SparseKRingCache) for la in self.layers):
+            return self
+        return ModelCache(seen=self.seen, layers=[LayerCache(from_ring(la.attn), la.score_sum, la.score_sumsq)
+                                                  for la in self.layers])
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the cache itself (no copies), in a fixed order: two caches of one model pair up
         (copying one into another's buffers, as a CUDA graph's replay needs)."""
@@ -144,7 +158,7 @@ class ModelCache:
         memcpy per tensor (195 per decode step of a 12-layer SparseK cache, ~0.3 ms of an H100's graph replay)."""
         groups: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for a, b in zip(self.tensors(), other.tensors()):
-            if a is not b:
+            if not _same(a, b):  # (a step that wrote a tensor in place returns it, or a view of it under compile)
                 groups.setdefault((a.dtype, a.device, b.dtype), []).append((a, b))
         for pairs in groups.values():
             torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
@@ -220,3 +234,9 @@ class ModelCache:
     def nbytes(self) -> int:
         """Bytes the cache holds (its tensors as they are, no copies)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are the same memory seen the same way (copying one into the other would change nothing)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                      and a.dtype == b.dtype and a.device == b.device and a.numel() > 0)

@@ -172,3 +172,44 @@ def test_the_double_buffered_decoder_equals_the_single_buffer_one(name, compile)
         else:
             assert torch.equal(got[key], want[key]), key
     assert all(t.data_ptr() != s.data_ptr() for t, s in zip(cache.tensors(), two.cache.tensors()) if t.numel())  # own buffers
+
+
+@pytest.mark.parametrize("name,compile", [("sparsek+sw", False), ("sw", False), ("sparsek only", False),
+                                          ("llama gqa per-kv-head", False), ("sparsek+sw", True)])
+@torch.no_grad()
+def test_the_in_place_decoder_equals_the_functional_one(name, compile):
+    """Decoder(in_place=True): the cache in the ring layout, K/V written in place; the same tokens as the
+    functional decoder, logits to rounding (keys summed in another order), and (back in the chunk layout)
+    the same cache; the caller's cache untouched (float64; compile: the step through torch.compile on the CPU)."""
+    from longtrain.generate import Decoder
+
+    model = _model(CASES[name])
+    cache, logits = prefill(model, _prompts(), chunk_size=8)
+    before = {k: v.clone() for k, v in cache.state_dict().items()}
+    one = Decoder(model, cache, cuda_graph=False)
+    ring = Decoder(model, cache, cuda_graph=False, in_place=True, compile=compile)
+    assert torch.equal(one.start(logits), ring.start(logits))
+    for step in range(12):
+        a, b = one.advance(), ring.advance()
+        assert torch.equal(a, b), step
+        assert torch.allclose(one.logits, ring.logits, atol=1e-10, rtol=0), step
+    want, got = one.cache.state_dict(), ring.cache.state_dict()
+    for key in want:  # (a layer's scores read its input, which the layers below computed to rounding)
+        if key.split(".")[-1] in ("thr_u", "thr_saturated"):  # a set: its order is the scan's business
+            g, w = got[key].sort(-1).values, want[key].sort(-1).values
+            assert torch.allclose(g.double(), w.double(), atol=1e-10, rtol=0), key
+        elif want[key].is_floating_point():
+            assert torch.allclose(got[key], want[key], atol=1e-10, rtol=0), key
+        else:
+            assert torch.equal(got[key], want[key]), key
+    for key, t in cache.state_dict().items():
+        assert torch.equal(t, before[key]), key
+
+
+def test_in_place_needs_a_ring_capable_attention():
+    from longtrain.generate import Decoder
+
+    model = _model(CASES["full"])
+    cache, _ = prefill(model, _prompts(), chunk_size=8)
+    with pytest.raises(ValueError, match="in_place needs"):
+        Decoder(model, cache, cuda_graph=False, in_place=True)

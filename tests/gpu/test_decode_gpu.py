@@ -93,11 +93,12 @@ def test_the_split_attention_kernel_equals_attend_torch(B):
 @pytest.mark.parametrize("kw", CASES[:2])
 @pytest.mark.parametrize("compile", [False, True])
 @torch.no_grad()
-@pytest.mark.parametrize("double_buffer", [False, True])
-def test_the_whole_step_graph_equals_the_eager_step(kw, compile, double_buffer):
+@pytest.mark.parametrize("mode", ["", "double_buffer", "in_place"])
+def test_the_whole_step_graph_equals_the_eager_step(kw, compile, mode):
     """Rows of different lengths, greedy and sampled side by side: the graph (every layer, the sampler, the
     cache written back, the token fed back) replays what the eager step computes; compiled: to rounding;
-    double_buffer: two graphs, each writing the next cache into the other buffer."""
+    double_buffer: two graphs, each writing the next cache into the other buffer; in_place: the ring layout
+    (against the eager in-place step)."""
     from longtrain.generate import Sampling
 
     torch.manual_seed(0)
@@ -106,8 +107,9 @@ def test_the_whole_step_graph_equals_the_eager_step(kw, compile, double_buffer):
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (700, 65, 300)]
     cache, logits = prefill(model, prompts, chunk_size=256)
     settings = [Sampling(), Sampling(temperature=1.0, seed=2), Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=3)]
-    graph = Decoder(model, cache, sampling=settings, cuda_graph=True, compile=compile, double_buffer=double_buffer)
-    eager = Decoder(model, cache, sampling=settings, cuda_graph=False)
+    modes = {mode: True} if mode else {}
+    graph = Decoder(model, cache, sampling=settings, cuda_graph=True, compile=compile, **modes)
+    eager = Decoder(model, cache, sampling=settings, cuda_graph=False, in_place=mode == "in_place")  # the same arithmetic
     assert graph.graph is not None and graph.compiled == compile
     a, b = graph.start(logits), eager.start(logits)
     assert torch.equal(a, b)

@@ -12,6 +12,7 @@ from longtrain.ops.sparsek_attention import (
     sparsek_attention_decode,
     sparsek_attention_decode_reference,
 )
+from longtrain.ops.sparsek_attention.cache import SparseKRingCache, from_ring, to_ring
 from longtrain.ops.sparsek_attention.decode import position_hash
 
 CASES = [
@@ -68,11 +69,13 @@ def _scores(c: SparseKCache, r: int, atol: float):
     return u[keep].sort().values, u[keep & sat].sort().values
 
 
+@pytest.mark.parametrize("ring", [False, True], ids=["chunk layout", "ring layout"])
 @pytest.mark.parametrize(
     "topk,window,H,Hkv,variant,cap,prefill,steps,spread,backend",
     [(*c, "torch") for c in CASES] + [(*c, "triton") for c in CASES if c[0] and c[0] < 40 and c[1] != 1],
 )
-def test_decode_equals_the_chunk_op(topk, window, H, Hkv, variant, cap, prefill, steps, spread, backend):
+def test_decode_equals_the_chunk_op(topk, window, H, Hkv, variant, cap, prefill, steps, spread, backend, ring):
+    """ring: the decoder's layout (SparseKRingCache), which the step updates in place; compared through from_ring."""
     if backend == "triton":
         pytest.importorskip("triton")  # on the CPU: the kernel under TRITON_INTERPRET=1
         cap = cap or 64  # a small state keeps the interpreted kernel quick (it may overflow: both sides count it)
@@ -85,8 +88,8 @@ def test_decode_equals_the_chunk_op(topk, window, H, Hkv, variant, cap, prefill,
         q, k, v, u = _rand(B, prefill, H, Hkv, D, dtype, spread)
         lengths = torch.tensor([prefill, max(prefill - 3, 0)])
         _, cache, _ = sparsek_attention_chunk(q, k, v, u, cache, lengths=lengths, backend="naive", scan="host", **kw)
-    fast, ref = cache, cache
-    _sets_equal(fast, ref, topk, 0.0)
+    fast, ref = (to_ring(cache) if ring else cache), cache
+    _sets_equal(from_ring(fast), ref, topk, 0.0)
     pooled_changes = 0
     for step in range(steps):
         q, k, v, u = [x[:, 0] for x in _rand(B, 1, H, Hkv, D, dtype, spread, t0=prefill + step)]
@@ -99,7 +102,8 @@ def test_decode_equals_the_chunk_op(topk, window, H, Hkv, variant, cap, prefill,
         assert torch.equal(s1.theta_pos, s2.theta_pos), step
         assert (s1.n_active - s2.n_active).abs().max() <= 1, step  # a score exactly at tau: see _scores
         assert torch.allclose(s1.tau, s2.tau, atol=1e-12, rtol=0), step
-        _sets_equal(fast, ref, topk, 1e-12)
+        assert isinstance(fast, SparseKRingCache) == ring
+        _sets_equal(from_ring(fast), ref, topk, 1e-12)
     if topk:
         assert pooled_changes >= 3  # the pool really turned over
     if spread < 0.1:
@@ -243,3 +247,19 @@ def test_the_attention_kernel_equals_attend_torch(topk, window, H, Hkv, D, varia
             assert got.dtype == dtype and got.shape == (B, H, D)
             err = (got.double() - want.double()).abs().max()
             assert torch.allclose(got.double(), want.double(), atol=atol, rtol=0), (dtype, splits, err)
+
+
+def test_the_ring_layout_round_trips_and_the_chunk_op_refuses_it():
+    """to_ring then from_ring gives the cache back exactly; the chunk op refuses a ring cache with the fix."""
+    torch.manual_seed(0)
+    B, H, Hkv, D, topk, window = 3, 2, 1, 8, 5, 6
+    cache = SparseKCache.empty(B, topk, window, Hkv, D, dtype=torch.float64, score_dtype=torch.float64)
+    q, k, v, u = _rand(B, 17, H, Hkv, D, torch.float64, 0.7)
+    _, cache, _ = sparsek_attention_chunk(q, k, v, u, cache, lengths=torch.tensor([17, 3, 9]), backend="naive", scan="host")
+    ring = to_ring(cache)
+    assert isinstance(ring, SparseKRingCache) and not torch.equal(ring.tail_k, cache.tail_k)  # rows at 17 and 9 rotate
+    back = from_ring(ring)
+    for name, t in cache.tensors().items():
+        assert torch.equal(getattr(back, name), t), name
+    with pytest.raises(TypeError, match="from_ring"):
+        sparsek_attention_chunk(q, k, v, u, ring, backend="naive", scan="host")

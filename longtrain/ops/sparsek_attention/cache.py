@@ -119,3 +119,52 @@ class SparseKCache(SelectionState):
             m = mask.to(old.device).view(-1, *([1] * (old.dim() - 1)))
             out[name] = torch.where(m, getattr(fresh, name), old)
         return SparseKCache(**out, window=self.window)
+
+
+@dataclass
+class SparseKRingCache(SparseKCache):
+    """A SparseKCache in the decoder's layout, which a decode step updates in place (sparsek_attention_decode):
+      - the tail is a ring: position p sits in slot p mod (w - 1), so a step writes its token into the slot of
+        the one leaving the window instead of shifting the whole tail;
+      - the pool's slots are in no order (valid ones first): an admitted key takes the evicted key's slot.
+    Only decode steps read it; `from_ring` gives the chunk op's layout back (to_ring: into this one)."""
+
+    def reset_rows(self, mask: torch.Tensor) -> "SparseKRingCache":
+        return to_ring(from_ring(self).reset_rows(mask))
+
+
+def ring_slots(seen: torch.Tensor, tail_slots: int) -> torch.Tensor:
+    """[B, W-1] the ring slot of each canonical tail slot s (position seen - (w-1) + s): (seen + s) mod (w-1)."""
+    s = torch.arange(tail_slots, device=seen.device)
+    return (seen[:, None] + s[None]) % max(tail_slots, 1)
+
+
+def _rows_take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, N, ...] with its dim 1 reordered per row: out[b, j] = x[b, idx[b, j]]."""
+    return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:]))
+
+
+def to_ring(cache: SparseKCache) -> SparseKRingCache:
+    """The same state in the decoder's layout, with its own copy of what decode steps write in place (the tail,
+    rotated, and the pool, whose chunk layout is one of the ring's orders); the other tensors are shared."""
+    if isinstance(cache, SparseKRingCache):
+        return cache
+    if type(cache) is not SparseKCache:
+        raise TypeError(f"only a plain SparseKCache has a ring layout; got {type(cache).__name__}")
+    Wt = cache.tail_slots
+    inverse = torch.argsort(ring_slots(cache.seen, Wt), dim=1)  # ring slot j holds canonical slot inverse[b, j]
+    tail = {n: _rows_take(getattr(cache, n), inverse) for n in ("tail_k", "tail_v", "tail_u")}
+    pool = {n: getattr(cache, n).clone() for n in ("pool_k", "pool_v", "pool_u", "pool_pos")}
+    return SparseKRingCache(**{**cache.tensors(), **tail, **pool}, window=cache.window)
+
+
+def from_ring(cache: SparseKCache) -> SparseKCache:
+    """The chunk op's layout of a ring cache (new tensors): the tail in position order, the pool valid first in
+    ascending positions. A plain SparseKCache comes back as it is."""
+    if not isinstance(cache, SparseKRingCache):
+        return cache
+    tail = {n: _rows_take(getattr(cache, n), ring_slots(cache.seen, cache.tail_slots)) for n in ("tail_k", "tail_v", "tail_u")}
+    key = torch.where(cache.pool_pos >= 0, cache.pool_pos, torch.iinfo(torch.int64).max)
+    order = torch.argsort(key, dim=1, stable=True)
+    pool = {n: _rows_take(getattr(cache, n), order) for n in ("pool_k", "pool_v", "pool_u", "pool_pos")}
+    return SparseKCache(**{**cache.tensors(), **tail, **pool}, window=cache.window)

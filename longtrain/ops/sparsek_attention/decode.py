@@ -22,7 +22,9 @@ w = 0, where a token is its own candidate). Admitting updates, on the cache's te
 On CUDA the admission runs as one Triton kernel (decode_triton.py: the same steps, and the scan's
 own walk over the breakpoints); the torch version here is its reference and the CPU path. Every
 step is a fixed sequence of operations with static shapes and no host synchronisation on the GPU,
-so a caller may capture it in a CUDA graph. The result equals the chunk op's
+so a caller may capture it in a CUDA graph. Given a SparseKRingCache (cache.py: the decoder's layout, tail
+slots by position mod w - 1, pool slots in no order) the step writes the new token's K/V and an admitted
+key into their slots in place instead of rebuilding the tail and pool. The result equals the chunk op's
 (the reference) in selection and output, and in the cache's pool, tail and threshold state as
 sets, with tau up to rounding; tests compare the two over many steps. A decode step takes any
 cache the chunk op writes, and the chunk op takes any cache a decode step writes.
@@ -34,7 +36,7 @@ from dataclasses import replace
 
 import torch
 
-from longtrain.ops.sparsek_attention.cache import SparseKCache
+from longtrain.ops.sparsek_attention.cache import SparseKCache, SparseKRingCache
 from longtrain.ops.sparsek_attention.op import ChunkSelection, check_inputs, sparsek_attention_chunk
 
 _MASK63 = (1 << 63) - 1
@@ -88,6 +90,7 @@ def sparsek_attention_decode(
     if backend == "auto":
         backend = "triton" if q.is_cuda and _triton_available() else "torch"
     t = cache.seen  # [B] this token's position
+    ring = isinstance(cache, SparseKRingCache)  # the decoder's layout: K/V written in place (cache.py)
     if window == 0:  # SparseK only: the token is its own candidate, admitted before its query
         cache = _admit(cache, k, v, u, t, topk=topk, backend=backend)
 
@@ -96,19 +99,26 @@ def sparsek_attention_decode(
     attend = attend_torch
     if backend == "triton":
         from longtrain.ops.sparsek_attention.decode_triton import attend_triton as attend
-    o = attend(q, k, v, cache, window=window, variant=variant, scale=scale)
+    o = attend(q, k, v, cache, window=window, variant=variant, scale=scale, tail_ring=ring)
 
     selection = _selection(cache, topk) if with_selection else None
 
     # 2. The token that leaves the window becomes a candidate; the new token joins the tail.
     Wt = cache.tail_slots
+    rows = torch.arange(q.shape[0], device=q.device)
+    leaving = t % max(Wt, 1)  # [B] a ring's slot of position t - Wt, the one leaving the window (then t's)
     if window > 0:
-        if Wt > 0:
+        if Wt > 0 and ring:  # (indexing copies: the slot is written below)
+            ck, cv, cu = cache.tail_k[rows, leaving], cache.tail_v[rows, leaving], cache.tail_u[rows, leaving]
+        elif Wt > 0:
             ck, cv, cu = cache.tail_k[:, 0], cache.tail_v[:, 0], cache.tail_u[:, 0]
         else:  # w = 1: the new token itself
             ck, cv, cu = k.to(cache.pool_k.dtype), v.to(cache.pool_v.dtype), u
         cache = _admit(cache, ck, cv, cu, t - window + 1, topk=topk, backend=backend)
-    if Wt > 0:
+    if Wt > 0 and ring:
+        for buf, new in ((cache.tail_k, k), (cache.tail_v, v), (cache.tail_u, u)):
+            buf[rows, leaving] = new.to(buf.dtype)
+    elif Wt > 0:
         cache = replace(
             cache,
             tail_k=torch.cat([cache.tail_k[:, 1:], k[:, None].to(cache.tail_k.dtype)], 1),
@@ -119,16 +129,18 @@ def sparsek_attention_decode(
 
 
 def attend_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: SparseKCache, *, window: int, variant: str,
-                 scale: float) -> torch.Tensor:
+                 scale: float, tail_ring: bool = False) -> torch.Tensor:
     """o [B, H, D]: each row's query (q [B, H, D]) against [pool K][tail W-1][itself] (k, v [B, Hkv, D]), with the
-    pool's gate clamp(u - tau, 0, 1). The reference of decode_triton.attend_triton (one launch, the same signature)."""
+    pool's gate clamp(u - tau, 0, 1); tail_ring: the tail's slots as a SparseKRingCache keeps them. The reference of
+    decode_triton.attend_triton (the same signature)."""
     B, H, D = q.shape
     Hkv = k.shape[1]
     K, Wt = cache.topk, cache.tail_slots
     t = cache.seen  # [B] this token's position
     dev = q.device
     cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype  # softmax precision
-    tail_pos = t[:, None] - Wt + torch.arange(Wt, device=dev)[None]  # [B, W-1]
+    j = torch.arange(Wt, device=dev)[None]
+    tail_pos = t[:, None] - Wt + ((j - t[:, None]) % max(Wt, 1) if tail_ring else j)  # [B, W-1] the position in slot j
     in_window = torch.full((B, 1), window > 0, device=dev)  # w = 0: the token sees itself only if pooled
     ok = torch.cat([cache.pool_pos >= 0, tail_pos >= 0, in_window], 1)  # [B, N]
     keys = torch.cat([cache.pool_k.to(cdt), cache.tail_k.to(cdt), k[:, None].to(cdt)], 1)  # [B, N, Hkv, D]
@@ -189,10 +201,14 @@ def _admit(cache: SparseKCache, ck, cv, cu, cpos, *, topk: int, backend: str = "
     """The cache after candidate (ck, cv [B, Hkv, D], cu [B], cpos [B]) joins; rows with cpos < 0 unchanged."""
     if topk == 0:  # a sliding window selects nothing: no pool, no threshold
         return cache
+    ring = isinstance(cache, SparseKRingCache)
     if backend == "triton":
         from longtrain.ops.sparsek_attention.decode_triton import admit_triton
 
-        fields, src = admit_triton(cache, cu, cpos)  # pool scores and positions, threshold state; K/V below
+        fields, src, slot = admit_triton(cache, cu, cpos)  # pool scores and positions, threshold state; K/V below
+        if ring:  # the candidate into its slot, in place (the kernel's pool_u, pool_pos are the chunk op's layout)
+            _write_slot(cache, slot, ck, cv, cu, cpos)
+            return replace(cache, **{n: f for n, f in fields.items() if n not in ("pool_u", "pool_pos")})
         rows = torch.arange(cu.shape[0], device=cu.device)[:, None]
         return replace(
             cache, **fields,
@@ -204,7 +220,31 @@ def _admit(cache: SparseKCache, ck, cv, cu, cpos, *, topk: int, backend: str = "
         # Nothing to update: the candidate is at or below tau, so below the pool's worst key too (a
         # host branch, free on the CPU; on a GPU every step runs the same ops, so a graph can hold it).
         return cache
+    if ring:
+        _write_slot(cache, _admit_slot(cache, cu, ok), ck, cv, cu, cpos)
+        return replace(cache, **_admit_threshold(cache, cu, cpos, ok, topk))
     return replace(cache, **_admit_pool(cache, ck, cv, cu, cpos, ok), **_admit_threshold(cache, cu, cpos, ok, topk))
+
+
+def _admit_slot(cache: SparseKCache, cu, ok) -> torch.Tensor:
+    """[B] the slot the candidate takes in a pool whose slots keep no order (valid ones first): the worst key's
+    when it evicts it, the first empty one when the pool is not full, -1 when it stays out."""
+    K = cache.topk
+    n = (cache.pool_pos >= 0).sum(1)  # [B]
+    umin, pmin = _worst(cache.pool_u, cache.pool_pos)
+    evict = ok & (cu.to(cache.pool_u.dtype) >= umin) & (n == K)  # its position beats every pooled one on a tie
+    worst = (cache.pool_pos == pmin[:, None]).to(torch.int64).argmax(1)  # positions are unique
+    return torch.where(evict, worst, torch.where(ok & (n < K), n, -1))
+
+
+def _write_slot(cache: SparseKCache, slot: torch.Tensor, ck, cv, cu, cpos) -> None:
+    """The candidate (ck, cv [B, Hkv, D], cu, cpos [B]) into pool slot `slot` [B] of each row, in place (-1: none)."""
+    rows = torch.arange(slot.shape[0], device=slot.device)
+    at = slot.clamp(min=0)
+    keep = slot < 0
+    for buf, new in ((cache.pool_k, ck), (cache.pool_v, cv), (cache.pool_u, cu), (cache.pool_pos, cpos)):
+        old = buf[rows, at]
+        buf[rows, at] = torch.where(keep.view(-1, *([1] * (old.dim() - 1))), old, new.to(buf.dtype))
 
 
 def _admit_pool(cache: SparseKCache, ck, cv, cu, cpos, ok) -> dict[str, torch.Tensor]:

@@ -65,6 +65,7 @@ def admit_kernel(
     CU, CPOS,  # in: [B] float64 candidate score, [B] int64 its position (< 0: none)
     OUT_U, OUT_SAT, OUT_COUNT, OUT_TAU, OUT_SUM, OUT_OVER,  # out: the next threshold state
     OUT_PU, OUT_PPOS, SRC,  # out: [B, K] pool scores and positions, source slot in [pool K][candidate]
+    OUT_SLOT,  # out: [B] the slot the candidate takes where the pool's slots keep no order (a ring cache), -1: none
     SCR,  # scratch [B, BLOCK] float64: the sorted scores, written only where a state arrives unsorted
     CAP, K,
     BLOCK: tl.constexpr, KB: tl.constexpr,
@@ -96,6 +97,8 @@ def admit_kernel(
     tl.store(OUT_PU + b * K + s, new_pu, mask=sm)
     tl.store(OUT_PPOS + b * K + s, new_pp, mask=sm)
     tl.store(SRC + b * K + s, src, mask=sm)
+    worst_slot = tl.sum(tl.where(ok & (pp == pmin), s, 0), axis=0).to(tl.int64)  # positions are unique
+    tl.store(OUT_SLOT + b, tl.where(evict, worst_slot, tl.where(grow, n_pool, -1)))
 
     # ---- the threshold scores, sorted ascending (+inf after the count), held in registers
     i = tl.arange(0, BLOCK)
@@ -171,8 +174,9 @@ def admit_kernel(
     tl.store(OUT_OVER + b, over + (ins & drop).to(tl.int64))
 
 
-def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """(the next pool_u, pool_pos and threshold fields, src [B, K]): the kernel's outputs for decode.py."""
+def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(the next pool_u, pool_pos and threshold fields, src [B, K], slot [B]): the kernel's outputs for decode.py
+    (src: the chunk op's pool layout; slot: where the candidate goes in a pool whose slots keep no order)."""
     B, cap = cache.thr_u.shape
     K = cache.topk
     dev = cu.device
@@ -188,6 +192,7 @@ def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str,
         pool_pos=torch.empty_like(cache.pool_pos),
     )
     src = torch.empty(B, K, dtype=torch.int64, device=dev)
+    slot = torch.empty(B, dtype=torch.int64, device=dev)
     scratch = torch.empty(B, block, dtype=torch.float64, device=dev)
     admit_kernel[(B,)](
         THR_U=cache.thr_u.contiguous(), THR_COUNT=cache.thr_count.contiguous(), TAU=cache.tau.contiguous(),
@@ -195,13 +200,13 @@ def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str,
         CU=cu.to(torch.float64).contiguous(), CPOS=cpos.contiguous(),
         OUT_U=out["thr_u"], OUT_SAT=out["thr_saturated"], OUT_COUNT=out["thr_count"], OUT_TAU=out["tau"],
         OUT_SUM=out["thr_sum"], OUT_OVER=out["overflow"], OUT_PU=out["pool_u"], OUT_PPOS=out["pool_pos"], SRC=src,
-        SCR=scratch, CAP=cap, K=K,
+        OUT_SLOT=slot, SCR=scratch, CAP=cap, K=K,
         # warps: cap = 4096 holds 8 scores a thread in 120 registers (8 warps took 255 and spilled)
         BLOCK=block, KB=triton.next_power_of_2(max(K, 1)), num_warps=min(32, max(4, block // 256)),
     )
     # torch 2.11's Inductor cannot lower a bool tensor viewed as int8 (the compiled decode step failed)
     out["thr_saturated"] = out["thr_saturated"] != 0
-    return out, src
+    return out, src, slot
 
 
 # ----------------------------------------------------------------------------- the query against the cache
@@ -230,7 +235,7 @@ def attend_kernel(
     K, Wt, Hkv, H, K_PER, T_PER,  # pool and tail slots per split
     R: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, BN: tl.constexpr,
     GATED: tl.constexpr, SOFT_KV: tl.constexpr, SELF_OK: tl.constexpr, CDT: tl.constexpr,
-    SPLIT: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr,
+    SPLIT: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr, TAIL_RING: tl.constexpr,
 ):
     """One program per (row, KV head, split): its R query heads against its split's share of the pool and of
     the tail (the last split also takes the token itself), read where the cache keeps them (no concatenated
@@ -278,12 +283,16 @@ def attend_kernel(
         s = tl.where(ok[None, :], s, float("-inf"))
         m, l, acc = _online_softmax(m, l, acc, s, gate[:, None] * vv)
 
-    # the tail: positions t - Wt .. t - 1 (those below 0 do not exist yet)
+    # the tail: positions t - Wt .. t - 1 (those below 0 do not exist yet); slot j holds t - Wt + j, or in a
+    # ring (TAIL_RING) position p sits in slot p mod Wt: slot j holds t - Wt + (j - t) mod Wt
     t_end = tl.minimum(Wt, (sp + 1) * T_PER)
     for j0 in range(sp * T_PER, t_end, BN):
         j = j0 + tl.arange(0, BN)
         jm = j < t_end
-        ok = jm & (t - Wt + j >= 0)
+        if TAIL_RING:
+            ok = jm & (t - Wt + (j + Wt - t % Wt) % Wt >= 0)
+        else:
+            ok = jm & (t - Wt + j >= 0)
         at = ((b * Wt + j) * Hkv + g)[:, None] * D + d[None, :]
         kv_mask = jm[:, None] & dm[None, :]
         kk = tl.load(TK + at, mask=kv_mask, other=0.0).to(CDT)
@@ -349,7 +358,7 @@ def attend_splits(batch: int, kv_heads: int, topk: int, tail_slots: int) -> int:
 
 
 def attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, window: int, variant: str,
-                  scale: float, splits: int | None = None) -> torch.Tensor:
+                  scale: float, tail_ring: bool = False, splits: int | None = None) -> torch.Tensor:
     """o [B, H, D]: decode.attend_torch's result (the same signature; `splits`: attend_splits' choice by default)."""
     B, H, D = q.shape
     Hkv = k.shape[1]
@@ -379,7 +388,7 @@ def attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, w
         K=K, Wt=Wt, Hkv=Hkv, H=H, K_PER=k_per, T_PER=t_per,
         R=H // Hkv, RB=RB, D=D, DB=DB, BN=BN,
         GATED=K > 0 and variant != "straight_through", SOFT_KV=variant == "soft_kv", SELF_OK=window > 0, CDT=cdt,
-        SPLIT=S > 1, SCALE_IN_MEMORY=f64, num_warps=4,
+        SPLIT=S > 1, SCALE_IN_MEMORY=f64, TAIL_RING=tail_ring, num_warps=4,
     )
     if S > 1:
         combine_kernel[(B * H,)](PART_M=part_m, PART_L=part_l, PART_ACC=part_acc, O=o, S=S, D=D,

@@ -19,7 +19,7 @@ import torch
 from longtrain.ops.selection import ExtendedScores, ScanResult, ThresholdFn, lay_out_scores, select
 from longtrain.ops.selection.chunk import carried, check_scan, next_state, triton_available
 from longtrain.ops.sparsek_attention.aligned import aligned_inputs, next_tile_pool, query_tile
-from longtrain.ops.sparsek_attention.cache import SparseKCache
+from longtrain.ops.sparsek_attention.cache import SparseKCache, SparseKRingCache
 from longtrain.ops.sparsek_attention.naive import VARIANTS, sparsek_attention_core_naive
 
 BACKENDS = ("auto", "naive", "triton")
@@ -180,6 +180,9 @@ def sparsek_attention_chunk(
     knows every row starts on a tile edge: starts_inside_tile).
     """
     _check(q, k, v, u, variant, backend, scan)
+    if isinstance(cache, SparseKRingCache):
+        raise TypeError("a SparseKRingCache is the decoder's layout, which decode steps update in place; the chunk op "
+                        "takes the chunk layout: from_ring(cache) (ModelCache.from_ring for a model's cache)")
     window = cache.window
     keys = lay_out_keys(cache, k, v, u, lengths)
     sel = select(keys, cache, window=window, block=block, scan=scan)
