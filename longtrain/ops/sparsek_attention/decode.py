@@ -105,8 +105,9 @@ def sparsek_attention_decode(
 
     # 2. The token that leaves the window becomes a candidate; the new token joins the tail.
     Wt = cache.tail_slots
-    rows = torch.arange(q.shape[0], device=q.device)
-    leaving = t % max(Wt, 1)  # [B] a ring's slot of position t - Wt, the one leaving the window (then t's)
+    if ring and Wt > 0:
+        rows = torch.arange(q.shape[0], device=q.device)
+        leaving = t % Wt  # [B] the ring slot of position t - Wt, the one leaving the window (then t's)
     if window > 0:
         if Wt > 0 and ring:  # (indexing copies: the slot is written below)
             ck, cv, cu = cache.tail_k[rows, leaving], cache.tail_v[rows, leaving], cache.tail_u[rows, leaving]
@@ -226,15 +227,23 @@ def _admit(cache: SparseKCache, ck, cv, cu, cpos, *, topk: int, backend: str = "
     return replace(cache, **_admit_pool(cache, ck, cv, cu, cpos, ok), **_admit_threshold(cache, cu, cpos, ok, topk))
 
 
+def _admission(cache: SparseKCache, cu, ok) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Whether the candidate (score cu, admissible where ok [B]) joins the pool, whatever the slots' order:
+    (n valid keys, evict the worst key, grow into an empty slot, the worst key's position pmin), each [B]."""
+    K = cache.topk
+    n = (cache.pool_pos >= 0).sum(1)
+    umin, pmin = _worst(cache.pool_u, cache.pool_pos)
+    # The candidate's position is larger than every pooled one, so it wins ties: (u, pos) > theta iff u >= umin.
+    evict = ok & (cu.to(cache.pool_u.dtype) >= umin) & (n == K)
+    return n, evict, ok & (n < K), pmin
+
+
 def _admit_slot(cache: SparseKCache, cu, ok) -> torch.Tensor:
     """[B] the slot the candidate takes in a pool whose slots keep no order (valid ones first): the worst key's
     when it evicts it, the first empty one when the pool is not full, -1 when it stays out."""
-    K = cache.topk
-    n = (cache.pool_pos >= 0).sum(1)  # [B]
-    umin, pmin = _worst(cache.pool_u, cache.pool_pos)
-    evict = ok & (cu.to(cache.pool_u.dtype) >= umin) & (n == K)  # its position beats every pooled one on a tie
+    n, evict, grow, pmin = _admission(cache, cu, ok)
     worst = (cache.pool_pos == pmin[:, None]).to(torch.int64).argmax(1)  # positions are unique
-    return torch.where(evict, worst, torch.where(ok & (n < K), n, -1))
+    return torch.where(evict, worst, torch.where(grow, n, -1))
 
 
 def _write_slot(cache: SparseKCache, slot: torch.Tensor, ck, cv, cu, cpos) -> None:
@@ -250,13 +259,9 @@ def _write_slot(cache: SparseKCache, slot: torch.Tensor, ck, cv, cu, cpos) -> No
 def _admit_pool(cache: SparseKCache, ck, cv, cu, cpos, ok) -> dict[str, torch.Tensor]:
     """The top-k pool after the candidate, laid out as the chunk op does (valid first, ascending positions)."""
     K = cache.topk
-    n = (cache.pool_pos >= 0).sum(1, keepdim=True)  # [B, 1]
-    umin, pmin = _worst(cache.pool_u, cache.pool_pos)
-    # The candidate's position is larger than every pooled one, so it wins ties: (u, pos) > theta iff u >= umin.
-    evict = (ok & (cu.to(cache.pool_u.dtype) >= umin))[:, None] & (n == K)  # [B, 1]
-    grow = ok[:, None] & (n < K)
+    n, evict, grow, pmin = (x[:, None] for x in _admission(cache, cu, ok))  # [B, 1] each
     s = torch.arange(K, device=cu.device)[None]  # [1, K]
-    past_worst = (cache.pool_pos >= pmin[:, None]).to(torch.int64)  # [B, K]: the worst key and those after it
+    past_worst = (cache.pool_pos >= pmin).to(torch.int64)  # [B, K]: the worst key and those after it
     # Source slot of each new slot in [pool K][candidate]: evicting shifts the keys after the worst
     # one left and appends the candidate; growing appends it after the valid keys.
     src = torch.where(evict, s + past_worst, torch.where(grow & (s == n), K, s))  # [B, K]
