@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/decode_kernels.py --out OUT_DIR        # on a GPU (under a minute)
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/decode_kernels.py --small --out /tmp/dk   # checks the script
 
-For rows B in --batches, a cache of 12 KV heads x 64 (12 x 768's), k = w = 512 (threshold capacity 8k) filled
+For rows B in --batches, a cache of 12 KV heads x 64 (12 x 768's), k = w = 512 (threshold capacity 8·k = 4096) filled
 with random keys and scores, one query per row: `attend_triton` with every split count in --splits (and the
 count `attend_splits` picks), against `attend_torch`'s result; `admit_triton` (the candidate admission), and
 the torch reference of both. Times are medians over CUDA-graph replays of 20 calls each (no launch

@@ -14,12 +14,11 @@ A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with S
              - eager: the same step launched op by op;
   batched  BATCH rows (default 64) of prompts between half and all of BATCH_PROMPT tokens (different
            lengths: the ragged prefill), decoded together; tokens/s over all rows;
-  modes    --modes double_buffer,in_place: the graph decoding again with Decoder(double_buffer=True) (the
-           next cache written into a second buffer) and Decoder(in_place=True) (the ring layout, K/V written
-           in place), and compiled with --compile;
+  modes    --modes in_place: the graph decoding again with Decoder(in_place=True) (the ring layout, K/V
+           written in place), and compiled with --compile;
   profile  torch.profiler over 20 decode steps (CUDA): eager after the shortest prompt and in the batch,
-           and the compiled step (no graph: every kernel named) with --compile; the kernels by device
-           time per step and the launches per step (JSON only);
+           and with --compile the compiled step's graph replays (the profiler names the kernels a graph
+           launches); the kernels by device time per step and the launches per step (JSON only);
   check    decode == chunked forward in bf16 (SparseK+SW): after a CHECK_PROMPT-token prompt, the same
            CHECK_TOKENS tokens once as one chunk through the forward (the chunk op, device scan) and
            once token by token through the decode step; per layer, the positions whose selection
@@ -227,10 +226,10 @@ def _profile_steps(dec: Decoder, steps: int) -> dict:
 
 
 def add_modes(model: LM, row: dict, cache, logits: torch.Tensor, new: int, modes: tuple[str, ...], *, compile: bool) -> None:
-    """The row's graph decoding again in each of `modes` (Decoder's double_buffer, in_place), compiled or not:
+    """The row's graph decoding again in each of `modes` (Decoder's in_place), compiled or not:
     row["decode_tokens_per_s[_compiled]_<mode>"], and with a profile where the row has one."""
     for mode in modes:
-        if row["attention"] not in ("sparsek+sw", "sw"):  # full attention's cache grows: neither mode applies
+        if row["attention"] not in ("sparsek+sw", "sw"):  # full attention's cache has no ring layout
             continue
         key = f"{'compiled_' if compile else ''}{mode}"
         try:
@@ -303,15 +302,15 @@ def main() -> None:
     ap.add_argument("--batch-prompt", type=int, default=None, help="longest batched prompt (default 4096; --small 64)")
     ap.add_argument("--compile", action="store_true", help="also time the step through torch.compile (CUDA)")
     ap.add_argument("--modes", default="", help="comma list of Decoder modes also timed (graph; compiled with --compile): "
-                    "double_buffer, in_place")
+                    "in_place")
     ap.add_argument("--check-prompt", type=int, default=None,
         help="decode == forward check: prompt (default 65536; --small 512; 0: no check)")
     ap.add_argument("--check-tokens", type=int, default=None, help="decode == forward check: tokens (default 1000; --small 20)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new row after this many seconds")
     args = ap.parse_args()
     modes = tuple(m for m in args.modes.split(",") if m)
-    if bad := [m for m in modes if m not in ("double_buffer", "in_place")]:
-        ap.error(f"--modes takes double_buffer and in_place; got {bad}")
+    if bad := [m for m in modes if m not in ("in_place",)]:
+        ap.error(f"--modes takes in_place; got {bad}")
 
     t_start = time.perf_counter()
     dev = torch.device("cpu" if args.small or not torch.cuda.is_available() else "cuda")
@@ -460,7 +459,7 @@ def markdown(report: dict) -> str:
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in report["rows"]] + [""]
     for r in report["rows"]:
         other = {k.removeprefix("decode_tokens_per_s_"): v for k, v in r.items()
-                 if k.startswith("decode_tokens_per_s_") and any(k.endswith(m) for m in ("double_buffer", "in_place")) and v}
+                 if k.startswith("decode_tokens_per_s_") and k.endswith("in_place") and v}
         if other:
             lines.append(f"{r['kind']} {r['attention']}, {r['rows']} rows, other decoders (tokens/s): "
                          + ", ".join(f"{k} {v:,.1f}" for k, v in other.items()))

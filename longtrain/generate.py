@@ -214,12 +214,6 @@ class Decoder:
     capture fails, eager decoding with the reason in `graph_error` (True: fail). compile: the step
     through torch.compile (before the capture); a compile that fails falls back the same way.
 
-    double_buffer (a fixed-size cache): two cache buffers, each step reading one and writing the
-    next cache into the other (inside the step, so a compiled step can fuse the write into the
-    kernels that compute it: one buffer would be read and written by the same shifted copy, so
-    its next cache is built aside and copied back, the whole cache every step); two graphs, one
-    per direction. Twice the cache's memory. Equal outputs (tests: CPU, eager and compiled).
-
     in_place (SparseK and SW caches): the decoder keeps the cache in the ring layout (SparseKRingCache): each
     step writes its token's K/V into the tail slot of the token leaving the window and an admitted key into the
     evicted key's pool slot, in place, instead of rebuilding the tail and pool (the whole cache) every step;
@@ -228,8 +222,7 @@ class Decoder:
     """
 
     def __init__(self, model: LM, cache: ModelCache, *, sampling: Sampling | Sequence[Sampling] | None = None,
-                 cuda_graph: bool | None = None, compile: bool = False, double_buffer: bool = False,
-                 in_place: bool = False):
+                 cuda_graph: bool | None = None, compile: bool = False, in_place: bool = False):
         self.model = model
         self._cache = cache
         B = cache.batch_size
@@ -247,31 +240,22 @@ class Decoder:
         fixed = model.cfg.attention != "full"
         if cuda_graph and not (on_cuda and fixed):
             raise ValueError("a CUDA graph needs a CUDA model whose cache has a fixed size (not full attention)")
-        if double_buffer and not fixed:
-            raise ValueError("double_buffer needs a cache of a fixed size (not full attention)")
-        if in_place and (double_buffer or model.cfg.attention not in ("sparsek", "sparsek+sw", "sw")):
-            raise ValueError("in_place needs sparsek, sparsek+sw or sw attention, and not double_buffer")
+        if in_place and model.cfg.attention not in ("sparsek", "sparsek+sw", "sw"):
+            raise ValueError("in_place needs sparsek, sparsek+sw or sw attention (a plain SparseK cache)")
         if in_place:
             self._cache = cache.clone().to_ring()  # the caller's cache stays as it was
-        self.double_buffer, self.in_place = double_buffer, in_place
-        self._spare: ModelCache | None = None  # double_buffer: the buffer the next step writes
-        self._graphs: list[torch.cuda.CUDAGraph] = []  # double_buffer: [reads the current buffer, reads the spare]
-        self._graph_logits: list[torch.Tensor] = []
+        self.in_place = in_place
         try:
-            if double_buffer:
-                self._cache, self._spare = cache.clone(), cache.clone()
-                self._fn = torch.compile(self._step_into, dynamic=False) if compile else self._step_into
-                self.compiled = compile
-            elif compile:
+            if compile:
                 self._fn = torch.compile(self._decode_and_sample, dynamic=False)
                 self.compiled = True
             if cuda_graph or (cuda_graph is None and on_cuda and fixed):
-                self._capture_both() if double_buffer else self._capture()
+                self._capture()
         except Exception as e:  # e.g. an op that cannot be captured or compiled: decoding still works, eagerly
             if cuda_graph:
                 raise
-            self._fn, self.compiled = (self._step_into if double_buffer else self._decode_and_sample), False
-            self.graph, self._graphs, self.graph_error = None, [], f"{type(e).__name__}: {e}"
+            self._fn, self.compiled = self._decode_and_sample, False
+            self.graph, self.graph_error = None, f"{type(e).__name__}: {e}"
             warnings.warn(f"decoding eagerly, the step's capture failed: {self.graph_error}", stacklevel=2)
 
     @property
@@ -289,13 +273,6 @@ class Decoder:
         logits = out.logits[:, 0]
         return out.cache, logits, self.sampler(logits, steps)
 
-    def _step_into(self, tokens: torch.Tensor, cache: ModelCache, into: ModelCache, steps: torch.Tensor):
-        """One step from `cache`, its next cache written into `into`'s buffers: (logits [B, V], sampled tokens [B])."""
-        nxt, logits, sampled = self._decode_and_sample(tokens, cache, steps)
-        for a, b in zip(into.tensors(), nxt.tensors()):  # per tensor: what a compiled step can fuse into b's kernel
-            a.copy_(b)
-        return logits, sampled
-
     @torch.no_grad()
     def start(self, logits: torch.Tensor) -> torch.Tensor:
         """Every row's first token [B] from the prefill's logits [B, V]; the next advance() feeds it."""
@@ -307,17 +284,7 @@ class Decoder:
     @torch.no_grad()
     def advance(self) -> torch.Tensor:
         """Feed the last sampled tokens; the next ones [B] (a copy: the next step overwrites the buffer)."""
-        if self.double_buffer:
-            if self._graphs:
-                self._graphs[0].replay()
-                self.logits = self._graph_logits[0]
-                self._graphs.reverse(), self._graph_logits.reverse()
-            else:
-                self.logits, nxt = self._fn(self.tokens, self._cache, self._spare, self.steps)
-                self.tokens.copy_(nxt)
-                self.steps.add_(1)
-            self._cache, self._spare = self._spare, self._cache
-        elif self.graph is not None:
+        if self.graph is not None:
             self.graph.replay()
         else:
             self._cache, self.logits, nxt = self._fn(self.tokens, self._cache, self.steps)
@@ -349,26 +316,6 @@ class Decoder:
             self.tokens.copy_(nxt)  # fed to the next replay
             self.steps.add_(1)
         self.graph, self.logits = graph, logits
-
-    @torch.no_grad()
-    def _capture_both(self) -> None:
-        """double_buffer: one graph per direction (current -> spare, spare -> current), sharing a memory pool."""
-        a, b = self._cache, self._spare
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up off the capture (compiles); b is scratch until the first step
-            for _ in range(2):
-                self._fn(self.tokens, a, b, self.steps)
-        torch.cuda.current_stream().wait_stream(side)
-        for src, dst in ((a, b), (b, a)):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graphs[0].pool() if self._graphs else None):
-                logits, nxt = self._fn(self.tokens, src, dst, self.steps)
-                self.tokens.copy_(nxt)
-                self.steps.add_(1)
-            self._graphs.append(graph)
-            self._graph_logits.append(logits)
-        self.graph = self._graphs[0]
 
 
 # ----------------------------------------------------------------------------- text streaming

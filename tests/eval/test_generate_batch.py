@@ -144,36 +144,6 @@ def test_sampler_settings_and_distribution():
         Sampler([Sampling(top_p=0.0)], "cpu")
 
 
-@pytest.mark.parametrize("name,compile", [("sparsek+sw", False), ("sw", False), ("llama gqa per-kv-head", False),
-                                          ("sparsek+sw", True)])
-@torch.no_grad()
-def test_the_double_buffered_decoder_equals_the_single_buffer_one(name, compile):
-    """Decoder(double_buffer=True): each step reads one cache buffer and writes the next cache into the other;
-    the same logits and tokens as the one-buffer decoder, step by step, and the same cache at the end (float64;
-    compile: the step through torch.compile on the CPU)."""
-    from longtrain.generate import Decoder
-
-    if compile:
-        pytest.importorskip("torch._inductor")
-    model = _model(CASES[name])
-    cache, logits = prefill(model, _prompts(), chunk_size=8)
-    one = Decoder(model, cache, cuda_graph=False)
-    two = Decoder(model, cache, cuda_graph=False, double_buffer=True, compile=compile)
-    assert torch.equal(one.start(logits), two.start(logits))
-    for step in range(9):  # an odd number: the last step wrote the second buffer
-        a, b = one.advance(), two.advance()
-        assert torch.equal(a, b), step
-        assert torch.allclose(one.logits, two.logits, atol=0 if not compile else 1e-12, rtol=0), step
-    want, got = one.cache.state_dict(), two.cache.state_dict()
-    assert want.keys() == got.keys()
-    for key in want:
-        if compile and want[key].is_floating_point():
-            assert torch.allclose(got[key], want[key], atol=1e-12, rtol=0), key
-        else:
-            assert torch.equal(got[key], want[key]), key
-    assert all(t.data_ptr() != s.data_ptr() for t, s in zip(cache.tensors(), two.cache.tensors()) if t.numel())  # own buffers
-
-
 @pytest.mark.parametrize("name,compile", [("sparsek+sw", False), ("sw", False), ("sparsek only", False),
                                           ("llama gqa per-kv-head", False), ("sparsek+sw", True)])
 @torch.no_grad()
