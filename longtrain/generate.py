@@ -243,7 +243,7 @@ class Decoder:
         if in_place and model.cfg.attention not in ("sparsek", "sparsek+sw", "sw"):
             raise ValueError("in_place needs sparsek, sparsek+sw or sw attention (a plain SparseK cache)")
         if in_place:
-            self._cache = cache.clone().to_ring()  # the caller's cache stays as it was
+            self._cache = cache.to_ring()  # its own tail and pool (what steps write in place): the caller's stays
         self.in_place = in_place
         try:
             if compile:
