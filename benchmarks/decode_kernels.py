@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from longtrain.ops.sparsek_attention.cache import SparseKCache  # noqa: E402
+from longtrain.ops.sparsek_attention.cache import SparseKCache, to_ring  # noqa: E402
 from longtrain.ops.sparsek_attention.decode import _admit_pool, _admit_threshold, attend_torch  # noqa: E402
 from longtrain.ops.sparsek_attention.decode_triton import admit_triton, attend_splits, attend_triton  # noqa: E402
 
@@ -106,6 +106,11 @@ def main() -> None:
             got = attend_triton(q, k, v, cache, **kw, splits=s).float()
             row["attend_us"][s] = timed(lambda s=s: attend_triton(q, k, v, cache, **kw, splits=s), args.iters, dev)
             row.setdefault("attend_max_abs_diff", {})[s] = float((got - want).abs().max())
+        # the in-place decoder's layout (Decoder(in_place=True)): the tail a ring, read at the rule's split count
+        ring = to_ring(cache)
+        got = attend_triton(q, k, v, ring, **kw, tail_ring=True).float()
+        row["attend_ring_max_abs_diff"] = float((got - attend_torch(q, k, v, ring, **kw, tail_ring=True).float()).abs().max())
+        row["attend_ring_us"] = timed(lambda: attend_triton(q, k, v, ring, **kw, tail_ring=True), args.iters, dev)
         cu = torch.rand(B, device=dev, dtype=torch.float64) * 3.0
         cpos = torch.full((B,), seen - window + 1, device=dev, dtype=torch.int64)
         ok = torch.ones(B, dtype=torch.bool, device=dev)
@@ -121,11 +126,13 @@ def main() -> None:
     (args.out / "decode_kernels.json").write_text(json.dumps(report, indent=1))
     print(f"\n{report['device']}, H = {H}, Hkv = {Hkv}, D = {D}, k = {topk}, w = {window}; us per call (one layer)")
     splits = list(rows[0]["attend_us"]) if rows else []
-    print("| rows | " + " | ".join(f"attend S={s}" for s in splits) + " | auto S | admit | attend (torch) | admit (torch) |")
-    print("|---" * (len(splits) + 5) + "|")
+    print("| rows | " + " | ".join(f"attend S={s}" for s in splits)
+          + " | auto S | attend, ring tail (auto S) | admit | attend (torch) | admit (torch) |")
+    print("|---" * (len(splits) + 6) + "|")
     for r in rows:
         print(f"| {r['rows']} | " + " | ".join(f"{r['attend_us'][s]:.1f}" for s in splits)
-              + f" | {r['auto_splits']} | {r['admit_us']:.1f} | {r['attend_torch_us']:.1f} | {r['admit_torch_us']:.1f} |")
+              + f" | {r['auto_splits']} | {r['attend_ring_us']:.1f} | {r['admit_us']:.1f} | {r['attend_torch_us']:.1f} |"
+              f" {r['admit_torch_us']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -24,3 +24,4 @@ def test_decode_kernels_small_runs_and_every_split_matches_the_reference(tmp_pat
     for r in report["rows"]:
         assert set(r["attend_max_abs_diff"]) == {"1", "2", "5"}
         assert max(r["attend_max_abs_diff"].values()) < 1e-5, r  # float32 on the CPU
+        assert r["attend_ring_max_abs_diff"] < 1e-5, r  # the in-place decoder's ring tail

@@ -247,6 +247,15 @@ def test_the_attention_kernel_equals_attend_torch(topk, window, H, Hkv, D, varia
             assert got.dtype == dtype and got.shape == (B, H, D)
             err = (got.double() - want.double()).abs().max()
             assert torch.allclose(got.double(), want.double(), atol=atol, rtol=0), (dtype, splits, err)
+        # the in-place decoder's ring tail (slot p mod Wt; rows before Wt have empty slots): the same keys, read
+        # where the ring keeps them
+        ring = to_ring(cache)
+        want_ring = attend_torch(q, k, v, ring, **kw, tail_ring=True)
+        assert torch.allclose(want_ring.double(), want.double(), atol=atol, rtol=0)  # the reference: the same attention
+        for splits in (1, 3, None):
+            got = attend_triton(q, k, v, ring, **kw, splits=splits, tail_ring=True)
+            err = (got.double() - want_ring.double()).abs().max()
+            assert torch.allclose(got.double(), want_ring.double(), atol=atol, rtol=0), (dtype, splits, "ring", err)
 
 
 def test_the_ring_layout_round_trips_and_the_chunk_op_refuses_it():

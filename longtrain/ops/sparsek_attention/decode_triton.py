@@ -284,13 +284,14 @@ def attend_kernel(
         m, l, acc = _online_softmax(m, l, acc, s, gate[:, None] * vv)
 
     # the tail: positions t - Wt .. t - 1 (those below 0 do not exist yet); slot j holds t - Wt + j, or in a
-    # ring (TAIL_RING) position p sits in slot p mod Wt: slot j holds t - Wt + (j - t) mod Wt
+    # ring (TAIL_RING) position p sits in slot p mod Wt: slot j holds t - Wt + (j - t) mod Wt, which is >= 0
+    # exactly when j < t (before t = Wt the ring's slots are the positions themselves; after, all are filled)
     t_end = tl.minimum(Wt, (sp + 1) * T_PER)
     for j0 in range(sp * T_PER, t_end, BN):
         j = j0 + tl.arange(0, BN)
         jm = j < t_end
         if TAIL_RING:
-            ok = jm & (t - Wt + (j + Wt - t % Wt) % Wt >= 0)
+            ok = jm & (j < t)
         else:
             ok = jm & (t - Wt + j >= 0)
         at = ((b * Wt + j) * Hkv + g)[:, None] * D + d[None, :]
