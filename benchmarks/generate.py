@@ -14,8 +14,9 @@ A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with S
              - eager: the same step launched op by op;
   batched  BATCH rows (default 64) of prompts between half and all of BATCH_PROMPT tokens (different
            lengths: the ragged prefill), decoded together; tokens/s over all rows;
-  modes    --modes in_place: the graph decoding again with Decoder(in_place=True) (the ring layout, K/V
-           written in place), and compiled with --compile;
+  modes    --modes in_place,rebuild: the graph decoding again with Decoder(in_place=True) (the ring layout,
+           K/V written in place) or in_place=False (the cache rebuilt every step), and compiled with --compile;
+           the other rows use Decoder's default (in place for several rows or a compiled step);
   profile  torch.profiler over 20 decode steps (CUDA): eager after the shortest prompt and in the batch,
            and with --compile the compiled step's graph replays (the profiler names the kernels a graph
            launches); the kernels by device time per step and the launches per step (JSON only);
@@ -53,6 +54,7 @@ FULL_ATTN = [("sparsek+sw", dict(attention="sparsek+sw", topk=512, window=512)),
              ("sw", dict(attention="sw", window=1024)),
              ("full", dict(attention="full"))]
 FULL_PROMPTS = (4096, 65536, 1 << 20)
+MODES = {"in_place": {"in_place": True}, "rebuild": {"in_place": False}}  # --modes: Decoder keyword arguments
 SMALL = dict(vocab_size=512, layers=2, d_model=64, heads=4, style="gpt2")
 SMALL_ATTN = [("sparsek+sw", dict(attention="sparsek+sw", topk=16, window=16)),
               ("sw", dict(attention="sw", window=32)),
@@ -234,7 +236,7 @@ def add_modes(model: LM, row: dict, cache, logits: torch.Tensor, new: int, modes
         key = f"{'compiled_' if compile else ''}{mode}"
         try:
             c = decode_rate(model, cache, logits, new, graph=True, compile=compile, profile=compile and "profile" in row,
-                            **{mode: True})
+                            **MODES[mode])
         except Exception as e:  # the row keeps its other numbers
             row[f"error_{key}"] = f"{type(e).__name__}: {e}"
             continue
@@ -302,15 +304,15 @@ def main() -> None:
     ap.add_argument("--batch-prompt", type=int, default=None, help="longest batched prompt (default 4096; --small 64)")
     ap.add_argument("--compile", action="store_true", help="also time the step through torch.compile (CUDA)")
     ap.add_argument("--modes", default="", help="comma list of Decoder modes also timed (graph; compiled with --compile): "
-                    "in_place")
+                    "in_place, rebuild")
     ap.add_argument("--check-prompt", type=int, default=None,
         help="decode == forward check: prompt (default 65536; --small 512; 0: no check)")
     ap.add_argument("--check-tokens", type=int, default=None, help="decode == forward check: tokens (default 1000; --small 20)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new row after this many seconds")
     args = ap.parse_args()
     modes = tuple(m for m in args.modes.split(",") if m)
-    if bad := [m for m in modes if m not in ("in_place",)]:
-        ap.error(f"--modes takes in_place; got {bad}")
+    if bad := [m for m in modes if m not in MODES]:
+        ap.error(f"--modes takes {', '.join(MODES)}; got {bad}")
 
     t_start = time.perf_counter()
     dev = torch.device("cpu" if args.small or not torch.cuda.is_available() else "cuda")
@@ -459,7 +461,7 @@ def markdown(report: dict) -> str:
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in report["rows"]] + [""]
     for r in report["rows"]:
         other = {k.removeprefix("decode_tokens_per_s_"): v for k, v in r.items()
-                 if k.startswith("decode_tokens_per_s_") and k.endswith("in_place") and v}
+                 if k.startswith("decode_tokens_per_s_") and k.endswith(tuple(MODES)) and v}
         if other:
             lines.append(f"{r['kind']} {r['attention']}, {r['rows']} rows, other decoders (tokens/s): "
                          + ", ".join(f"{k} {v:,.1f}" for k, v in other.items()))

@@ -201,6 +201,17 @@ def sample(logits: torch.Tensor, opts: Sampling, step: int = 0) -> torch.Tensor:
 # ----------------------------------------------------------------------------- decoding
 
 
+RING_ATTENTIONS = ("sparsek", "sparsek+sw", "sw")  # caches with a ring layout (SparseKRingCache)
+
+
+def in_place_by_default(attention: str, device_type: str, rows: int, *, compile: bool) -> bool:
+    """Decoder's in_place where it was measured faster: on CUDA, for several rows or a compiled step. On an H100
+    (benchmarks/README.md, issue 33): 64 rows 2.2× in a graph (8,296 against 3,759 tokens/s), 1.13× compiled;
+    one row compiled the same (968 / 961), one row in an uncompiled graph 0.85× (387 / 454: the ring's index
+    arithmetic costs more launches than the small rebuild); on the CPU not measured at a real size."""
+    return attention in RING_ATTENTIONS and device_type == "cuda" and (compile or rows > 1)
+
+
 class Decoder:
     """Decodes one token per row per step from a prefilled cache, sampling on the device.
 
@@ -218,11 +229,11 @@ class Decoder:
     step writes its token's K/V into the tail slot of the token leaving the window and an admitted key into the
     evicted key's pool slot, in place, instead of rebuilding the tail and pool (the whole cache) every step;
     `cache` gives it back in the chunk op's layout. The same tokens; logits to rounding (keys summed in
-    another order).
+    another order). None (the default): `in_place_by_default`.
     """
 
     def __init__(self, model: LM, cache: ModelCache, *, sampling: Sampling | Sequence[Sampling] | None = None,
-                 cuda_graph: bool | None = None, compile: bool = False, in_place: bool = False):
+                 cuda_graph: bool | None = None, compile: bool = False, in_place: bool | None = None):
         self.model = model
         self._cache = cache
         B = cache.batch_size
@@ -240,7 +251,9 @@ class Decoder:
         fixed = model.cfg.attention != "full"
         if cuda_graph and not (on_cuda and fixed):
             raise ValueError("a CUDA graph needs a CUDA model whose cache has a fixed size (not full attention)")
-        if in_place and model.cfg.attention not in ("sparsek", "sparsek+sw", "sw"):
+        if in_place is None:
+            in_place = in_place_by_default(model.cfg.attention, dev.type, B, compile=compile)
+        if in_place and model.cfg.attention not in RING_ATTENTIONS:
             raise ValueError("in_place needs sparsek, sparsek+sw or sw attention (a plain SparseK cache)")
         if in_place:
             self._cache = cache.to_ring()  # its own tail and pool (what steps write in place): the caller's stays
@@ -446,6 +459,7 @@ def generate_batch(
     chunk_size: int = PREFILL_CHUNK,
     cuda_graph: bool | None = None,
     compile: bool = False,
+    in_place: bool | None = None,  # Decoder's: the cache's ring layout (None: where measured faster)
     sync_every: int | None = None,  # steps between reads of the tokens (default: 1 on the CPU, 8 on CUDA)
     on_token: Callable[[int, int], None] | None = None,  # (row, token) as the tokens are read back
     on_prefill: Callable[[int], None] | None = None,
@@ -474,7 +488,7 @@ def generate_batch(
     cache, logits = prefill(model, prompts, chunk_size=chunk_size, on_chunk=on_prefill)
     _sync(dev)
     t1 = time.perf_counter()
-    decoder = Decoder(model, cache, sampling=settings, cuda_graph=cuda_graph, compile=compile)
+    decoder = Decoder(model, cache, sampling=settings, cuda_graph=cuda_graph, compile=compile, in_place=in_place)
     _sync(dev)
     t2 = time.perf_counter()
 

@@ -156,8 +156,9 @@ def test_the_in_place_decoder_equals_the_functional_one(name, compile):
     model = _model(CASES[name])
     cache, logits = prefill(model, _prompts(), chunk_size=8)
     before = {k: v.clone() for k, v in cache.state_dict().items()}
-    one = Decoder(model, cache, cuda_graph=False)
+    one = Decoder(model, cache, cuda_graph=False, in_place=False)
     ring = Decoder(model, cache, cuda_graph=False, in_place=True, compile=compile)
+    assert not one.in_place and ring.in_place
     assert torch.equal(one.start(logits), ring.start(logits))
     for step in range(12):
         a, b = one.advance(), ring.advance()
@@ -174,6 +175,23 @@ def test_the_in_place_decoder_equals_the_functional_one(name, compile):
             assert torch.equal(got[key], want[key]), key
     for key, t in cache.state_dict().items():
         assert torch.equal(t, before[key]), key
+
+
+def test_the_decoder_is_in_place_by_default_on_cuda_for_several_rows_or_a_compiled_step():
+    from longtrain.generate import Decoder, in_place_by_default
+
+    for attention in ("sparsek+sw", "sparsek", "sw"):
+        assert in_place_by_default(attention, "cuda", 64, compile=False)
+        assert in_place_by_default(attention, "cuda", 1, compile=True)
+        assert not in_place_by_default(attention, "cuda", 1, compile=False)  # one uncompiled row: the rebuild is faster
+        assert not in_place_by_default(attention, "cpu", 64, compile=True)  # not measured at a real size on the CPU
+    for attention in ("full", "sparsek+linear+sw", "linear+sw"):  # no ring layout
+        assert not in_place_by_default(attention, "cuda", 64, compile=True)
+    model = _model(CASES["sparsek+sw"])
+    cache, _ = prefill(model, _prompts(), chunk_size=8)
+    assert cache.batch_size > 1
+    assert not Decoder(model, cache, cuda_graph=False).in_place  # the CPU
+    assert Decoder(model, cache, cuda_graph=False, in_place=True).in_place
 
 
 def test_in_place_needs_a_ring_capable_attention():
