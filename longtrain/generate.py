@@ -522,7 +522,7 @@ def generate_batch(
         peak_memory_bytes=peak_memory(dev), kv_entries_per_layer=cache.kv_entries_per_layer,
         cache_bytes=cache.nbytes(), cache_grows=decoder.cache_grows,
         extra={"overflowed": cache.overflowed(), "cuda_graph": decoder.graph is not None,
-               "compiled": decoder.compiled, "cuda_graph_error": decoder.graph_error},
+               "compiled": decoder.compiled, "in_place": decoder.in_place, "cuda_graph_error": decoder.graph_error},
     )
 
 

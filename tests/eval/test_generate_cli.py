@@ -111,6 +111,7 @@ def test_several_prompts_are_decoded_together_as_jsonl(runs, tmp_path):
         assert r["stopped"] in ("max_new_tokens", "end_of_document") and r["prompt_tokens"] == one["prompt_tokens"]
     summary = json.loads((tmp_path / "all.json").read_text())
     assert [r["tokens"] for r in summary["rows"]] == [r["tokens"] for r in rows] and summary["decode"]["tokens_per_s"] > 0
+    assert summary["decode"]["in_place"] is False  # the CPU keeps the rebuilt cache (in place: CUDA, several rows)
 
 
 def test_prompts_jsonl_with_settings_per_row(runs, tmp_path):

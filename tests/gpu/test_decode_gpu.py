@@ -123,3 +123,22 @@ def test_the_whole_step_graph_equals_the_eager_step(kw, compile, mode):
         assert torch.equal(graph.cache.seen, eager.cache.seen) and graph.cache.seen.tolist() == [800, 165, 400]
         for x, y in zip(graph.cache.layers, eager.cache.layers):
             assert torch.equal(x.attn.pool_pos, y.attn.pool_pos) and torch.equal(x.attn.tail_k, y.attn.tail_k)
+
+
+@pytest.mark.parametrize("kw", CASES[:2])
+@torch.no_grad()
+def test_generate_batch_decodes_several_rows_in_place_by_default_as_the_rebuilt_cache_does(kw):
+    """generate_batch's default on CUDA (several rows: Decoder in place, the cache a ring) gives the tokens the
+    rebuilt cache gives (float32, greedy and sampled rows of different lengths; logits to rounding)."""
+    from longtrain.generate import Sampling, generate_batch
+
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=512, layers=2, d_model=128, heads=4, **kw)).cuda().eval()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (700, 65, 300)]
+    settings = [Sampling(), Sampling(temperature=1.0, seed=2), Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=3)]
+    ring = generate_batch(model, prompts, max_new_tokens=[120, 90, 150], sampling=settings, sync_every=5)
+    plain = generate_batch(model, prompts, max_new_tokens=[120, 90, 150], sampling=settings, sync_every=5, in_place=False)
+    assert ring.extra["in_place"] and ring.extra["cuda_graph"] and not plain.extra["in_place"]
+    assert [r.tokens for r in ring.rows] == [r.tokens for r in plain.rows]
+    assert [len(r.tokens) for r in ring.rows] == [120, 90, 150]
