@@ -206,8 +206,8 @@ RING_ATTENTIONS = ("sparsek", "sparsek+sw", "sw")  # caches with a ring layout (
 
 def in_place_by_default(attention: str, device_type: str, rows: int, *, compile: bool) -> bool:
     """Decoder's in_place where it was measured faster: on CUDA, for several rows or a compiled step. On an H100
-    (benchmarks/README.md, issue 33): 64 rows 2.2× in a graph (8,296 against 3,759 tokens/s), 1.13× compiled;
-    one row compiled the same (968 / 961), one row in an uncompiled graph 0.85× (387 / 454: the ring's index
+    (benchmarks/README.md, issue 33): 64 rows 3.4× in a graph (12,766 against 3,759 tokens/s), 2.1× compiled;
+    one row compiled the same (968 / 961), one row in an uncompiled graph 0.86× (388 / 450: the ring's index
     arithmetic costs more launches than the small rebuild); on the CPU not measured at a real size."""
     return attention in RING_ATTENTIONS and device_type == "cuda" and (compile or rows > 1)
 
