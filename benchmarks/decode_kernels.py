@@ -29,6 +29,10 @@ from longtrain.ops.sparsek_attention.decode import _admit_pool, _admit_threshold
 from longtrain.ops.sparsek_attention.decode_triton import admit_triton, attend_splits, attend_triton  # noqa: E402
 
 
+# keys per block, warps, pipeline stages (--sweep)
+SWEEP = [(bn, w, st) for bn in (32, 64, 128, 256) for w in (2, 4, 8) for st in (1, 2, 3, 4)]
+
+
 def filled_cache(B: int, topk: int, window: int, Hkv: int, D: int, dtype, dev, seen: int) -> SparseKCache:
     """A cache as after `seen` tokens: a full pool and tail, and a consistent threshold state at tau = 0 (k/2
     saturated scores and fractional ones summing to k/2: f(tau) = k), so an admission walks as far as in a real step."""
@@ -88,6 +92,8 @@ def main() -> None:
     ap.add_argument("--splits", default="1,2,4,8,16,32")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--small", action="store_true", help="tiny shapes (the CPU, under TRITON_INTERPRET=1)")
+    ap.add_argument("--sweep", action="store_true", help="also time the ring-tail attention at attend_splits' count over "
+                    "keys per block x warps x pipeline stages (SWEEP) and print the fastest per row count")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     H, Hkv, D, topk, window, seen = (12, 12, 64, 512, 512, 65536) if not args.small else (4, 2, 16, 16, 16, 200)
@@ -111,6 +117,13 @@ def main() -> None:
         got = attend_triton(q, k, v, ring, **kw, tail_ring=True).float()
         row["attend_ring_max_abs_diff"] = float((got - attend_torch(q, k, v, ring, **kw, tail_ring=True).float()).abs().max())
         row["attend_ring_us"] = timed(lambda: attend_triton(q, k, v, ring, **kw, tail_ring=True), args.iters, dev)
+        if args.sweep:
+            row["sweep_us"] = {}
+            for bn, warps, stages in SWEEP if not args.small else SWEEP[:2]:
+                f = lambda bn=bn, warps=warps, stages=stages: attend_triton(  # noqa: E731
+                    q, k, v, ring, **kw, tail_ring=True, block_n=bn, num_warps=warps, num_stages=stages)
+                err = float((f().float() - want).abs().max())
+                row["sweep_us"][f"{bn}/{warps}/{stages}"] = timed(f, args.iters, dev) if err < 0.05 else f"wrong ({err})"
         cu = torch.rand(B, device=dev, dtype=torch.float64) * 3.0
         cpos = torch.full((B,), seen - window + 1, device=dev, dtype=torch.int64)
         ok = torch.ones(B, dtype=torch.bool, device=dev)
@@ -126,6 +139,12 @@ def main() -> None:
     (args.out / "decode_kernels.json").write_text(json.dumps(report, indent=1))
     print(f"\n{report['device']}, H = {H}, Hkv = {Hkv}, D = {D}, k = {topk}, w = {window}; us per call (one layer)")
     splits = list(rows[0]["attend_us"]) if rows else []
+    for r in rows:
+        if "sweep_us" in r:
+            ok = {c: t for c, t in r["sweep_us"].items() if isinstance(t, float)}
+            best = sorted(ok, key=ok.get)[:5]
+            print(f"rows {r['rows']}: ring attention, fastest keys per block / warps / stages: "
+                  + ", ".join(f"{c} {ok[c]:.1f} us" for c in best) + f" (default {r['attend_ring_us']:.1f})")
     print("| rows | " + " | ".join(f"attend S={s}" for s in splits)
           + " | auto S | attend, ring tail (auto S) | admit | attend (torch) | admit (torch) |")
     print("|---" * (len(splits) + 6) + "|")

@@ -359,8 +359,10 @@ def attend_splits(batch: int, kv_heads: int, topk: int, tail_slots: int) -> int:
 
 
 def attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, window: int, variant: str,
-                  scale: float, tail_ring: bool = False, splits: int | None = None) -> torch.Tensor:
-    """o [B, H, D]: decode.attend_torch's result (the same signature; `splits`: attend_splits' choice by default)."""
+                  scale: float, tail_ring: bool = False, splits: int | None = None, block_n: int | None = None,
+                  num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+    """o [B, H, D]: decode.attend_torch's result (the same signature; `splits`: attend_splits' choice by default;
+    block_n (keys per block), num_warps, num_stages: the launch's, for benchmarks/decode_kernels.py's sweep)."""
     B, H, D = q.shape
     Hkv = k.shape[1]
     K, Wt = cache.topk, cache.tail_slots
@@ -371,7 +373,8 @@ def attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, w
     RB, DB = triton.next_power_of_2(H // Hkv), triton.next_power_of_2(D)
     k_per, t_per = triton.cdiv(K, S), triton.cdiv(Wt, S)
     # Keys per block: the split's share, at most what keeps the [RB, BN, DB] product at 8k elements, 16 to 128.
-    BN = max(16, min(128, 8192 // (RB * DB), triton.next_power_of_2(max(k_per, t_per, 1))))
+    BN = block_n or max(16, min(128, 8192 // (RB * DB), triton.next_power_of_2(max(k_per, t_per, 1))))
+    launch = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
     part_dtype = torch.float64 if f64 else torch.float32
     if S > 1:
         part_m = torch.empty(B, H, S, dtype=part_dtype, device=q.device)
@@ -389,7 +392,7 @@ def attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, w
         K=K, Wt=Wt, Hkv=Hkv, H=H, K_PER=k_per, T_PER=t_per,
         R=H // Hkv, RB=RB, D=D, DB=DB, BN=BN,
         GATED=K > 0 and variant != "straight_through", SOFT_KV=variant == "soft_kv", SELF_OK=window > 0, CDT=cdt,
-        SPLIT=S > 1, SCALE_IN_MEMORY=f64, TAIL_RING=tail_ring, num_warps=4,
+        SPLIT=S > 1, SCALE_IN_MEMORY=f64, TAIL_RING=tail_ring, **launch,
     )
     if S > 1:
         combine_kernel[(B * H,)](PART_M=part_m, PART_L=part_l, PART_ACC=part_acc, O=o, S=S, D=D,
