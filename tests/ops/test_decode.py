@@ -272,3 +272,38 @@ def test_the_ring_layout_round_trips_and_the_chunk_op_refuses_it():
         assert torch.equal(getattr(back, name), t), name
     with pytest.raises(TypeError, match="from_ring"):
         sparsek_attention_chunk(q, k, v, u, ring, backend="naive", scan="host")
+
+
+@pytest.mark.parametrize("topk,window,Hkv,D,dtype", [
+    (5, 7, 3, 12, torch.float64),  # Hkv * D no power of 2
+    (0, 9, 2, 8, torch.float32),  # sliding window only: no pool
+    (4, 3, 1, 16, torch.bfloat16),  # the new token arrives in float32, the cache keeps bf16
+])
+def test_the_ring_write_kernel_equals_the_torch_ring_write(topk, window, Hkv, D, dtype):
+    """decode_triton.ring_write_triton against decode._ring_write (its reference, the same signature): rows
+    admitted into a slot, a row not admitted (-1), and no admission at all (None)."""
+    pytest.importorskip("triton")  # on the CPU: the kernel under TRITON_INTERPRET=1
+    from longtrain.ops.sparsek_attention.decode import _ring_write
+    from longtrain.ops.sparsek_attention.decode_triton import ring_write_triton
+
+    torch.manual_seed(topk + window)
+    B = 3
+    cache = SparseKCache.empty(B, topk, window, Hkv, D, dtype=dtype, score_dtype=torch.float32)
+    for t in (cache.pool_k, cache.pool_v, cache.tail_k, cache.tail_v, cache.pool_u, cache.tail_u):
+        t.normal_()
+    cache.pool_pos.copy_(torch.arange(topk).expand(B, -1))
+    cache.seen.copy_(torch.tensor([40, 41, 57]))
+    ring = to_ring(cache)
+    Wt = cache.tail_slots
+    leaving = ring.seen % Wt
+    cpos = ring.seen - window + 1
+    k, v = torch.randn(B, Hkv, D), torch.randn(B, Hkv, D)  # float32, as the layer computes them
+    u = torch.randn(B, dtype=torch.float64)
+    for slot in ([1, -1, topk - 1] if topk else [-1, -1, -1], None):
+        slot = None if slot is None else torch.tensor(slot)
+        want, got = to_ring(from_ring(ring)), to_ring(from_ring(ring))  # two copies of the same state
+        _ring_write(want, slot, leaving, cpos, k, v, u)
+        ring_write_triton(got, slot, leaving, cpos, k, v, u)
+        for name in ("pool_k", "pool_v", "pool_u", "pool_pos", "tail_k", "tail_v", "tail_u"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (name, slot)
+        assert not torch.equal(got.tail_k, ring.tail_k)  # the new token went in

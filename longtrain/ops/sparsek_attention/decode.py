@@ -105,21 +105,24 @@ def sparsek_attention_decode(
 
     # 2. The token that leaves the window becomes a candidate; the new token joins the tail.
     Wt = cache.tail_slots
-    if ring and Wt > 0:
-        rows = torch.arange(q.shape[0], device=q.device)
+    if ring and Wt > 0:  # in place: the leaving key into its pool slot if admitted, the new token into its ring slot
         leaving = t % Wt  # [B] the ring slot of position t - Wt, the one leaving the window (then t's)
+        cpos = t - window + 1
+        slot = None
+        if topk > 0:
+            cache, slot = _admit_ring(cache, cache.tail_u.gather(1, leaving[:, None])[:, 0], cpos, topk=topk, backend=backend)
+        write = _ring_write
+        if backend == "triton" and not torch.compiler.is_compiling():  # one launch; compiled, Inductor fuses the torch ops
+            from longtrain.ops.sparsek_attention.decode_triton import ring_write_triton as write
+        write(cache, slot, leaving, cpos, k, v, u)
+        return o, replace(cache, seen=t + 1), selection
     if window > 0:
-        if Wt > 0 and ring:  # (indexing copies: the slot is written below)
-            ck, cv, cu = cache.tail_k[rows, leaving], cache.tail_v[rows, leaving], cache.tail_u[rows, leaving]
-        elif Wt > 0:
+        if Wt > 0:
             ck, cv, cu = cache.tail_k[:, 0], cache.tail_v[:, 0], cache.tail_u[:, 0]
         else:  # w = 1: the new token itself
             ck, cv, cu = k.to(cache.pool_k.dtype), v.to(cache.pool_v.dtype), u
         cache = _admit(cache, ck, cv, cu, t - window + 1, topk=topk, backend=backend)
-    if Wt > 0 and ring:
-        for buf, new in ((cache.tail_k, k), (cache.tail_v, v), (cache.tail_u, u)):
-            buf[rows, leaving] = new.to(buf.dtype)
-    elif Wt > 0:
+    if Wt > 0:
         cache = replace(
             cache,
             tail_k=torch.cat([cache.tail_k[:, 1:], k[:, None].to(cache.tail_k.dtype)], 1),
@@ -225,6 +228,34 @@ def _admit(cache: SparseKCache, ck, cv, cu, cpos, *, topk: int, backend: str = "
         _write_slot(cache, _admit_slot(cache, cu, ok), ck, cv, cu, cpos)
         return replace(cache, **_admit_threshold(cache, cu, cpos, ok, topk))
     return replace(cache, **_admit_pool(cache, ck, cv, cu, cpos, ok), **_admit_threshold(cache, cu, cpos, ok, topk))
+
+
+def _admit_ring(cache: SparseKCache, cu, cpos, *, topk: int, backend: str) -> tuple[SparseKCache, torch.Tensor | None]:
+    """A ring cache's admission of the candidate (score cu, position cpos [B]) without its K/V: the cache with the
+    next threshold state, and the pool slot [B] the candidate takes (-1: none; None: no row admits it)."""
+    if backend == "triton":
+        from longtrain.ops.sparsek_attention.decode_triton import admit_triton
+
+        fields, _, slot = admit_triton(cache, cu, cpos)  # its pool_u, pool_pos: the chunk op's layout, not the ring's
+        return replace(cache, **{n: f for n, f in fields.items() if n not in ("pool_u", "pool_pos")}), slot
+    ok = cpos >= 0  # [B]
+    if cu.device.type == "cpu" and not bool((ok & (cu.to(torch.float64) > cache.tau)).any()):
+        return cache, None  # nothing to update (as _admit: a host branch, free on the CPU)
+    slot = _admit_slot(cache, cu, ok)
+    return replace(cache, **_admit_threshold(cache, cu, cpos, ok, topk)), slot
+
+
+def _ring_write(cache: SparseKCache, slot: torch.Tensor | None, leaving: torch.Tensor, cpos: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, u: torch.Tensor) -> None:
+    """In a ring cache, in place: the key in ring slot `leaving` [B] (position cpos [B]) into pool slot `slot` [B]
+    (-1 or None: not admitted), then the new token (k, v [B, Hkv, D], u [B]) into that ring slot
+    (decode_triton.ring_write_triton does it in one launch)."""
+    rows = torch.arange(leaving.shape[0], device=leaving.device)
+    if slot is not None and cache.topk > 0:  # (indexing copies: the ring slot is overwritten below)
+        ck, cv, cu = cache.tail_k[rows, leaving], cache.tail_v[rows, leaving], cache.tail_u[rows, leaving]
+        _write_slot(cache, slot, ck, cv, cu, cpos)
+    for buf, new in ((cache.tail_k, k), (cache.tail_v, v), (cache.tail_u, u)):
+        buf[rows, leaving] = new.to(buf.dtype)
 
 
 def _admission(cache: SparseKCache, cu, ok) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -209,6 +209,66 @@ def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str,
     return out, src, slot
 
 
+# ----------------------------------------------------------------------------- the ring's writes
+
+
+@triton.jit
+def ring_write_kernel(
+    PK, PV, PU, PPOS,  # pool [B, K, Hkv, D] K/V, [B, K] scores and positions: written in place
+    TK, TV, TU,  # ring tail [B, Wt, Hkv, D] K/V, [B, Wt] scores: written in place
+    NK, NV, NU,  # the new token's K/V [B, Hkv, D] and score [B]
+    SLOT, LEAVING, CPOS,  # [B] int64: the pool slot the leaving key takes (-1: none), its ring slot, its position
+    K, Wt, HD: tl.constexpr, HDB: tl.constexpr, HAS_POOL: tl.constexpr,
+):
+    """One program per row: the key leaving the window (ring slot LEAVING) into pool slot SLOT when admitted, then
+    the new token into that ring slot. What decode.py's torch path does with ~25 small operations per layer."""
+    b = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, HDB)
+    em = e < HD
+    leave = tl.load(LEAVING + b)
+    at = (b * Wt + leave) * HD + e
+    nk = tl.load(NK + b * HD + e, mask=em)
+    nv = tl.load(NV + b * HD + e, mask=em)
+    nu = tl.load(NU + b)
+    if HAS_POOL:
+        slot = tl.load(SLOT + b)
+        if slot >= 0:
+            ok = tl.load(TK + at, mask=em)
+            ov = tl.load(TV + at, mask=em)
+            ou = tl.load(TU + b * Wt + leave)
+            to = (b * K + slot) * HD + e
+            tl.store(PK + to, ok.to(PK.dtype.element_ty), mask=em)
+            tl.store(PV + to, ov.to(PV.dtype.element_ty), mask=em)
+            tl.store(PU + b * K + slot, ou.to(PU.dtype.element_ty))
+            tl.store(PPOS + b * K + slot, tl.load(CPOS + b))
+        tl.debug_barrier()  # every thread has read the leaving key before any overwrites it
+    tl.store(TK + at, nk.to(TK.dtype.element_ty), mask=em)
+    tl.store(TV + at, nv.to(TV.dtype.element_ty), mask=em)
+    tl.store(TU + b * Wt + leave, nu.to(TU.dtype.element_ty))
+
+
+def ring_write_triton(cache, slot: torch.Tensor | None, leaving: torch.Tensor, cpos: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor, u: torch.Tensor) -> None:
+    """decode._ring_write's result in one launch (the same signature): in a SparseKRingCache, the key in ring slot
+    `leaving` [B] (position cpos [B]) into pool slot `slot` [B] (-1 or None: not admitted), then the new token
+    (k, v [B, Hkv, D], u [B]) into its ring slot; in place."""
+    B, Wt, Hkv, D = cache.tail_k.shape
+    for t in (cache.tail_k, cache.tail_v, cache.tail_u, cache.pool_k, cache.pool_v, cache.pool_u, cache.pool_pos):
+        if not t.is_contiguous():
+            raise ValueError("ring_write_triton writes the cache in place: its tensors must be contiguous")
+    has_pool = slot is not None and cache.topk > 0
+    ring_write_kernel[(B,)](
+        PK=cache.pool_k, PV=cache.pool_v, PU=cache.pool_u, PPOS=cache.pool_pos,
+        TK=cache.tail_k, TV=cache.tail_v, TU=cache.tail_u,
+        # cast by torch (a no-op where the layer computes in the cache's dtype): rounded as the reference rounds
+        NK=k.to(cache.tail_k.dtype).contiguous(), NV=v.to(cache.tail_v.dtype).contiguous(),
+        NU=u.to(cache.tail_u.dtype).contiguous(),
+        SLOT=slot.contiguous() if has_pool else leaving, LEAVING=leaving.contiguous(), CPOS=cpos.contiguous(),
+        K=cache.topk, Wt=Wt, HD=Hkv * D, HDB=triton.next_power_of_2(Hkv * D), HAS_POOL=has_pool,
+        num_warps=4,
+    )
+
+
 # ----------------------------------------------------------------------------- the query against the cache
 
 
