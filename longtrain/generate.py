@@ -204,12 +204,12 @@ def sample(logits: torch.Tensor, opts: Sampling, step: int = 0) -> torch.Tensor:
 RING_ATTENTIONS = ("sparsek", "sparsek+sw", "sw")  # caches with a ring layout (SparseKRingCache)
 
 
-def in_place_by_default(attention: str, device_type: str, rows: int, *, compile: bool) -> bool:
-    """Decoder's in_place where it was measured faster: on CUDA, for several rows or a compiled step. On an H100
-    (benchmarks/README.md, issue 33): 64 rows 3.4× in a graph (12,766 against 3,759 tokens/s), 2.1× compiled;
-    one row compiled the same (968 / 961), one row in an uncompiled graph 0.86× (388 / 450: the ring's index
-    arithmetic costs more launches than the small rebuild); on the CPU not measured at a real size."""
-    return attention in RING_ATTENTIONS and device_type == "cuda" and (compile or rows > 1)
+def in_place_by_default(attention: str, device_type: str) -> bool:
+    """Decoder's in_place where it was measured faster: on CUDA, for every attention with a ring layout. On an
+    H100 (benchmarks/README.md, issue 33; graph decoding, 7fc172d): one row 514.6 against 451.9 tokens/s rebuilt,
+    64 rows 15,153.6 against 3,769.8; compiled (327c4ec's run against an earlier one) 64 rows 20,237 against 9,656,
+    one row 985 against 961. On the CPU not measured at a real size (the rebuilt cache stays)."""
+    return attention in RING_ATTENTIONS and device_type == "cuda"
 
 
 class Decoder:
@@ -252,7 +252,7 @@ class Decoder:
         if cuda_graph and not (on_cuda and fixed):
             raise ValueError("a CUDA graph needs a CUDA model whose cache has a fixed size (not full attention)")
         if in_place is None:
-            in_place = in_place_by_default(model.cfg.attention, dev.type, B, compile=compile)
+            in_place = in_place_by_default(model.cfg.attention, dev.type)
         if in_place and model.cfg.attention not in RING_ATTENTIONS:
             raise ValueError("in_place needs sparsek, sparsek+sw or sw attention (a plain SparseK cache)")
         if in_place:

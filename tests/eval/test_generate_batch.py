@@ -177,19 +177,16 @@ def test_the_in_place_decoder_equals_the_functional_one(name, compile):
         assert torch.equal(t, before[key]), key
 
 
-def test_the_decoder_is_in_place_by_default_on_cuda_for_several_rows_or_a_compiled_step():
+def test_the_decoder_is_in_place_by_default_on_cuda():
     from longtrain.generate import Decoder, in_place_by_default
 
     for attention in ("sparsek+sw", "sparsek", "sw"):
-        assert in_place_by_default(attention, "cuda", 64, compile=False)
-        assert in_place_by_default(attention, "cuda", 1, compile=True)
-        assert not in_place_by_default(attention, "cuda", 1, compile=False)  # one uncompiled row: the rebuild is faster
-        assert not in_place_by_default(attention, "cpu", 64, compile=True)  # not measured at a real size on the CPU
+        assert in_place_by_default(attention, "cuda")
+        assert not in_place_by_default(attention, "cpu")  # not measured at a real size on the CPU
     for attention in ("full", "sparsek+linear+sw", "linear+sw"):  # no ring layout
-        assert not in_place_by_default(attention, "cuda", 64, compile=True)
+        assert not in_place_by_default(attention, "cuda")
     model = _model(CASES["sparsek+sw"])
     cache, _ = prefill(model, _prompts(), chunk_size=8)
-    assert cache.batch_size > 1
     assert not Decoder(model, cache, cuda_graph=False).in_place  # the CPU
     assert Decoder(model, cache, cuda_graph=False, in_place=True).in_place
 
