@@ -112,7 +112,9 @@ def sparsek_attention_decode(
         if topk > 0:
             cache, slot = _admit_ring(cache, cache.tail_u.gather(1, leaving[:, None])[:, 0], cpos, topk=topk, backend=backend)
         write = _ring_write
-        if backend == "triton" and not torch.compiler.is_compiling():  # one launch; compiled, Inductor fuses the torch ops
+        # one launch; under torch.compile the torch writes, which Inductor fuses (the compiled step was measured
+        # that way; the kernel inside a compiled step was not tried)
+        if backend == "triton" and not torch.compiler.is_compiling():
             from longtrain.ops.sparsek_attention.decode_triton import ring_write_triton as write
         write(cache, slot, leaving, cpos, k, v, u)
         return o, replace(cache, seen=t + 1), selection
@@ -205,14 +207,15 @@ def _admit(cache: SparseKCache, ck, cv, cu, cpos, *, topk: int, backend: str = "
     """The cache after candidate (ck, cv [B, Hkv, D], cu [B], cpos [B]) joins; rows with cpos < 0 unchanged."""
     if topk == 0:  # a sliding window selects nothing: no pool, no threshold
         return cache
-    ring = isinstance(cache, SparseKRingCache)
+    if isinstance(cache, SparseKRingCache):  # the candidate into its pool slot, in place
+        cache, slot = _admit_ring(cache, cu, cpos, topk=topk, backend=backend)
+        if slot is not None:
+            _write_slot(cache, slot, ck, cv, cu, cpos)
+        return cache
     if backend == "triton":
         from longtrain.ops.sparsek_attention.decode_triton import admit_triton
 
-        fields, src, slot = admit_triton(cache, cu, cpos)  # pool scores and positions, threshold state; K/V below
-        if ring:  # the candidate into its slot, in place (the kernel's pool_u, pool_pos are the chunk op's layout)
-            _write_slot(cache, slot, ck, cv, cu, cpos)
-            return replace(cache, **{n: f for n, f in fields.items() if n not in ("pool_u", "pool_pos")})
+        fields, src, _ = admit_triton(cache, cu, cpos)  # pool scores and positions, threshold state; K/V below
         rows = torch.arange(cu.shape[0], device=cu.device)[:, None]
         return replace(
             cache, **fields,
@@ -224,9 +227,6 @@ def _admit(cache: SparseKCache, ck, cv, cu, cpos, *, topk: int, backend: str = "
         # Nothing to update: the candidate is at or below tau, so below the pool's worst key too (a
         # host branch, free on the CPU; on a GPU every step runs the same ops, so a graph can hold it).
         return cache
-    if ring:
-        _write_slot(cache, _admit_slot(cache, cu, ok), ck, cv, cu, cpos)
-        return replace(cache, **_admit_threshold(cache, cu, cpos, ok, topk))
     return replace(cache, **_admit_pool(cache, ck, cv, cu, cpos, ok), **_admit_threshold(cache, cu, cpos, ok, topk))
 
 
