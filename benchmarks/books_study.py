@@ -197,10 +197,12 @@ def plot_gap(a: argparse.Namespace, models: list[str]) -> None:
         left.fill_between(x, lo, hi, alpha=0.2, color=line.get_color())
         if "sw" in curves and model != "sw":
             xs, sw_mean, sw_lo, sw_hi = band(curves["sw"])
-            n = min(len(x), len(xs))
-            right.plot(x[:n], [sw_mean[i] - mean[i] for i in range(n)], marker="o", ms=3, color=line.get_color(), label=model)
+            # Pair each validation with SW's at the same tokens (within 1%): runs may validate at other intervals.
+            pairs = [(i, j) for i in range(len(x)) for j in range(len(xs)) if abs(xs[j] - x[i]) <= 0.01 * x[i]]
+            px = [x[i] for i, _ in pairs]
+            right.plot(px, [sw_mean[j] - mean[i] for i, j in pairs], marker="o", ms=3, color=line.get_color(), label=model)
             if model == "sparsek":  # beyond the spread: SparseK+SW's worst seed against SW's best
-                right.fill_between(x[:n], [sw_lo[i] - hi[i] for i in range(n)], [sw_hi[i] - lo[i] for i in range(n)],
+                right.fill_between(px, [sw_lo[j] - hi[i] for i, j in pairs], [sw_hi[j] - lo[i] for i, j in pairs],
                                    alpha=0.15, color=line.get_color(), label="sparsek: worst to best seed pair")
     left.set_xlabel("tokens trained (M)")
     left.set_ylabel("validation loss (4 books x 32k tokens)")
