@@ -27,7 +27,7 @@ from longtrain.ops.selection.chunk import carried
 from longtrain.ops.sparsek_attention.cache import SparseKCache
 from longtrain.ops.sparsek_attention.decode import sparsek_attention_decode
 from longtrain.ops.sparsek_attention.naive import LinearTerms, sparsek_attention_core_naive
-from longtrain.ops.sparsek_attention.op import ChunkSelection, _check, lay_out_keys, next_cache
+from longtrain.ops.sparsek_attention.op import ChunkSelection, _check, _pick_backend, lay_out_keys, next_cache
 
 
 @dataclass
@@ -106,6 +106,19 @@ def _beyond_window_sums(phq, phk, keys, cache: SparseKLinearCache, window: int, 
     return causal_linear_attention(phq, lagged(phk[:, K:]), lagged(keys.v[:, K:]), start_kv, start_k, backend=backend)
 
 
+def _linear_core(backend: str, q: torch.Tensor, block: int, features: int):
+    """The SparseK+Linear core `backend` picks for queries q (op._pick_backend; auto also needs shapes and a
+    dtype the kernels take, else the naive core)."""
+    name = _pick_backend(backend, q)
+    if name == "naive":
+        return sparsek_attention_core_naive
+    from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton, unsupported
+
+    if backend == "auto" and unsupported(block, q.shape[-1], features, q.dtype) is not None:
+        return sparsek_attention_core_naive
+    return sparsek_linear_attention_core_triton  # (it warns and runs the naive core where the kernels cannot)
+
+
 def sparsek_linear_attention_chunk(
     q: torch.Tensor,  # [B, L, H, D]
     k: torch.Tensor,  # [B, L, Hkv, D] (after RoPE)
@@ -120,12 +133,14 @@ def sparsek_linear_attention_chunk(
     linear_backend: str = "auto",
     block: int = 64,
     scan: str = "auto",
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, SparseKLinearCache, ChunkSelection]:
     """SparseK+Linear+SW of one chunk continuing from `cache`: (o [B, L, H, D], next cache, selection).
 
-    The SparseK part runs the naive core (the Triton kernels have no linear part); linear_backend
-    picks the causal linear attention (ops/linear_attention: fla on CUDA when installed)."""
-    _check(q, k, v, u, variant, "naive", scan)
+    backend: the core of the SparseK part ("triton": linear_triton.py's kernels, "naive": the reference;
+    auto: the kernels on CUDA where they take the shapes and dtype, the naive core otherwise);
+    linear_backend picks the causal linear attention (ops/linear_attention: fla on CUDA when installed)."""
+    _check(q, k, v, u, variant, backend, scan)
     window = _linear_window(cache)
     keys = lay_out_keys(cache, k, v, u, lengths)
     sel = select(keys, cache, window=window, block=block, scan=scan)
@@ -133,7 +148,7 @@ def sparsek_linear_attention_chunk(
     phq = feature_map(q, phi_weight)  # [B, L, H, F]
     phk = _phi_keys(keys.k, keys.pos, phi_weight)  # [B, N, Hkv, F]
     num, den = _beyond_window_sums(phq, phk, keys, cache, window, linear_backend)
-    o = sparsek_attention_core_naive(
+    o = _linear_core(backend, q, block, phq.shape[-1])(
         q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool,
         topk=keys.topk, window=window, tail_slots=keys.tail_slots, variant=variant, scale=scale, block=block,
         linear=LinearTerms(phq, phk, num, den),
@@ -152,12 +167,12 @@ def sparsek_linear_attention_chunk(
 
 def sparsek_linear_attention(q, k, v, u, phi_weight, *, topk: int, window: int, variant: str = "hard_k_soft_v",
                              scale: float | None = None, linear_backend: str = "auto", scan: str = "auto",
-                             block: int = 64) -> torch.Tensor:
+                             block: int = 64, backend: str = "auto") -> torch.Tensor:
     """SparseK+Linear+SW over whole sequences (positions 0..T-1): o [B, T, H, D] (topk = 0: Linear+SW)."""
     cache = SparseKLinearCache.empty(q.shape[0], topk, window, k.shape[2], k.shape[3], dtype=k.dtype,
                                      score_dtype=u.dtype, device=q.device, features=phi_weight.shape[-1])
     o, _, _ = sparsek_linear_attention_chunk(q, k, v, u, phi_weight, cache, variant=variant, scale=scale,
-                                             linear_backend=linear_backend, scan=scan, block=block)
+                                             linear_backend=linear_backend, scan=scan, block=block, backend=backend)
     return o
 
 

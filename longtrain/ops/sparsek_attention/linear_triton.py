@@ -1,0 +1,438 @@
+"""SparseK+Linear+SW attention core on Triton kernels: same signature and results as naive.py's core with
+`linear=` (the linear types' SparseK part), forward and backward.
+
+For query i and key j of its block's keys (gate g_ij, logits s_ij = scale q_i.k_j, times g for soft_kv;
+naive.py's module doc gives the masks and variants):
+
+    w_ij = g_ij e^{s_ij - M_i} [j in S_i u W_i] + c_ij e^{-M_i} phi(q_i).phi(k_j)
+    c_ij = -g_ij on S_i (1 - g_ij when S_i is complete: every key beyond the window), 0 elsewhere
+    o_i  = (sum_j w_ij v_j + e^{-M_i} num_i) / (sum_j w_ij + e^{-M_i} den_i)
+
+with (num, den) the linear sums over the causal keys beyond the window (LinearTerms; not added when S_i is
+complete: the sums then hold S_i only, counted through c) and M_i = max(0, max_j s_ij), a stabiliser only
+(o does not depend on it).
+
+Design. Each query block of G (the op's block) needs its pool at the block start plus one band of ext rows
+(DESIGN.md fact 2): block_key_indices lists those Kb = K + w + G - 1 ext rows (-1: none) in torch, and the
+kernels gather them in tiles of BN keys, recomputing the naive core's masks per tile from positions, u,
+theta and tau (the selection test compares u in float64, as the naive core does). Three kernels:
+  _count_kernel  per (query block, batch row): whether S_i is complete (selected count == max(0, p_i - w + 1)),
+                 shared by all heads and by forward and backward;
+  _fwd_kernel    per (query block, batch x head): w with an online running max M (starting at 0), the sums
+                 num and den; stores o and per query and head M and the denominator (+inf for queries with
+                 no key, so their gradients come out 0);
+  _bwd_kernel    per (query block, batch x head), recomputing w (no stored scores): with
+                 dw_ij = dO_i.(v_j - o_i) / den_i it writes the query-side gradients (q, phi(q), tau, num,
+                 den) and adds the key-side ones (k, v, phi(k), u) with atomic adds into float32 buffers:
+                 keys are shared between blocks through the pool and between the query heads of a KV head.
+The linear types are not bitwise chunk-invariant (docs/CONTRACTS.md), so the atomics' order is no loss.
+Inputs float32, bfloat16 or float16, computed in float32 (dots in IEEE float32 for float32 inputs, TF32 for
+half ones, whose values TF32 holds exactly); float64 goes to the naive core. Scan outputs (int64 indices and
+positions, float64 theta) go to the kernels as they are.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+
+from longtrain.ops.sparsek_attention.naive import LinearTerms, block_key_indices, sparsek_attention_core_naive
+from longtrain.ops.sparsek_attention.triton_tiles import SOFT_KV, STRAIGHT_THROUGH, VARIANT_CODE
+
+# Key tile and warps per kernel; the interpreter (CPU tests) takes small tiles.
+_INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LAUNCH = dict(count=dict(BN=16 if _INTERP else 64, num_warps=4),
+              fwd=dict(BN=16 if _INTERP else 32, num_warps=4, num_stages=1),
+              bwd=dict(BN=16 if _INTERP else 32, num_warps=8, num_stages=1))
+
+
+def unsupported(block: int, D: int, F: int, dtype: torch.dtype) -> str | None:
+    """Why the kernels cannot take this call (None: they can)."""
+    if block < 16 or block & (block - 1):
+        return f"the query block must be a power of two >= 16; got {block}"
+    for name, n in (("head dim", D), ("feature dim", F)):
+        if n < 16 or n & (n - 1) or n > 256:
+            return f"the {name} must be a power of two in [16, 256]; got {n}"
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"q/k/v must be float16, bfloat16 or float32; got {dtype}"
+    return None
+
+
+@triton.jit
+def _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, blk, n_queries, G: tl.constexpr):
+    """Query block blk of batch row b: indices i [G], valid rows, positions (-1: padding) and theta (float64)."""
+    i = blk * G + tl.arange(0, G)
+    qm = i < n_queries
+    row = b * n_queries + i  # per-query arrays are [B, L] contiguous
+    qp = tl.load(q_pos_ptr + row, mask=qm, other=-1)
+    thu = tl.load(theta_u_ptr + row, mask=qm, other=float("inf")).to(tl.float64)
+    thp = tl.load(theta_pos_ptr + row, mask=qm, other=0)
+    return i, qm, row, qp, thu, thp
+
+
+@triton.jit
+def _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN: tl.constexpr):
+    """Keys j0 .. j0 + BN of the block's list: ext rows ke (-1: none), whether they are keys, u, positions."""
+    j = j0 + tl.arange(0, BN)
+    ke = tl.load(keys_ptr + (b * n_blocks + blk) * n_keys + j, mask=j < n_keys, other=-1)
+    kv = ke >= 0
+    safe = tl.where(kv, ke, 0)
+    u = tl.load(u_ptr + b * n_ext + safe, mask=kv, other=0.0)
+    kp = tl.load(pos_ptr + b * n_ext + safe, mask=kv, other=-1)
+    return ke, kv, safe, u, kp
+
+
+@triton.jit
+def _masks(qp, thu, thp, kp, u, window, HAS_TOPK: tl.constexpr):
+    """[G, BN] the naive core's masks: in the window, and selected (a candidate with (u, pos) >= theta, u in
+    float64 against the float64 theta as the naive core compares)."""
+    live = (kp[None, :] >= 0) & (qp[:, None] >= 0) & (kp[None, :] <= qp[:, None])
+    in_win = live & (kp[None, :] > qp[:, None] - window)
+    if HAS_TOPK:
+        u64 = u.to(tl.float64)[None, :]
+        above = (u64 > thu[:, None]) | ((u64 == thu[:, None]) & (kp[None, :] >= thp[:, None]))
+        sel = live & (kp[None, :] <= qp[:, None] - window) & above
+    else:
+        sel = live & False
+    return in_win, sel
+
+
+@triton.jit
+def _gate(sel, u, tau, VARIANT: tl.constexpr):
+    """[G, BN] gate g (m = clamp(u - tau, 0, 1) on selected keys, forward value 1 for straight_through, 1 off S)
+    and where dg reaches u and tau (selected, 0 <= u - tau <= 1: torch.clamp passes the boundaries)."""
+    diff = u.to(tl.float32)[None, :] - tau[:, None]
+    m = tl.minimum(tl.maximum(diff, 0.0), 1.0)
+    if VARIANT == STRAIGHT_THROUGH:
+        m = tl.full(diff.shape, 1.0, tl.float32)
+    g = tl.where(sel, m, 1.0)
+    return g, sel & (diff >= 0.0) & (diff <= 1.0)
+
+
+@triton.jit
+def _count_kernel(
+    keys_ptr, u_ptr, pos_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr,
+    complete_ptr,  # out
+    n_queries, n_ext, n_blocks, n_keys, window,
+    G: tl.constexpr, BN: tl.constexpr, HAS_TOPK: tl.constexpr,
+):
+    """complete[b, i] = 1 when query i selects every key beyond its window (as the naive core tests it)."""
+    blk = tl.program_id(0)
+    b = tl.program_id(1)
+    i, qm, row, qp, thu, thp = _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, blk, n_queries, G)
+    count = tl.zeros([G], tl.int32)
+    if HAS_TOPK:  # (k = 0: nothing is selected)
+        for j0 in range(0, n_keys, BN):
+            ke, kv, safe, u, kp = _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN)
+            _, sel = _masks(qp, thu, thp, kp, u, window, HAS_TOPK)
+            count += tl.sum(sel.to(tl.int32), 1)
+    beyond = tl.maximum(qp - window + 1, 0)  # the positions beyond the window
+    tl.store(complete_ptr + row, (count == beyond).to(tl.int32), mask=qm)
+
+
+@triton.jit
+def _fwd_kernel(
+    q_ptr, k_ptr, v_ptr, u_ptr, pos_ptr, phq_ptr, phk_ptr, num_ptr, den_ptr,
+    keys_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, complete_ptr,
+    o_ptr, m_ptr, l_ptr,  # out
+    n_queries, n_ext, n_heads, group, n_blocks, n_keys, window, scale,
+    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
+    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
+):
+    """o of query block blk and one head over the block's keys, and its M and denominator (module doc).
+    Every tensor is contiguous: q, o, num [B, L, H, D], phq [B, L, H, F], k, v [B, N, Hkv, D], phk [B, N, Hkv, F]."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    kvh = h // group
+    n_kv = n_heads // group
+    i, qm, row, qp, thu, thp = _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, blk, n_queries, G)
+    tau = tl.load(tau_ptr + row, mask=qm, other=0.0).to(tl.float32)
+    complete = tl.load(complete_ptr + row, mask=qm, other=1) != 0
+    d = tl.arange(0, D)
+    f = tl.arange(0, F)
+    qh = row * n_heads + h  # [G] rows of the [B, L, H, .] tensors
+    q = tl.load(q_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [G, D]
+    phq = tl.load(phq_ptr + qh[:, None] * F + f[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [G, F]
+
+    M = tl.zeros([G], tl.float32)  # the running max of the attended logits, from 0 (naive: max(0, max s))
+    acc = tl.zeros([G, D], tl.float32)  # sum_j w_ij v_j at the running M
+    den = tl.zeros([G], tl.float32)  # sum_j w_ij
+    has = tl.zeros([G], tl.int32)  # queries with a key (padding has none)
+    for j0 in range(0, n_keys, BN):
+        ke, kv, safe, u, kp = _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN)
+        kh = (b * n_ext + safe) * n_kv + kvh  # [BN] rows of the [B, N, Hkv, .] tensors
+        k = tl.load(k_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, D]
+        v = tl.load(v_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)
+        phk = tl.load(phk_ptr + kh[:, None] * F + f[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, F]
+
+        in_win, sel = _masks(qp, thu, thp, kp, u, window, HAS_TOPK)
+        g, _ = _gate(sel, u, tau, VARIANT)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [G, BN]
+        if VARIANT == SOFT_KV:
+            s = s * g
+        att = in_win | sel
+        m_new = tl.maximum(M, tl.max(tl.where(att, s, float("-inf")), 1))
+        alpha = tl.exp(M - m_new)
+        e = tl.exp(tl.where(att, s - m_new[:, None], float("-inf")))  # 0 off S u W
+        lin = tl.dot(phq, tl.trans(phk), input_precision=PREC)  # phi(q_i).phi(k_j)
+        c = tl.where(sel, tl.where(complete[:, None], 1.0 - g, -g), 0.0)
+        w = g * e + c * tl.exp(-m_new)[:, None] * lin
+        acc = acc * alpha[:, None] + tl.dot(w, v, input_precision=PREC)
+        den = den * alpha + tl.sum(w, 1)
+        has = tl.maximum(has, tl.max(att.to(tl.int32), 1))
+        M = m_new
+
+    # The linear sums beyond the window, unless S is complete (then they hold S only, counted above).
+    e_lin = tl.where(complete, 0.0, tl.exp(-M))
+    num_lin = tl.load(num_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
+    den_lin = tl.load(den_ptr + qh, mask=qm, other=0.0).to(tl.float32)
+    acc += e_lin[:, None] * num_lin
+    den += e_lin * den_lin
+    ok = has > 0
+    o = tl.where(ok[:, None], acc / tl.where(ok, den, 1.0)[:, None], 0.0)
+    tl.store(o_ptr + qh[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=qm[:, None])
+    tl.store(m_ptr + bh * n_queries + i, M, mask=qm)
+    tl.store(l_ptr + bh * n_queries + i, tl.where(ok, den, float("inf")), mask=qm)  # +inf: 1 / den = 0
+
+
+@triton.jit
+def _bwd_kernel(
+    q_ptr, k_ptr, v_ptr, u_ptr, pos_ptr, phq_ptr, phk_ptr,
+    keys_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, complete_ptr,
+    o_ptr, m_ptr, l_ptr, do_ptr,
+    dq_ptr, dphq_ptr, dtau_ptr, dnum_ptr, dden_ptr,  # out, query-side: written
+    dk_ptr, dv_ptr, dphk_ptr, du_ptr,  # out, key-side: float32, added to
+    n_queries, n_ext, n_heads, group, n_blocks, n_keys, window, scale,
+    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
+    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Gradients of query block blk and one head, recomputing w per key tile (module doc). dk, dv [B, N, Hkv, D],
+    dphk [B, N, Hkv, F] and du [B, N] sum over blocks and heads by atomic adds; dtau is [B, H, L]."""
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    kvh = h // group
+    n_kv = n_heads // group
+    i, qm, row, qp, thu, thp = _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, blk, n_queries, G)
+    tau = tl.load(tau_ptr + row, mask=qm, other=0.0).to(tl.float32)
+    complete = tl.load(complete_ptr + row, mask=qm, other=1) != 0
+    d = tl.arange(0, D)
+    f = tl.arange(0, F)
+    qh = row * n_heads + h
+    q = tl.load(q_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [G, D]
+    phq = tl.load(phq_ptr + qh[:, None] * F + f[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [G, F]
+    do = tl.load(do_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
+    M = tl.load(m_ptr + bh * n_queries + i, mask=qm, other=0.0)
+    inv = 1.0 / tl.load(l_ptr + bh * n_queries + i, mask=qm, other=float("inf"))  # 0: no key, no gradient
+    delta = tl.sum(do * o, 1)  # dO_i . o_i
+    e_m = tl.exp(-M)
+    do_n = do * inv[:, None]  # dO_i / den_i: d num_i
+
+    dq = tl.zeros([G, D], tl.float32)
+    dphq = tl.zeros([G, F], tl.float32)
+    dtau = tl.zeros([G], tl.float32)
+    for j0 in range(0, n_keys, BN):
+        ke, kv, safe, u, kp = _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN)
+        kh = (b * n_ext + safe) * n_kv + kvh
+        k = tl.load(k_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, D]
+        v = tl.load(v_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)
+        phk = tl.load(phk_ptr + kh[:, None] * F + f[None, :], mask=kv[:, None], other=0.0).to(tl.float32)
+
+        in_win, sel = _masks(qp, thu, thp, kp, u, window, HAS_TOPK)
+        g, dmask = _gate(sel, u, tau, VARIANT)
+        r = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [G, BN] the ungated logits
+        s = r
+        if VARIANT == SOFT_KV:
+            s = r * g
+        att = in_win | sel
+        e = tl.exp(tl.where(att, s - M[:, None], float("-inf")))
+        lin = tl.dot(phq, tl.trans(phk), input_precision=PREC)
+        c = tl.where(sel, tl.where(complete[:, None], 1.0 - g, -g), 0.0)
+        w = g * e + c * e_m[:, None] * lin
+
+        dw = (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]) * inv[:, None]  # dO_i.(v_j - o_i) / den_i
+        ds = dw * g * e  # through e^{s - M}
+        dr = ds
+        if VARIANT == SOFT_KV:
+            dr = ds * g
+        dq += tl.dot(dr, k, input_precision=PREC) * scale
+        dlin = dw * c * e_m[:, None]
+        dphq += tl.dot(dlin, phk, input_precision=PREC)
+        dg = dw * (e - e_m[:, None] * lin)  # c = -g or 1 - g: dc/dg = -1
+        if VARIANT == SOFT_KV:
+            dg += ds * r
+        dm = tl.where(dmask, dg, 0.0)  # window keys' gate is the constant 1
+        dtau -= tl.sum(dm, 1)
+
+        dk = tl.dot(tl.trans(dr), q, input_precision=PREC) * scale  # [BN, D]
+        dv = tl.dot(tl.trans(w), do_n, input_precision=PREC)
+        dphk = tl.dot(tl.trans(dlin), phq, input_precision=PREC)  # [BN, F]
+        tl.atomic_add(dk_ptr + kh[:, None] * D + d[None, :], dk, mask=kv[:, None])
+        tl.atomic_add(dv_ptr + kh[:, None] * D + d[None, :], dv, mask=kv[:, None])
+        tl.atomic_add(dphk_ptr + kh[:, None] * F + f[None, :], dphk, mask=kv[:, None])
+        tl.atomic_add(du_ptr + b * n_ext + safe, tl.sum(dm, 0), mask=kv)
+
+    e_lin = tl.where(complete, 0.0, e_m)  # the linear sums' factor (0 when S is complete)
+    tl.store(dq_ptr + qh[:, None] * D + d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=qm[:, None])
+    tl.store(dphq_ptr + qh[:, None] * F + f[None, :], dphq.to(dphq_ptr.dtype.element_ty), mask=qm[:, None])
+    tl.store(dnum_ptr + qh[:, None] * D + d[None, :], (e_lin[:, None] * do_n).to(dnum_ptr.dtype.element_ty),
+             mask=qm[:, None])
+    tl.store(dden_ptr + qh, (-e_lin * delta * inv).to(dden_ptr.dtype.element_ty), mask=qm)
+    tl.store(dtau_ptr + bh * n_queries + i, dtau, mask=qm)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # float32 checks want exact fp32 dots
+
+
+def linear_fwd(
+    q: torch.Tensor,  # [B, L, H, D] contiguous
+    k_ext: torch.Tensor,  # [B, N, Hkv, D] contiguous
+    v_ext: torch.Tensor,  # [B, N, Hkv, D] contiguous
+    u: torch.Tensor,  # [B, N] (detached)
+    pos: torch.Tensor,  # [B, N] int64
+    phq: torch.Tensor,  # [B, L, H, F] contiguous
+    phk: torch.Tensor,  # [B, N, Hkv, F] contiguous
+    num: torch.Tensor,  # [B, L, H, D] contiguous
+    den: torch.Tensor,  # [B, L, H] contiguous
+    keys: torch.Tensor,  # [B, nb, Kb] int32 each block's ext rows (-1: none)
+    q_pos: torch.Tensor,  # [B, L] int64
+    theta_u: torch.Tensor,  # [B, L] float64
+    theta_pos: torch.Tensor,  # [B, L] int64
+    tau: torch.Tensor,  # [B, L] (detached)
+    *,
+    topk: int,
+    window: int,
+    scale: float,
+    block: int,
+    variant: int,  # VARIANT_CODE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The count and forward kernels: o [B, L, H, D] in q's dtype, complete [B, L] int32, and per query and head
+    M and the denominator [B, H, L] float32 (+inf: no key)."""
+    B, L, H, D = q.shape
+    N, Hkv, F = k_ext.shape[1], k_ext.shape[2], phk.shape[-1]
+    nb, Kb = keys.shape[1], keys.shape[2]
+    complete = torch.empty(B, L, dtype=torch.int32, device=q.device)
+    _count_kernel[(nb, B)](
+        keys_ptr=keys, u_ptr=u, pos_ptr=pos, q_pos_ptr=q_pos, theta_u_ptr=theta_u, theta_pos_ptr=theta_pos,
+        complete_ptr=complete, n_queries=L, n_ext=N, n_blocks=nb, n_keys=Kb, window=window,
+        G=block, BN=LAUNCH["count"]["BN"], HAS_TOPK=topk > 0, num_warps=LAUNCH["count"]["num_warps"],
+    )
+    o = torch.empty_like(q)
+    M = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
+    den_o = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
+    cfg = LAUNCH["fwd"]
+    _fwd_kernel[(nb, B * H)](
+        q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, phq_ptr=phq, phk_ptr=phk, num_ptr=num, den_ptr=den,
+        keys_ptr=keys, q_pos_ptr=q_pos, theta_u_ptr=theta_u, theta_pos_ptr=theta_pos, tau_ptr=tau,
+        complete_ptr=complete, o_ptr=o, m_ptr=M, l_ptr=den_o,
+        n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, window=window, scale=scale,
+        G=block, BN=cfg["BN"], D=D, F=F, VARIANT=variant, HAS_TOPK=topk > 0, PREC=_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return o, complete, M, den_o
+
+
+def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_pos, tau, complete, o, M, den_o,
+               do: torch.Tensor,  # [B, L, H, D] contiguous
+               *, topk: int, window: int, scale: float, block: int, variant: int):
+    """The backward kernel (arguments as linear_fwd's and its outputs): dq [B, L, H, D], dphq [B, L, H, F],
+    dtau [B, L], dnum [B, L, H, D], dden [B, L, H] (float32) and, float32, dk, dv [B, N, Hkv, D],
+    dphk [B, N, Hkv, F], du [B, N]."""
+    B, L, H, D = q.shape
+    N, Hkv, F = k_ext.shape[1], k_ext.shape[2], phk.shape[-1]
+    nb, Kb = keys.shape[1], keys.shape[2]
+    dev = q.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    dq, dnum = torch.empty(B, L, H, D, **f32), torch.empty(B, L, H, D, **f32)
+    dphq, dden, dtau = torch.empty(B, L, H, F, **f32), torch.empty(B, L, H, **f32), torch.empty(B, H, L, **f32)
+    dk, dv = torch.zeros(B, N, Hkv, D, **f32), torch.zeros(B, N, Hkv, D, **f32)  # atomic adds: zeroed
+    dphk, du = torch.zeros(B, N, Hkv, F, **f32), torch.zeros(B, N, **f32)
+    cfg = LAUNCH["bwd"]
+    _bwd_kernel[(nb, B * H)](
+        q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, phq_ptr=phq, phk_ptr=phk,
+        keys_ptr=keys, q_pos_ptr=q_pos, theta_u_ptr=theta_u, theta_pos_ptr=theta_pos, tau_ptr=tau,
+        complete_ptr=complete, o_ptr=o, m_ptr=M, l_ptr=den_o, do_ptr=do,
+        dq_ptr=dq, dphq_ptr=dphq, dtau_ptr=dtau, dnum_ptr=dnum, dden_ptr=dden,
+        dk_ptr=dk, dv_ptr=dv, dphk_ptr=dphk, du_ptr=du,
+        n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, window=window, scale=scale,
+        G=block, BN=cfg["BN"], D=D, F=F, VARIANT=variant, HAS_TOPK=topk > 0, PREC=_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return dq, dphq, dtau.sum(1), dnum, dden, dk, dv, dphk, du  # dtau: summed over the heads
+
+
+class _SparseKLinearTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool, phq, phk, num, den,
+                meta):
+        topk, window, tail_slots, variant, scale, block = meta
+        B, L = q.shape[:2]
+        N = k_ext.shape[1]
+        dev = q.device
+        nb = -(-L // block)
+        pos = pos_ext.to(dev).contiguous()
+        keys = block_key_indices(block_pool.to(dev), N, topk, window, tail_slots, block, nb, pos_ext=pos)
+        keys = keys.to(torch.int32).contiguous()  # [B, nb, Kb]
+        q, k_ext, v_ext = q.contiguous(), k_ext.contiguous(), v_ext.contiguous()
+        phq, phk, num, den = phq.contiguous(), phk.contiguous(), num.contiguous(), den.contiguous()
+        u = u_ext.detach().contiguous()  # [B, N]
+        qpos, thu, thp = q_pos.to(dev).contiguous(), theta_u.to(dev).contiguous(), theta_pos.to(dev).contiguous()
+        tau_c = tau.detach().contiguous()
+        args = dict(topk=topk, window=window, scale=scale, block=block, variant=VARIANT_CODE[variant])
+        o, complete, M, den_o = linear_fwd(q, k_ext, v_ext, u, pos, phq, phk, num, den, keys, qpos, thu, thp, tau_c,
+                                           **args)
+        ctx.save_for_backward(q, k_ext, v_ext, u, pos, phq, phk, keys, qpos, thu, thp, tau_c, complete, o, M, den_o)
+        ctx.args = args
+        ctx.dtypes = [x.dtype for x in (q, phq, tau, num, den, k_ext, v_ext, phk, u_ext)]
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        grads = linear_bwd(*ctx.saved_tensors, do.contiguous(), **ctx.args)
+        dq, dphq, dtau, dnum, dden, dk, dv, dphk, du = (g.to(t) for g, t in zip(grads, ctx.dtypes))
+        return dq, dk, dv, du, None, None, None, None, dtau, None, dphq, dphk, dnum, dden, None
+
+
+def sparsek_linear_attention_core_triton(
+    q: torch.Tensor,  # [B, L, H, D]
+    k_ext: torch.Tensor,  # [B, N, Hkv, D]
+    v_ext: torch.Tensor,  # [B, N, Hkv, D]
+    u_ext: torch.Tensor,  # [B, N] (the chunk part may carry gradient)
+    pos_ext: torch.Tensor,  # [B, N] int64 (-1: empty)
+    q_pos: torch.Tensor,  # [B, L] int64 (-1: padding)
+    theta_u: torch.Tensor,  # [B, L] float64
+    theta_pos: torch.Tensor,  # [B, L] int64
+    tau: torch.Tensor,  # [B, L] (differentiable)
+    block_pool: torch.Tensor,  # [B, nb, K] int64 ext indices
+    *,
+    topk: int,
+    window: int,
+    tail_slots: int,
+    variant: str = "hard_k_soft_v",
+    scale: float | None = None,
+    block: int = 64,
+    linear: LinearTerms,
+) -> torch.Tensor:
+    """Same contract as naive.sparsek_attention_core_naive with `linear`; o [B, L, H, D] in q's dtype.
+
+    Shapes or dtypes the kernels do not take (float64 among them) go to the naive core, with a warning."""
+    why = unsupported(block, q.shape[-1], linear.phq.shape[-1], q.dtype)
+    if why is not None:
+        warnings.warn(f"SparseK+Linear Triton kernels: {why}; using the naive core", stacklevel=2)
+        return sparsek_attention_core_naive(
+            q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool, topk=topk, window=window,
+            tail_slots=tail_slots, variant=variant, scale=scale, block=block, linear=linear,
+        )
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    meta = (topk, window, tail_slots, variant, float(scale), block)
+    return _SparseKLinearTriton.apply(q, k_ext, v_ext, u_ext, pos_ext, q_pos, theta_u, theta_pos, tau, block_pool,
+                                      *linear, meta)

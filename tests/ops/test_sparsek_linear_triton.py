@@ -1,0 +1,178 @@
+"""The SparseK+Linear+SW Triton core (linear_triton.py) against the naive core with `linear=`, on the CPU
+through Triton's interpreter (issue 38).
+
+Fresh random inputs at awkward shapes: L not a multiple of the block, chunks continuing from a cache (pool,
+tail and linear state non-empty), GQA, padded rows, Linear+SW (k = 0), the three variants, a document start
+where S is complete; forward and every input's gradient in float32, a bfloat16 forward, and a model step.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+
+triton = pytest.importorskip("triton")
+
+from longtrain.ops.sparsek_attention import linear as linear_op  # noqa: E402
+from longtrain.ops.sparsek_attention.linear import SparseKLinearCache, sparsek_linear_attention_chunk  # noqa: E402
+from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton  # noqa: E402
+from longtrain.ops.sparsek_attention.naive import LinearTerms, sparsek_attention_core_naive  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def inputs(B, T, H, Hkv, D, dtype=torch.float32):
+    """q, k, v, u (rising, so the pool turns over) and phi's head-wise map near the identity."""
+    q = torch.randn(B, T, H, D, device=DEV)
+    k = torch.randn(B, T, Hkv, D, device=DEV)
+    v = torch.randn(B, T, Hkv, D, device=DEV)
+    u = torch.randn(B, T, device=DEV) * 0.7 + torch.arange(T, device=DEV) * 1e-2
+    phi = torch.eye(D, device=DEV).expand(Hkv, D, D) + 0.3 * torch.randn(Hkv, D, D, device=DEV)
+    return [x.to(dtype) for x in (q, k, v)] + [u, phi]
+
+
+def run_chunks(backend, args, chunks, *, topk, window, variant, block, lengths=None):
+    """Forward through consecutive chunks (cache carried), then backward of a fixed projection:
+    o and the gradients of q, k, v, u and phi's map."""
+    a = [x.clone().requires_grad_() for x in args]
+    q, k, v, u, phi = a
+    B, T, Hkv, D = k.shape
+    cache = SparseKLinearCache.empty(B, topk, window, Hkv, D, dtype=k.dtype, device=DEV, features=phi.shape[-1])
+    outs, s = [], 0
+    for c in chunks:
+        sl = slice(s, s + c)
+        o, cache, _ = sparsek_linear_attention_chunk(q[:, sl], k[:, sl], v[:, sl], u[:, sl], phi, cache,
+                                                     variant=variant, backend=backend, block=block, lengths=lengths)
+        outs.append(o)
+        s += c
+    o = torch.cat(outs, 1)
+    if not o.requires_grad:
+        return [o]
+    g = torch.sin(torch.arange(o.numel(), device=DEV, dtype=torch.float32)).reshape(o.shape)
+    (o.float() * g).sum().backward()
+    return [o.detach()] + [x.grad for x in a]
+
+
+def assert_close(got, want, names, tol=2e-5):
+    for x, y, name in zip(got, want, names):
+        assert torch.isfinite(x).all(), name
+        err = (x.double() - y.double()).abs().max().item()
+        assert err <= tol * max(1.0, y.abs().max().item()), f"{name}: max error {err:.2e}"
+
+
+CASES = [
+    # T, chunks, topk, window, H, Hkv, D, variant, block
+    (37, [20, 17], 5, 4, 4, 2, 16, "hard_k_soft_v", 16),  # GQA, chunks not multiples of the block
+    (50, [50], 0, 7, 2, 1, 16, "hard_k_soft_v", 16),  # Linear+SW (k = 0), MQA
+    (45, [25, 20], 3, 9, 2, 2, 16, "soft_kv", 16),
+    (45, [13, 32], 3, 9, 2, 2, 32, "straight_through", 16),
+    (30, [18, 12], 40, 5, 2, 2, 16, "hard_k_soft_v", 16),  # k above every candidate count: S complete throughout
+    (70, [38, 32], 6, 20, 3, 1, 16, "soft_kv", 32),  # window longer than a block, several blocks
+]
+
+
+@pytest.mark.parametrize("T,chunks,topk,window,H,Hkv,D,variant,block", CASES)
+def test_chunks_follow_the_naive_core(T, chunks, topk, window, H, Hkv, D, variant, block):
+    args = inputs(2, T, H, Hkv, D)
+    kw = dict(topk=topk, window=window, variant=variant, block=block)
+    want = run_chunks("naive", args, chunks, **kw)
+    got = run_chunks("triton", args, chunks, **kw)
+    assert_close(got, want, "o dq dk dv du dphi".split())
+
+
+def test_padded_rows_follow_the_naive_core():
+    args = inputs(3, 41, 4, 2, 16)
+    lengths = torch.tensor([41, 17, 3], device=DEV)  # (every chunk sees the same lengths: the first chunk only)
+    kw = dict(topk=4, window=5, variant="hard_k_soft_v", block=16, lengths=lengths)
+    want = run_chunks("naive", args, [41], **kw)
+    got = run_chunks("triton", args, [41], **kw)
+    assert (want[0][1, 17:] == 0).all() and (got[0][1, 17:] == 0).all()
+    assert_close(got, want, "o dq dk dv du dphi".split())
+
+
+def core_inputs(monkeypatch, args, chunks, *, topk, window, block):
+    """The naive core's inputs in the last chunk (pool, tail and linear sums from the earlier ones)."""
+    seen = {}
+
+    def record(*a, **kw):
+        seen["args"], seen["kw"] = a, kw
+        return sparsek_attention_core_naive(*a, **kw)
+
+    monkeypatch.setattr(linear_op, "_linear_core", lambda *a: record)
+    with torch.no_grad():
+        run_chunks("naive", args, chunks, topk=topk, window=window, variant="hard_k_soft_v", block=block)
+    return seen["args"], seen["kw"]
+
+
+def at_gate_edges(tau, u, pos, qpos, thu, thp, *, window, topk):
+    """tau [B, L] moved so that gates and their gradients are not all 1 and 0: on the queries that select a
+    cache pool key j, u_j - tau_i is exactly 0 or 1 (clamp's edges, where torch passes the gradient);
+    elsewhere tau - 0.3."""
+    up, pp = u[:, None, :topk].double(), pos[:, None, :topk]  # [B, 1, K] the cache pool
+    above = (up > thu[..., None]) | ((up == thu[..., None]) & (pp >= thp[..., None]))
+    sel = (pp >= 0) & (pp <= qpos[..., None] - window) & above  # [B, L, K]
+    uj = u.gather(1, sel.int().argmax(-1))  # [B, L] a selected pool key's score
+    even = torch.arange(tau.shape[1], device=tau.device) % 2 == 0
+    tau = torch.where(sel.any(-1), torch.where(even, uj, uj - 1), tau - 0.3)
+    diff = (uj - tau)[sel.any(-1)]
+    assert (diff == 0).any() and (diff == 1).any()
+    return tau
+
+
+@pytest.mark.parametrize("variant", ["hard_k_soft_v", "soft_kv", "straight_through"])
+def test_every_input_gradient_of_the_core(monkeypatch, variant):
+    """The cores on the same inputs: o and the gradients of q, k_ext, v_ext, u_ext, tau, phi(q), phi(k), num, den."""
+    a, kw = core_inputs(monkeypatch, inputs(2, 53, 4, 2, 16), [30, 23], topk=6, window=5, block=16)
+    kw = dict(kw, variant=variant)
+    (q, k, v, u, pos, qpos, thu, thp, tau, pool), lin = a, kw.pop("linear")
+    tau = at_gate_edges(tau, u, pos, qpos, thu, thp, window=5, topk=6)
+    leaves = [q, k, v, u, tau, *lin]
+    outs = []
+    for core in (sparsek_attention_core_naive, sparsek_linear_attention_core_triton):
+        x = [t.detach().clone().requires_grad_() for t in leaves]
+        o = core(x[0], x[1], x[2], x[3], pos, qpos, thu, thp, x[4], pool, linear=LinearTerms(*x[5:]), **kw)
+        g = torch.cos(torch.arange(o.numel(), dtype=torch.float32, device=DEV)).reshape(o.shape)
+        (o * g).sum().backward()
+        outs.append([o.detach()] + [t.grad for t in x])
+    names = "o q k_ext v_ext u_ext tau phq phk num den".split()
+    assert outs[0][4].abs().sum() > 0 and outs[0][5].abs().sum() > 0  # the gates' gradients are exercised
+    assert_close(outs[1], outs[0], names)
+
+
+def test_bfloat16_forward():
+    args = inputs(2, 45, 4, 2, 16, dtype=torch.bfloat16)
+    kw = dict(topk=5, window=6, variant="hard_k_soft_v", block=16)
+    with torch.no_grad():
+        want = run_chunks("naive", args, [25, 20], **kw)[0]
+        got = run_chunks("triton", args, [25, 20], **kw)[0]
+    assert got.dtype == torch.bfloat16
+    assert_close([got], [want], ["o"], tol=2e-2)
+
+
+def test_unsupported_shapes_and_float64_run_the_naive_core():
+    args = inputs(1, 20, 2, 2, 8)  # head dim 8: below the kernels' 16
+    kw = dict(topk=3, window=4, variant="hard_k_soft_v", block=16)
+    want = run_chunks("naive", args, [20], **kw)
+    with pytest.warns(UserWarning, match="naive core"):
+        got = run_chunks("triton", args, [20], **kw)
+    assert_close(got, want, "o dq dk dv du dphi".split(), tol=0)
+    args = [x.double() for x in inputs(1, 20, 2, 2, 16)]  # float64: the reference path
+    want = run_chunks("naive", args, [20], **kw)
+    with pytest.warns(UserWarning, match="naive core"):
+        got = run_chunks("triton", args, [20], **kw)
+    assert_close(got, want, "o dq dk dv du dphi".split(), tol=0)
+
+
+def test_float32_follows_float64_where_s_is_complete_and_the_exp_part_is_tiny():
+    """A document start (k above every candidate count: S complete, gates 1), logits far below 0 and
+    phi(q).phi(k) large: the kernels must take S's linear part as (1 - g) phi.phi (0 here), not as the sums
+    beyond the window minus g phi.phi over S, a difference of large sums that rounds to noise."""
+    q, k, v, u, phi = inputs(1, 64, 2, 2, 16)
+    q, k, phi = -3 * q.abs(), 3 * k.abs(), 4 * phi  # logits about -23 .. -60
+    kw = dict(topk=40, window=8, variant="hard_k_soft_v", block=16)
+    want = run_chunks("naive", [x.double() for x in (q, k, v, u, phi)], [64], **kw)
+    got = run_chunks("triton", [q, k, v, u, phi], [64], **kw)
+    assert_close(got[:1], want[:1], ["o"], tol=1e-4)
