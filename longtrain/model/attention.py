@@ -179,7 +179,8 @@ class Attention(nn.Module):
             o = o[:, None]
         elif self.phi_weight is not None:
             o, attn_cache, sel = sparsek_linear_attention_chunk(
-                qf, kf, vf, uf, self.phi_weight, cache.attn, variant=cfg.variant, lengths=lf, scan=cfg.scan,
+                qf, kf, vf, uf, self.phi_weight, cache.attn, variant=cfg.variant, lengths=lf, backend=cfg.backend,
+                scan=cfg.scan,
             )
         elif decode:
             o, attn_cache, sel = sparsek_attention_decode(

@@ -37,17 +37,11 @@ def linear(type: str) -> bool:
     return "linear" in type
 
 
-def linear_problems(type: str, score_groups: str, backend: str) -> list[str]:
-    """What the linear types cannot do: per-KV-head score groups, the Triton core (it has no linear part)."""
-    if not linear(type):
+def linear_problems(type: str, score_groups: str) -> list[str]:
+    """What the linear types cannot do: per-KV-head score groups (any backend runs them: naive or Triton core)."""
+    if not linear(type) or score_groups == "shared":
         return []
-    problems = []
-    if score_groups != "shared":
-        problems.append(f"attention type {type} has one score group; hint: set attention.score_groups shared")
-    if backend == "triton":
-        problems.append(f"attention type {type} runs the naive core (the Triton kernels have no linear part); "
-                        "hint: set attention.backend auto or naive")
-    return problems
+    return [f"attention type {type} has one score group; hint: set attention.score_groups shared"]
 
 
 def size_problems(type: str, topk: int | None, window: int | None) -> list[str]:

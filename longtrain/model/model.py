@@ -100,7 +100,7 @@ class LMConfig:
         problems = size_problems(self.attention, self.topk, self.window) + scaling_problems(self.rope_scaling)
         if self.max_context is not None and (self.attention != "full" or self.max_context < 1):
             problems.append(f"max_context ({self.max_context}) caps full attention's cache: it needs attention full and a value >= 1")
-        problems += linear_problems(self.attention, self.score_groups, self.backend)
+        problems += linear_problems(self.attention, self.score_groups)
         if problems:
             raise ValueError("; ".join(problems))
 

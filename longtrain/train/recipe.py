@@ -176,7 +176,7 @@ class AttentionConfig(_Section):
         # The used sizes are required and positive; the unused ones must be absent or 0 and
         # become 0, so the model always reads two ints.
         problems = size_problems(self.type, self.topk, self.window)
-        problems += linear_problems(self.type, self.score_groups, self.backend)
+        problems += linear_problems(self.type, self.score_groups)
         if self.max_context is not None and self.type != "full":
             problems.append(
                 f"attention.max_context caps full attention's growing cache; type {self.type} has a fixed-size "

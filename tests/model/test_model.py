@@ -241,8 +241,7 @@ def test_linear_types_learn_phi_and_carry_a_fixed_size_state(tmp_path):
         assert torch.equal(model(nxt, cache=back).logits, model(nxt, cache=cache).logits)
     with pytest.raises(ValueError, match="attention.score_groups shared"):
         LMConfig(**SMALL, kv_heads=2, attention="sparsek+linear+sw", topk=4, window=6, score_groups="per_kv_head")
-    with pytest.raises(ValueError, match="attention.backend auto or naive"):
-        LMConfig(**SMALL, attention="linear+sw", window=6, backend="triton")
+    assert LMConfig(**SMALL, attention="linear+sw", window=6, backend="triton").backend == "triton"  # issue 38
 
 
 @pytest.mark.parametrize("threads", [1, 2])

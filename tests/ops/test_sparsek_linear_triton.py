@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
+from longtrain.model import LM, LMConfig  # noqa: E402
 from longtrain.ops.sparsek_attention import linear as linear_op  # noqa: E402
 from longtrain.ops.sparsek_attention.linear import SparseKLinearCache, sparsek_linear_attention_chunk  # noqa: E402
 from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton  # noqa: E402
@@ -164,6 +165,27 @@ def test_unsupported_shapes_and_float64_run_the_naive_core():
     with pytest.warns(UserWarning, match="naive core"):
         got = run_chunks("triton", args, [20], **kw)
     assert_close(got, want, "o dq dk dv du dphi".split(), tol=0)
+
+
+def test_model_steps_with_the_triton_core():
+    """A tiny sparsek+linear+sw model: loss and gradients with backend triton equal backend naive's."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 61, (2, 40), device=DEV)
+    grads = []
+    for backend in ("naive", "triton"):
+        torch.manual_seed(1)
+        model = LM(LMConfig(vocab_size=61, layers=1, d_model=32, heads=2, attention="sparsek+linear+sw", topk=4,
+                            window=6, backend=backend)).to(DEV)
+        cache = model.empty_cache(2)
+        loss = 0
+        for s in (0, 22):  # two chunks: the second reads the first's pool, tail and linear state
+            out = model(tokens[:, s:s + 22], cache=cache)
+            cache = out.cache
+            loss = loss + out.logits.float().logsumexp(-1).mean()
+        loss.backward()
+        grads.append([loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None])
+    assert grads[1][0] == pytest.approx(grads[0][0].item(), rel=1e-5)
+    assert_close(grads[1], grads[0], ["loss"] + [f"grad {i}" for i in range(len(grads[0]) - 1)], tol=1e-4)
 
 
 def test_float32_follows_float64_where_s_is_complete_and_the_exp_part_is_tiny():
