@@ -12,7 +12,9 @@
   - the head's loss: one slice of logits and the head's gradients (longtrain.model.loss);
   - on the CPU, the naive attention core's scores: for each block of 64 queries it scores k + w + 63
     keys and keeps what the backward needs (`naive_core_bytes_per_score`, measured), plus one step of
-    them being built or differentiated (CUDA's kernels keep no scores);
+    them being built or differentiated (CUDA's kernels keep no scores); the linear types' naive core
+    (CPU or backend naive) keeps ~48 bytes per query, head and scored key, their Triton core only
+    per-query tensors;
 and 15% for the allocator's fragmentation and kernel workspaces. `benchmarks/memory_estimate.py`
 measures it against the peak a short fit adds (CPU: within 1.5x at three pool sizes, tested). The
 summary adds, on the CPU, what the process already holds (Python, torch, the data); a run whose total
@@ -152,6 +154,16 @@ def naive_core_bytes_per_score(heads: int, kv_heads: int, head_dim: int, variant
     return (saved_bytes(192) - saved_bytes(64)) / (128 * G * heads)
 
 
+def linear_core_is_naive(backend: str, head_dim: int, dtype: torch.dtype, device_type: str) -> bool:
+    """Whether the linear types' SparseK part runs on the naive core (linear.py's choice): on the CPU, with
+    backend naive, or where the Triton kernels do not take the head dim or dtype (phi keeps the head dim)."""
+    if device_type == "cpu" or backend == "naive":
+        return True
+    from longtrain.ops.sparsek_attention.linear_triton import unsupported
+
+    return unsupported(QUERY_BLOCK, head_dim, head_dim, dtype) is not None
+
+
 def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position: int, compute_dtype: torch.dtype,
                             n_trainable: int | None = None, device_type: str = "cuda") -> int:
     """Peak memory of one training chunk with the rows at document position `position` (per rank).
@@ -183,9 +195,15 @@ def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position:
         mask = 0
         scored = (att.topk or 0) + (att.window or 0) + QUERY_BLOCK - 1  # keys a query block scores
         blocks = -(-L // QUERY_BLOCK) * QUERY_BLOCK  # queries, padded to whole blocks
-        if linear(att.type):  # the naive core keeps, per query and head, ~48 float32 bytes of each of its
-            # k + w + 63 gathered keys for the backward (measured: 120 KB a query at k = w = 128, 8 heads)
+        if linear(att.type) and linear_core_is_naive(att.backend, D, compute_dtype, device_type):
+            # the naive core keeps, per query and head, ~48 float32 bytes of each of its k + w + 63
+            # gathered keys for the backward (measured: 120 KB a query at k = w = 128, 8 heads)
             op_keys += layers * B * L * H * scored * 48
+        elif linear(att.type):  # the Triton core keeps no scores: phi of the queries and of the op's keys, the
+            # float32 linear sums beyond the window, two float32 statistics per query and head, a flag per
+            # query, and each block's key list (int32)
+            op_keys += layers * B * (L * H * D * e + (cached + L) * Hkv * D * e + L * H * (D + 1) * 4
+                                     + L * H * 8 + L * 4 + blocks // QUERY_BLOCK * scored * 4)
         elif device_type == "cpu":  # the naive core: what it keeps, and one step's scores being built or
             # differentiated (1.5 times what it keeps of them: the middle of what benchmarks/memory_estimate.py
             # measured at k = 256 to 2048, whose peaks vary by ±15% between runs)

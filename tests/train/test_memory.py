@@ -19,16 +19,21 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_linear_types_add_the_naive_core_activations():
-    def estimate(kind):
-        r = load_recipe("quickstart", [f"attention.type={kind}", "attention.topk=64", "attention.window=64"])
+    def estimate(kind, backend):
+        r = load_recipe("quickstart", [f"attention.type={kind}", "attention.topk=64", "attention.window=64",
+                                       f"attention.backend={backend}"])
         return r, memory.estimate_training_bytes(r, n_params=10**6, vocab_size=2048, position=4096,
                                                  compute_dtype=torch.float32)
 
-    r, plain = estimate("sparsek+sw")
-    _, linear = estimate("sparsek+linear+sw")
+    r, plain = estimate("sparsek+sw", "naive")
+    _, linear = estimate("sparsek+linear+sw", "naive")
     m, t = r.model, r.train
     per_query = m.heads * (64 + 64 + 63) * 48
     assert abs(linear - plain - memory.FRAGMENTATION * m.layers * t.batch_docs * t.chunk_size * per_query) <= 1
+    # issue 38: the Triton core (CUDA, backend auto) keeps per-query tensors, no scores
+    _, plain = estimate("sparsek+sw", "auto")
+    _, linear = estimate("sparsek+linear+sw", "auto")
+    assert 0 < linear - plain < memory.FRAGMENTATION * m.layers * t.batch_docs * t.chunk_size * per_query / 4
 
 
 def test_activation_checkpointing_keeps_one_blocks_activations_and_each_blocks_input():
