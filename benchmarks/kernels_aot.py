@@ -4,6 +4,10 @@ instructions and the programs per SM those allow. For launch-setting and kernel 
 (benchmarks/gpu_notes.md): a setting that spills or drops to fewer programs per SM shows here in seconds.
 
     python benchmarks/kernels_aot.py [D=128] [T=4096] [kernel.key=value ...] [--dump DIR]
+    python benchmarks/kernels_aot.py --linear [D=128] [T=4096] [B=1]    # the SparseK+Linear+SW core's kernels
+
+--linear compiles the linear types' core (linear_triton.py: count, lfwd, lbwd with its LAUNCH entry) for one
+chunk of the op with the same sizes, every variant, and reports the first variant's kernels.
 
 Settings as in kernels_ab.py (LAUNCH[D] entries, e.g. walk.num_stages=2 band.maxnreg=168; =none removes
 one). --dump writes each kernel's TTGIR, PTX and SASS under DIR. The shapes are sk_case's (bf16, H = 12,
@@ -73,6 +77,36 @@ def compile_all(D: int, T: int, settings: dict) -> list:
     return compiled
 
 
+LINEAR_VARIANTS = ("hard_k_soft_v", "soft_kv", "straight_through")
+
+
+def compile_linear(D: int, T: int, B: int | None = None) -> list:
+    """(JIT function, launch settings, compiled kernel) for each kernel launch of one SparseK+Linear+SW chunk
+    fwd+bwd per variant (bf16, A.H heads, k = A.K, w = A.W; phi the identity map; B rows, default sk_case's)."""
+    from longtrain.ops.sparsek_attention.linear import SparseKLinearCache, sparsek_linear_attention_chunk
+
+    triton.runtime.driver.set_active(_CompileOnlyDriver())
+    compiled = []
+
+    def launcher(self, grid):
+        def launch(*args, **kw):
+            compiled.append((self, kw, self.run(*args, grid=grid, warmup=True, **kw)))
+        return launch
+
+    JITFunction.__getitem__ = launcher
+    B = B or max(1, A.TOKENS // T)
+    torch.manual_seed(0)
+    for variant in LINEAR_VARIANTS:
+        q, k, v = (torch.randn(B, T, A.H, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        u = torch.randn(B, T, requires_grad=True)
+        phi = torch.eye(D).repeat(A.H, 1, 1).requires_grad_()
+        cache = SparseKLinearCache.empty(B, A.K, A.W, A.H, D, dtype=torch.bfloat16, features=D)
+        o, _, _ = sparsek_linear_attention_chunk(q, k, v, u, phi, cache, variant=variant, backend="triton",
+                                                 linear_backend="naive", scan="host")
+        o.backward(torch.randn_like(o))  # the backward kernel sees unwritten buffers: nothing runs
+    return compiled
+
+
 def report(name: str, kw: dict, kernel, dump: str | None) -> str:
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,7 +130,7 @@ def report(name: str, kw: dict, kernel, dump: str | None) -> str:
     programs = min(A.programs_per_sm(regs, md.num_warps, md.shared))
     n = {key: len(re.findall(pat, sass, re.M)) for key, pat in
          dict(ldl=r"\bLDL", stl=r"\bSTL", sass=r"^\s+/\*[0-9a-f]{4,}\*/", hgmma=r"\bHGMMA", hmma=r"\bHMMA").items()}
-    settings = " ".join(f"{x}={kw[x]}" for x in ("BN", "MQ", "num_warps", "num_stages", "maxnreg") if kw.get(x) is not None)
+    settings = " ".join(f"{x}={kw[x]}" for x in ("QB", "BN", "MQ", "num_warps", "num_stages", "maxnreg") if kw.get(x) is not None)
     return (f"{name:5s} {settings:44s} regs {regs:3d}  stack {stack:4d} B  spill ld/st {n['ldl']:3d}/{n['stl']:3d}  "
             f"shared {md.shared:6d} B  SASS {n['sass']:5d}  HGMMA {n['hgmma']:3d}  HMMA {n['hmma']:3d}  "
             f"programs/SM {programs}")
@@ -104,12 +138,25 @@ def report(name: str, kw: dict, kernel, dump: str | None) -> str:
 
 def main(argv: list[str]) -> None:
     dump = None
+    linear = "--linear" in argv
+    argv = [a for a in argv if a != "--linear"]
     if "--dump" in argv:
         i = argv.index("--dump")
         dump, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     opts = dict(a.split("=", 1) for a in argv)
     D, T = int(opts.pop("D", 64)), int(opts.pop("T", 4096))
     settings = {n: A._ABSENT if x == "none" else int(x) for n, x in opts.items()}
+    if linear:
+        from longtrain.ops.sparsek_attention import linear_triton as LT
+
+        print(f"# Triton {triton.__version__}, sm_{ARCH}, D = {D}, T = {T}; SparseK+Linear+SW, linear_triton.LAUNCH")
+        names = {LT._count_kernel: "count", LT._fwd_kernel: "lfwd", LT._bwd_kernel: "lbwd"}
+        seen = set()
+        for fn, kw, kernel in compile_linear(D, T, int(opts.get("B", 0)) or None):
+            if fn in names and fn not in seen:
+                seen.add(fn)
+                print(report(names[fn], kw, kernel, dump), flush=True)
+        return
     print(f"# Triton {triton.__version__}, sm_{ARCH}, D = {D}, T = {T}; LAUNCH[{D}] with {opts or 'no changes'}")
     names = {fn: name for name, fn in A.SK_KERNELS.items()}  # (the cut kernel is not reported)
     seen = set()

@@ -44,3 +44,19 @@ def test_kernels_compile_for_sm90(D, cuda_tools):
     for name, m in rows.items():
         regs, programs = int(m.group(2)), int(m.group(4))
         assert 0 < regs <= 255 and programs >= 1, m.group(0)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_linear_kernels_compile_for_sm90(D, cuda_tools):
+    """The SparseK+Linear+SW core's kernels (linear_triton.py, issue 38), every variant, fit an SM."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "benchmarks/kernels_aot.py", "--linear", f"D={D}", "T=1024", "B=1"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {m.group(1): m for m in re.finditer(r"^(\w+) .*regs (\d+) .*shared +(\d+) B .*programs/SM (\d+)$",
+                                               proc.stdout, re.M)}
+    assert sorted(rows) == ["count", "lbwd", "lfwd"], proc.stdout
+    for name, m in rows.items():
+        regs, programs = int(m.group(2)), int(m.group(4))
+        assert 0 < regs <= 255 and programs >= 1, m.group(0)

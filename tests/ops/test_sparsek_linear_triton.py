@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 from longtrain.model import LM, LMConfig  # noqa: E402
 from longtrain.ops.sparsek_attention import linear as linear_op  # noqa: E402
 from longtrain.ops.sparsek_attention.linear import SparseKLinearCache, sparsek_linear_attention_chunk  # noqa: E402
-from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton  # noqa: E402
+from longtrain.ops.sparsek_attention.linear_triton import _theta32, sparsek_linear_attention_core_triton  # noqa: E402
 from longtrain.ops.sparsek_attention.naive import LinearTerms, sparsek_attention_core_naive  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -198,3 +198,17 @@ def test_float32_follows_float64_where_s_is_complete_and_the_exp_part_is_tiny():
     want = run_chunks("naive", [x.double() for x in (q, k, v, u, phi)], [64], **kw)
     got = run_chunks("triton", [q, k, v, u, phi], [64], **kw)
     assert_close(got[:1], want[:1], ["o"], tol=1e-4)
+
+
+def test_theta32_gives_float32_scores_the_naive_cores_float64_test():
+    """The kernels test (u, pos) >= theta in 32 bits; for float32 scores that equals the naive core's float64
+    test, theta a score or not (between two float32 values, beyond float32's range, infinite)."""
+    u = torch.randn(4000).mul(3).to(torch.float32)
+    kp = torch.randint(0, 50, (4000,))
+    pick = u[torch.randint(0, 4000, (300,))].double()
+    thu = torch.cat([pick, pick + 1e-12, pick - 1e-12, torch.tensor([-float("inf"), float("inf"), 1e300, -1e300])])
+    thp = torch.randint(0, 50, thu.shape)
+    t, p = _theta32(thu, thp)
+    want = (u.double()[None] > thu[:, None]) | ((u.double()[None] == thu[:, None]) & (kp[None] >= thp[:, None]))
+    got = (u[None] > t[:, None]) | ((u[None] == t[:, None]) & (kp[None] >= p[:, None]))
+    assert t.dtype == torch.float32 and p.dtype == torch.int32 and torch.equal(got, want)

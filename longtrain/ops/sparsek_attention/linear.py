@@ -106,15 +106,15 @@ def _beyond_window_sums(phq, phk, keys, cache: SparseKLinearCache, window: int, 
     return causal_linear_attention(phq, lagged(phk[:, K:]), lagged(keys.v[:, K:]), start_kv, start_k, backend=backend)
 
 
-def _linear_core(backend: str, q: torch.Tensor, block: int, features: int):
-    """The SparseK+Linear core `backend` picks for queries q (op._pick_backend; auto also needs shapes and a
-    dtype the kernels take, else the naive core)."""
+def _linear_core(backend: str, q: torch.Tensor, u: torch.Tensor, block: int, features: int):
+    """The SparseK+Linear core `backend` picks for queries q and scores u (op._pick_backend; auto also needs
+    shapes and dtypes the kernels take, else the naive core)."""
     name = _pick_backend(backend, q)
     if name == "naive":
         return sparsek_attention_core_naive
     from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton, unsupported
 
-    if backend == "auto" and unsupported(block, q.shape[-1], features, q.dtype) is not None:
+    if backend == "auto" and unsupported(block, q.shape[-1], features, q.dtype, u.dtype) is not None:
         return sparsek_attention_core_naive
     return sparsek_linear_attention_core_triton  # (it warns and runs the naive core where the kernels cannot)
 
@@ -148,7 +148,7 @@ def sparsek_linear_attention_chunk(
     phq = feature_map(q, phi_weight)  # [B, L, H, F]
     phk = _phi_keys(keys.k, keys.pos, phi_weight)  # [B, N, Hkv, F]
     num, den = _beyond_window_sums(phq, phk, keys, cache, window, linear_backend)
-    o = _linear_core(backend, q, block, phq.shape[-1])(
+    o = _linear_core(backend, q, u, block, phq.shape[-1])(
         q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool,
         topk=keys.topk, window=window, tail_slots=keys.tail_slots, variant=variant, scale=scale, block=block,
         linear=LinearTerms(phq, phk, num, den),

@@ -15,20 +15,21 @@ complete: the sums then hold S_i only, counted through c) and M_i = max(0, max_j
 Design. Each query block of G (the op's block) needs its pool at the block start plus one band of ext rows
 (DESIGN.md fact 2): block_key_indices lists those Kb = K + w + G - 1 ext rows (-1: none) in torch, and the
 kernels gather them in tiles of BN keys, recomputing the naive core's masks per tile from positions, u,
-theta and tau (the selection test compares u in float64, as the naive core does). Three kernels:
+theta and tau. Three kernels:
   _count_kernel  per (query block, batch row): whether S_i is complete (selected count == max(0, p_i - w + 1)),
                  shared by all heads and by forward and backward;
-  _fwd_kernel    per (query block, batch x head): w with an online running max M (starting at 0), the sums
+  _fwd_kernel    per (QB queries of a block, batch x head): w with an online running max M (from 0), the sums
                  num and den; stores o and per query and head M and the denominator (+inf for queries with
                  no key, so their gradients come out 0);
-  _bwd_kernel    per (query block, batch x head), recomputing w (no stored scores): with
+  _bwd_kernel    per (QB queries of a block, batch x head), recomputing w (no stored scores): with
                  dw_ij = dO_i.(v_j - o_i) / den_i it writes the query-side gradients (q, phi(q), tau, num,
                  den) and adds the key-side ones (k, v, phi(k), u) with atomic adds into float32 buffers:
                  keys are shared between blocks through the pool and between the query heads of a KV head.
 The linear types are not bitwise chunk-invariant (docs/CONTRACTS.md), so the atomics' order is no loss.
 Inputs float32, bfloat16 or float16, computed in float32 (dots in IEEE float32 for float32 inputs, TF32 for
-half ones, whose values TF32 holds exactly); float64 goes to the naive core. Scan outputs (int64 indices and
-positions, float64 theta) go to the kernels as they are.
+half ones, whose values TF32 holds exactly); float64 (inputs or scores) goes to the naive core. The scan's
+outputs are cast in torch before the launches, so the kernels test in 32 bits: int32 ext rows and positions,
+and theta as _theta32 makes it, with which the float32 test on the scores is the naive core's float64 one.
 """
 
 from __future__ import annotations
@@ -43,14 +44,34 @@ import triton.language as tl
 from longtrain.ops.sparsek_attention.naive import LinearTerms, block_key_indices, sparsek_attention_core_naive
 from longtrain.ops.sparsek_attention.triton_tiles import SOFT_KV, STRAIGHT_THROUGH, VARIANT_CODE
 
-# Key tile and warps per kernel; the interpreter (CPU tests) takes small tiles.
+# Launch settings per head dim (the entry of the largest key <= D): per kernel the queries per program QB (a
+# power of two; a block of G queries takes G / QB programs, min(QB, G)), the key tile BN and warps. Chosen so
+# that benchmarks/kernels_aot.py-style compiles for sm_90 fit shared memory without spills (not timed on a
+# GPU yet). The interpreter (CPU tests) takes small tiles.
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
-LAUNCH = dict(count=dict(BN=16 if _INTERP else 64, num_warps=4),
-              fwd=dict(BN=16 if _INTERP else 32, num_warps=4, num_stages=1),
-              bwd=dict(BN=16 if _INTERP else 32, num_warps=8, num_stages=1))
+LAUNCH = {
+    64: dict(count=dict(BN=64, num_warps=4),
+             fwd=dict(QB=64, BN=32, num_warps=4, num_stages=1),
+             bwd=dict(QB=32, BN=32, num_warps=4, num_stages=1)),
+    128: dict(count=dict(BN=64, num_warps=4),
+              fwd=dict(QB=32, BN=32, num_warps=4, num_stages=1),
+              bwd=dict(QB=16, BN=32, num_warps=4, num_stages=1)),
+}
 
 
-def unsupported(block: int, D: int, F: int, dtype: torch.dtype) -> str | None:
+def launch_settings(D: int, block: int) -> dict:
+    """LAUNCH's entry for head dim D and the op's block: {kernel: settings} (copies; QB at most the block)."""
+    key = max([x for x in LAUNCH if x <= D], default=min(LAUNCH))
+    cfg = {name: dict(c) for name, c in LAUNCH[key].items()}
+    for c in cfg.values():
+        if _INTERP:  # small tiles, the same code paths (a block takes two programs where it can)
+            c.update(BN=16, QB=max(16, block // 2))
+        if "QB" in c:
+            c["QB"] = min(c["QB"], block)
+    return cfg
+
+
+def unsupported(block: int, D: int, F: int, dtype: torch.dtype, score_dtype: torch.dtype = torch.float32) -> str | None:
     """Why the kernels cannot take this call (None: they can)."""
     if block < 16 or block & (block - 1):
         return f"the query block must be a power of two >= 16; got {block}"
@@ -59,17 +80,20 @@ def unsupported(block: int, D: int, F: int, dtype: torch.dtype) -> str | None:
             return f"the {name} must be a power of two in [16, 256]; got {n}"
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"q/k/v must be float16, bfloat16 or float32; got {dtype}"
+    if score_dtype == torch.float64:
+        return "the scores must be float32 or half precision; got float64"
     return None
 
 
 @triton.jit
-def _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, blk, n_queries, G: tl.constexpr):
-    """Query block blk of batch row b: indices i [G], valid rows, positions (-1: padding) and theta (float64)."""
-    i = blk * G + tl.arange(0, G)
+def _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, first, n_queries, QB: tl.constexpr):
+    """Queries first .. first + QB of batch row b: indices i [QB], valid rows, positions (-1: padding) and
+    theta (_theta32)."""
+    i = first + tl.arange(0, QB)
     qm = i < n_queries
     row = b * n_queries + i  # per-query arrays are [B, L] contiguous
     qp = tl.load(q_pos_ptr + row, mask=qm, other=-1)
-    thu = tl.load(theta_u_ptr + row, mask=qm, other=float("inf")).to(tl.float64)
+    thu = tl.load(theta_u_ptr + row, mask=qm, other=float("inf"))
     thp = tl.load(theta_pos_ptr + row, mask=qm, other=0)
     return i, qm, row, qp, thu, thp
 
@@ -81,20 +105,19 @@ def _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN:
     ke = tl.load(keys_ptr + (b * n_blocks + blk) * n_keys + j, mask=j < n_keys, other=-1)
     kv = ke >= 0
     safe = tl.where(kv, ke, 0)
-    u = tl.load(u_ptr + b * n_ext + safe, mask=kv, other=0.0)
+    u = tl.load(u_ptr + b * n_ext + safe, mask=kv, other=0.0).to(tl.float32)
     kp = tl.load(pos_ptr + b * n_ext + safe, mask=kv, other=-1)
     return ke, kv, safe, u, kp
 
 
 @triton.jit
 def _masks(qp, thu, thp, kp, u, window, HAS_TOPK: tl.constexpr):
-    """[G, BN] the naive core's masks: in the window, and selected (a candidate with (u, pos) >= theta, u in
-    float64 against the float64 theta as the naive core compares)."""
+    """[QB, BN] the naive core's masks: in the window, and selected (a candidate with (u, pos) >= theta; theta as
+    _theta32 gives it, so the float32 test is the naive core's float64 one)."""
     live = (kp[None, :] >= 0) & (qp[:, None] >= 0) & (kp[None, :] <= qp[:, None])
     in_win = live & (kp[None, :] > qp[:, None] - window)
     if HAS_TOPK:
-        u64 = u.to(tl.float64)[None, :]
-        above = (u64 > thu[:, None]) | ((u64 == thu[:, None]) & (kp[None, :] >= thp[:, None]))
+        above = (u[None, :] > thu[:, None]) | ((u[None, :] == thu[:, None]) & (kp[None, :] >= thp[:, None]))
         sel = live & (kp[None, :] <= qp[:, None] - window) & above
     else:
         sel = live & False
@@ -103,9 +126,9 @@ def _masks(qp, thu, thp, kp, u, window, HAS_TOPK: tl.constexpr):
 
 @triton.jit
 def _gate(sel, u, tau, VARIANT: tl.constexpr):
-    """[G, BN] gate g (m = clamp(u - tau, 0, 1) on selected keys, forward value 1 for straight_through, 1 off S)
+    """[QB, BN] gate g (m = clamp(u - tau, 0, 1) on selected keys, forward value 1 for straight_through, 1 off S)
     and where dg reaches u and tau (selected, 0 <= u - tau <= 1: torch.clamp passes the boundaries)."""
-    diff = u.to(tl.float32)[None, :] - tau[:, None]
+    diff = u[None, :] - tau[:, None]
     m = tl.minimum(tl.maximum(diff, 0.0), 1.0)
     if VARIANT == STRAIGHT_THROUGH:
         m = tl.full(diff.shape, 1.0, tl.float32)
@@ -123,7 +146,7 @@ def _count_kernel(
     """complete[b, i] = 1 when query i selects every key beyond its window (as the naive core tests it)."""
     blk = tl.program_id(0)
     b = tl.program_id(1)
-    i, qm, row, qp, thu, thp = _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, blk, n_queries, G)
+    i, qm, row, qp, thu, thp = _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, blk * G, n_queries, G)
     count = tl.zeros([G], tl.int32)
     if HAS_TOPK:  # (k = 0: nothing is selected)
         for j0 in range(0, n_keys, BN):
@@ -140,30 +163,31 @@ def _fwd_kernel(
     keys_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, complete_ptr,
     o_ptr, m_ptr, l_ptr,  # out
     n_queries, n_ext, n_heads, group, n_blocks, n_keys, window, scale,
-    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
+    G: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
     VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
 ):
     """o of query block blk and one head over the block's keys, and its M and denominator (module doc).
     Every tensor is contiguous: q, o, num [B, L, H, D], phq [B, L, H, F], k, v [B, N, Hkv, D], phk [B, N, Hkv, F]."""
-    blk = tl.program_id(0)
+    first = tl.program_id(0) * QB  # the program's queries: QB of block blk's G
+    blk = first // G
     bh = tl.program_id(1)
     b = bh // n_heads
     h = bh % n_heads
     kvh = h // group
     n_kv = n_heads // group
-    i, qm, row, qp, thu, thp = _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, blk, n_queries, G)
+    i, qm, row, qp, thu, thp = _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, first, n_queries, QB)
     tau = tl.load(tau_ptr + row, mask=qm, other=0.0).to(tl.float32)
     complete = tl.load(complete_ptr + row, mask=qm, other=1) != 0
     d = tl.arange(0, D)
     f = tl.arange(0, F)
-    qh = row * n_heads + h  # [G] rows of the [B, L, H, .] tensors
-    q = tl.load(q_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [G, D]
-    phq = tl.load(phq_ptr + qh[:, None] * F + f[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [G, F]
+    qh = row * n_heads + h  # [QB] rows of the [B, L, H, .] tensors
+    q = tl.load(q_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [QB, D]
+    phq = tl.load(phq_ptr + qh[:, None] * F + f[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [QB, F]
 
-    M = tl.zeros([G], tl.float32)  # the running max of the attended logits, from 0 (naive: max(0, max s))
-    acc = tl.zeros([G, D], tl.float32)  # sum_j w_ij v_j at the running M
-    den = tl.zeros([G], tl.float32)  # sum_j w_ij
-    has = tl.zeros([G], tl.int32)  # queries with a key (padding has none)
+    M = tl.zeros([QB], tl.float32)  # the running max of the attended logits, from 0 (naive: max(0, max s))
+    acc = tl.zeros([QB, D], tl.float32)  # sum_j w_ij v_j at the running M
+    den = tl.zeros([QB], tl.float32)  # sum_j w_ij
+    has = tl.zeros([QB], tl.int32)  # queries with a key (padding has none)
     for j0 in range(0, n_keys, BN):
         ke, kv, safe, u, kp = _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN)
         kh = (b * n_ext + safe) * n_kv + kvh  # [BN] rows of the [B, N, Hkv, .] tensors
@@ -173,7 +197,7 @@ def _fwd_kernel(
 
         in_win, sel = _masks(qp, thu, thp, kp, u, window, HAS_TOPK)
         g, _ = _gate(sel, u, tau, VARIANT)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [G, BN]
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [QB, BN]
         if VARIANT == SOFT_KV:
             s = s * g
         att = in_win | sel
@@ -209,25 +233,26 @@ def _bwd_kernel(
     dq_ptr, dphq_ptr, dtau_ptr, dnum_ptr, dden_ptr,  # out, query-side: written
     dk_ptr, dv_ptr, dphk_ptr, du_ptr,  # out, key-side: float32, added to
     n_queries, n_ext, n_heads, group, n_blocks, n_keys, window, scale,
-    G: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
+    G: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
     VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
 ):
     """Gradients of query block blk and one head, recomputing w per key tile (module doc). dk, dv [B, N, Hkv, D],
     dphk [B, N, Hkv, F] and du [B, N] sum over blocks and heads by atomic adds; dtau is [B, H, L]."""
-    blk = tl.program_id(0)
+    first = tl.program_id(0) * QB  # the program's queries: QB of block blk's G
+    blk = first // G
     bh = tl.program_id(1)
     b = bh // n_heads
     h = bh % n_heads
     kvh = h // group
     n_kv = n_heads // group
-    i, qm, row, qp, thu, thp = _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, blk, n_queries, G)
+    i, qm, row, qp, thu, thp = _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, first, n_queries, QB)
     tau = tl.load(tau_ptr + row, mask=qm, other=0.0).to(tl.float32)
     complete = tl.load(complete_ptr + row, mask=qm, other=1) != 0
     d = tl.arange(0, D)
     f = tl.arange(0, F)
     qh = row * n_heads + h
-    q = tl.load(q_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [G, D]
-    phq = tl.load(phq_ptr + qh[:, None] * F + f[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [G, F]
+    q = tl.load(q_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [QB, D]
+    phq = tl.load(phq_ptr + qh[:, None] * F + f[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [QB, F]
     do = tl.load(do_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
     o = tl.load(o_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
     M = tl.load(m_ptr + bh * n_queries + i, mask=qm, other=0.0)
@@ -236,9 +261,9 @@ def _bwd_kernel(
     e_m = tl.exp(-M)
     do_n = do * inv[:, None]  # dO_i / den_i: d num_i
 
-    dq = tl.zeros([G, D], tl.float32)
-    dphq = tl.zeros([G, F], tl.float32)
-    dtau = tl.zeros([G], tl.float32)
+    dq = tl.zeros([QB, D], tl.float32)
+    dphq = tl.zeros([QB, F], tl.float32)
+    dtau = tl.zeros([QB], tl.float32)
     for j0 in range(0, n_keys, BN):
         ke, kv, safe, u, kp = _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN)
         kh = (b * n_ext + safe) * n_kv + kvh
@@ -248,7 +273,7 @@ def _bwd_kernel(
 
         in_win, sel = _masks(qp, thu, thp, kp, u, window, HAS_TOPK)
         g, dmask = _gate(sel, u, tau, VARIANT)
-        r = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [G, BN] the ungated logits
+        r = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [QB, BN] the ungated logits
         s = r
         if VARIANT == SOFT_KV:
             s = r * g
@@ -289,6 +314,17 @@ def _bwd_kernel(
     tl.store(dtau_ptr + bh * n_queries + i, dtau, mask=qm)
 
 
+def _theta32(theta_u: torch.Tensor, theta_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """theta [B, L] as float32 and int32 giving float32 (or half) scores u the naive core's float64 test
+    (u, pos) >= (theta_u, theta_pos): the largest float32 t <= theta_u, and where t < theta_u (no float32
+    score lies strictly between them, and u == t means u < theta_u) a position no key reaches."""
+    t = theta_u.to(torch.float32)
+    t = torch.where(t.double() > theta_u, torch.nextafter(t, torch.full_like(t, -float("inf"))), t)
+    big = torch.iinfo(torch.int32).max
+    thp = torch.where(t.double() == theta_u, theta_pos.clamp(-big - 1, big), big).to(torch.int32)
+    return t.contiguous(), thp.contiguous()
+
+
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # float32 checks want exact fp32 dots
 
@@ -297,16 +333,16 @@ def linear_fwd(
     q: torch.Tensor,  # [B, L, H, D] contiguous
     k_ext: torch.Tensor,  # [B, N, Hkv, D] contiguous
     v_ext: torch.Tensor,  # [B, N, Hkv, D] contiguous
-    u: torch.Tensor,  # [B, N] (detached)
-    pos: torch.Tensor,  # [B, N] int64
+    u: torch.Tensor,  # [B, N] float32 or half (detached)
+    pos: torch.Tensor,  # [B, N] int32
     phq: torch.Tensor,  # [B, L, H, F] contiguous
     phk: torch.Tensor,  # [B, N, Hkv, F] contiguous
     num: torch.Tensor,  # [B, L, H, D] contiguous
     den: torch.Tensor,  # [B, L, H] contiguous
     keys: torch.Tensor,  # [B, nb, Kb] int32 each block's ext rows (-1: none)
-    q_pos: torch.Tensor,  # [B, L] int64
-    theta_u: torch.Tensor,  # [B, L] float64
-    theta_pos: torch.Tensor,  # [B, L] int64
+    q_pos: torch.Tensor,  # [B, L] int32
+    theta_u: torch.Tensor,  # [B, L] float32 (_theta32)
+    theta_pos: torch.Tensor,  # [B, L] int32
     tau: torch.Tensor,  # [B, L] (detached)
     *,
     topk: int,
@@ -320,22 +356,23 @@ def linear_fwd(
     B, L, H, D = q.shape
     N, Hkv, F = k_ext.shape[1], k_ext.shape[2], phk.shape[-1]
     nb, Kb = keys.shape[1], keys.shape[2]
+    launch = launch_settings(D, block)
     complete = torch.empty(B, L, dtype=torch.int32, device=q.device)
     _count_kernel[(nb, B)](
         keys_ptr=keys, u_ptr=u, pos_ptr=pos, q_pos_ptr=q_pos, theta_u_ptr=theta_u, theta_pos_ptr=theta_pos,
         complete_ptr=complete, n_queries=L, n_ext=N, n_blocks=nb, n_keys=Kb, window=window,
-        G=block, BN=LAUNCH["count"]["BN"], HAS_TOPK=topk > 0, num_warps=LAUNCH["count"]["num_warps"],
+        G=block, BN=launch["count"]["BN"], HAS_TOPK=topk > 0, num_warps=launch["count"]["num_warps"],
     )
     o = torch.empty_like(q)
     M = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     den_o = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
-    cfg = LAUNCH["fwd"]
-    _fwd_kernel[(nb, B * H)](
+    cfg = launch["fwd"]
+    _fwd_kernel[(triton.cdiv(L, cfg["QB"]), B * H)](
         q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, phq_ptr=phq, phk_ptr=phk, num_ptr=num, den_ptr=den,
         keys_ptr=keys, q_pos_ptr=q_pos, theta_u_ptr=theta_u, theta_pos_ptr=theta_pos, tau_ptr=tau,
         complete_ptr=complete, o_ptr=o, m_ptr=M, l_ptr=den_o,
         n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, window=window, scale=scale,
-        G=block, BN=cfg["BN"], D=D, F=F, VARIANT=variant, HAS_TOPK=topk > 0, PREC=_precision(q.dtype),
+        G=block, QB=cfg["QB"], BN=cfg["BN"], D=D, F=F, VARIANT=variant, HAS_TOPK=topk > 0, PREC=_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, complete, M, den_o
@@ -356,15 +393,15 @@ def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_po
     dphq, dden, dtau = torch.empty(B, L, H, F, **f32), torch.empty(B, L, H, **f32), torch.empty(B, H, L, **f32)
     dk, dv = torch.zeros(B, N, Hkv, D, **f32), torch.zeros(B, N, Hkv, D, **f32)  # atomic adds: zeroed
     dphk, du = torch.zeros(B, N, Hkv, F, **f32), torch.zeros(B, N, **f32)
-    cfg = LAUNCH["bwd"]
-    _bwd_kernel[(nb, B * H)](
+    cfg = launch_settings(D, block)["bwd"]
+    _bwd_kernel[(triton.cdiv(L, cfg["QB"]), B * H)](
         q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, phq_ptr=phq, phk_ptr=phk,
         keys_ptr=keys, q_pos_ptr=q_pos, theta_u_ptr=theta_u, theta_pos_ptr=theta_pos, tau_ptr=tau,
         complete_ptr=complete, o_ptr=o, m_ptr=M, l_ptr=den_o, do_ptr=do,
         dq_ptr=dq, dphq_ptr=dphq, dtau_ptr=dtau, dnum_ptr=dnum, dden_ptr=dden,
         dk_ptr=dk, dv_ptr=dv, dphk_ptr=dphk, du_ptr=du,
         n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, window=window, scale=scale,
-        G=block, BN=cfg["BN"], D=D, F=F, VARIANT=variant, HAS_TOPK=topk > 0, PREC=_precision(q.dtype),
+        G=block, QB=cfg["QB"], BN=cfg["BN"], D=D, F=F, VARIANT=variant, HAS_TOPK=topk > 0, PREC=_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return dq, dphq, dtau.sum(1), dnum, dden, dk, dv, dphk, du  # dtau: summed over the heads
@@ -379,13 +416,15 @@ class _SparseKLinearTriton(torch.autograd.Function):
         N = k_ext.shape[1]
         dev = q.device
         nb = -(-L // block)
-        pos = pos_ext.to(dev).contiguous()
-        keys = block_key_indices(block_pool.to(dev), N, topk, window, tail_slots, block, nb, pos_ext=pos)
+        keys = block_key_indices(block_pool.to(dev), N, topk, window, tail_slots, block, nb, pos_ext=pos_ext)
         keys = keys.to(torch.int32).contiguous()  # [B, nb, Kb]
+        # Positions in int32 (documents below 2^31 tokens) and theta as _theta32: 32-bit tests in the kernels.
+        pos = pos_ext.to(dev, torch.int32).contiguous()
         q, k_ext, v_ext = q.contiguous(), k_ext.contiguous(), v_ext.contiguous()
         phq, phk, num, den = phq.contiguous(), phk.contiguous(), num.contiguous(), den.contiguous()
         u = u_ext.detach().contiguous()  # [B, N]
-        qpos, thu, thp = q_pos.to(dev).contiguous(), theta_u.to(dev).contiguous(), theta_pos.to(dev).contiguous()
+        qpos = q_pos.to(dev, torch.int32).contiguous()
+        thu, thp = _theta32(theta_u.to(dev), theta_pos.to(dev))
         tau_c = tau.detach().contiguous()
         args = dict(topk=topk, window=window, scale=scale, block=block, variant=VARIANT_CODE[variant])
         o, complete, M, den_o = linear_fwd(q, k_ext, v_ext, u, pos, phq, phk, num, den, keys, qpos, thu, thp, tau_c,
@@ -425,7 +464,7 @@ def sparsek_linear_attention_core_triton(
     """Same contract as naive.sparsek_attention_core_naive with `linear`; o [B, L, H, D] in q's dtype.
 
     Shapes or dtypes the kernels do not take (float64 among them) go to the naive core, with a warning."""
-    why = unsupported(block, q.shape[-1], linear.phq.shape[-1], q.dtype)
+    why = unsupported(block, q.shape[-1], linear.phq.shape[-1], q.dtype, u_ext.dtype)
     if why is not None:
         warnings.warn(f"SparseK+Linear Triton kernels: {why}; using the naive core", stacklevel=2)
         return sparsek_attention_core_naive(
