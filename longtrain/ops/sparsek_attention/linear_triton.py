@@ -46,8 +46,9 @@ from longtrain.ops.sparsek_attention.triton_tiles import SOFT_KV, STRAIGHT_THROU
 
 # Launch settings per head dim (the entry of the largest key <= D): per kernel the queries per program QB (a
 # power of two; a block of G queries takes G / QB programs, min(QB, G)), the key tile BN and warps. Chosen so
-# that benchmarks/kernels_aot.py-style compiles for sm_90 fit shared memory without spills (not timed on a
-# GPU yet). The interpreter (CPU tests) takes small tiles.
+# that every kernel compiled for sm_90 (benchmarks/kernels_aot.py --linear, bf16) fits two programs per SM,
+# spilling a few registers in the D = 128 backward only; not timed on a GPU yet. The interpreter (CPU tests)
+# takes small tiles.
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LAUNCH = {
     64: dict(count=dict(BN=64, num_warps=4),
