@@ -155,9 +155,10 @@ def naive_core_bytes_per_score(heads: int, kv_heads: int, head_dim: int, variant
 
 
 def linear_core_is_naive(backend: str, head_dim: int, dtype: torch.dtype, device_type: str) -> bool:
-    """Whether the linear types' SparseK part runs on the naive core (linear.py's choice): on the CPU, with
-    backend naive, or where the Triton kernels do not take the head dim or dtype (phi keeps the head dim)."""
-    if device_type == "cpu" or backend == "naive":
+    """Whether the linear types' SparseK part runs on the naive core (linear._linear_core's choice): on the CPU,
+    with backend naive or auto (auto keeps the naive core until the Triton core has run on a GPU), or where
+    the Triton kernels do not take the head dim or dtype (phi keeps the head dim)."""
+    if device_type == "cpu" or backend in ("naive", "auto"):
         return True
     from longtrain.ops.sparsek_attention.linear_triton import unsupported
 

@@ -30,9 +30,9 @@ def test_linear_types_add_the_naive_core_activations():
     m, t = r.model, r.train
     per_query = m.heads * (64 + 64 + 63) * 48
     assert abs(linear - plain - memory.FRAGMENTATION * m.layers * t.batch_docs * t.chunk_size * per_query) <= 1
-    # issue 38: the Triton core (CUDA, backend auto) keeps per-query tensors, no scores
-    _, plain = estimate("sparsek+sw", "auto")
-    _, linear = estimate("sparsek+linear+sw", "auto")
+    # issue 38: the Triton core (CUDA, backend triton) keeps per-query tensors, no scores
+    _, plain = estimate("sparsek+sw", "triton")
+    _, linear = estimate("sparsek+linear+sw", "triton")
     assert 0 < linear - plain < memory.FRAGMENTATION * m.layers * t.batch_docs * t.chunk_size * per_query / 4
 
 

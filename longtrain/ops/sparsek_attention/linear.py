@@ -27,7 +27,7 @@ from longtrain.ops.selection.chunk import carried
 from longtrain.ops.sparsek_attention.cache import SparseKCache
 from longtrain.ops.sparsek_attention.decode import sparsek_attention_decode
 from longtrain.ops.sparsek_attention.naive import LinearTerms, sparsek_attention_core_naive
-from longtrain.ops.sparsek_attention.op import ChunkSelection, _check, _pick_backend, lay_out_keys, next_cache
+from longtrain.ops.sparsek_attention.op import ChunkSelection, _check, lay_out_keys, next_cache
 
 
 @dataclass
@@ -107,16 +107,14 @@ def _beyond_window_sums(phq, phk, keys, cache: SparseKLinearCache, window: int, 
 
 
 def _linear_core(backend: str, q: torch.Tensor, u: torch.Tensor, block: int, features: int):
-    """The SparseK+Linear core `backend` picks for queries q and scores u (op._pick_backend; auto also needs
-    shapes and dtypes the kernels take, else the naive core)."""
-    name = _pick_backend(backend, q)
-    if name == "naive":
+    """The SparseK+Linear core `backend` names: "triton" (linear_triton.py's kernels; they warn and run the naive
+    core where they cannot) or the naive core. auto runs the naive core: the Triton core has passed the
+    interpreter and an sm_90 compile but has not yet run on a GPU (tests/gpu/test_linear_gpu.py is that check)."""
+    if backend in ("auto", "naive"):
         return sparsek_attention_core_naive
-    from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton, unsupported
+    from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton
 
-    if backend == "auto" and unsupported(block, q.shape[-1], features, q.dtype, u.dtype) is not None:
-        return sparsek_attention_core_naive
-    return sparsek_linear_attention_core_triton  # (it warns and runs the naive core where the kernels cannot)
+    return sparsek_linear_attention_core_triton
 
 
 def sparsek_linear_attention_chunk(
@@ -137,8 +135,8 @@ def sparsek_linear_attention_chunk(
 ) -> tuple[torch.Tensor, SparseKLinearCache, ChunkSelection]:
     """SparseK+Linear+SW of one chunk continuing from `cache`: (o [B, L, H, D], next cache, selection).
 
-    backend: the core of the SparseK part ("triton": linear_triton.py's kernels, "naive": the reference;
-    auto: the kernels on CUDA where they take the shapes and dtype, the naive core otherwise);
+    backend: the core of the SparseK part ("triton": linear_triton.py's kernels, "naive" and auto: the
+    reference, until the kernels have run on a GPU: _linear_core);
     linear_backend picks the causal linear attention (ops/linear_attention: fla on CUDA when installed)."""
     _check(q, k, v, u, variant, backend, scan)
     window = _linear_window(cache)
