@@ -138,6 +138,28 @@ def _gate(sel, u, tau, VARIANT: tl.constexpr):
 
 
 @triton.jit
+def _program(q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, complete_ptr, n_queries, n_heads, group,
+             G: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, F: tl.constexpr):
+    """What a forward or backward program (QB queries of a block, one head) knows of its queries: the block, the
+    batch x head index, the row b, the KV head, their count, the query rows (_query_rows), tau, whether S is
+    complete, the D and F ranges, the rows qh [QB] of the [B, L, H, .] tensors, q [QB, D] and phi(q) [QB, F]."""
+    first = tl.program_id(0) * QB  # the program's queries: QB of block blk's G
+    blk = first // G
+    bh = tl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    i, qm, row, qp, thu, thp = _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, first, n_queries, QB)
+    tau = tl.load(tau_ptr + row, mask=qm, other=0.0).to(tl.float32)
+    complete = tl.load(complete_ptr + row, mask=qm, other=1) != 0
+    d = tl.arange(0, D)
+    f = tl.arange(0, F)
+    qh = row * n_heads + h
+    q = tl.load(q_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
+    phq = tl.load(phq_ptr + qh[:, None] * F + f[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
+    return blk, bh, b, h // group, n_heads // group, i, qm, qp, thu, thp, tau, complete, d, f, qh, q, phq
+
+
+@triton.jit
 def _count_kernel(
     keys_ptr, u_ptr, pos_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr,
     complete_ptr,  # out
@@ -169,21 +191,9 @@ def _fwd_kernel(
 ):
     """o of query block blk and one head over the block's keys, and its M and denominator (module doc).
     Every tensor is contiguous: q, o, num [B, L, H, D], phq [B, L, H, F], k, v [B, N, Hkv, D], phk [B, N, Hkv, F]."""
-    first = tl.program_id(0) * QB  # the program's queries: QB of block blk's G
-    blk = first // G
-    bh = tl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    kvh = h // group
-    n_kv = n_heads // group
-    i, qm, row, qp, thu, thp = _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, first, n_queries, QB)
-    tau = tl.load(tau_ptr + row, mask=qm, other=0.0).to(tl.float32)
-    complete = tl.load(complete_ptr + row, mask=qm, other=1) != 0
-    d = tl.arange(0, D)
-    f = tl.arange(0, F)
-    qh = row * n_heads + h  # [QB] rows of the [B, L, H, .] tensors
-    q = tl.load(q_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [QB, D]
-    phq = tl.load(phq_ptr + qh[:, None] * F + f[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [QB, F]
+    blk, bh, b, kvh, n_kv, i, qm, qp, thu, thp, tau, complete, d, f, qh, q, phq = _program(
+        q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, complete_ptr, n_queries, n_heads, group,
+        G, QB, D, F)
 
     M = tl.zeros([QB], tl.float32)  # the running max of the attended logits, from 0 (naive: max(0, max s))
     acc = tl.zeros([QB, D], tl.float32)  # sum_j w_ij v_j at the running M
@@ -239,21 +249,9 @@ def _bwd_kernel(
 ):
     """Gradients of query block blk and one head, recomputing w per key tile (module doc). dk, dv [B, N, Hkv, D],
     dphk [B, N, Hkv, F] and du [B, N] sum over blocks and heads by atomic adds; dtau is [B, H, L]."""
-    first = tl.program_id(0) * QB  # the program's queries: QB of block blk's G
-    blk = first // G
-    bh = tl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    kvh = h // group
-    n_kv = n_heads // group
-    i, qm, row, qp, thu, thp = _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, first, n_queries, QB)
-    tau = tl.load(tau_ptr + row, mask=qm, other=0.0).to(tl.float32)
-    complete = tl.load(complete_ptr + row, mask=qm, other=1) != 0
-    d = tl.arange(0, D)
-    f = tl.arange(0, F)
-    qh = row * n_heads + h
-    q = tl.load(q_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [QB, D]
-    phq = tl.load(phq_ptr + qh[:, None] * F + f[None, :], mask=qm[:, None], other=0.0).to(tl.float32)  # [QB, F]
+    blk, bh, b, kvh, n_kv, i, qm, qp, thu, thp, tau, complete, d, f, qh, q, phq = _program(
+        q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, complete_ptr, n_queries, n_heads, group,
+        G, QB, D, F)
     do = tl.load(do_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
     o = tl.load(o_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
     M = tl.load(m_ptr + bh * n_queries + i, mask=qm, other=0.0)
