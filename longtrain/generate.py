@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from longtrain.model import LM, LMOutput, ModelCache
+from longtrain.model.attention_types import has_ring_layout
 from longtrain.model.chunks import PREFILL_CHUNK, ChunkReader, split_rows
 from longtrain.ops.sparsek_attention.decode import position_hash
 
@@ -201,15 +202,12 @@ def sample(logits: torch.Tensor, opts: Sampling, step: int = 0) -> torch.Tensor:
 # ----------------------------------------------------------------------------- decoding
 
 
-RING_ATTENTIONS = ("sparsek", "sparsek+sw", "sw")  # caches with a ring layout (SparseKRingCache)
-
-
 def in_place_by_default(attention: str, device_type: str) -> bool:
     """Decoder's in_place where it was measured faster: on CUDA, for every attention with a ring layout. On an
     H100 (benchmarks/README.md, issue 33; graph decoding, 7fc172d): one row 514.6 against 451.9 tokens/s rebuilt,
     64 rows 15,153.6 against 3,769.8; compiled (327c4ec's run against an earlier one) 64 rows 20,237 against 9,656,
     one row 985 against 961. On the CPU not measured at a real size (the rebuilt cache stays)."""
-    return attention in RING_ATTENTIONS and device_type == "cuda"
+    return has_ring_layout(attention) and device_type == "cuda"
 
 
 class Decoder:
@@ -253,7 +251,7 @@ class Decoder:
             raise ValueError("a CUDA graph needs a CUDA model whose cache has a fixed size (not full attention)")
         if in_place is None:
             in_place = in_place_by_default(model.cfg.attention, dev.type)
-        if in_place and model.cfg.attention not in RING_ATTENTIONS:
+        if in_place and not has_ring_layout(model.cfg.attention):
             raise ValueError("in_place needs sparsek, sparsek+sw or sw attention (a plain SparseK cache)")
         if in_place:
             self._cache = cache.to_ring()  # its own tail and pool (what steps write in place): the caller's stays

@@ -37,6 +37,12 @@ def linear(type: str) -> bool:
     return "linear" in type
 
 
+def has_ring_layout(type: str) -> bool:
+    """Whether the type's cache is a plain SparseK cache (no linear state, not full attention's growing one),
+    the one the decoder can keep as a ring and write in place (SparseKRingCache)."""
+    return type != "full" and not linear(type)
+
+
 def linear_problems(type: str, score_groups: str) -> list[str]:
     """What the linear types cannot do: per-KV-head score groups (any backend runs them: naive or Triton core)."""
     if not linear(type) or score_groups == "shared":

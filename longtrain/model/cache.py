@@ -132,7 +132,7 @@ class ModelCache:
 
     def to_ring(self) -> "ModelCache":
         """Every layer in the decoder's layout (SparseKRingCache: decode steps write K/V in place; plain
-        SparseK caches only: sparsek, sparsek+sw, sw)."""
+        SparseK caches only: attention_types.has_ring_layout)."""
         return ModelCache(seen=self.seen, layers=[LayerCache(to_ring(la.attn), la.score_sum, la.score_sumsq)
                                                   for la in self.layers])
 
