@@ -155,13 +155,14 @@ def naive_core_bytes_per_score(heads: int, kv_heads: int, head_dim: int, variant
 
 
 def linear_core_is_naive(backend: str, head_dim: int, dtype: torch.dtype, device_type: str) -> bool:
-    """Whether the linear types' SparseK part runs on the naive core (linear._linear_core's choice): on the CPU,
-    with backend naive or auto (auto keeps the naive core until the Triton core has run on a GPU), or where
-    the Triton kernels do not take the head dim or dtype (phi keeps the head dim)."""
-    if device_type == "cpu" or backend in ("naive", "auto"):
-        return True
+    """Whether the linear types' SparseK part runs on the naive core: on the CPU, where linear.linear_core picks it
+    for `backend`, or where the Triton kernels do not take the head dim or dtype (phi keeps the head dim)."""
+    from longtrain.ops.sparsek_attention.linear import linear_core
     from longtrain.ops.sparsek_attention.linear_triton import unsupported
+    from longtrain.ops.sparsek_attention.naive import sparsek_attention_core_naive
 
+    if device_type == "cpu" or linear_core(backend) is sparsek_attention_core_naive:
+        return True
     return unsupported(QUERY_BLOCK, head_dim, head_dim, dtype) is not None
 
 

@@ -106,7 +106,7 @@ def _beyond_window_sums(phq, phk, keys, cache: SparseKLinearCache, window: int, 
     return causal_linear_attention(phq, lagged(phk[:, K:]), lagged(keys.v[:, K:]), start_kv, start_k, backend=backend)
 
 
-def _linear_core(backend: str, q: torch.Tensor, u: torch.Tensor, block: int, features: int):
+def linear_core(backend: str):
     """The SparseK+Linear core `backend` names: "triton" (linear_triton.py's kernels; they warn and run the naive
     core where they cannot) or the naive core. auto runs the naive core: the Triton core has passed the
     interpreter and an sm_90 compile but has not yet run on a GPU (tests/gpu/test_linear_gpu.py is that check)."""
@@ -136,7 +136,7 @@ def sparsek_linear_attention_chunk(
     """SparseK+Linear+SW of one chunk continuing from `cache`: (o [B, L, H, D], next cache, selection).
 
     backend: the core of the SparseK part ("triton": linear_triton.py's kernels, "naive" and auto: the
-    reference, until the kernels have run on a GPU: _linear_core);
+    reference, until the kernels have run on a GPU: linear_core);
     linear_backend picks the causal linear attention (ops/linear_attention: fla on CUDA when installed)."""
     _check(q, k, v, u, variant, backend, scan)
     window = _linear_window(cache)
@@ -146,7 +146,7 @@ def sparsek_linear_attention_chunk(
     phq = feature_map(q, phi_weight)  # [B, L, H, F]
     phk = _phi_keys(keys.k, keys.pos, phi_weight)  # [B, N, Hkv, F]
     num, den = _beyond_window_sums(phq, phk, keys, cache, window, linear_backend)
-    o = _linear_core(backend, q, u, block, phq.shape[-1])(
+    o = linear_core(backend)(
         q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool,
         topk=keys.topk, window=window, tail_slots=keys.tail_slots, variant=variant, scale=scale, block=block,
         linear=LinearTerms(phq, phk, num, den),
