@@ -54,8 +54,9 @@ class _CompileOnlyDriver:
         return torch.device("cpu")
 
 
-def compile_all(D: int, T: int, settings: dict) -> list:
-    """(JIT function, launch settings, compiled kernel) for each kernel launch of one fwd+bwd."""
+def _compile_only() -> list:
+    """Point Triton at a stand-in driver and make every kernel launch compile instead of run; returns the list
+    each launch appends (JIT function, launch settings, compiled kernel) to."""
     triton.runtime.driver.set_active(_CompileOnlyDriver())
     compiled = []
 
@@ -66,6 +67,12 @@ def compile_all(D: int, T: int, settings: dict) -> list:
         return launch
 
     JITFunction.__getitem__ = launcher
+    return compiled
+
+
+def compile_all(D: int, T: int, settings: dict) -> list:
+    """(JIT function, launch settings, compiled kernel) for each kernel launch of one fwd+bwd."""
+    compiled = _compile_only()
     A.apply_settings(settings, D)
     B = max(1, A.TOKENS // T)
     torch.manual_seed(0)
@@ -85,15 +92,7 @@ def compile_linear(D: int, T: int, B: int | None = None) -> list:
     fwd+bwd per variant (bf16, A.H heads, k = A.K, w = A.W; phi the identity map; B rows, default sk_case's)."""
     from longtrain.ops.sparsek_attention.linear import SparseKLinearCache, sparsek_linear_attention_chunk
 
-    triton.runtime.driver.set_active(_CompileOnlyDriver())
-    compiled = []
-
-    def launcher(self, grid):
-        def launch(*args, **kw):
-            compiled.append((self, kw, self.run(*args, grid=grid, warmup=True, **kw)))
-        return launch
-
-    JITFunction.__getitem__ = launcher
+    compiled = _compile_only()
     B = B or max(1, A.TOKENS // T)
     torch.manual_seed(0)
     for variant in LINEAR_VARIANTS:
@@ -151,16 +150,13 @@ def main(argv: list[str]) -> None:
 
         print(f"# Triton {triton.__version__}, sm_{ARCH}, D = {D}, T = {T}; SparseK+Linear+SW, linear_triton.LAUNCH")
         names = {LT._count_kernel: "count", LT._fwd_kernel: "lfwd", LT._bwd_kernel: "lbwd"}
-        seen = set()
-        for fn, kw, kernel in compile_linear(D, T, int(opts.get("B", 0)) or None):
-            if fn in names and fn not in seen:
-                seen.add(fn)
-                print(report(names[fn], kw, kernel, dump), flush=True)
-        return
-    print(f"# Triton {triton.__version__}, sm_{ARCH}, D = {D}, T = {T}; LAUNCH[{D}] with {opts or 'no changes'}")
-    names = {fn: name for name, fn in A.SK_KERNELS.items()}  # (the cut kernel is not reported)
+        compiled = compile_linear(D, T, int(opts.get("B", 0)) or None)
+    else:
+        print(f"# Triton {triton.__version__}, sm_{ARCH}, D = {D}, T = {T}; LAUNCH[{D}] with {opts or 'no changes'}")
+        names = {fn: name for name, fn in A.SK_KERNELS.items()}  # (the cut kernel is not reported)
+        compiled = compile_all(D, T, settings)
     seen = set()
-    for fn, kw, kernel in compile_all(D, T, settings):
+    for fn, kw, kernel in compiled:
         if fn in names and fn not in seen:  # (one line per kernel: every launch shares its settings)
             seen.add(fn)
             print(report(names[fn], kw, kernel, dump), flush=True)

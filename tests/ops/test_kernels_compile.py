@@ -31,32 +31,22 @@ def cuda_tools():
         pytest.skip(why)
 
 
+# (kernels_aot.py's arguments, the kernels it reports): SparseK+SW's fwd+bwd, and the linear types' core (issue 38)
+CORES = {"sparsek": (["T=2048"], KERNELS), "linear": (["--linear", "T=1024", "B=1"], ["count", "lbwd", "lfwd"])}
+
+
+@pytest.mark.parametrize("core", sorted(CORES))
 @pytest.mark.parametrize("D", [64, 128])
-def test_kernels_compile_for_sm90(D, cuda_tools):
+def test_kernels_compile_for_sm90(D, core, cuda_tools):
+    args, kernels = CORES[core]
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "benchmarks/kernels_aot.py", f"D={D}", "T=2048"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "benchmarks/kernels_aot.py", f"D={D}", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {m.group(1): m for m in re.finditer(r"^(\w+) .*regs (\d+) .*shared +(\d+) B .*programs/SM (\d+)$",
                                                proc.stdout, re.M)}
-    assert sorted(rows) == sorted(KERNELS), proc.stdout
-    for name, m in rows.items():
-        regs, programs = int(m.group(2)), int(m.group(4))
-        assert 0 < regs <= 255 and programs >= 1, m.group(0)
-
-
-@pytest.mark.parametrize("D", [64, 128])
-def test_linear_kernels_compile_for_sm90(D, cuda_tools):
-    """The SparseK+Linear+SW core's kernels (linear_triton.py, issue 38), every variant, fit an SM."""
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "benchmarks/kernels_aot.py", "--linear", f"D={D}", "T=1024", "B=1"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {m.group(1): m for m in re.finditer(r"^(\w+) .*regs (\d+) .*shared +(\d+) B .*programs/SM (\d+)$",
-                                               proc.stdout, re.M)}
-    assert sorted(rows) == ["count", "lbwd", "lfwd"], proc.stdout
+    assert sorted(rows) == sorted(kernels), proc.stdout
     for name, m in rows.items():
         regs, programs = int(m.group(2)), int(m.group(4))
         assert 0 < regs <= 255 and programs >= 1, m.group(0)
