@@ -6,7 +6,7 @@ instructions and the programs per SM those allow. For launch-setting and kernel 
     python benchmarks/kernels_aot.py [D=128] [T=4096] [kernel.key=value ...] [--dump DIR]
     python benchmarks/kernels_aot.py --linear [D=128] [T=4096] [B=1]    # the SparseK+Linear+SW core's kernels
 
---linear compiles the linear types' core (linear_triton.py: count, lfwd, lbwd with its LAUNCH entry) for one
+--linear compiles the linear types' core (linear_triton.py: lfwd, lbwd with its LAUNCH entry) for one
 chunk of the op with the same sizes, every variant, and reports the first variant's kernels.
 
 Settings as in kernels_ab.py (LAUNCH[D] entries, e.g. walk.num_stages=2 band.maxnreg=168; =none removes
@@ -149,7 +149,7 @@ def main(argv: list[str]) -> None:
         from longtrain.ops.sparsek_attention import linear_triton as LT
 
         print(f"# Triton {triton.__version__}, sm_{ARCH}, D = {D}, T = {T}; SparseK+Linear+SW, linear_triton.LAUNCH")
-        names = {LT._count_kernel: "count", LT._fwd_kernel: "lfwd", LT._bwd_kernel: "lbwd"}
+        names = {LT._fwd_kernel: "lfwd", LT._bwd_kernel: "lbwd"}
         compiled = compile_linear(D, T, int(opts.get("B", 0)) or None)
     else:
         print(f"# Triton {triton.__version__}, sm_{ARCH}, D = {D}, T = {T}; LAUNCH[{D}] with {opts or 'no changes'}")

@@ -15,9 +15,9 @@ complete: the sums then hold S_i only, counted through c) and M_i = max(0, max_j
 Design. Each query block of G (the op's block) needs its pool at the block start plus one band of ext rows
 (DESIGN.md fact 2): block_key_indices lists those Kb = K + w + G - 1 ext rows (-1: none) in torch, and the
 kernels gather them in tiles of BN keys, recomputing the naive core's masks per tile from positions, u,
-theta and tau. Three kernels:
-  _count_kernel  per (query block, batch row): whether S_i is complete (selected count == max(0, p_i - w + 1)),
-                 shared by all heads and by forward and backward;
+theta and tau. S_i is complete exactly when query i has at most k keys beyond its window (p_i - w + 1 <= k):
+until the pool has seen k candidates it keeps and selects them all, and after it selects k of more (the naive
+core counts the selected keys; the tests compare). Two kernels:
   _fwd_kernel    per (QB queries of a block, batch x head): w with an online running max M (from 0), the sums
                  num and den; stores o and per query and head M and the denominator (+inf for queries with
                  no key, so their gradients come out 0);
@@ -51,11 +51,9 @@ from longtrain.ops.sparsek_attention.triton_tiles import SOFT_KV, STRAIGHT_THROU
 # takes small tiles.
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LAUNCH = {
-    64: dict(count=dict(BN=64, num_warps=4),
-             fwd=dict(QB=64, BN=32, num_warps=4, num_stages=1),
+    64: dict(fwd=dict(QB=64, BN=32, num_warps=4, num_stages=1),
              bwd=dict(QB=32, BN=32, num_warps=4, num_stages=1)),
-    128: dict(count=dict(BN=64, num_warps=4),
-              fwd=dict(QB=32, BN=32, num_warps=4, num_stages=1),
+    128: dict(fwd=dict(QB=32, BN=32, num_warps=4, num_stages=1),
               bwd=dict(QB=16, BN=32, num_warps=4, num_stages=1)),
 }
 
@@ -138,7 +136,7 @@ def _gate(sel, u, tau, VARIANT: tl.constexpr):
 
 
 @triton.jit
-def _program(q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, complete_ptr, n_queries, n_heads, group,
+def _program(q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, n_queries, n_heads, group, topk, window,
              G: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, F: tl.constexpr):
     """What a forward or backward program (QB queries of a block, one head) knows of its queries: the block, the
     batch x head index, the row b, the KV head, their count, the query rows (_query_rows), tau, whether S is
@@ -150,7 +148,7 @@ def _program(q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, com
     h = bh % n_heads
     i, qm, row, qp, thu, thp = _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, first, n_queries, QB)
     tau = tl.load(tau_ptr + row, mask=qm, other=0.0).to(tl.float32)
-    complete = tl.load(complete_ptr + row, mask=qm, other=1) != 0
+    complete = tl.maximum(qp - window + 1, 0) <= topk  # (module doc; padding: True, as it has no key)
     d = tl.arange(0, D)
     f = tl.arange(0, F)
     qh = row * n_heads + h
@@ -160,39 +158,18 @@ def _program(q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, com
 
 
 @triton.jit
-def _count_kernel(
-    keys_ptr, u_ptr, pos_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr,
-    complete_ptr,  # out
-    n_queries, n_ext, n_blocks, n_keys, window,
-    G: tl.constexpr, BN: tl.constexpr, HAS_TOPK: tl.constexpr,
-):
-    """complete[b, i] = 1 when query i selects every key beyond its window (as the naive core tests it)."""
-    blk = tl.program_id(0)
-    b = tl.program_id(1)
-    i, qm, row, qp, thu, thp = _query_rows(q_pos_ptr, theta_u_ptr, theta_pos_ptr, b, blk * G, n_queries, G)
-    count = tl.zeros([G], tl.int32)
-    if HAS_TOPK:  # (k = 0: nothing is selected)
-        for j0 in range(0, n_keys, BN):
-            ke, kv, safe, u, kp = _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN)
-            _, sel = _masks(qp, thu, thp, kp, u, window, HAS_TOPK)
-            count += tl.sum(sel.to(tl.int32), 1)
-    beyond = tl.maximum(qp - window + 1, 0)  # the positions beyond the window
-    tl.store(complete_ptr + row, (count == beyond).to(tl.int32), mask=qm)
-
-
-@triton.jit
 def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, u_ptr, pos_ptr, phq_ptr, phk_ptr, num_ptr, den_ptr,
-    keys_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, complete_ptr,
+    keys_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr,
     o_ptr, m_ptr, l_ptr,  # out
-    n_queries, n_ext, n_heads, group, n_blocks, n_keys, window, scale,
+    n_queries, n_ext, n_heads, group, n_blocks, n_keys, topk, window, scale,
     G: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
     VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
 ):
     """o of query block blk and one head over the block's keys, and its M and denominator (module doc).
     Every tensor is contiguous: q, o, num [B, L, H, D], phq [B, L, H, F], k, v [B, N, Hkv, D], phk [B, N, Hkv, F]."""
     blk, bh, b, kvh, n_kv, i, qm, qp, thu, thp, tau, complete, d, f, qh, q, phq = _program(
-        q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, complete_ptr, n_queries, n_heads, group,
+        q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, n_queries, n_heads, group, topk, window,
         G, QB, D, F)
 
     M = tl.zeros([QB], tl.float32)  # the running max of the attended logits, from 0 (naive: max(0, max s))
@@ -239,18 +216,18 @@ def _fwd_kernel(
 @triton.jit
 def _bwd_kernel(
     q_ptr, k_ptr, v_ptr, u_ptr, pos_ptr, phq_ptr, phk_ptr,
-    keys_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, complete_ptr,
+    keys_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr,
     o_ptr, m_ptr, l_ptr, do_ptr,
     dq_ptr, dphq_ptr, dtau_ptr, dnum_ptr, dden_ptr,  # out, query-side: written
     dk_ptr, dv_ptr, dphk_ptr, du_ptr,  # out, key-side: float32, added to
-    n_queries, n_ext, n_heads, group, n_blocks, n_keys, window, scale,
+    n_queries, n_ext, n_heads, group, n_blocks, n_keys, topk, window, scale,
     G: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
     VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
 ):
     """Gradients of query block blk and one head, recomputing w per key tile (module doc). dk, dv [B, N, Hkv, D],
     dphk [B, N, Hkv, F] and du [B, N] sum over blocks and heads by atomic adds; dtau is [B, H, L]."""
     blk, bh, b, kvh, n_kv, i, qm, qp, thu, thp, tau, complete, d, f, qh, q, phq = _program(
-        q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, complete_ptr, n_queries, n_heads, group,
+        q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, n_queries, n_heads, group, topk, window,
         G, QB, D, F)
     do = tl.load(do_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
     o = tl.load(o_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
@@ -350,34 +327,27 @@ def linear_fwd(
     block: int,
     variant: int,  # VARIANT_CODE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The count and forward kernels: o [B, L, H, D] in q's dtype, complete [B, L] int32, and per query and head
-    M and the denominator [B, H, L] float32 (+inf: no key)."""
+    """The forward kernel: o [B, L, H, D] in q's dtype, and per query and head M and the denominator [B, H, L]
+    float32 (+inf: no key)."""
     B, L, H, D = q.shape
     N, Hkv, F = k_ext.shape[1], k_ext.shape[2], phk.shape[-1]
     nb, Kb = keys.shape[1], keys.shape[2]
-    launch = launch_settings(D, block)
-    complete = torch.empty(B, L, dtype=torch.int32, device=q.device)
-    _count_kernel[(nb, B)](
-        keys_ptr=keys, u_ptr=u, pos_ptr=pos, q_pos_ptr=q_pos, theta_u_ptr=theta_u, theta_pos_ptr=theta_pos,
-        complete_ptr=complete, n_queries=L, n_ext=N, n_blocks=nb, n_keys=Kb, window=window,
-        G=block, BN=launch["count"]["BN"], HAS_TOPK=topk > 0, num_warps=launch["count"]["num_warps"],
-    )
     o = torch.empty_like(q)
     M = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     den_o = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
-    cfg = launch["fwd"]
+    cfg = launch_settings(D, block)["fwd"]
     _fwd_kernel[(triton.cdiv(L, cfg["QB"]), B * H)](
         q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, phq_ptr=phq, phk_ptr=phk, num_ptr=num, den_ptr=den,
         keys_ptr=keys, q_pos_ptr=q_pos, theta_u_ptr=theta_u, theta_pos_ptr=theta_pos, tau_ptr=tau,
-        complete_ptr=complete, o_ptr=o, m_ptr=M, l_ptr=den_o,
-        n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, window=window, scale=scale,
+        o_ptr=o, m_ptr=M, l_ptr=den_o,
+        n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, topk=topk, window=window, scale=scale,
         G=block, QB=cfg["QB"], BN=cfg["BN"], D=D, F=F, VARIANT=variant, HAS_TOPK=topk > 0, PREC=_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return o, complete, M, den_o
+    return o, M, den_o
 
 
-def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_pos, tau, complete, o, M, den_o,
+def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_pos, tau, o, M, den_o,
                do: torch.Tensor,  # [B, L, H, D] contiguous
                *, topk: int, window: int, scale: float, block: int, variant: int):
     """The backward kernel (arguments as linear_fwd's and its outputs): dq [B, L, H, D], dphq [B, L, H, F],
@@ -396,10 +366,10 @@ def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_po
     _bwd_kernel[(triton.cdiv(L, cfg["QB"]), B * H)](
         q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, phq_ptr=phq, phk_ptr=phk,
         keys_ptr=keys, q_pos_ptr=q_pos, theta_u_ptr=theta_u, theta_pos_ptr=theta_pos, tau_ptr=tau,
-        complete_ptr=complete, o_ptr=o, m_ptr=M, l_ptr=den_o, do_ptr=do,
+        o_ptr=o, m_ptr=M, l_ptr=den_o, do_ptr=do,
         dq_ptr=dq, dphq_ptr=dphq, dtau_ptr=dtau, dnum_ptr=dnum, dden_ptr=dden,
         dk_ptr=dk, dv_ptr=dv, dphk_ptr=dphk, du_ptr=du,
-        n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, window=window, scale=scale,
+        n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, topk=topk, window=window, scale=scale,
         G=block, QB=cfg["QB"], BN=cfg["BN"], D=D, F=F, VARIANT=variant, HAS_TOPK=topk > 0, PREC=_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -426,9 +396,9 @@ class _SparseKLinearTriton(torch.autograd.Function):
         thu, thp = _theta32(theta_u.to(dev), theta_pos.to(dev))
         tau_c = tau.detach().contiguous()
         args = dict(topk=topk, window=window, scale=scale, block=block, variant=VARIANT_CODE[variant])
-        o, complete, M, den_o = linear_fwd(q, k_ext, v_ext, u, pos, phq, phk, num, den, keys, qpos, thu, thp, tau_c,
+        o, M, den_o = linear_fwd(q, k_ext, v_ext, u, pos, phq, phk, num, den, keys, qpos, thu, thp, tau_c,
                                            **args)
-        ctx.save_for_backward(q, k_ext, v_ext, u, pos, phq, phk, keys, qpos, thu, thp, tau_c, complete, o, M, den_o)
+        ctx.save_for_backward(q, k_ext, v_ext, u, pos, phq, phk, keys, qpos, thu, thp, tau_c, o, M, den_o)
         ctx.args = args
         ctx.dtypes = [x.dtype for x in (q, phq, tau, num, den, k_ext, v_ext, phk, u_ext)]
         return o
