@@ -203,10 +203,9 @@ def sample(logits: torch.Tensor, opts: Sampling, step: int = 0) -> torch.Tensor:
 
 
 def in_place_by_default(attention: str, device_type: str) -> bool:
-    """Decoder's in_place where it was measured faster: on CUDA, for every attention with a ring layout. On an
-    H100 (benchmarks/README.md, issue 33; graph decoding, 7fc172d): one row 514.6 against 451.9 tokens/s rebuilt,
-    64 rows 15,153.6 against 3,769.8; compiled (327c4ec's run against an earlier one) 64 rows 20,237 against 9,656,
-    one row 985 against 961. On the CPU not measured at a real size (the rebuilt cache stays)."""
+    """Decoder's in_place where it was measured faster: on CUDA, for every attention with a ring layout (an H100, one
+    and 64 rows, graph and compiled: benchmarks/README.md, issue 33). On the CPU not measured at a real size (the
+    rebuilt cache stays)."""
     return has_ring_layout(attention) and device_type == "cuda"
 
 
