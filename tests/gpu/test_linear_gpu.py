@@ -76,11 +76,14 @@ def test_decoding_follows_the_forward_on_the_gpu():
     assert torch.allclose(decoder.cache.layers[0].attn.lin_kv, ref_cache.layers[0].attn.lin_kv, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["hard_k_soft_v", "soft_kv", "straight_through"])
-def test_triton_core_follows_the_naive_core_on_the_gpu(dtype, tol, variant):
+def test_triton_core_follows_the_naive_core_on_the_gpu(dtype, variant):
     """Issue 38: the SparseK+Linear+SW Triton core (backend triton) against the naive core on the same inputs over
-    two chunks at a realistic head dim, forward and gradients (relative to each tensor's largest entry)."""
+    two chunks at a realistic head dim, forward and gradients. Both are measured against the naive core in float64;
+    the Triton core's error must be within twice the naive core's at the same dtype (bfloat16 gradients are rounded
+    per token before torch sums them over tokens, so a summed gradient's error is set by that rounding in both), or
+    within 1e-4 of each tensor's largest entry."""
     from longtrain.ops.sparsek_attention.linear import SparseKLinearCache, sparsek_linear_attention_chunk
 
     torch.manual_seed(0)
@@ -89,8 +92,8 @@ def test_triton_core_follows_the_naive_core_on_the_gpu(dtype, tol, variant):
             torch.randn(B, T, Hkv, D, device=dev), torch.randn(B, T, device=dev) + torch.arange(T, device=dev) * 1e-3,
             torch.eye(D, device=dev).repeat(Hkv, 1, 1) + 0.1 * torch.randn(Hkv, D, D, device=dev)]
 
-    def run(backend, cast):
-        a = [(x.to(cast) if i < 3 else x).clone().requires_grad_() for i, x in enumerate(base)]
+    def run(backend, cast, rest=torch.float32):
+        a = [x.to(cast if i < 3 else rest).clone().requires_grad_() for i, x in enumerate(base)]
         cache = SparseKLinearCache.empty(B, 64, 64, Hkv, D, dtype=cast, device=dev, features=D)
         outs = []
         for s in (0, 600):
@@ -98,11 +101,14 @@ def test_triton_core_follows_the_naive_core_on_the_gpu(dtype, tol, variant):
             o, cache, _ = sparsek_linear_attention_chunk(a[0][:, sl], a[1][:, sl], a[2][:, sl], a[3][:, sl], a[4], cache,
                                                          variant=variant, backend=backend)
             outs.append(o)
-        o = torch.cat(outs, 1).float()
+        o = torch.cat(outs, 1).double()
         (o * torch.sin(torch.arange(o.numel(), device=dev)).reshape(o.shape)).sum().backward()
-        return [o.detach()] + [x.grad.float() for x in a]
+        return [o.detach()] + [x.grad.double() for x in a]
 
-    want, got = run("naive", dtype), run("triton", dtype)  # (the naive core computes half inputs in float32)
-    for x, y, name in zip(got, want, "o dq dk dv du dphi".split()):
+    exact = run("naive", torch.float64, torch.float64)
+    naive, got = run("naive", dtype), run("triton", dtype)  # (the naive core computes half inputs in float32)
+    for x, y, ref, name in zip(got, naive, exact, "o dq dk dv du dphi".split()):
         assert torch.isfinite(x).all(), name
-        assert (x - y).abs().max() <= tol * y.abs().max().clamp(min=1), name
+        err, err_naive = (x - ref).abs().max().item(), (y - ref).abs().max().item()
+        print(f"{dtype} {variant} {name}: triton {err:.3e} naive {err_naive:.3e} (largest {ref.abs().max().item():.3e})")
+        assert err <= max(2 * err_naive, 1e-4 * ref.abs().max().item()), (name, err, err_naive)
