@@ -31,27 +31,33 @@ def start_fit(recipe: str | Path, run_dir: Path, sets: list[str], log_path: Path
 
 
 def wait_all(procs: dict[str, subprocess.Popen], budget_s: float) -> list[str]:
-    """Wait for every run; SIGTERM those still running at the budget (they finish their step, save and exit).
-    Returns the names stopped at the budget; a run that exits with an error on its own stops the others (with a
-    checkpoint) and the caller."""
+    """Wait for every run; at the budget SIGTERM all those still running at once (they finish their step, save and
+    exit together: one at a time, the last would train on through the others' saves). Returns the names stopped at
+    the budget; a run that exits with an error on its own stops the others (with a checkpoint) and the caller."""
     t0, stopped = time.monotonic(), []
     for name, proc in procs.items():
         try:
             rc = proc.wait(timeout=max(1.0, budget_s - (time.monotonic() - t0)))
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait()
-            stopped.append(name)
-            print(f"{name}: stopped at the budget after {time.monotonic() - t0:.0f} s", flush=True)
-            continue
+            break
         print(f"{name}: exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
         if rc:
-            for other in procs.values():  # none left running unwatched on the GPU: they save and exit
-                if other.poll() is None:
-                    other.send_signal(signal.SIGTERM)
-                    other.wait()
+            _stop([p for p in procs.values() if p.poll() is None])  # none left running unwatched on the GPU
             raise SystemExit(f"{name} failed (exit {rc}): see its fit-{name}.log")
+    running = {name: p for name, p in procs.items() if p.poll() is None}
+    _stop(list(running.values()))
+    for name in running:
+        stopped.append(name)
+        print(f"{name}: stopped at the budget after {time.monotonic() - t0:.0f} s", flush=True)
     return stopped
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process first, then wait for each (they save their checkpoints in parallel)."""
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        p.wait()
 
 
 def training_summary(run_dir: Path) -> dict:

@@ -1,0 +1,47 @@
+"""benchmarks/side_by_side.py's wait_all with real processes: at the budget every run still going gets SIGTERM at
+once, so their saves overlap instead of each run training on through the saves of those stopped before it."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from side_by_side import wait_all  # noqa: E402
+
+# a run that "saves" for 1 s on SIGTERM, writing when the signal came
+RUN = """import signal, sys, time
+def stop(*_):
+    open(sys.argv[1], "w").write(repr(time.time())); time.sleep(1.0); sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+open(sys.argv[1] + ".up", "w").close()
+time.sleep(60)
+"""
+
+
+def test_runs_at_the_budget_are_stopped_together(tmp_path):
+    marks = [tmp_path / f"run{i}" for i in range(3)]
+    procs = {m.name: subprocess.Popen([sys.executable, "-c", RUN, str(m)]) for m in marks}
+    while not all(Path(f"{m}.up").exists() for m in marks):  # handlers installed before the budget
+        time.sleep(0.05)
+    stopped = wait_all(procs, budget_s=1.0)
+    assert stopped == ["run0", "run1", "run2"] and all(p.returncode == 143 for p in procs.values())
+    got = [float(m.read_text()) for m in marks]
+    assert max(got) - min(got) < 0.5  # one at a time, the last would get its signal 2 s after the first
+
+
+def test_a_run_that_fails_stops_the_others(tmp_path):
+    marks = [tmp_path / f"run{i}" for i in range(2)]
+    procs = {"bad": subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]),
+             **{m.name: subprocess.Popen([sys.executable, "-c", RUN, str(m)]) for m in marks}}
+    while not all(Path(f"{m}.up").exists() for m in marks):
+        time.sleep(0.05)
+    try:
+        wait_all(procs, budget_s=60.0)
+    except SystemExit as e:
+        assert "bad failed (exit 3)" in str(e)
+    else:
+        raise AssertionError("wait_all returned after a failed run")
+    assert all(m.exists() for m in marks) and all(p.poll() is not None for p in procs.values())
