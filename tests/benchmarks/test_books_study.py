@@ -22,11 +22,14 @@ def books(folder: Path, n: int, seed: int) -> Path:
     return folder
 
 
+LIN = "sparsek+linear@attention.eps_slope=3e-3"  # a variant (its own recipe setting) end to end
+
+
 def test_two_models_train_evaluate_and_summarise(tmp_path):
     train, valid = books(tmp_path / "train", 4, 0), books(tmp_path / "valid", 2, 1)
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "books_study.py"), "--train", str(train), "--valid", str(valid),
-           "--out", str(out), "--run", "sparsek:0,1", "--run", "sw:0", "--run", "sparsek+linear:0", "--steps", "4", "--part", "all",
+           "--out", str(out), "--run", "sparsek:0,1", "--run", "sw:0", "--run", f"{LIN}:0", "--steps", "4", "--part", "all",
            "--docs", "2", "--tokens", "1024"]
     for s in TOY:
         cmd += ["--set", s]
@@ -39,8 +42,37 @@ def test_two_models_train_evaluate_and_summarise(tmp_path):
     assert "(" in rows["sparsek"] and "(" not in rows["sw"]  # the range only where there are several seeds
     assert "sw − sparsek" in rows
     assert rows["sparsek"].split("|")[3].strip() == "4/4" and rows["sw"].split("|")[3].strip() == "4"  # steps per seed
-    assert all(float(rows[m].split("|")[4].replace(",", "")) > 0 for m in ("sparsek", "sw", "sparsek+linear"))  # tokens/s
-    assert "× time" in rows["sparsek − sparsek+linear"].split("|")[4]
+    assert all(float(rows[m].split("|")[4].replace(",", "")) > 0 for m in ("sparsek", "sw", LIN))  # tokens/s
+    assert "× time" in rows[f"sparsek − {LIN}"].split("|")[4]
     assert (out / "books-gap.png").stat().st_size > 10_000
-    assert sorted(p.name for p in out.glob("curve-*.json")) == ["curve-sparsek+linear-s0.json", "curve-sparsek-s0.json",
+    assert "eps_slope: 0.003" in (out / "runs" / f"{LIN}-s0" / "recipe.yaml").read_text()  # the variant's setting
+    assert sorted(p.name for p in out.glob("curve-*.json")) == [f"curve-{LIN}-s0.json", "curve-sparsek-s0.json",
                                                             "curve-sparsek-s1.json", "curve-sw-s0.json"]
+
+
+def test_model_variants_get_their_own_runs_settings_and_rows():
+    """`--run MODEL@KEY=VALUE:SEEDS`: a run per seed named after the variant, its settings after the model's, and a
+    gap row against SW like any SparseK+SW model; a setting without `=` is refused before anything runs."""
+    import argparse
+
+    import pytest
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import books_study
+
+    a = argparse.Namespace(size="small", run=["sw:0", "sparsek@attention.eps_slope=3e-3@train.score_distill=0.1:1,2"])
+    runs = books_study.runs_of(a)
+    assert runs == {"sw-s0": ("sw", 0), "sparsek@attention.eps_slope=3e-3@train.score_distill=0.1-s1": (
+        "sparsek@attention.eps_slope=3e-3@train.score_distill=0.1", 1),
+        "sparsek@attention.eps_slope=3e-3@train.score_distill=0.1-s2": (
+        "sparsek@attention.eps_slope=3e-3@train.score_distill=0.1", 2)}
+    model = runs["sparsek@attention.eps_slope=3e-3@train.score_distill=0.1-s1"][0]
+    assert books_study.model_sets(model, 256) == ["attention.type=sparsek+sw", "attention.topk=128",
+                                                  "attention.window=128", "attention.eps_slope=3e-3",
+                                                  "train.score_distill=0.1"]
+    assert books_study.gap_pairs(["sw", "sparsek", model, "sparsek-64-192", "sparsek+linear@x=1", "linear", "full"]) == [
+        ("sw", "sparsek"), ("sw", model), ("sw", "sparsek-64-192"), ("sparsek", "sparsek+linear@x=1")]
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        books_study.runs_of(argparse.Namespace(size="small", run=["sparsek@eps:0"]))
+    with pytest.raises(SystemExit, match="unknown model"):
+        books_study.runs_of(argparse.Namespace(size="small", run=["sparse@attention.eps_slope=1:0"]))
