@@ -38,6 +38,9 @@ from longtrain.model.loss import SLICE_ELEMENTS
 
 DEVICE_MEMORY_ENV = "LONGTRAIN_DEVICE_MEMORY"
 FRAGMENTATION = 1.15
+# A CPU step's allocations beyond its tensors (per-thread malloc arenas, oneDNN scratch, autograd's worker):
+# benchmarks/memory_estimate.py measured peaks 30-90 MiB above the tensor estimate at k = 256 to 1,024.
+CPU_RUNTIME_BYTES = 48 * 2**20
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
           "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40, "tib": 2**40}
 
@@ -218,7 +221,8 @@ def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position:
     rows = max(1, SLICE_ELEMENTS // vocab_size)
     loss = min(rows, B * L) * vocab_size * (2 * e + 8) + B * L * d * 4 + vocab_size * d * 4
     embed = 3 * B * L * d * 4  # the embedding's output, the final norm's input and output
-    return int(FRAGMENTATION * (state + acts + op + cache + mask + loss + embed))
+    runtime = CPU_RUNTIME_BYTES if device_type == "cpu" else 0
+    return int(FRAGMENTATION * (state + acts + op + cache + mask + loss + embed)) + runtime
 
 
 def longest_position(corpus, cfg) -> int:
