@@ -15,7 +15,8 @@
     them being built or differentiated (CUDA's kernels keep no scores); the linear types' naive core
     (CPU or backend naive) keeps ~48 bytes per query, head and scored key, their Triton core only
     per-query tensors;
-and 15% for the allocator's fragmentation and kernel workspaces. `benchmarks/memory_estimate.py`
+and 15% for the allocator's fragmentation and kernel workspaces (on the CPU also CPU_RUNTIME_BYTES, what a
+step allocates beyond its tensors). `benchmarks/memory_estimate.py`
 measures it against the peak a short fit adds (CPU: within 1.5x at three pool sizes, tested). The
 summary adds, on the CPU, what the process already holds (Python, torch, the data); a run whose total
 exceeds the device's memory is refused before it starts, with the remedies (`advice`).

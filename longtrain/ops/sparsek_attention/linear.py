@@ -108,8 +108,8 @@ def _beyond_window_sums(phq, phk, keys, cache: SparseKLinearCache, window: int, 
 
 def linear_core(backend: str):
     """The SparseK+Linear core `backend` names: "triton" (linear_triton.py's kernels; they warn and run the naive
-    core where they cannot) or the naive core. auto runs the naive core: the Triton core has passed the
-    interpreter and an sm_90 compile but has not yet run on a GPU (tests/gpu/test_linear_gpu.py is that check)."""
+    core where they cannot) or the naive core. auto runs the naive core: the Triton core follows it on an H100
+    (tests/gpu/test_linear_gpu.py) but its speed against it is not yet measured."""
     if backend in ("auto", "naive"):
         return sparsek_attention_core_naive
     from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton
@@ -136,7 +136,7 @@ def sparsek_linear_attention_chunk(
     """SparseK+Linear+SW of one chunk continuing from `cache`: (o [B, L, H, D], next cache, selection).
 
     backend: the core of the SparseK part ("triton": linear_triton.py's kernels, "naive" and auto: the
-    reference, until the kernels have run on a GPU: linear_core);
+    reference; linear_core says why);
     linear_backend picks the causal linear attention (ops/linear_attention: fla on CUDA when installed)."""
     _check(q, k, v, u, variant, backend, scan)
     window = _linear_window(cache)
