@@ -47,13 +47,14 @@ from torch.autograd import DeviceType
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-GROUPS = ["attention kernels", "scan", "cache updates", "host syncs", "optimizer", "communication", "matmuls", "other kernels"]
+GROUPS = ["attention kernels", "linear sums", "scan", "cache updates", "host syncs", "optimizer", "communication", "matmuls", "other kernels"]
 # record_function ranges wrapped around longtrain's functions (module, attribute) -> group
 RANGES = {
     "lt.attention_core": "attention kernels",
     "lt.scan": "scan",
     "lt.attention_op": "cache updates",
     "lt.cache": "cache updates",
+    "lt.linear": "linear sums",
     "lt.optimizer": "optimizer",
 }
 TORCH_RANGES = {"Optimizer.step#": "optimizer", "Optimizer.zero_grad#": "optimizer"}
@@ -83,10 +84,19 @@ def wrap_ranges() -> list[str]:
     """Put record_function ranges around longtrain's functions (those that exist in this checkout)."""
     targets = [  # (module, class or None, function, range); names this checkout lacks are skipped
         ("longtrain.model.attention", None, "sparsek_attention_chunk", "lt.attention_op"),
+        ("longtrain.model.attention", None, "sparsek_linear_attention_chunk", "lt.attention_op"),
         ("longtrain.ops.sparsek_attention.op", None, "select", "lt.scan"),  # the op's stages (ops/ layout of issue 23)
         ("longtrain.ops.sparsek_attention.op", None, "attend", "lt.attention_core"),
         ("longtrain.ops.sparsek_attention.op", None, "lay_out_keys", "lt.cache"),
         ("longtrain.ops.sparsek_attention.op", None, "next_cache", "lt.cache"),
+        # the linear types' op (issue 38): its own imports of the stages, the causal linear sums and the state
+        ("longtrain.ops.sparsek_attention.linear", None, "select", "lt.scan"),
+        ("longtrain.ops.sparsek_attention.linear", None, "lay_out_keys", "lt.cache"),
+        ("longtrain.ops.sparsek_attention.linear", None, "next_cache", "lt.cache"),
+        ("longtrain.ops.sparsek_attention.linear", None, "_beyond_window_sums", "lt.linear"),
+        ("longtrain.ops.sparsek_attention.linear", None, "_add_state", "lt.linear"),
+        ("longtrain.ops.sparsek_attention.linear", None, "sparsek_attention_core_naive", "lt.attention_core"),
+        ("longtrain.ops.sparsek_attention.linear_triton", None, "sparsek_linear_attention_core_triton", "lt.attention_core"),
         ("longtrain.model.cache", "ModelCache", "reset_rows", "lt.cache"),
         ("longtrain.model.cache", "ModelCache", "keep_last", "lt.cache"),
         ("longtrain.train.trainer", "Trainer", "optimizer_step", "lt.optimizer"),
@@ -199,7 +209,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4, help="steps before the profile (compiles, autotuning, caches)")
     ap.add_argument("--width", type=int, default=768, choices=[768, 1024, 2048])
     ap.add_argument("--chunk", type=int, default=4096)
-    ap.add_argument("--attention", default="sparsek+sw", help="sparsek+sw | sw | sparsek")
+    ap.add_argument("--attention", default="sparsek+sw", help="sparsek+sw | sw | sparsek | sparsek+linear+sw | linear+sw")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="a recipe override, as fit's --set")
     ap.add_argument("--trace", action="store_true", help="also write a Chrome trace (large)")
     ap.add_argument("--small", action="store_true", help="a tiny CPU configuration that checks the script")
@@ -213,7 +223,9 @@ def main() -> None:
         work = work / "small"
         shapes = {768: dict(layers=2, d_model=64, heads=2)}
         attentions = {"sparsek+sw": {"type": "sparsek+sw", "topk": 16, "window": 16}, "sw": {"type": "sw", "window": 32},
-                      "sparsek": {"type": "sparsek", "topk": 32}}
+                      "sparsek": {"type": "sparsek", "topk": 32},
+                      "sparsek+linear+sw": {"type": "sparsek+linear+sw", "topk": 16, "window": 16},
+                      "linear+sw": {"type": "linear+sw", "window": 32}}
         args.width, args.chunk, vocab, words, tokens = 768, 128, 512, 3000, 256
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
     suffix = f"-rank{rank}" if world > 1 else ""
