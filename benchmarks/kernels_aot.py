@@ -4,7 +4,7 @@ instructions and the programs per SM those allow. For launch-setting and kernel 
 (benchmarks/gpu_notes.md): a setting that spills or drops to fewer programs per SM shows here in seconds.
 
     python benchmarks/kernels_aot.py [D=128] [T=4096] [kernel.key=value ...] [--dump DIR]
-    python benchmarks/kernels_aot.py --linear [D=128] [T=4096] [B=1]    # the SparseK+Linear+SW core's kernels
+    python benchmarks/kernels_aot.py --linear [D=128] [T=4096] [B=1] [bwd.QB=64 ...]   # the SparseK+Linear+SW core's kernels
 
 --linear compiles the linear types' core (linear_triton.py: lfwd, lbwd with its LAUNCH entry) for one
 chunk of the op with the same sizes, every variant, and reports the first variant's kernels.
@@ -148,7 +148,13 @@ def main(argv: list[str]) -> None:
     if linear:
         from longtrain.ops.sparsek_attention import linear_triton as LT
 
-        print(f"# Triton {triton.__version__}, sm_{ARCH}, D = {D}, T = {T}; SparseK+Linear+SW, linear_triton.LAUNCH")
+        key = max([x for x in LT.LAUNCH if x <= D], default=min(LT.LAUNCH))
+        for name, x in settings.items():  # fwd.QB=64, bwd.num_warps=8: this run's LAUNCH[D] entry
+            if name != "B":
+                kernel, field = name.split(".", 1)
+                LT.LAUNCH[key][kernel][field] = x
+        print(f"# Triton {triton.__version__}, sm_{ARCH}, D = {D}, T = {T}; SparseK+Linear+SW, linear_triton.LAUNCH"
+              f"[{key}] with {opts or 'no changes'}")
         names = {LT._fwd_kernel: "lfwd", LT._bwd_kernel: "lbwd"}
         compiled = compile_linear(D, T, int(opts.get("B", 0)) or None)
     else:

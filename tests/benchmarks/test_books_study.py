@@ -45,7 +45,9 @@ def test_two_models_train_evaluate_and_summarise(tmp_path):
     assert all(float(rows[m].split("|")[4].replace(",", "")) > 0 for m in ("sparsek", "sw", LIN))  # tokens/s
     assert "× time" in rows[f"sparsek − {LIN}"].split("|")[4]
     assert (out / "books-gap.png").stat().st_size > 10_000
-    assert "eps_slope: 0.003" in (out / "runs" / f"{LIN}-s0" / "recipe.yaml").read_text()  # the variant's setting
+    recipe = (out / "runs" / f"{LIN}-s0" / "recipe.yaml").read_text()
+    assert "eps_slope: 0.003" in recipe  # the variant's setting
+    assert "deterministic: true" in recipe  # every run of a seed study repeats
     assert sorted(p.name for p in out.glob("curve-*.json")) == [f"curve-{LIN}-s0.json", "curve-sparsek-s0.json",
                                                             "curve-sparsek-s1.json", "curve-sw-s0.json"]
 

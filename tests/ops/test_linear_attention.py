@@ -43,6 +43,27 @@ def test_causal_linear_equals_the_sum_over_every_key():
     assert torch.allclose(num, want_num, atol=1e-12) and torch.allclose(den, want_den, atol=1e-12)
 
 
+def test_fla_paths_denominator_equals_the_reference_with_its_gradients():
+    """fla.py's denominator (a prefix sum along the contiguous last dimension, before the heads are repeated)
+    against the reference's, values and gradients, on fresh random float32 inputs (fla runs below float64)."""
+    from longtrain.ops.linear_attention.fla import linear_denominator
+
+    B, L, H, Hkv, F, D = 2, 77, 6, 2, 5, 3
+    phq, phk = torch.rand(B, L, H, F, requires_grad=True), torch.rand(B, L, Hkv, F, requires_grad=True)
+    s_k = torch.rand(B, Hkv, F, requires_grad=True)
+    v, s_kv = torch.randn(B, L, Hkv, D), torch.randn(B, Hkv, F, D)
+    den = linear_denominator(phq, phk, s_k)
+    ref_in = [x.detach().double().requires_grad_() for x in (phq, phk, s_k)]
+    _, want = causal_linear_attention_naive(ref_in[0], ref_in[1], v.double(), s_kv.double(), ref_in[2], block=16)
+    assert den.dtype == torch.float32 and den.shape == (B, L, H)
+    assert torch.allclose(den.double(), want, rtol=1e-5)
+    g = torch.randn(B, L, H)
+    got = torch.autograd.grad(den, (phq, phk, s_k), g)
+    wanted = torch.autograd.grad(want, ref_in, g.double())
+    for a, b in zip(got, wanted):
+        assert torch.allclose(a.double(), b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+
+
 def test_feature_map_is_elu_of_a_head_wise_linear_plus_one():
     x, w = torch.randn(2, 3, 4, 5, dtype=torch.float64), torch.randn(2, 5, 5, dtype=torch.float64)
     want = torch.nn.functional.elu(torch.einsum("bthd,hdf->bthf", x, w.repeat_interleave(2, 0))) + 1
