@@ -45,15 +45,16 @@ from longtrain.ops.sparsek_attention.naive import LinearTerms, block_key_indices
 from longtrain.ops.sparsek_attention.triton_tiles import SOFT_KV, STRAIGHT_THROUGH, VARIANT_CODE
 
 # Launch settings per head dim (the entry of the largest key <= D): per kernel the queries per program QB (a
-# power of two; a block of G queries takes G / QB programs, min(QB, G)), the key tile BN and warps. The
-# backward's key-side atomic adds scale with the programs per block, and at QB = 32 they made it 146 ms of a
-# 403 ms step (12 x 768, H100, benchmarks/README.md): D = 64 takes a whole block per program, with tiles of 16
-# keys so that it compiles for sm_90 without spilling (benchmarks/kernels_aot.py --linear; linear_core_ab.py
-# times the settings). The interpreter (CPU tests) takes small tiles.
+# power of two; a block of G queries takes G / QB programs, min(QB, G)), the key tile BN and warps. Chosen so
+# that every kernel compiled for sm_90 (benchmarks/kernels_aot.py --linear, bf16) fits two programs per SM,
+# spilling a few registers in the D = 128 backward only. On an H100 the D = 64 backward takes 146 ms of a
+# 403 ms step at 12 x 768 (benchmarks/README.md); a whole block per program (QB = 64, BN = 16, 8 warps: half
+# the key-side atomic adds, no spills) took 149 ms, so the count of atomic adds is not what costs there.
+# The interpreter (CPU tests) takes small tiles.
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LAUNCH = {
     64: dict(fwd=dict(QB=64, BN=32, num_warps=4, num_stages=1),
-             bwd=dict(QB=64, BN=16, num_warps=8, num_stages=1)),
+             bwd=dict(QB=32, BN=32, num_warps=4, num_stages=1)),
     128: dict(fwd=dict(QB=32, BN=32, num_warps=4, num_stages=1),
               bwd=dict(QB=16, BN=32, num_warps=4, num_stages=1)),
 }
