@@ -142,3 +142,24 @@ def test_device_scan_chunk_call_makes_no_host_sync(monkeypatch):
         nxt, sel = second()
     assert syncs.calls == []
     assert nxt.seen.tolist() == [48, 38] and sel.fingerprint.shape == (2, 24)  # the call did run
+
+
+@pytest.mark.parametrize("backend,topk", [("naive", 5), ("triton", 5), ("triton", 0)])
+def test_linear_types_chunk_call_makes_no_host_sync(monkeypatch, backend, topk):
+    """Issue 38: the linear types' chunk call too (its state update once set a mask from a host scalar: 24 syncs
+    a step at 12 layers on the H100, and a copy no CUDA graph can capture)."""
+    from longtrain.ops.sparsek_attention.linear import SparseKLinearCache, sparsek_linear_attention_chunk
+
+    torch.manual_seed(0)
+    B, L, H, Hkv, D, w = 2, 24, 2, 1, 16, 4
+    q, kk, v = (torch.randn(B, 2 * L, h, D, requires_grad=True) for h in (H, Hkv, Hkv))
+    u = torch.randn(B, 2 * L, requires_grad=True)
+    phi = torch.eye(D).expand(Hkv, D, D).clone().requires_grad_()
+    cache = SparseKLinearCache.empty(B, topk, w, Hkv, D, features=D)
+    kw = dict(scan="device", backend=backend, block=16, lengths=torch.tensor([L, L - 5]))
+    _, cache, _ = sparsek_linear_attention_chunk(q[:, :L], kk[:, :L], v[:, :L], u[:, :L], phi, cache, **kw)
+    with HostSyncs(monkeypatch) as syncs:
+        o, nxt, _ = sparsek_linear_attention_chunk(q[:, L:], kk[:, L:], v[:, L:], u[:, L:], phi, cache, **kw)
+        o.square().sum().backward()
+    assert syncs.calls == []
+    assert nxt.seen.tolist() == [48, 38] and phi.grad is not None  # the call did run
