@@ -47,7 +47,8 @@ from torch.autograd import DeviceType
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-GROUPS = ["attention kernels", "linear sums", "scan", "cache updates", "host syncs", "optimizer", "communication", "matmuls", "other kernels"]
+GROUPS = ["attention kernels", "linear sums", "scan", "cache updates", "host syncs", "optimizer", "communication",
+          "matmuls", "other kernels"]
 # record_function ranges wrapped around longtrain's functions (module, attribute) -> group
 RANGES = {
     "lt.attention_core": "attention kernels",
