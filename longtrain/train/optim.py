@@ -99,6 +99,21 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float, *, step: int | None = No
         group["lr"] = lr * scale
 
 
+def clip_grad_norms(model: nn.Module, max_norm: float, *, scorer_apart: bool) -> torch.Tensor:
+    """clip_grad_norm over the model's parameters, or (scorer_apart, `train.clip_scorer_apart`) over the SparseK
+    scoring vectors and over the rest separately, each to max_norm, so that a large scorer gradient (score
+    distillation's: a norm of 48-141 against the LM's 0.4 on books, benchmarks/README.md) does not shrink every
+    update of the model with it. Returns the norm of the whole gradient before clipping."""
+    if not scorer_apart:
+        return clip_grad_norm(model.parameters(), max_norm)
+    named = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
+    scorer = [p for name, p in named if fnmatchcase(name, SCORE_PARAMS)]
+    rest = [p for name, p in named if not fnmatchcase(name, SCORE_PARAMS)]
+    if not scorer or not rest:  # (no SparseK scorer, or all frozen): one group, and no empty one on the CPU
+        return clip_grad_norm(scorer or rest, max_norm)
+    return torch.linalg.vector_norm(torch.stack([clip_grad_norm(rest, max_norm), clip_grad_norm(scorer, max_norm)]))
+
+
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm (0 turns clipping off); returns the norm before clipping, a 0-d
     tensor on the gradients' device (reading it is a host sync: the trainer does so at its log lines).

@@ -295,6 +295,11 @@ class TrainConfig(_Section):
         "model's dense attention goes for a few sampled queries per chunk (KL), so keys that are never "
         "selected still get a signal; 0 turns it off. Training only: outputs and selections are unchanged"
     )
+    clip_scorer_apart: bool = Field(
+        False, description="clip the SparseK scoring vectors' gradient norm apart from the rest of the model's "
+        "(each to train.grad_clip), so a large scorer gradient, e.g. train.score_distill's, does not scale "
+        "down every update of the model"
+    )
     score_distill_queries: int = Field(
         128, ge=1, description="queries sampled per chunk and row for train.score_distill"
     )

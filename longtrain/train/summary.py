@@ -97,6 +97,7 @@ def run_summary(t: Trainer) -> list[str]:
         + (", activation checkpointing (each block recomputed in the backward)" if cfg.activation_checkpointing else "")
         + graph_note(t)
         + (", deterministic" if cfg.deterministic else "")
+        + (", the scoring vectors' gradient clipped apart" if cfg.clip_scorer_apart else "")
     )
     if cfg.score_distill > 0:
         lines.append(f"score distillation: weight {cfg.score_distill} over {cfg.score_distill_queries} sampled "

@@ -70,7 +70,7 @@ from longtrain.train.metrics import (
     peak_memory_bytes,
     wandb_settings,
 )
-from longtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from longtrain.train.optim import build_optimizer, clip_grad_norms, lr_at, set_lr
 from longtrain.train.checkpoint.ranks import Layout
 from longtrain.train.recipe import Recipe, recipe_to_yaml
 from longtrain.train.checkpoint.rng import seed_everything
@@ -452,7 +452,7 @@ class Trainer:
         the loss scale backs off.
         """
         self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.train_model.parameters(), self.cfg.grad_clip)
+        grad_norm = clip_grad_norms(self.train_model, self.cfg.grad_clip, scorer_apart=self.cfg.clip_scorer_apart)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         # a CUDA graph writes into the gradients it was captured with: zero them in place

@@ -117,16 +117,16 @@ def signal_at_step_3(monkeypatch, *signals):
     """Deliver real signals to this process in the middle of step 3 (after its backward)."""
     import longtrain.train.trainer as trainer
 
-    real, calls = trainer.clip_grad_norm, {"n": 0}
+    real, calls = trainer.clip_grad_norms, {"n": 0}
 
-    def clip_then_signal(params, max_norm):
+    def clip_then_signal(model, max_norm, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             for sig in signals:
                 signal.raise_signal(sig)
-        return real(params, max_norm)
+        return real(model, max_norm, **kwargs)
 
-    monkeypatch.setattr(trainer, "clip_grad_norm", clip_then_signal)
+    monkeypatch.setattr(trainer, "clip_grad_norms", clip_then_signal)
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])

@@ -34,3 +34,16 @@ def test_score_distillation_is_logged_and_changes_training_not_the_first_forward
     assert "score_distill" not in plain[1]
     assert distilled[1]["loss"] == plain[1]["loss"]  # the same weights, the same forward
     assert distilled[4]["loss"] != plain[4]["loss"]  # the scorer learned from it since
+
+
+def test_clipping_the_scorer_apart_keeps_distillation_from_shrinking_the_model_update(workspace):
+    """train.clip_scorer_apart: the same first forward, a named setting, and another training path once the
+    distillation gradient is clipped on its own (the quickstart's global clip would otherwise take it in)."""
+    tmp, recipe = workspace
+    path = recipe()
+    sets = ("train.score_distill=1.0", "train.score_distill_queries=16", "train.grad_clip=0.1")
+    _, together = fit(tmp, path, "together", *sets)
+    out, apart = fit(tmp, path, "apart", *sets, "train.clip_scorer_apart=true")
+    assert "the scoring vectors' gradient clipped apart" in out
+    assert apart[1]["loss"] == together[1]["loss"] and apart[1]["grad_norm"] == together[1]["grad_norm"]
+    assert apart[4]["loss"] != together[4]["loss"]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from longtrain.train.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from longtrain.train.optim import build_optimizer, clip_grad_norm, clip_grad_norms, lr_at, set_lr
 from longtrain.train.recipe import TrainConfig
 
 
@@ -45,6 +45,36 @@ def test_clip_grad_norm_reports_the_norm_before_clipping():
     assert torch.equal(p.grad, torch.full((4,), 2.0))  # 0 = off
     assert float(clip_grad_norm([p], 1.0)) == pytest.approx(4.0)
     assert p.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_clip_scorer_apart_clips_the_scoring_vectors_and_the_rest_each_to_the_limit():
+    """train.clip_scorer_apart: a scorer gradient of norm 30 is clipped to 1 without touching the model's 0.6 (the
+    global clip would scale the model's by 1/30); the returned norm is the whole gradient's before clipping."""
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(3, 1, bias=False)
+            self.scorer = torch.nn.Module()
+            self.scorer.weight = torch.nn.Parameter(torch.zeros(1, 4))
+
+    def with_grads():
+        m = Tiny()
+        m.proj.weight.grad = torch.tensor([[0.6, 0.0, 0.0]])  # norm 0.6
+        m.scorer.weight.grad = torch.full((1, 4), 15.0)  # norm 30
+        return m
+
+    apart = with_grads()
+    total = clip_grad_norms(apart, 1.0, scorer_apart=True)
+    assert float(total) == pytest.approx((0.6**2 + 30**2) ** 0.5)
+    assert apart.proj.weight.grad[0, 0].item() == pytest.approx(0.6)
+    assert apart.scorer.weight.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+    no_scorer = with_grads()
+    no_scorer.scorer.weight.grad = None  # e.g. a window model: the model's group alone
+    assert float(clip_grad_norms(no_scorer, 1.0, scorer_apart=True)) == pytest.approx(0.6)
+    together = with_grads()
+    assert float(clip_grad_norms(together, 1.0, scorer_apart=False)) == pytest.approx(float(total))
+    assert together.proj.weight.grad[0, 0].item() == pytest.approx(0.6 / float(total), rel=1e-5)
 
 
 def test_a_warmup_longer_than_the_run_warms_up_over_its_first_tenth():
