@@ -176,3 +176,18 @@ def test_bad_arguments_are_named():
     q, k, v, u, phi = inputs(8, 2, 1)
     with pytest.raises(ValueError, match="window"):
         sparsek_linear_attention(q, k, v, u, phi, topk=2, window=0)
+
+
+def test_deterministic_algorithms_take_the_naive_core_over_the_atomic_triton_backward():
+    """train.deterministic must repeat a run bit for bit: the Triton core's backward adds with atomics, so under
+    torch's deterministic algorithms the linear types run the naive core, whatever attention.backend says."""
+    from longtrain.ops.sparsek_attention.linear import linear_core
+    from longtrain.ops.sparsek_attention.naive import sparsek_attention_core_naive
+
+    assert linear_core("triton") is not sparsek_attention_core_naive
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert linear_core("triton") is sparsek_attention_core_naive
+    finally:
+        torch.use_deterministic_algorithms(before)

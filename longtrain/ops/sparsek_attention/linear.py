@@ -109,8 +109,10 @@ def _beyond_window_sums(phq, phk, keys, cache: SparseKLinearCache, window: int, 
 def linear_core(backend: str):
     """The SparseK+Linear core `backend` names: "triton" (linear_triton.py's kernels; they warn and run the naive
     core where they cannot) or the naive core. auto runs the naive core: the Triton core follows it on an H100
-    (tests/gpu/test_linear_gpu.py) but its speed against it is not yet measured."""
-    if backend in ("auto", "naive"):
+    (tests/gpu/test_linear_gpu.py) but its speed against it is not yet measured. Under torch's deterministic
+    algorithms (train.deterministic) "triton" runs the naive core too: the Triton backward sums the keys' gradients
+    with atomic adds, whose order changes from run to run."""
+    if backend in ("auto", "naive") or torch.are_deterministic_algorithms_enabled():
         return sparsek_attention_core_naive
     from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton
 
