@@ -114,6 +114,16 @@ def clip_grad_norms(model: nn.Module, max_norm: float, *, scorer_apart: bool) ->
     return torch.linalg.vector_norm(torch.stack([clip_grad_norm(rest, max_norm), clip_grad_norm(scorer, max_norm)]))
 
 
+@torch.no_grad()
+def normalize_scorers(model: nn.Module) -> None:
+    """train.scorer_unit_norm: each SparseK scoring vector (a row of `*scorer.weight` [G, d]) back to length 1.
+    Under TimestepNorm the scores do not depend on the length (up to its epsilon), so this changes no output; it
+    keeps the gradient, which scales as 1 / length, from growing as the vector shrinks."""
+    for name, p in model.named_parameters():
+        if fnmatchcase(name, SCORE_PARAMS):
+            p.div_(torch.linalg.vector_norm(p, dim=-1, keepdim=True).clamp(min=1e-12))
+
+
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm (0 turns clipping off); returns the norm before clipping, a 0-d
     tensor on the gradients' device (reading it is a host sync: the trainer does so at its log lines).

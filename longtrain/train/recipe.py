@@ -300,6 +300,11 @@ class TrainConfig(_Section):
         "(each to train.grad_clip), so a large scorer gradient, e.g. train.score_distill's, does not scale "
         "down every update of the model"
     )
+    scorer_unit_norm: bool = Field(
+        False, description="put each SparseK scoring vector back to length 1 after every optimizer step: under "
+        "attention.timestep_norm the scores do not depend on its length, but its gradient grows as it shrinks "
+        "(train.score_distill shrank one to 0.009, benchmarks/README.md)"
+    )
     score_distill_queries: int = Field(
         128, ge=1, description="queries sampled per chunk and row for train.score_distill"
     )
@@ -393,6 +398,16 @@ class Recipe(_Section):
             raise ValueError(
                 f"{' and '.join(wants)} compare validation losses, but train.valid_every is 0 (no validation); "
                 "hint: set train.valid_every (e.g. --set train.valid_every=100) and validation data (data.valid)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _unit_norm_needs_timestep_norm(self) -> Recipe:
+        if self.train.scorer_unit_norm and not self.attention.timestep_norm:
+            raise ValueError(
+                "train.scorer_unit_norm rescales the scoring vectors, which changes the scores unless "
+                "attention.timestep_norm normalises them; hint: set attention.timestep_norm=true or "
+                "train.scorer_unit_norm=false"
             )
         return self
 

@@ -98,6 +98,7 @@ def run_summary(t: Trainer) -> list[str]:
         + graph_note(t)
         + (", deterministic" if cfg.deterministic else "")
         + (", the scoring vectors' gradient clipped apart" if cfg.clip_scorer_apart else "")
+        + (", the scoring vectors kept at length 1" if cfg.scorer_unit_norm else "")
     )
     if cfg.score_distill > 0:
         lines.append(f"score distillation: weight {cfg.score_distill} over {cfg.score_distill_queries} sampled "

@@ -70,7 +70,7 @@ from longtrain.train.metrics import (
     peak_memory_bytes,
     wandb_settings,
 )
-from longtrain.train.optim import build_optimizer, clip_grad_norms, lr_at, set_lr
+from longtrain.train.optim import build_optimizer, clip_grad_norms, lr_at, normalize_scorers, set_lr
 from longtrain.train.checkpoint.ranks import Layout
 from longtrain.train.recipe import Recipe, recipe_to_yaml
 from longtrain.train.checkpoint.rng import seed_everything
@@ -455,6 +455,8 @@ class Trainer:
         grad_norm = clip_grad_norms(self.train_model, self.cfg.grad_clip, scorer_apart=self.cfg.clip_scorer_apart)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        if self.cfg.scorer_unit_norm:
+            normalize_scorers(self.train_model)
         # a CUDA graph writes into the gradients it was captured with: zero them in place
         self.optimizer.zero_grad(set_to_none=self.chunk_graph is None)
         return grad_norm

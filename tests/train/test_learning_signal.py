@@ -47,3 +47,15 @@ def test_clipping_the_scorer_apart_keeps_distillation_from_shrinking_the_model_u
     assert "the scoring vectors' gradient clipped apart" in out
     assert apart[1]["loss"] == together[1]["loss"] and apart[1]["grad_norm"] == together[1]["grad_norm"]
     assert apart[4]["loss"] != together[4]["loss"]
+
+
+def test_scorer_unit_norm_keeps_every_scoring_vector_at_length_one(workspace):
+    from safetensors.torch import load_file
+
+    tmp, recipe = workspace
+    path = recipe()
+    out, _ = fit(tmp, path, "unit", "train.score_distill=1.0", "train.score_distill_queries=16", "train.scorer_unit_norm=true")
+    assert "the scoring vectors kept at length 1" in out
+    weights = load_file(next((tmp / "unit" / "checkpoints").glob("step-*")) / "model.safetensors")
+    scorers = [w for name, w in weights.items() if name.endswith("scorer.weight")]
+    assert scorers and all(torch.allclose(w.float().norm(dim=-1), torch.ones(w.shape[0]), atol=1e-5) for w in scorers)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from longtrain.train.optim import build_optimizer, clip_grad_norm, clip_grad_norms, lr_at, set_lr
+from longtrain.train.optim import build_optimizer, clip_grad_norm, clip_grad_norms, lr_at, normalize_scorers, set_lr
 from longtrain.train.recipe import TrainConfig
 
 
@@ -135,3 +135,31 @@ def test_a_schedule_is_named_in_the_recipe_with_a_hint():
     assert load_recipe("quickstart", ["train.schedule=wsd"]).train.schedule == "wsd"
     with pytest.raises(RecipeError, match="did you mean `wsd`"):
         load_recipe("quickstart", ["train.schedule=wds"])
+
+
+def test_scorer_unit_norm_rescales_the_scoring_vectors_and_leaves_the_scores():
+    """train.scorer_unit_norm: every scoring vector (row) back to length 1, other weights untouched, and the
+    TimestepNorm'd scores the same up to its epsilon (float64, fresh random inputs)."""
+    from longtrain.model.scoring import importance_scores
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(8, 8)
+    model.attn = torch.nn.Module()
+    model.attn.scorer = torch.nn.Module()
+    lengths = torch.tensor([[0.01], [3.0]], dtype=torch.float64)
+    model.attn.scorer.weight = torch.nn.Parameter(torch.randn(2, 8, dtype=torch.float64) * lengths)
+    proj = model.proj.weight.detach().clone()
+    B, L = 2, 37
+    x = torch.randn(B, L, 8, dtype=torch.float64)
+    args = (torch.arange(L).expand(B, L), torch.ones(B, L, dtype=torch.bool), torch.zeros(B, dtype=torch.long),
+            torch.zeros(B, 2, dtype=torch.float64), torch.zeros(B, 2, dtype=torch.float64))
+    before, _, _ = importance_scores(x, model.attn.scorer.weight.detach(), *args, timestep_norm=True, eps_slope=1e-3)
+    normalize_scorers(model)
+    after, _, _ = importance_scores(x, model.attn.scorer.weight.detach(), *args, timestep_norm=True, eps_slope=1e-3)
+    assert torch.allclose(model.attn.scorer.weight.norm(dim=-1), torch.ones(2, dtype=torch.float64), atol=1e-12)
+    assert torch.equal(model.proj.weight, proj)
+    # TimestepNorm's epsilon (1e-5 beside the raw scores' variance) is the only difference: a few percent for the
+    # 0.01-long vector, whose raw variance is ~1e-4, and ~1e-5 for the 3-long one (more at the first positions)
+    assert (after[..., 0] - before[..., 0]).abs().max() < 0.1
+    assert (after[..., 1] - before[..., 1]).abs().max() < 1e-4

@@ -111,6 +111,8 @@ def test_cross_field_checks(tmp_path):
     assert "multiple of heads" in error_of(write(tmp_path, MINIMAL.replace("d_model: 64", "d_model: 66")))
     msg = error_of(write(tmp_path, MINIMAL), ["model.vocab_size=1000", "tokenizer.vocab_size=4096"])
     assert "  - model.vocab_size (1000) is smaller than tokenizer.vocab_size (4096)" in msg
+    msg = error_of(write(tmp_path, MINIMAL), ["train.scorer_unit_norm=true", "attention.timestep_norm=false"])
+    assert "train.scorer_unit_norm rescales the scoring vectors" in msg and "hint:" in msg
     # A warmup longer than the run is not an error: the run warms up over its first tenth (see test_optim).
     assert load_recipe(write(tmp_path, MINIMAL.replace("warmup_steps: 2", "warmup_steps: 20"))).train.warmup() == 1
 
