@@ -102,8 +102,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float, *, step: int | None = No
 def clip_grad_norms(model: nn.Module, max_norm: float, *, scorer_apart: bool) -> torch.Tensor:
     """clip_grad_norm over the model's parameters, or (scorer_apart, `train.clip_scorer_apart`) over the SparseK
     scoring vectors and over the rest separately, each to max_norm, so that a large scorer gradient (score
-    distillation's: a norm of 48-141 against the LM's 0.4 on books, benchmarks/README.md) does not shrink every
-    update of the model with it. Returns the norm of the whole gradient before clipping."""
+    distillation's: a norm of 48-141 against the LM's 0.4 on books, benchmarks/README.md) does not set the clip
+    factor of the model's gradient: AdamW is indifferent to a steady factor, not to one that swings from step to
+    step with the scorer. Returns the norm of the whole gradient before clipping."""
     if not scorer_apart:
         return clip_grad_norm(model.parameters(), max_norm)
     named = [(name, p) for name, p in model.named_parameters() if p.grad is not None]

@@ -297,8 +297,8 @@ class TrainConfig(_Section):
     )
     clip_scorer_apart: bool = Field(
         False, description="clip the SparseK scoring vectors' gradient norm apart from the rest of the model's "
-        "(each to train.grad_clip), so a large scorer gradient, e.g. train.score_distill's, does not scale "
-        "down every update of the model"
+        "(each to train.grad_clip), so a large scorer gradient, e.g. train.score_distill's, does not set the "
+        "clip factor of the model's gradient from step to step"
     )
     scorer_unit_norm: bool = Field(
         False, description="put each SparseK scoring vector back to length 1 after every optimizer step: under "
