@@ -36,10 +36,10 @@ def wait_all(procs: dict[str, subprocess.Popen], budget_s: float) -> list[str]:
     the budget; a run that exits with an error on its own stops the others (with a checkpoint) and the caller."""
     t0, stopped = time.monotonic(), []
     for name, proc in procs.items():
-        try:
-            rc = proc.wait(timeout=max(1.0, budget_s - (time.monotonic() - t0)))
+        try:  # past the budget the timeout is 0: a run still going is left for below, a finished one is checked
+            rc = proc.wait(timeout=max(0.0, budget_s - (time.monotonic() - t0)))
         except subprocess.TimeoutExpired:
-            break
+            continue
         print(f"{name}: exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
         if rc:
             _stop([p for p in procs.values() if p.poll() is None])  # none left running unwatched on the GPU

@@ -45,3 +45,21 @@ def test_a_run_that_fails_stops_the_others(tmp_path):
     else:
         raise AssertionError("wait_all returned after a failed run")
     assert all(m.exists() for m in marks) and all(p.poll() is not None for p in procs.values())
+
+
+def test_a_run_that_failed_behind_one_still_going_is_reported_at_the_budget(tmp_path):
+    """The budget runs out while the first run still trains; the second had already failed on its own. Its failure
+    must reach the caller, not pass for a finished run."""
+    mark = tmp_path / "run0"
+    procs = {"run0": subprocess.Popen([sys.executable, "-c", RUN, str(mark)]),
+             "bad": subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])}
+    while not Path(f"{mark}.up").exists():
+        time.sleep(0.05)
+    procs["bad"].wait()
+    try:
+        wait_all(procs, budget_s=1.0)
+    except SystemExit as e:
+        assert "bad failed (exit 3)" in str(e)
+    else:
+        raise AssertionError("wait_all returned although a run had failed")
+    assert mark.exists() and procs["run0"].returncode == 143  # the one still going was stopped with its save
