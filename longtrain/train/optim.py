@@ -107,9 +107,7 @@ def clip_grad_norms(model: nn.Module, max_norm: float, *, scorer_apart: bool) ->
     step with the scorer. Returns the norm of the whole gradient before clipping."""
     if not scorer_apart:
         return clip_grad_norm(model.parameters(), max_norm)
-    named = [(name, p) for name, p in model.named_parameters() if p.grad is not None]
-    scorer = [p for name, p in named if fnmatchcase(name, SCORE_PARAMS)]
-    rest = [p for name, p in named if not fnmatchcase(name, SCORE_PARAMS)]
+    scorer, rest = scorer_split(p for p in model.named_parameters() if p[1].grad is not None)
     if not scorer or not rest:  # (no SparseK scorer, or all frozen): one group, and no empty one on the CPU
         return clip_grad_norm(scorer or rest, max_norm)
     return torch.linalg.vector_norm(torch.stack([clip_grad_norm(rest, max_norm), clip_grad_norm(scorer, max_norm)]))
@@ -120,9 +118,16 @@ def normalize_scorers(model: nn.Module) -> None:
     """train.scorer_unit_norm: each SparseK scoring vector (a row of `*scorer.weight` [G, d]) back to length 1.
     Under TimestepNorm the scores do not depend on the length (up to its epsilon), so this changes no output; it
     keeps the gradient, which scales as 1 / length, from growing as the vector shrinks."""
-    for name, p in model.named_parameters():
-        if fnmatchcase(name, SCORE_PARAMS):
-            p.div_(torch.linalg.vector_norm(p, dim=-1, keepdim=True).clamp(min=1e-12))
+    for p in scorer_split(model.named_parameters())[0]:
+        p.div_(torch.linalg.vector_norm(p, dim=-1, keepdim=True).clamp(min=1e-12))
+
+
+def scorer_split(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the SparseK scoring vectors, every other parameter) of named parameters, by SCORE_PARAMS."""
+    scorer, rest = [], []
+    for name, p in named:
+        (scorer if fnmatchcase(name, SCORE_PARAMS) else rest).append(p)
+    return scorer, rest
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
