@@ -157,8 +157,8 @@ def sparsek_linear_attention_chunk(
     with torch.no_grad():  # keys in neither the new pool nor the new tail can never be selected again
         rows = carried(keys, sel)
         B, N = keys.pos.shape
-        # scatter_ of a scalar, not `kept[rows, idx] = True`: that copies True from the host, a sync on CUDA per
-        # call (24 of a step's 25 at 12 layers on the H100) and a copy a CUDA graph cannot capture
+        # scatter_ of a scalar, not `kept[rows, idx] = True`: that copies True from the host, two syncs on CUDA per
+        # call (24 a step at 12 layers; the H100 profile counted 25) and a copy a CUDA graph cannot capture
         kept = torch.zeros(B, N + 1, dtype=torch.bool, device=keys.pos.device)  # slot N: empty pool slots
         kept.scatter_(1, rows.tail, True).scatter_(1, torch.where(rows.pool_ok, rows.pool, N), True)
         kept = kept[:, :N]
