@@ -34,7 +34,10 @@ class RecallConfig(BaseModel):
     facts: int = Field(8, ge=1, description="facts planted per document, each queried once")
     min_distance: int = Field(256, ge=1, description="fewest tokens from a fact to its query")
     max_distance: int = Field(2048, ge=1, description="most tokens from a fact to its query")
-    key_length: int = Field(3, ge=1, le=12, description="key symbols (a-z): 26^key_length keys")
+    key_length: int = Field(3, ge=1, le=12, description="key symbols (a-z): key_letters^key_length keys")
+    # Keys drawn from the first key_letters letters only: with few letters the facts of a document share
+    # letters, so a circuit that matches one letter of the key recalls the wrong fact (a harder curriculum).
+    key_letters: int = Field(26, ge=2, le=26, description="letters keys are drawn from (a, b, ...; 26: a-z)")
     value_length: int = Field(3, ge=1, le=32, description="value symbols (0-9): an exact guess has chance 10^-value_length")
     # words: random common English words (built in); stdlib: the Python standard library's source;
     # files: the documents under data.path (e.g. a folder of books).
@@ -44,6 +47,12 @@ class RecallConfig(BaseModel):
     @model_validator(mode="after")
     def _distances_fit(self) -> RecallConfig:
         line = line_length(self)
+        if self.key_letters**self.key_length < self.facts:
+            raise ValueError(
+                f"recall.key_letters ({self.key_letters}) and key_length ({self.key_length}) make "
+                f"{self.key_letters**self.key_length} keys, fewer than recall.facts ({self.facts}), and a "
+                "document's keys are distinct: raise key_letters or key_length, or lower facts"
+            )
         if self.min_distance > self.max_distance:
             raise ValueError(f"recall.min_distance ({self.min_distance}) exceeds recall.max_distance ({self.max_distance})")
         if self.min_distance < line:

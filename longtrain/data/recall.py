@@ -244,11 +244,12 @@ def generate_document(
             )
         taken[p : p + line] = taken[p + d : p + d + line] = True
         fact_pos[f], query_pos[f] = p, p + d
-    # Distinct keys as numbers in base 26; values uniform digits, independent of everything else.
+    # Distinct keys as numbers in base key_letters; values uniform digits, independent of everything else.
+    A = cfg.key_letters
     keys: set[int] = set()
     while len(keys) < F:
-        keys.update(int(k) for k in rng.integers(0, 26**Lk, size=F - len(keys)))
-    key_digits = np.array([[(k // 26**i) % 26 for i in reversed(range(Lk))] for k in sorted(keys)], dtype=np.int64)
+        keys.update(int(k) for k in rng.integers(0, A**Lk, size=F - len(keys)))
+    key_digits = np.array([[(k // A**i) % A for i in reversed(range(Lk))] for k in sorted(keys)], dtype=np.int64)
     key_digits = key_digits[rng.permutation(F)]
     values = sym.values[rng.integers(0, 10, size=(F, Lv))]  # [F, Lv]
     for f in range(F):
@@ -305,7 +306,9 @@ def recall_documents(data: DataConfig, tok: Tokenizer, filler: Filler, filler_ke
     """The training stream's `recall.docs` documents (seed `recall.seed`), generated as they are read."""
     cfg = data.recall
     sym, eod = Symbols.of(tok), eod_id(tok)
-    settings = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    # key_letters at its default stays out, so documents made before it existed keep their key
+    settings = json.dumps(cfg.model_dump(mode="json", exclude={"key_letters"} if cfg.key_letters == 26 else None),
+                          sort_keys=True)
     key = hashlib.blake2b(
         f"recall:{GENERATOR_VERSION}:{settings}:{tokenizer_hash(tok)}:{filler_key}".encode(), digest_size=16
     ).hexdigest()
@@ -326,7 +329,8 @@ def describe(cfg: RecallConfig) -> str:
     chance = chance_level(cfg)
     return (
         f"recall: {cfg.docs} documents of {cfg.doc_tokens} tokens ({cfg.filler} filler), {cfg.facts} facts each, "
-        f"distances {cfg.min_distance}..{cfg.max_distance}, keys of {cfg.key_length} letters, values of "
+        f"distances {cfg.min_distance}..{cfg.max_distance}, keys of {cfg.key_length} letters"
+        f"{'' if cfg.key_letters == 26 else f' of the first {cfg.key_letters}'}, values of "
         f"{cfg.value_length} digits (chance: exact {chance['exact']:.2g}, per digit {chance['symbol']:.2g})"
     )
 

@@ -129,6 +129,7 @@ def test_files_filler_and_a_filler_too_short(tmp_path, monkeypatch):
         (dict(recall={"min_distance": 900, "max_distance": 800}), "exceeds"),
         (dict(recall={"filler": "files"}), "needs data.path"),
         (dict(valid="some/folder"), "must be a fraction"),
+        (dict(recall={"key_letters": 3, "key_length": 2, "facts": 10}), "fewer than recall.facts"),
     ],
 )
 def test_bad_recall_settings_are_refused(settings, message):
@@ -157,3 +158,25 @@ def test_a_tokenizer_without_single_symbol_tokens_is_refused(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     with pytest.raises(DataError, match="to be one token"):
         Symbols.of(tok)
+
+
+def test_key_letters_draws_keys_from_the_first_letters(tmp_path):
+    corpus = prepare(tmp_path)
+    tok = corpus.tokenizer
+    sym = Symbols.of(tok)
+    filler = word_filler(tok, CFG["doc_tokens"] - 1)
+    v0 = value_offset(RecallConfig(**CFG))
+    few = RecallConfig(**{**CFG, "key_letters": 3})
+    letters = set()
+    for i in range(20):
+        doc = generate_document(few, sym, filler, few.seed, i)
+        keys = [tuple(doc.tokens[p + 2 : p + v0 - 1]) for p in doc.fact_pos]
+        assert len(set(keys)) == few.facts  # distinct within a document
+        letters.update(t for key in keys for t in key)
+    assert letters == set(sym.keys[:3].tolist())  # a, b, c and nothing else
+    # the default (26) makes the facts it made before key_letters existed (pinned from then), so runs resume
+    # on the same data
+    doc = generate_document(RecallConfig(**CFG), sym, filler, 4, 0)
+    assert [tok.decode(doc.tokens[p + 2 : p + 9].tolist()) for p in doc.fact_pos] == [
+        "ge=481\n", "cn=622\n", "vj=452\n", "ie=957\n", "tp=421\n", "qa=013\n"]
+    assert doc.fact_pos.tolist() == [0, 20, 36, 207, 366, 435] and doc.query_pos.tolist() == [224, 53, 142, 289, 417, 486]
