@@ -42,6 +42,10 @@ class RecallConfig(BaseModel):
     # words: random common English words (built in); stdlib: the Python standard library's source;
     # files: the documents under data.path (e.g. a folder of books).
     filler: Literal["words", "stdlib", "files"] = "words"
+    # words filler: draw from the first filler_words words only (0: all). Few words make the filler easy to
+    # predict, so its loss stops drowning the gradient of the recalled values (a quieter curriculum stage);
+    # the tokenizer still learns every word.
+    filler_words: int = Field(0, ge=0, description="words filler: the first N words only (0: all of them)")
     seed: int = Field(0, ge=0, description="seed of the generator (independent of train.seed)")
 
     @model_validator(mode="after")
@@ -53,6 +57,8 @@ class RecallConfig(BaseModel):
                 f"{self.key_letters**self.key_length} keys, fewer than recall.facts ({self.facts}), and a "
                 "document's keys are distinct: raise key_letters or key_length, or lower facts"
             )
+        if self.filler_words and self.filler != "words":
+            raise ValueError(f"recall.filler_words applies to filler: words, not {self.filler!r}; remove it")
         if self.min_distance > self.max_distance:
             raise ValueError(f"recall.min_distance ({self.min_distance}) exceeds recall.max_distance ({self.max_distance})")
         if self.min_distance < line:

@@ -161,8 +161,10 @@ class Filler:
         return np.asarray(doc[o : o + self.n], dtype=np.int32)
 
 
-def word_filler(tok: Tokenizer, n: int) -> Filler:
-    words = [np.array(tok.encode(" " + w, add_special_tokens=False).ids, dtype=np.int32) for w in FILLER_WORDS]
+def word_filler(tok: Tokenizer, n: int, n_words: int = 0) -> Filler:
+    """Random words of FILLER_WORDS (its first n_words; 0: all) as `n` tokens at a time."""
+    words = [np.array(tok.encode(" " + w, add_special_tokens=False).ids, dtype=np.int32)
+             for w in FILLER_WORDS[: n_words or None]]
     return Filler(words=words, n=n)
 
 
@@ -203,7 +205,7 @@ def make_filler(
     source = source if source is not None else filler_source(data)
     n = cfg.doc_tokens - 1  # filler tokens per document, before its EOD
     if cfg.filler == "words":
-        return word_filler(tok, n), source.fingerprint
+        return word_filler(tok, n, cfg.filler_words), source.fingerprint
     docs, _ = tokenize_source(source, tok, n + 1, cache_dir, tokenizer_hash(tok), "filler", progress)
     return Filler(docs=docs, n=n), source.fingerprint
 
@@ -306,8 +308,9 @@ def recall_documents(data: DataConfig, tok: Tokenizer, filler: Filler, filler_ke
     """The training stream's `recall.docs` documents (seed `recall.seed`), generated as they are read."""
     cfg = data.recall
     sym, eod = Symbols.of(tok), eod_id(tok)
-    # key_letters at its default stays out, so documents made before it existed keep their key
-    settings = json.dumps(cfg.model_dump(mode="json", exclude={"key_letters"} if cfg.key_letters == 26 else None),
+    # settings at their defaults that came later stay out, so documents made before them keep their key
+    later = {"key_letters": 26, "filler_words": 0}
+    settings = json.dumps(cfg.model_dump(mode="json", exclude={k for k, v in later.items() if getattr(cfg, k) == v}),
                           sort_keys=True)
     key = hashlib.blake2b(
         f"recall:{GENERATOR_VERSION}:{settings}:{tokenizer_hash(tok)}:{filler_key}".encode(), digest_size=16
@@ -328,7 +331,8 @@ def describe(cfg: RecallConfig) -> str:
     """One line for `fit`'s summary: the task and its chance level."""
     chance = chance_level(cfg)
     return (
-        f"recall: {cfg.docs} documents of {cfg.doc_tokens} tokens ({cfg.filler} filler), {cfg.facts} facts each, "
+        f"recall: {cfg.docs} documents of {cfg.doc_tokens} tokens ({cfg.filler} filler"
+        f"{f' of {cfg.filler_words} words' if cfg.filler_words else ''}), {cfg.facts} facts each, "
         f"distances {cfg.min_distance}..{cfg.max_distance}, keys of {cfg.key_length} letters"
         f"{'' if cfg.key_letters == 26 else f' of the first {cfg.key_letters}'}, values of "
         f"{cfg.value_length} digits (chance: exact {chance['exact']:.2g}, per digit {chance['symbol']:.2g})"

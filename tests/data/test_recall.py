@@ -130,6 +130,7 @@ def test_files_filler_and_a_filler_too_short(tmp_path, monkeypatch):
         (dict(recall={"filler": "files"}), "needs data.path"),
         (dict(valid="some/folder"), "must be a fraction"),
         (dict(recall={"key_letters": 3, "key_length": 2, "facts": 10}), "fewer than recall.facts"),
+        (dict(path="books", recall={"filler": "files", "filler_words": 3}), "applies to filler: words"),
     ],
 )
 def test_bad_recall_settings_are_refused(settings, message):
@@ -180,3 +181,19 @@ def test_key_letters_draws_keys_from_the_first_letters(tmp_path):
     assert [tok.decode(doc.tokens[p + 2 : p + 9].tolist()) for p in doc.fact_pos] == [
         "ge=481\n", "cn=622\n", "vj=452\n", "ie=957\n", "tp=421\n", "qa=013\n"]
     assert doc.fact_pos.tolist() == [0, 20, 36, 207, 366, 435] and doc.query_pos.tolist() == [224, 53, 142, 289, 417, 486]
+
+
+def test_filler_words_draws_the_filler_from_the_first_words(tmp_path):
+    from longtrain.data.recall import FILLER_WORDS
+
+    corpus = prepare(tmp_path, filler_words=2)
+    tok = corpus.tokenizer
+    cfg = RecallConfig(**{**CFG, "filler_words": 2})
+    doc = generate_document(cfg, Symbols.of(tok), word_filler(tok, cfg.doc_tokens - 1, 2), cfg.seed, 0)
+    facts = np.zeros(len(doc.tokens), dtype=bool)
+    for p in (*doc.fact_pos, *doc.query_pos):
+        facts[p : p + line_length(cfg)] = True
+    allowed = {t for w in FILLER_WORDS[:2] for t in tok.encode(" " + w, add_special_tokens=False).ids}
+    assert set(doc.tokens[~facts].tolist()) <= allowed  # (a cut word at the start may leave part of one)
+    assert len(tok.get_vocab()) > 100  # the tokenizer still learned the whole word list
+    assert not np.array_equal(corpus.train.doc(0), prepare(tmp_path, cache="c2").train.doc(0))
