@@ -70,15 +70,19 @@ def importance_scores(
     eps_slope: float,
     one_token: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Scorer.forward's arithmetic: (u [B, L, G], next score_sum, next score_sumsq). one_token (decoding,
-    L = 1): the product as a sum of elementwise products, one reduction kernel (cuBLAS's float64 GEMV of one
-    row is a split-K GEMM plus its reduction, ~25 us per layer on an H200: 10% of a decode step)."""
+    """Scorer.forward's arithmetic: (u [B, L, G], next score_sum, next score_sumsq). The product x · w as a
+    sum of elementwise products when compiled or decoding (one_token, L = 1), a float64 matmul otherwise:
+    compiled, the cast, products and sum fuse into one reduction that reads x in its own dtype, and the
+    backward saves x, not a float64 copy of it (a [B, L, d] float64 tensor per layer, written, read and kept
+    for the backward by the matmul); decoding, cuBLAS's float64 GEMV of one row is a split-K GEMM plus its
+    reduction (~25 us per layer on an H200: 10% of a decode step). Eager, the elementwise form would
+    materialise [B, L, G, d] float64, so it stays a matmul; both give the same sums to float64 rounding."""
     sd = score_dtype(x.dtype)
     with torch.autocast(device_type=x.device.type, enabled=False):
         # float64 from the first operation: a float32 product's last bit depends on the kernel the
         # matmul picks for the chunk's shape, and one ulp of u can swap two keys at the k-th score.
-        if one_token:
-            r = (x.to(torch.float64)[..., None, :] * weight.to(torch.float64)).sum(-1)  # [B, 1, G]
+        if one_token or torch.compiler.is_compiling():
+            r = (x.to(torch.float64)[..., None, :] * weight.to(torch.float64)).sum(-1)  # [B, L, G]
         else:
             r = x.to(torch.float64) @ weight.to(torch.float64).t()  # [B, L, G]
     r64 = torch.where(valid[..., None], r, 0.0)
