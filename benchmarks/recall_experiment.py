@@ -29,8 +29,9 @@ recall data's seed of both stages. The circuit trains after a curriculum (CIRCUI
 $OUT/runs/<model> (the circuit in $OUT/circuit); eval writes $OUT/eval/<model>.json, plot writes
 $OUT/recall.json, $OUT/recall.png and $OUT/table.md.
 
-Evaluation settings (fresh documents of the evaluation stream, never seen in training):
-    train   the training documents' length, distances and fact count
+Evaluation settings (fresh documents of the evaluation stream, never seen in training), relative to
+recall-sparsek's documents (with --set's overrides) for every run, also an ablation that trains on others:
+    train   recall-sparsek's training documents: their length, distances and fact count
     4x      documents 4x longer with 4x the facts (same distances, same density): does the pool
             hold up over a longer document, at positions beyond training?
     4x-far  documents 4x longer with distances up to 4x farther (same fact count, so the same
@@ -74,6 +75,10 @@ ABLATIONS = {
     # pool capacity (issue 30, target 2): does a larger k hold 4x the facts? (the window stays 32)
     "sparsek-k64": ["attention.topk=64"],
     "sparsek-k128": ["attention.topk=128"],
+    # trained at the 4x setting itself (32 facts in 16,384 tokens, the same tokens a step): does the pool learn to
+    # keep 4x the facts when training asks for it? (evaluated, like every run, on recall-sparsek's settings)
+    "sparsek-train4x": ["data.recall.doc_tokens=16384", "data.recall.facts=32"],
+    "sparsek-k64-train4x": ["data.recall.doc_tokens=16384", "data.recall.facts=32", "attention.topk=64"],
 }
 # The circuit's curriculum: short distances first, then the recipe's (32..256). On seeds 2 and 4 (the two
 # that had not formed after 20,000 steps of 8..256 alone) each of the two halves formed one circuit of two
@@ -236,7 +241,15 @@ def train(out: Path, models: list[str], seeds: list[int | None], budget_s: float
         stop_at_budget("train")
 
 
-def evaluate_one(out: Path, run_dir: Path, docs: int, device: str) -> None:
+def _standard_recall(sets: list[str]):
+    """recall-sparsek's data.recall with the study's --set overrides: the documents every run is evaluated on,
+    whatever it trained on (an ablation may train on others), so that every run's columns mean the same."""
+    from longtrain.train.recipe import load_recipe
+
+    return load_recipe(RECIPES["sparsek"], sets).data.recall
+
+
+def evaluate_one(out: Path, run_dir: Path, docs: int, device: str, sets: list[str] = ()) -> None:
     """Recall of one trained run in every setting: out/eval/<run name>.json."""
     from longtrain.data.recall import chance_level
     from longtrain.eval.passkey import kv_budget
@@ -245,11 +258,13 @@ def evaluate_one(out: Path, run_dir: Path, docs: int, device: str) -> None:
     from longtrain.train.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(run_dir, device=pick_device(device))
-    att, rc = ckpt.recipe.attention, ckpt.recipe.data.recall
+    att = ckpt.recipe.attention
+    rc = _standard_recall(list(sets))
+    train = {"doc_tokens": rc.doc_tokens, "facts": rc.facts, "min_distance": rc.min_distance, "max_distance": rc.max_distance}
     settings = {
-        "train": {},
-        "4x": {"doc_tokens": 4 * rc.doc_tokens, "facts": 4 * rc.facts},
-        "4x-far": {"doc_tokens": 4 * rc.doc_tokens, "max_distance": 4 * rc.max_distance},
+        "train": train,
+        "4x": {**train, "doc_tokens": 4 * rc.doc_tokens, "facts": 4 * rc.facts},
+        "4x-far": {**train, "doc_tokens": 4 * rc.doc_tokens, "max_distance": 4 * rc.max_distance},
     }
     entry = {
         "checkpoint": str(ckpt.path), "step": ckpt.step, "attention": att.type, "topk": att.topk,
@@ -270,7 +285,7 @@ def evaluate_one(out: Path, run_dir: Path, docs: int, device: str) -> None:
     (out / "eval" / f"{run_dir.name}.json").write_text(json.dumps(result, indent=1))
 
 
-def evaluate(out: Path, models: list[str] | None, docs: int, device: str) -> None:
+def evaluate(out: Path, models: list[str] | None, docs: int, device: str, sets: list[str] = ()) -> None:
     """Every trained run (or the named ones) at once, one process each."""
     runs = sorted(d for d in (out / "runs").iterdir() if (d / "checkpoints").is_dir()) if (out / "runs").is_dir() else []
     named = lambda d: d.name in models or d.name.rsplit("-s", 1)[0] in models  # noqa: E731 (<model>-s<seed> too)
@@ -280,7 +295,7 @@ def evaluate(out: Path, models: list[str] | None, docs: int, device: str) -> Non
     procs = {}
     for run_dir in runs:
         cmd = [sys.executable, __file__, "--out", str(out), "--part", "eval-one", "--run", str(run_dir),
-               "--docs", str(docs), "--device", device]
+               "--docs", str(docs), "--device", device, *[x for o in sets for x in ("--set", o)]]
         procs[run_dir.name] = subprocess.Popen(cmd, cwd=ROOT)
     for name, proc in procs.items():
         log(f"eval {name}: exit {proc.wait()}")
@@ -417,9 +432,9 @@ def main() -> None:
     if a.part in ("train", "all"):
         train(a.out, models, [s for s in seeds if s not in skipped], a.budget_s, a.sets)
     if a.part in ("eval", "all"):
-        evaluate(a.out, models, a.docs, a.device)
+        evaluate(a.out, models, a.docs, a.device, a.sets)
     if a.part == "eval-one":
-        evaluate_one(a.out, a.run, a.docs, a.device)
+        evaluate_one(a.out, a.run, a.docs, a.device, a.sets)
     if a.part in ("plot", "all"):
         plot(a.out)
     if skipped:

@@ -73,3 +73,15 @@ def test_the_circuit_trains_after_the_default_curriculum_and_none_turns_it_off()
     near = load_recipe(rx.CIRCUIT, stages[0]).data.recall
     far = load_recipe(rx.CIRCUIT, []).data.recall
     assert near.max_distance <= far.min_distance < far.max_distance
+
+
+def test_every_run_is_evaluated_on_recall_sparsek_documents_also_an_ablation_that_trains_on_others():
+    import recall_experiment as rx
+    from longtrain.train.recipe import load_recipe
+
+    standard = rx._standard_recall([])
+    assert (standard.doc_tokens, standard.facts) == (4096, 8)
+    assert rx._standard_recall(["data.recall.doc_tokens=512", "data.recall.max_distance=256"]).doc_tokens == 512
+    recipe, sets = rx.model_args("sparsek-train4x")  # trains on the 4x setting itself
+    trained = load_recipe(recipe, sets).data.recall
+    assert (trained.doc_tokens, trained.facts) == (4 * standard.doc_tokens, 4 * standard.facts)
