@@ -49,7 +49,8 @@ from longtrain.ops.sparsek_attention.triton_tiles import SOFT_KV, STRAIGHT_THROU
 # that every kernel compiled for sm_90 (benchmarks/kernels_aot.py --linear, bf16) fits two programs per SM,
 # spilling a few registers in the D = 128 backward only. On an H100 the D = 64 backward takes 146 ms of a
 # 403 ms step at 12 x 768 (benchmarks/README.md); a whole block per program (QB = 64, BN = 16, 8 warps: half
-# the key-side atomic adds, no spills) took 149 ms, so the count of atomic adds is not what costs there.
+# the key-side atomic adds, no spills) took 149 ms, so the count of atomic adds is not what costs there. Both ran
+# the adds with Triton's default acq_rel semantics (a fence each); they are relaxed since, not yet timed.
 # The interpreter (CPU tests) takes small tiles.
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LAUNCH = {
@@ -278,10 +279,12 @@ def _bwd_kernel(
         dk = tl.dot(tl.trans(dr), q, input_precision=PREC) * scale  # [BN, D]
         dv = tl.dot(tl.trans(w), do_n, input_precision=PREC)
         dphk = tl.dot(tl.trans(dlin), phq, input_precision=PREC)  # [BN, F]
-        tl.atomic_add(dk_ptr + kh[:, None] * D + d[None, :], dk, mask=kv[:, None])
-        tl.atomic_add(dv_ptr + kh[:, None] * D + d[None, :], dv, mask=kv[:, None])
-        tl.atomic_add(dphk_ptr + kh[:, None] * F + f[None, :], dphk, mask=kv[:, None])
-        tl.atomic_add(du_ptr + b * n_ext + safe, tl.sum(dm, 0), mask=kv)
+        # relaxed: plain atomic adds, never read back here (Triton's default acq_rel fences every one; the
+        # SparseK pool walk's adds are relaxed too)
+        tl.atomic_add(dk_ptr + kh[:, None] * D + d[None, :], dk, mask=kv[:, None], sem="relaxed")
+        tl.atomic_add(dv_ptr + kh[:, None] * D + d[None, :], dv, mask=kv[:, None], sem="relaxed")
+        tl.atomic_add(dphk_ptr + kh[:, None] * F + f[None, :], dphk, mask=kv[:, None], sem="relaxed")
+        tl.atomic_add(du_ptr + b * n_ext + safe, tl.sum(dm, 0), mask=kv, sem="relaxed")
 
     e_lin = tl.where(complete, 0.0, e_m)  # the linear sums' factor (0 when S is complete)
     tl.store(dq_ptr + qh[:, None] * D + d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=qm[:, None])
