@@ -51,7 +51,7 @@ def default_edges(cfg: RecallConfig) -> list[int]:
 
 
 @torch.no_grad()
-def measure_recall(
+def recall_predictions(
     loaded,
     *,
     docs: int = 64,
@@ -60,23 +60,16 @@ def measure_recall(
     min_distance: int | None = None,
     max_distance: int | None = None,
     seed: int | None = None,
-    edges: list[int] | None = None,
     chunk_size: int | None = None,
     cache_dir: Path | None = None,
-) -> list[dict]:
-    """Recall of one loaded checkpoint (`load_checkpoint(...)`) per distance bucket:
-    [{"start", "end" (exclusive), "trials", "accuracy", "symbol_accuracy"}].
-
-    Unset settings come from the checkpoint's recipe (`data.recall`); `seed` defaults to its seed
-    (on the evaluation stream, distinct from training). `chance_level(config)` is the floor.
-    """
+) -> tuple[RecallConfig, list, list[np.ndarray]]:
+    """The model's teacher-forced argmax at every value position of `docs` fresh documents, read chunk by
+    chunk as training reads them: (the settings, the documents (RecallDoc), per document an array over its
+    input positions with the argmax there, -1 where no value follows). Unset settings as measure_recall's."""
     model, recipe = loaded.model, loaded.recipe
     data, cfg = recall_config(
         recipe, doc_tokens=doc_tokens, facts=facts, min_distance=min_distance, max_distance=max_distance, seed=seed
     )
-    edges = list(edges) if edges else default_edges(cfg)
-    if any(b <= a for a, b in zip(edges, edges[1:])) or len(edges) < 2:
-        raise ValueError(f"bucket edges must be at least two increasing distances; got {edges}")
     filler, _ = make_filler(data, loaded.tokenizer, cache_dir or default_cache_dir(), progress=False)
     token_docs, recall_docs = generate_documents(cfg, loaded.tokenizer, filler, seed=cfg.seed, n_docs=docs)
 
@@ -85,8 +78,7 @@ def measure_recall(
     rows = min(ROWS, docs)
     # Only the positions that predict a query's value token (the one before each) go through the head:
     # no [B, L, V] logits, and the predictions stay on the device until the loop ends.
-    start = value_offset(cfg)
-    vpos = [d.query_pos[:, None] + start + np.arange(cfg.value_length)[None] for d in recall_docs]  # [F, Lv] each
+    vpos = [value_positions(cfg, d) for d in recall_docs]  # [F, Lv] each
     wanted = [np.zeros(len(d.tokens) + 1, dtype=bool) for d in recall_docs]  # per input position
     for w, v in zip(wanted, vpos):
         w[v - 1] = True
@@ -115,7 +107,42 @@ def measure_recall(
     if argmax:
         for (d, pos), a in zip(where, torch.cat(argmax).cpu().tolist()):  # the one host read
             preds[d][pos] = a
+    return cfg, recall_docs, preds
 
+
+def value_positions(cfg: RecallConfig, doc) -> np.ndarray:
+    """[F, value_length] positions of each query's value tokens in `doc` (a RecallDoc)."""
+    return doc.query_pos[:, None] + value_offset(cfg) + np.arange(cfg.value_length)[None]
+
+
+def measure_recall(
+    loaded,
+    *,
+    docs: int = 64,
+    doc_tokens: int | None = None,
+    facts: int | None = None,
+    min_distance: int | None = None,
+    max_distance: int | None = None,
+    seed: int | None = None,
+    edges: list[int] | None = None,
+    chunk_size: int | None = None,
+    cache_dir: Path | None = None,
+) -> list[dict]:
+    """Recall of one loaded checkpoint (`load_checkpoint(...)`) per distance bucket:
+    [{"start", "end" (exclusive), "trials", "accuracy", "symbol_accuracy"}].
+
+    Unset settings come from the checkpoint's recipe (`data.recall`); `seed` defaults to its seed
+    (on the evaluation stream, distinct from training). `chance_level(config)` is the floor.
+    """
+    _, cfg = recall_config(loaded.recipe, doc_tokens=doc_tokens, facts=facts, min_distance=min_distance,
+                           max_distance=max_distance, seed=seed)
+    edges = list(edges) if edges else default_edges(cfg)
+    if any(b <= a for a, b in zip(edges, edges[1:])) or len(edges) < 2:
+        raise ValueError(f"bucket edges must be at least two increasing distances; got {edges}")
+    cfg, recall_docs, preds = recall_predictions(
+        loaded, docs=docs, doc_tokens=doc_tokens, facts=facts, min_distance=min_distance, max_distance=max_distance,
+        seed=seed, chunk_size=chunk_size, cache_dir=cache_dir)
+    vpos = [value_positions(cfg, d) for d in recall_docs]
     # Per query: is each value token the argmax at the position before it?
     dist, exact, symbol = [], [], []
     for doc, pred, v in zip(recall_docs, preds, vpos):
