@@ -115,33 +115,19 @@ def value_positions(cfg: RecallConfig, doc) -> np.ndarray:
     return doc.query_pos[:, None] + value_offset(cfg) + np.arange(cfg.value_length)[None]
 
 
-def measure_recall(
-    loaded,
-    *,
-    docs: int = 64,
-    doc_tokens: int | None = None,
-    facts: int | None = None,
-    min_distance: int | None = None,
-    max_distance: int | None = None,
-    seed: int | None = None,
-    edges: list[int] | None = None,
-    chunk_size: int | None = None,
-    cache_dir: Path | None = None,
-) -> list[dict]:
+def measure_recall(loaded, *, edges: list[int] | None = None, **settings) -> list[dict]:
     """Recall of one loaded checkpoint (`load_checkpoint(...)`) per distance bucket:
     [{"start", "end" (exclusive), "trials", "accuracy", "symbol_accuracy"}].
 
-    Unset settings come from the checkpoint's recipe (`data.recall`); `seed` defaults to its seed
-    (on the evaluation stream, distinct from training). `chance_level(config)` is the floor.
+    `settings`: recall_predictions' (docs, doc_tokens, facts, min_distance, max_distance, seed, chunk_size,
+    cache_dir); unset ones come from the checkpoint's recipe (`data.recall`); `seed` defaults to its seed (on
+    the evaluation stream, distinct from training). `chance_level(config)` is the floor. `edges`: the buckets'
+    (default_edges of the settings).
     """
-    _, cfg = recall_config(loaded.recipe, doc_tokens=doc_tokens, facts=facts, min_distance=min_distance,
-                           max_distance=max_distance, seed=seed)
+    if edges and (len(edges) < 2 or any(b <= a for a, b in zip(edges, edges[1:]))):
+        raise ValueError(f"bucket edges must be at least two increasing distances; got {edges}")  # before any work
+    cfg, recall_docs, preds = recall_predictions(loaded, **settings)
     edges = list(edges) if edges else default_edges(cfg)
-    if any(b <= a for a, b in zip(edges, edges[1:])) or len(edges) < 2:
-        raise ValueError(f"bucket edges must be at least two increasing distances; got {edges}")
-    cfg, recall_docs, preds = recall_predictions(
-        loaded, docs=docs, doc_tokens=doc_tokens, facts=facts, min_distance=min_distance, max_distance=max_distance,
-        seed=seed, chunk_size=chunk_size, cache_dir=cache_dir)
     vpos = [value_positions(cfg, d) for d in recall_docs]
     # Per query: is each value token the argmax at the position before it?
     dist, exact, symbol = [], [], []
