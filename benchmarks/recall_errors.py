@@ -26,10 +26,11 @@ import numpy as np
 
 def classify(cfg, docs, preds, far: int) -> collections.Counter:
     """Counts of the categories in the module doc over the queries at least `far` tokens from their fact."""
+    from longtrain.data.recall import value_offset
     from longtrain.eval.recall import value_positions
 
     counts = collections.Counter()
-    k0 = 2  # a fact line: newline, '@', the key, '=', the value, newline
+    k0 = value_offset(cfg) - 1 - cfg.key_length  # the key sits right before the line's '=', which precedes the value
     for doc, pred in zip(docs, preds):
         keys = [tuple(doc.tokens[p + k0 : p + k0 + cfg.key_length].tolist()) for p in doc.fact_pos]
         values = [tuple(v.tolist()) for v in doc.values]

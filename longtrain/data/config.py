@@ -37,7 +37,7 @@ class RecallConfig(BaseModel):
     key_length: int = Field(3, ge=1, le=12, description="key symbols (a-z): key_letters^key_length keys")
     # Keys drawn from the first key_letters letters only: with few letters the facts of a document share
     # letters, so a circuit that matches one letter of the key recalls the wrong fact (a harder curriculum).
-    key_letters: int = Field(26, ge=2, le=26, description="letters keys are drawn from (a, b, ...; 26: a-z)")
+    key_letters: int = Field(26, ge=2, le=26, description="letters keys are drawn from (the first N of a-z; 26: all)")
     value_length: int = Field(3, ge=1, le=32, description="value symbols (0-9): an exact guess has chance 10^-value_length")
     # words: random common English words (built in); stdlib: the Python standard library's source;
     # files: the documents under data.path (e.g. a folder of books).

@@ -54,6 +54,7 @@ GENERATOR_VERSION = 1  # part of the cache key: bump when the documents a config
 KEY_SYMBOLS = "abcdefghijklmnopqrstuvwxyz"
 VALUE_SYMBOLS = "0123456789"
 NEWLINE, FACT, QUERY, EQUALS = "\n", "@", "?", "="
+LATER_SETTINGS = ("key_letters", "filler_words")  # RecallConfig fields added after GENERATOR_VERSION 1
 PLACEMENT_TRIES = 200  # random placements tried per fact before the document counts as too full
 
 # Filler words: common English words, so a tokenizer trained on them has whole-word tokens.
@@ -308,10 +309,9 @@ def recall_documents(data: DataConfig, tok: Tokenizer, filler: Filler, filler_ke
     """The training stream's `recall.docs` documents (seed `recall.seed`), generated as they are read."""
     cfg = data.recall
     sym, eod = Symbols.of(tok), eod_id(tok)
-    # settings at their defaults that came later stay out, so documents made before them keep their key
-    later = {"key_letters": 26, "filler_words": 0}
-    settings = json.dumps(cfg.model_dump(mode="json", exclude={k for k, v in later.items() if getattr(cfg, k) == v}),
-                          sort_keys=True)
+    # settings added later stay out at their defaults, so documents made before them keep their key
+    later = {k for k in LATER_SETTINGS if getattr(cfg, k) == RecallConfig.model_fields[k].default}
+    settings = json.dumps(cfg.model_dump(mode="json", exclude=later), sort_keys=True)
     key = hashlib.blake2b(
         f"recall:{GENERATOR_VERSION}:{settings}:{tokenizer_hash(tok)}:{filler_key}".encode(), digest_size=16
     ).hexdigest()
@@ -334,7 +334,7 @@ def describe(cfg: RecallConfig) -> str:
         f"recall: {cfg.docs} documents of {cfg.doc_tokens} tokens ({cfg.filler} filler"
         f"{f' of {cfg.filler_words} words' if cfg.filler_words else ''}), {cfg.facts} facts each, "
         f"distances {cfg.min_distance}..{cfg.max_distance}, keys of {cfg.key_length} letters"
-        f"{'' if cfg.key_letters == 26 else f' of the first {cfg.key_letters}'}, values of "
+        f"{'' if cfg.key_letters == len(KEY_SYMBOLS) else f' of the first {cfg.key_letters}'}, values of "
         f"{cfg.value_length} digits (chance: exact {chance['exact']:.2g}, per digit {chance['symbol']:.2g})"
     )
 
