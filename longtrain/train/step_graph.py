@@ -25,7 +25,6 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from longtrain.model.attention_types import linear
 from longtrain.model.cache import ModelCache
 
 
@@ -101,8 +100,6 @@ def graph_unusable(recipe, *, device_type: str, precision: str) -> str | None:
         return "fsdp gathers and reduces parameters in every chunk's pass"
     if recipe.attention.type == "full":
         return "full attention's cache grows chunk by chunk"
-    if linear(recipe.attention.type):
-        return "the linear attention types are not yet checked under a CUDA graph"
     if recipe.model.dropout > 0:
         return "dropout draws new masks per chunk"
     if precision == "fp16":

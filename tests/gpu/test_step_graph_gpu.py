@@ -63,13 +63,9 @@ def test_graph_replay_equals_eager(tmp_path, monkeypatch, attention):
 @pytest.mark.parametrize("attention,backend", [("sparsek+linear+sw", "naive"), ("sparsek+linear+sw", "triton"),
                                                ("linear+sw", "naive")])
 def test_the_linear_types_replay_like_eager(tmp_path, monkeypatch, attention, backend):
-    """Issue 38: with step_graph's gate for the linear types lifted, chunks replayed from a CUDA graph follow the
-    eager steps. Within rounding, not bitwise: the linear core's atomic adds and fla-core's kernels are not
-    repeatable bit for bit. A stale buffer or a dropped gradient differs by far more. When this passes on a GPU,
-    the gate (graph_unusable's linear check) can go."""
-    from longtrain.train import step_graph
-
-    monkeypatch.setattr(step_graph, "linear", lambda attention_type: False)
+    """Issue 38: chunks of the linear types replayed from a CUDA graph follow the eager steps (fit captures them
+    by default since this passed on an H100). Within rounding, not bitwise: the linear core's atomic adds and
+    fla-core's kernels are not repeatable bit for bit. A stale buffer or a dropped gradient differs by far more."""
     monkeypatch.setenv("LONGTRAIN_CACHE", str(tmp_path / "cache"))
     write_corpus(tmp_path / "corpus", n_docs=6, words=2500)
     sets = [f"attention.backend={backend}"]

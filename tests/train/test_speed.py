@@ -212,7 +212,7 @@ def test_cuda_graphs_are_used_where_a_run_allows_them(workspace, monkeypatch):
     assert unusable() is None
     assert "false" in unusable("train.cuda_graphs=false")
     assert "full attention" in unusable("attention.type=full", "attention.topk=0", "attention.window=0")
-    assert "linear" in unusable("attention.type=sparsek+linear+sw")
+    assert unusable("attention.type=sparsek+linear+sw") is None  # issue 38: replayed like eager on an H100 (tests/gpu)
     assert "dropout" in unusable("model.dropout=0.1")
     assert "fp16" in unusable("train.precision=fp16")
     assert "freeze" in unusable("train.freeze.steps=2")

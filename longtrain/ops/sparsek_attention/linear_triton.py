@@ -47,10 +47,10 @@ from longtrain.ops.sparsek_attention.triton_tiles import SOFT_KV, STRAIGHT_THROU
 # Launch settings per head dim (the entry of the largest key <= D): per kernel the queries per program QB (a
 # power of two; a block of G queries takes G / QB programs, min(QB, G)), the key tile BN and warps. Chosen so
 # that every kernel compiled for sm_90 (benchmarks/kernels_aot.py --linear, bf16) fits two programs per SM,
-# spilling a few registers in the D = 128 backward only. On an H100 the D = 64 backward takes 146 ms of a
-# 403 ms step at 12 x 768 (benchmarks/README.md); a whole block per program (QB = 64, BN = 16, 8 warps: half
-# the key-side atomic adds, no spills) took 149 ms, so the count of atomic adds is not what costs there. Both ran
-# the adds with Triton's default acq_rel semantics (a fence each); they are relaxed since, not yet timed.
+# spilling a few registers in the D = 128 backward only. On an H100 at 12 x 768 the D = 64 backward took 146 ms
+# a step with Triton's default acq_rel atomic adds (a fence each) and 52 ms with relaxed ones (benchmarks/README.md);
+# a whole block per program (QB = 64, BN = 16, 8 warps: half the adds, no spills) took 149 ms under acq_rel, so
+# the fences, not the count of adds, were the cost.
 # The interpreter (CPU tests) takes small tiles.
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LAUNCH = {
