@@ -32,7 +32,7 @@ from longtrain.model.scoring import mimic_score_weight
 from longtrain.train.checkpoint import storage as ckpt
 from longtrain.train.checkpoint.storage import RECIPE_FILE, TOKENIZER_FILE, beside, resolve_checkpoint
 from longtrain.train.lora import ADAPTER_KEYS, has_adapters, merge_lora, trains
-from longtrain.train.recipe import Recipe, load_recipe
+from longtrain.train.recipe import ModelConfig, Recipe, load_recipe
 
 
 def load_fit_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:
@@ -107,6 +107,10 @@ def init_from_checkpoint(model: nn.Module, source: str | Path, recipe) -> list[s
     model.load_state_dict(state, strict=False)
 
     notes = [f"initialised from {path} (weights only: fresh optimizer, schedule and data stream)"]
+    changed = model_differences(path, recipe.model)
+    if changed:  # the shapes fit, so nothing else would say it: e.g. a circuit trained with partial RoPE, fine-tuned without
+        notes.append(f"the model computes differently from the source's: {'; '.join(changed)} (the weights fit; intended for "
+                     "a RoPE change, otherwise leave out the recipe's `model:` section to take the source's)")
     if new_scores:
         how = recipe.attention.score_init
         if how == "mimic":
@@ -119,6 +123,27 @@ def init_from_checkpoint(model: nn.Module, source: str | Path, recipe) -> list[s
     elif has_adapters(state):
         notes.append("the source's LoRA adapters are loaded and train on")
     return notes
+
+
+# Keys that may differ from the source without changing what its weights compute.
+_TRAINING_ONLY = ("dropout", "init_std")
+
+
+def model_differences(source: str | Path, model: ModelConfig) -> list[str]:
+    """The `model:` settings in which `model` differs from the source run's saved recipe ("key source → here"),
+    beyond the training-only ones; none when the source has no recipe (an import's weights without one) or a key
+    is unset (null: a default) on either side."""
+    recipe_path = beside(Path(resolve_checkpoint(source)), RECIPE_FILE)
+    raw = (yaml.safe_load(recipe_path.read_text()) or {}).get("model") if recipe_path is not None else None
+    if not isinstance(raw, dict):
+        return []
+    try:
+        theirs = ModelConfig.model_validate(raw).model_dump()
+    except ValueError:
+        return []  # a recipe this version cannot read: the shape check above already spoke for the tensors
+    ours = model.model_dump()
+    return [f"{k} {theirs[k]} → {ours[k]}" for k in ours
+            if k not in _TRAINING_ONLY and theirs.get(k) is not None and ours[k] is not None and theirs[k] != ours[k]]
 
 
 def _mimic_scores(model: nn.Module, keys: list[str]) -> None:

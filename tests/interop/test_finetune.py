@@ -94,6 +94,15 @@ def test_finetune_recipe_takes_model_and_tokenizer_from_the_source(imported, tmp
         a = blk.attn
         assert torch.equal(a.scorer.weight, mimic_score_weight(a.q_proj.weight, a.k_proj.weight, 4, 2, 1))
     assert "2 scoring vectors are new (not in the source): initialised mimic" in notes
+    assert not any("computes differently" in n for n in notes)  # dropout is training-only
+
+
+def test_init_from_says_where_the_model_computes_differently(imported):
+    """Settings that keep the shapes (so the weights load) but change what the model computes are named."""
+    r = load_fit_recipe("finetune-llama", sets(overrides(imported, "model.rotary_pct=0.5", "model.rope_theta=20000")))
+    notes = init_from_checkpoint(LM(LMConfig.from_recipe(r.model, r.attention)), r.train.init_from, r)
+    changed = [n for n in notes if "computes differently" in n]
+    assert len(changed) == 1 and "rope_theta 5000.0 → 20000.0" in changed[0] and "rotary_pct 1.0 → 0.5" in changed[0], notes
 
 
 def test_fit_with_scorer_first_warmup_then_resume_after_a_kill(imported, tmp_path):
