@@ -405,7 +405,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=540.0, help="circuit/train: stop (with a checkpoint) after this many seconds")
     ap.add_argument("--circuit-budget-s", type=float, default=540.0, help="all: the circuit's budget (--budget-s is the models')")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra recipe override for every model (repeatable)")
-    ap.add_argument("--circuit-set", dest="circuit_sets", action="append", default=[], help="circuit: recipe override (repeatable)")
+    ap.add_argument("--circuit-set", dest="circuit_sets", action="append", default=[],
+                    help="circuit: recipe override (repeatable); model.* ones apply to stage 2 too (before --set)")
     ap.add_argument("--circuit-stage", dest="circuit_stages", action="append", default=[],
                     help="a curriculum stage before the circuit, space-separated overrides, e.g. "
                          "'data.recall.max_distance=32 train.steps=2000' (repeatable; each starts from the previous; "
@@ -430,7 +431,10 @@ def main() -> None:
     if skipped and (a.part == "circuit" or skipped == seeds):
         raise SystemExit(unformed_message(skipped, a.out))
     if a.part in ("train", "all"):
-        train(a.out, models, [s for s in seeds if s not in skipped], a.budget_s, a.sets)
+        # the circuit's model settings reach stage 2, which fine-tunes its weights (e.g. --circuit-set
+        # model.rotary_pct=0.5: without it stage 2 would load them into a model that computes differently)
+        circuit_model = [s for s in a.circuit_sets if s.startswith("model.")]
+        train(a.out, models, [s for s in seeds if s not in skipped], a.budget_s, [*circuit_model, *a.sets])
     if a.part in ("eval", "all"):
         evaluate(a.out, models, a.docs, a.device, a.sets)
     if a.part == "eval-one":

@@ -30,7 +30,8 @@ def test_stage_2_trains_the_formed_seeds_and_names_the_one_that_did_not_form(tmp
     def argv(part: str, seeds: str) -> list[str]:
         return ["recall_experiment.py", "--out", str(tmp_path), "--part", part, "--model", "sparsek", "--seeds", seeds,
                 "--device", "cpu", "--docs", "2", "--circuit-stage", "data.recall.max_distance=32 train.steps=2",
-                *[x for s in TOY for x in ("--circuit-set", s)], *[x for s in TOY_STAGE2 for x in ("--set", s)]]
+                *[x for s in [*TOY, "model.rotary_pct=0.5"] for x in ("--circuit-set", s)],
+                *[x for s in TOY_STAGE2 for x in ("--set", s)]]
 
     monkeypatch.setattr(sys, "argv", argv("all", "0,1"))
     with pytest.raises(SystemExit) as stop:
@@ -47,6 +48,8 @@ def test_stage_2_trains_the_formed_seeds_and_names_the_one_that_did_not_form(tmp
     assert not (tmp_path / "runs" / "sparsek-s1").exists()
     stage2 = yaml.safe_load((tmp_path / "runs" / "sparsek-s0" / "recipe.yaml").read_text())
     assert Path(stage2["train"]["init_from"]).name == "circuit-s0"
+    assert stage2["model"]["rotary_pct"] == 0.5  # the circuit's model settings reach stage 2
+    assert "computes differently" not in (tmp_path / "fit-sparsek-s0.log").read_text()
     assert (tmp_path / "eval" / "sparsek-s0.json").is_file() and (tmp_path / "table.md").is_file()
     # the curriculum stage ran first, at its own distances, and the circuit started from its weights
     stage = yaml.safe_load((tmp_path / "warmup0-s1" / "recipe.yaml").read_text())
