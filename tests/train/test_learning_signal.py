@@ -24,6 +24,16 @@ def test_deterministic_runs_repeat_every_logged_number_and_restore_torch_setting
     assert [[r.get(k) for k in keys] for r in a.values()] == [[r.get(k) for k in keys] for r in b.values()]
 
 
+def test_a_deterministic_run_says_the_linear_types_leave_their_triton_core(workspace):
+    tmp, recipe = workspace
+    path = recipe()
+    sets = ["attention.type=sparsek+linear+sw", "attention.backend=triton", "train.steps=1"]
+    out, _ = fit(tmp, path, "det", *sets, "train.deterministic=true")
+    assert "deterministic runs the linear types' naive core" in out
+    out, _ = fit(tmp, path, "fast", *sets)
+    assert "naive core" not in out
+
+
 def test_score_distillation_is_logged_and_changes_training_not_the_first_forward(workspace):
     tmp, recipe = workspace
     path = recipe()
