@@ -3,7 +3,8 @@ through Triton's interpreter (issue 38).
 
 Fresh random inputs at awkward shapes: L not a multiple of the block, chunks continuing from a cache (pool,
 tail and linear state non-empty), GQA, padded rows, Linear+SW (k = 0), the three variants, a document start
-where S is complete; forward and every input's gradient in float32, a bfloat16 forward, and a model step.
+where S is complete; forward and every input's gradient in float32, a bfloat16 forward, and a model step; each with
+the pool keys' gradients from the query-major kernel and from the pool walk (LAUNCH's walk entry).
 """
 
 import os
@@ -23,6 +24,16 @@ from longtrain.ops.sparsek_attention.linear_triton import _theta32, sparsek_line
 from longtrain.ops.sparsek_attention.naive import LinearTerms, sparsek_attention_core_naive  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, params=[0, 1], ids=["atomics", "pool-walk"])
+def pool_walk(request, monkeypatch):
+    """Every test twice: the pool keys' gradients by the query-major kernel's atomic adds, and by the pool walk."""
+    from longtrain.ops.sparsek_attention import linear_triton as LT
+
+    for entry in LT.LAUNCH.values():
+        monkeypatch.setitem(entry, "walk", dict(entry["walk"], on=request.param))
+    return request.param
 
 
 def inputs(B, T, H, Hkv, D, dtype=torch.float32):
