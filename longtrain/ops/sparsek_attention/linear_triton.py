@@ -228,10 +228,10 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _pair_grads(q, phq, do, delta, inv, e_m, M, qp, thu, thp, tau, complete, k, v, phk, u, kp, window, scale,
-                VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
-    """[QB, BN] per (query, key) pair, recomputed as the forward made it: the weight w and the gradients through the
-    ungated logits (dr), phi(q).phi(k) (dlin) and the gate where it reaches u and tau (dm)."""
+def _pair_weights(q, phq, e_m, M, qp, thu, thp, tau, complete, k, phk, u, kp, window, scale,
+                  VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr):
+    """[QB, BN] per (query, key) pair, recomputed as the forward made it: the weight w and what its gradient needs
+    (the gate g, where dg reaches u and tau, the ungated logits r, e^{s - M}, phi(q).phi(k) and the linear factor c)."""
     in_win, sel = _masks(qp, thu, thp, kp, u, window, HAS_TOPK)
     g, dmask = _gate(sel, u, tau, VARIANT)
     r = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # the ungated logits
@@ -242,18 +242,7 @@ def _pair_grads(q, phq, do, delta, inv, e_m, M, qp, thu, thp, tau, complete, k, 
     e = tl.exp(tl.where(att, s - M[:, None], float("-inf")))
     lin = tl.dot(phq, tl.trans(phk), input_precision=PREC)
     c = tl.where(sel, tl.where(complete[:, None], 1.0 - g, -g), 0.0)
-    w = g * e + c * e_m[:, None] * lin
-
-    dw = (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]) * inv[:, None]  # dO_i.(v_j - o_i) / den_i
-    ds = dw * g * e  # through e^{s - M}
-    dr = ds
-    if VARIANT == SOFT_KV:
-        dr = ds * g
-    dlin = dw * c * e_m[:, None]
-    dg = dw * (e - e_m[:, None] * lin)  # c = -g or 1 - g: dc/dg = -1
-    if VARIANT == SOFT_KV:
-        dg += ds * r
-    return w, dr, dlin, tl.where(dmask, dg, 0.0)  # window keys' gate is the constant 1
+    return g * e + c * e_m[:, None] * lin, g, dmask, r, e, lin, c
 
 
 @triton.jit
@@ -264,26 +253,16 @@ def _bwd_tile(dq, dphq, dtau, q, phq, do, do_n, delta, inv, e_m, M, qp, thu, thp
               PREC: tl.constexpr, KEY_SIDE: tl.constexpr, FROM: tl.constexpr):
     """One key tile j0 of _bwd_kernel: dq [QB, D], dphq [QB, F] and dtau [QB] plus the tile's terms and, if KEY_SIDE,
     the key-side gradients of the tile's keys (if FROM, those at list index >= key_from) added into the float32
-    buffers. The pair terms are _pair_grads', written out in the order that kept this kernel's registers: with
-    _pair_grads called here, ptxas spilled (kernels_aot.py, sm_90)."""
+    buffers. The gradient terms are written out in this order (the walk has them too) because ptxas spilled
+    registers here when they came from one helper before dq's and dphq's dots (kernels_aot.py, sm_90)."""
     ke, kv, safe, u, kp = _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN)
     kh = (b * n_ext + safe) * n_kv + kvh
     k = tl.load(k_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, D]
     v = tl.load(v_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)
     phk = tl.load(phk_ptr + kh[:, None] * F + f[None, :], mask=kv[:, None], other=0.0).to(tl.float32)
 
-    in_win, sel = _masks(qp, thu, thp, kp, u, window, HAS_TOPK)
-    g, dmask = _gate(sel, u, tau, VARIANT)
-    r = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [QB, BN] the ungated logits
-    s = r
-    if VARIANT == SOFT_KV:
-        s = r * g
-    att = in_win | sel
-    e = tl.exp(tl.where(att, s - M[:, None], float("-inf")))
-    lin = tl.dot(phq, tl.trans(phk), input_precision=PREC)
-    c = tl.where(sel, tl.where(complete[:, None], 1.0 - g, -g), 0.0)
-    w = g * e + c * e_m[:, None] * lin
-
+    w, g, dmask, r, e, lin, c = _pair_weights(q, phq, e_m, M, qp, thu, thp, tau, complete, k, phk, u, kp, window,
+                                              scale, VARIANT, HAS_TOPK, PREC)  # [QB, BN]
     dw = (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]) * inv[:, None]  # dO_i.(v_j - o_i) / den_i
     ds = dw * g * e  # through e^{s - M}
     dr = ds
@@ -440,8 +419,16 @@ def _pool_walk_kernel(
                 inv = 1.0 / tl.load(l_ptr + bh * n_queries + i, mask=qm, other=float("inf"))
                 delta = tl.sum(do * o, 1)
                 e_m = tl.exp(-M)
-                w, dr, dlin, dm = _pair_grads(q, phq, do, delta, inv, e_m, M, qp, thu, thp, tau, complete,
-                                              k, v, phk, u, kp, window, scale, VARIANT, True, PREC)
+                w, g, dmask, rr, e, lin, c = _pair_weights(q, phq, e_m, M, qp, thu, thp, tau, complete, k, phk, u, kp,
+                                                           window, scale, VARIANT, True, PREC)  # [QB, SB]
+                dw = (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]) * inv[:, None]
+                dr = dw * g * e
+                dg = dw * (e - e_m[:, None] * lin)
+                if VARIANT == SOFT_KV:
+                    dg += dr * rr
+                    dr = dr * g
+                dlin = dw * c * e_m[:, None]
+                dm = tl.where(dmask, dg, 0.0)
                 dk += tl.dot(tl.trans(dr), q, input_precision=PREC) * scale
                 dv += tl.dot(tl.trans(w), do * inv[:, None], input_precision=PREC)
                 dphk += tl.dot(tl.trans(dlin), phq, input_precision=PREC)
