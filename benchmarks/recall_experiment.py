@@ -180,6 +180,7 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
                                           out / f"fit-{circuit_dir(out, s).name}.log") for s in pending}
             if wait_all(procs, budget_s - (time.monotonic() - t0)):
                 save_circuit_state(out, state)
+                log_progress(out, pending, device)
                 stop_at_budget("circuit")
             for s in pending:
                 state[str(s)]["recall"] = circuit_recall(circuit_dir(out, s), device)
@@ -191,6 +192,21 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
         log(f"circuit not formed for seeds {extend} (< {CIRCUIT_FORMED}): training them {base} more steps")
         for s in extend:
             state[str(s)] = {"steps": state[str(s)]["steps"] + base, "recall": None}
+
+
+def log_progress(out: Path, seeds: list[int | None], device: str) -> None:
+    """Each stopped circuit's recall so far (its latest checkpoint), so that a circuit resumed across calls shows
+    whether it is forming; not recorded: only a finished circuit's recall decides (circuit.json)."""
+    for s in seeds:
+        run = circuit_dir(out, s)
+        if (run / "checkpoints").is_dir():
+            log(f"{run.name} so far: recall {circuit_recall(run, device):.2f} at step {last_step(run)} (not final)")
+
+
+def last_step(run: Path) -> int | None:
+    metrics = run / "metrics.jsonl"
+    steps = [json.loads(x).get("step") for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+    return max([x for x in steps if x is not None], default=None)
 
 
 def circuit_state(out: Path) -> dict:

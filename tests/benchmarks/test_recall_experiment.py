@@ -64,6 +64,26 @@ def test_stage_2_trains_the_formed_seeds_and_names_the_one_that_did_not_form(tmp
     assert not (tmp_path / "runs" / "sparsek-s1").exists()
 
 
+def test_a_circuit_stopped_by_the_budget_logs_its_recall_so_far_and_resumes_unmeasured(tmp_path, monkeypatch, capsys):
+    import recall_experiment as rx
+
+    monkeypatch.setattr(rx, "circuit_recall", lambda run_dir, device: 0.42)
+
+    def budget_ran_out(procs, budget_s):  # the runs finish (checkpoints written), then the budget counts as spent
+        for p in procs.values():
+            p.wait()
+        return list(procs)
+
+    monkeypatch.setattr(rx, "wait_all", budget_ran_out)
+    monkeypatch.setattr(sys, "argv", ["recall_experiment.py", "--out", str(tmp_path), "--part", "circuit", "--seeds", "3",
+                                      "--device", "cpu", "--circuit-stage", "none",
+                                      *[x for s in TOY for x in ("--circuit-set", s)]])
+    with pytest.raises(SystemExit, match="time budget ran out"):
+        rx.main()
+    assert "circuit-s3 so far: recall 0.42 at step 2 (not final)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "circuit.json").read_text())["3"] == {"steps": 2, "recall": None}  # measured on resume
+
+
 def test_the_circuit_trains_after_the_default_curriculum_and_none_turns_it_off():
     import recall_experiment as rx
     from longtrain.train.recipe import load_recipe
