@@ -4,7 +4,7 @@ through Triton's interpreter (issue 38).
 Fresh random inputs at awkward shapes: L not a multiple of the block, chunks continuing from a cache (pool,
 tail and linear state non-empty), GQA, padded rows, Linear+SW (k = 0), the three variants, a document start
 where S is complete; forward and every input's gradient in float32, a bfloat16 forward, and a model step; each with
-the pool keys' gradients from the query-major kernel and from the pool walk (LAUNCH's walk entry).
+LAUNCH's kernel variants off and on.
 """
 
 import os
@@ -26,13 +26,15 @@ from longtrain.ops.sparsek_attention.naive import LinearTerms, sparsek_attention
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True, params=[0, 1], ids=["atomics", "pool-walk"])
-def pool_walk(request, monkeypatch):
-    """Every test twice: the pool keys' gradients by the query-major kernel's atomic adds, and by the pool walk."""
+@pytest.fixture(autouse=True, params=[0, 1], ids=["base", "walk+interior"])
+def kernel_variants(request, monkeypatch):
+    """Every test twice: LAUNCH's variants off, and on (the pool walk for the pool keys' gradients, the forward's
+    window-interior tiles without masks)."""
     from longtrain.ops.sparsek_attention import linear_triton as LT
 
     for entry in LT.LAUNCH.values():
         monkeypatch.setitem(entry, "walk", dict(entry["walk"], on=request.param))
+        monkeypatch.setitem(entry, "fwd", dict(entry["fwd"], interior=request.param))
     return request.param
 
 
@@ -83,6 +85,7 @@ CASES = [
     (45, [13, 32], 3, 9, 2, 2, 32, "straight_through", 16),
     (30, [18, 12], 40, 5, 2, 2, 16, "hard_k_soft_v", 16),  # k above every candidate count: S complete throughout
     (70, [38, 32], 6, 20, 3, 1, 16, "soft_kv", 32),  # window longer than a block, several blocks
+    (90, [50, 40], 10, 40, 2, 1, 16, "hard_k_soft_v", 16),  # a band tile inside every query's window (fwd.interior)
 ]
 
 

@@ -57,14 +57,17 @@ from longtrain.ops.sparsek_attention.triton_tiles import SOFT_KV, STRAIGHT_THROU
 # the fences, not the count of adds, were the cost.
 # The interpreter (CPU tests) takes small tiles.
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# walk: the pool keys' gradients by _pool_walk_kernel (on=1; SB slots, SEG blocks and QB queries a step per
-# program) instead of the query-major kernel's atomic adds (on=0). Off until timed on a GPU against on=0
-# (`benchmarks/linear_core_ab.py --try walk.on=1`): the CPU tests compare both with the naive core.
+# Two kernel variants, off until a GPU has timed them against off (`benchmarks/linear_core_ab.py --try fwd.interior=1
+# --try walk.on=1`); the CPU tests compare both ways with the naive core:
+#   fwd.interior  the key tiles inside every query's window without the masks, the gate and the linear part
+#                 (_interior; at D = 64 it spills a few registers at QB 64 / BN 32, none at BN 16);
+#   walk.on       the pool keys' gradients by _pool_walk_kernel (SB slots, SEG blocks and QB queries a step per
+#                 program) instead of the query-major kernel's atomic adds.
 LAUNCH = {
-    64: dict(fwd=dict(QB=64, BN=32, num_warps=4, num_stages=1),
+    64: dict(fwd=dict(QB=64, BN=32, num_warps=4, num_stages=1, interior=0),
              bwd=dict(QB=32, BN=32, num_warps=4, num_stages=1),
              walk=dict(on=0, QB=16, SB=32, SEG=16, num_warps=4, num_stages=1)),
-    128: dict(fwd=dict(QB=32, BN=32, num_warps=4, num_stages=1),
+    128: dict(fwd=dict(QB=32, BN=32, num_warps=4, num_stages=1, interior=0),
               bwd=dict(QB=16, BN=32, num_warps=4, num_stages=1),
               walk=dict(on=0, QB=16, SB=16, SEG=16, num_warps=8, num_stages=1)),
 }
@@ -172,13 +175,58 @@ def _program(q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, n_q
 
 
 @triton.jit
+def _interior(n_pool, blk, window, G: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr):
+    """[lo, hi): the key tiles of the block's list inside the window of every query of this program (band entry e
+    holds position i0 - w + 1 + e for block start i0, so e is in query i0 + t's window iff t <= e <= t + w - 1).
+    There the gate is 1 and the linear part 0 (block_key_indices' layout; the positions agree, as in the
+    SparseK+SW kernels' band tiles), so these tiles skip the masks, the gate and phi(q).phi(k)."""
+    t0 = tl.program_id(0) * QB - blk * G  # the program's first query, in its block
+    lo = (n_pool + t0 + QB - 1 + BN - 1) // BN * BN
+    return lo, tl.maximum(lo, (n_pool + t0 + window) // BN * BN)
+
+
+@triton.jit
+def _fwd_tile(M, acc, den, has, q, phq, qp, thu, thp, tau, complete, d, f, b, blk, kvh, n_kv, j0,
+              k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr, n_blocks, n_keys, n_ext, window, scale,
+              BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr,
+              PREC: tl.constexpr, INTERIOR: tl.constexpr):
+    """_fwd_kernel's running max, sums and key flags after key tile j0 (INTERIOR: inside every query's window)."""
+    ke, kv, safe, u, kp = _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN)
+    kh = (b * n_ext + safe) * n_kv + kvh  # [BN] rows of the [B, N, Hkv, .] tensors
+    k = tl.load(k_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, D]
+    v = tl.load(v_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [QB, BN]
+    if INTERIOR:
+        att = (kp[None, :] >= 0) & (qp[:, None] >= 0)
+        m_new = tl.maximum(M, tl.max(tl.where(att, s, float("-inf")), 1))
+        w = tl.exp(tl.where(att, s - m_new[:, None], float("-inf")))  # gate 1, no linear part
+    else:
+        phk = tl.load(phk_ptr + kh[:, None] * F + f[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, F]
+        in_win, sel = _masks(qp, thu, thp, kp, u, window, HAS_TOPK)
+        g, _ = _gate(sel, u, tau, VARIANT)
+        if VARIANT == SOFT_KV:
+            s = s * g
+        att = in_win | sel
+        m_new = tl.maximum(M, tl.max(tl.where(att, s, float("-inf")), 1))
+        e = tl.exp(tl.where(att, s - m_new[:, None], float("-inf")))  # 0 off S u W
+        lin = tl.dot(phq, tl.trans(phk), input_precision=PREC)  # phi(q_i).phi(k_j)
+        c = tl.where(sel, tl.where(complete[:, None], 1.0 - g, -g), 0.0)
+        w = g * e + c * tl.exp(-m_new)[:, None] * lin
+    alpha = tl.exp(M - m_new)
+    acc = acc * alpha[:, None] + tl.dot(w, v, input_precision=PREC)
+    den = den * alpha + tl.sum(w, 1)
+    has = tl.maximum(has, tl.max(att.to(tl.int32), 1))
+    return m_new, acc, den, has
+
+
+@triton.jit
 def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, u_ptr, pos_ptr, phq_ptr, phk_ptr, num_ptr, den_ptr,
     keys_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr,
     o_ptr, m_ptr, l_ptr,  # out
-    n_queries, n_ext, n_heads, group, n_blocks, n_keys, topk, window, scale,
+    n_queries, n_ext, n_heads, group, n_blocks, n_keys, n_pool, topk, window, scale,
     G: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
-    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
+    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, INTERIOR: tl.constexpr,
 ):
     """o of query block blk and one head over the block's keys, and its M and denominator (module doc).
     Every tensor is contiguous: q, o, num [B, L, H, D], phq [B, L, H, F], k, v [B, N, Hkv, D], phk [B, N, Hkv, F]."""
@@ -190,29 +238,20 @@ def _fwd_kernel(
     acc = tl.zeros([QB, D], tl.float32)  # sum_j w_ij v_j at the running M
     den = tl.zeros([QB], tl.float32)  # sum_j w_ij
     has = tl.zeros([QB], tl.int32)  # queries with a key (padding has none)
-    for j0 in range(0, n_keys, BN):
-        ke, kv, safe, u, kp = _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN)
-        kh = (b * n_ext + safe) * n_kv + kvh  # [BN] rows of the [B, N, Hkv, .] tensors
-        k = tl.load(k_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, D]
-        v = tl.load(v_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)
-        phk = tl.load(phk_ptr + kh[:, None] * F + f[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, F]
-
-        in_win, sel = _masks(qp, thu, thp, kp, u, window, HAS_TOPK)
-        g, _ = _gate(sel, u, tau, VARIANT)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [QB, BN]
-        if VARIANT == SOFT_KV:
-            s = s * g
-        att = in_win | sel
-        m_new = tl.maximum(M, tl.max(tl.where(att, s, float("-inf")), 1))
-        alpha = tl.exp(M - m_new)
-        e = tl.exp(tl.where(att, s - m_new[:, None], float("-inf")))  # 0 off S u W
-        lin = tl.dot(phq, tl.trans(phk), input_precision=PREC)  # phi(q_i).phi(k_j)
-        c = tl.where(sel, tl.where(complete[:, None], 1.0 - g, -g), 0.0)
-        w = g * e + c * tl.exp(-m_new)[:, None] * lin
-        acc = acc * alpha[:, None] + tl.dot(w, v, input_precision=PREC)
-        den = den * alpha + tl.sum(w, 1)
-        has = tl.maximum(has, tl.max(att.to(tl.int32), 1))
-        M = m_new
+    lo, hi = 0, 0
+    if INTERIOR:  # (compiled only then: LAUNCH's fwd.interior)
+        lo, hi = _interior(n_pool, blk, window, G, QB, BN)
+    # Every mask on the tiles outside [lo, hi) (the pool, the band's start and its end at the diagonal), in one loop:
+    # with a loop for each side the kernel spilled registers (kernels_aot.py, sm_90). Then the window's interior.
+    for t in range(0, lo + (n_keys - hi + BN - 1) // BN * BN, BN):
+        j0 = t + (hi - lo) * (t >= lo)
+        M, acc, den, has = _fwd_tile(M, acc, den, has, q, phq, qp, thu, thp, tau, complete, d, f, b, blk, kvh, n_kv, j0,
+                                     k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr, n_blocks, n_keys, n_ext, window,
+                                     scale, BN, D, F, VARIANT, HAS_TOPK, PREC, False)
+    for j0 in range(lo, hi, BN):  # (none unless INTERIOR)
+        M, acc, den, has = _fwd_tile(M, acc, den, has, q, phq, qp, thu, thp, tau, complete, d, f, b, blk, kvh, n_kv, j0,
+                                     k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr, n_blocks, n_keys, n_ext, window,
+                                     scale, BN, D, F, VARIANT, HAS_TOPK, PREC, True)
 
     # The linear sums beyond the window, unless S is complete (then they hold S only, counted above).
     e_lin = tl.where(complete, 0.0, tl.exp(-M))
@@ -486,9 +525,10 @@ def linear_fwd(
         q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, phq_ptr=phq, phk_ptr=phk, num_ptr=num, den_ptr=den,
         keys_ptr=keys, q_pos_ptr=q_pos, theta_u_ptr=theta_u, theta_pos_ptr=theta_pos, tau_ptr=tau,
         o_ptr=o, m_ptr=M, l_ptr=den_o,
-        n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, topk=topk, window=window, scale=scale,
+        n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, n_pool=Kb - (window + block - 1),
+        topk=topk, window=window, scale=scale,
         G=block, QB=cfg["QB"], BN=cfg["BN"], D=D, F=F, VARIANT=variant, HAS_TOPK=topk > 0, PREC=_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        INTERIOR=bool(cfg["interior"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, M, den_o
 
