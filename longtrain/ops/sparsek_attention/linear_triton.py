@@ -57,18 +57,18 @@ from longtrain.ops.sparsek_attention.triton_tiles import SOFT_KV, STRAIGHT_THROU
 # the fences, not the count of adds, were the cost.
 # The interpreter (CPU tests) takes small tiles.
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Two kernel variants, off until a GPU has timed them against off (`benchmarks/linear_core_ab.py --try fwd.interior=1
-# --try walk.on=1`); the CPU tests compare both ways with the naive core:
-#   fwd.interior  the key tiles inside every query's window without the masks, the gate and the linear part
-#                 (_interior; at D = 64 it spills a few registers at QB 64 / BN 32, none at BN 16);
+# Kernel variants, off until a GPU has timed them against off (`benchmarks/linear_core_ab.py --try
+# fwd.interior=1,bwd.interior=1 --try walk.on=1`); the CPU tests compare both ways with the naive core:
+#   fwd.interior, bwd.interior  the key tiles inside every query's window without the masks, the gate and the
+#                 linear part (_interior; the forward at D = 64 spills a few registers at QB 64 / BN 32, none at BN 16);
 #   walk.on       the pool keys' gradients by _pool_walk_kernel (SB slots, SEG blocks and QB queries a step per
 #                 program) instead of the query-major kernel's atomic adds.
 LAUNCH = {
     64: dict(fwd=dict(QB=64, BN=32, num_warps=4, num_stages=1, interior=0),
-             bwd=dict(QB=32, BN=32, num_warps=4, num_stages=1),
+             bwd=dict(QB=32, BN=32, num_warps=4, num_stages=1, interior=0),
              walk=dict(on=0, QB=16, SB=32, SEG=16, num_warps=4, num_stages=1)),
     128: dict(fwd=dict(QB=32, BN=32, num_warps=4, num_stages=1, interior=0),
-              bwd=dict(QB=16, BN=32, num_warps=4, num_stages=1),
+              bwd=dict(QB=16, BN=32, num_warps=4, num_stages=1, interior=0),
               walk=dict(on=0, QB=16, SB=16, SEG=16, num_warps=8, num_stages=1)),
 }
 
@@ -331,15 +331,37 @@ def _bwd_tile(dq, dphq, dtau, q, phq, do, do_n, delta, inv, e_m, M, qp, thu, thp
 
 
 @triton.jit
+def _bwd_interior_tile(dq, q, do, do_n, delta, inv, M, qp, d, b, blk, kvh, n_kv, j0, k_ptr, v_ptr, u_ptr, pos_ptr,
+                       keys_ptr, dk_ptr, dv_ptr, n_blocks, n_keys, n_ext, scale,
+                       BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr):
+    """_bwd_tile on a tile inside every query's window (_interior): gate 1 and no linear part, so only dq, dk and dv
+    (whatever the variant: soft_kv's logits times a gate of 1 are the logits)."""
+    ke, kv, safe, u, kp = _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN)
+    kh = (b * n_ext + safe) * n_kv + kvh
+    k = tl.load(k_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, D]
+    v = tl.load(v_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)
+    att = (kp[None, :] >= 0) & (qp[:, None] >= 0)
+    w = tl.exp(tl.where(att, tl.dot(q, tl.trans(k), input_precision=PREC) * scale - M[:, None], float("-inf")))
+    dr = (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]) * inv[:, None] * w
+    dq += tl.dot(dr, k, input_precision=PREC) * scale
+    tl.atomic_add(dk_ptr + kh[:, None] * D + d[None, :], tl.dot(tl.trans(dr), q, input_precision=PREC) * scale,
+                  mask=kv[:, None], sem="relaxed")
+    tl.atomic_add(dv_ptr + kh[:, None] * D + d[None, :], tl.dot(tl.trans(w), do_n, input_precision=PREC),
+                  mask=kv[:, None], sem="relaxed")
+    return dq
+
+
+@triton.jit
 def _bwd_kernel(
     q_ptr, k_ptr, v_ptr, u_ptr, pos_ptr, phq_ptr, phk_ptr,
     keys_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr,
     o_ptr, m_ptr, l_ptr, do_ptr,
     dq_ptr, dphq_ptr, dtau_ptr, dnum_ptr, dden_ptr,  # out, query-side: written
     dk_ptr, dv_ptr, dphk_ptr, du_ptr,  # out, key-side: float32, added to
-    n_queries, n_ext, n_heads, group, n_blocks, n_keys, topk, window, scale, key_from,
+    n_queries, n_ext, n_heads, group, n_blocks, n_keys, n_pool, topk, window, scale, key_from,
     G: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
     VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, POOL_WALK: tl.constexpr,
+    INTERIOR: tl.constexpr,
 ):
     """Gradients of query block blk and one head, recomputing w per key tile (module doc). dk, dv [B, N, Hkv, D],
     dphk [B, N, Hkv, F] and du [B, N] sum over blocks and heads by atomic adds, of the keys at list index >=
@@ -368,11 +390,23 @@ def _bwd_kernel(
                 dq, dphq, dtau, q, phq, do, do_n, delta, inv, e_m, M, qp, thu, thp, tau, complete, d, f, b, blk, kvh,
                 n_kv, j0, key_from, k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr, dk_ptr, dv_ptr, dphk_ptr, du_ptr,
                 n_blocks, n_keys, n_ext, window, scale, BN, D, F, VARIANT, HAS_TOPK, PREC, False, False)
-    for j0 in range(band_from, n_keys, BN):
-        dq, dphq, dtau = _bwd_tile(
-            dq, dphq, dtau, q, phq, do, do_n, delta, inv, e_m, M, qp, thu, thp, tau, complete, d, f, b, blk, kvh,
-            n_kv, j0, key_from, k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr, dk_ptr, dv_ptr, dphk_ptr, du_ptr,
-            n_blocks, n_keys, n_ext, window, scale, BN, D, F, VARIANT, HAS_TOPK, PREC, True, POOL_WALK)
+    if INTERIOR:  # the tiles outside [lo, hi) in one loop, as in _fwd_kernel, then the window's interior
+        lo, hi = _interior(n_pool, blk, window, G, QB, BN)
+        for t in range(band_from, lo + (n_keys - hi + BN - 1) // BN * BN, BN):
+            dq, dphq, dtau = _bwd_tile(
+                dq, dphq, dtau, q, phq, do, do_n, delta, inv, e_m, M, qp, thu, thp, tau, complete, d, f, b, blk, kvh,
+                n_kv, t + (hi - lo) * (t >= lo), key_from, k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr, dk_ptr,
+                dv_ptr, dphk_ptr, du_ptr, n_blocks, n_keys, n_ext, window, scale, BN, D, F, VARIANT, HAS_TOPK, PREC,
+                True, POOL_WALK)
+        for j0 in range(lo, hi, BN):
+            dq = _bwd_interior_tile(dq, q, do, do_n, delta, inv, M, qp, d, b, blk, kvh, n_kv, j0, k_ptr, v_ptr, u_ptr,
+                                    pos_ptr, keys_ptr, dk_ptr, dv_ptr, n_blocks, n_keys, n_ext, scale, BN, D, PREC)
+    else:
+        for j0 in range(band_from, n_keys, BN):
+            dq, dphq, dtau = _bwd_tile(
+                dq, dphq, dtau, q, phq, do, do_n, delta, inv, e_m, M, qp, thu, thp, tau, complete, d, f, b, blk, kvh,
+                n_kv, j0, key_from, k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr, dk_ptr, dv_ptr, dphk_ptr, du_ptr,
+                n_blocks, n_keys, n_ext, window, scale, BN, D, F, VARIANT, HAS_TOPK, PREC, True, POOL_WALK)
 
     e_lin = tl.where(complete, 0.0, e_m)  # the linear sums' factor (0 when S is complete)
     tl.store(dq_ptr + qh[:, None] * D + d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=qm[:, None])
@@ -560,9 +594,9 @@ def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_po
         dq_ptr=dq, dphq_ptr=dphq, dtau_ptr=dtau, dnum_ptr=dnum, dden_ptr=dden,
         dk_ptr=dk, dv_ptr=dv, dphk_ptr=dphk, du_ptr=du,
         n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, topk=topk, window=window, scale=scale,
-        key_from=n_slots if walking else 0,
+        key_from=n_slots if walking else 0, n_pool=n_slots,
         G=block, QB=cfg["QB"], BN=cfg["BN"], D=D, F=F, VARIANT=variant, HAS_TOPK=topk > 0, PREC=_precision(q.dtype),
-        POOL_WALK=walking, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        POOL_WALK=walking, INTERIOR=bool(cfg["interior"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if walking:
         _pool_walk_kernel[(triton.cdiv(n_slots, walk["SB"]), B * Hkv, triton.cdiv(nb, walk["SEG"]))](
