@@ -356,7 +356,7 @@ def _bwd_kernel(
     q_ptr, k_ptr, v_ptr, u_ptr, pos_ptr, phq_ptr, phk_ptr,
     keys_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr,
     o_ptr, m_ptr, l_ptr, do_ptr,
-    dq_ptr, dphq_ptr, dtau_ptr, dnum_ptr, dden_ptr,  # out, query-side: written
+    dq_ptr, dphq_ptr, dtau_ptr, dnum_ptr, dden_ptr, delta_ptr,  # out, query-side: written (delta if POOL_WALK)
     dk_ptr, dv_ptr, dphk_ptr, du_ptr,  # out, key-side: float32, added to
     n_queries, n_ext, n_heads, group, n_blocks, n_keys, n_pool, topk, window, scale, key_from,
     G: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
@@ -382,6 +382,7 @@ def _bwd_kernel(
     dtau = tl.zeros([QB], tl.float32)
     band_from = 0
     if POOL_WALK:  # (compiled only then: the loop's code costs the other path registers, kernels_aot.py showed)
+        tl.store(delta_ptr + bh * n_queries + i, delta, mask=qm)  # read by the walk: it need not load o
         # Two loops, not a branch per tile around the key-side dots (Triton 3.6 crashed on a dot inside a branch,
         # gpu_notes.md v12b): the tiles wholly below key_from add nothing to the keys.
         band_from = key_from // BN * BN
@@ -433,7 +434,7 @@ def _flush(dk_ptr, dv_ptr, dphk_ptr, du_ptr, held, out, dk, dv, dphk, du, b, kvh
 def _pool_walk_kernel(
     q_ptr, k_ptr, v_ptr, u_ptr, pos_ptr, phq_ptr, phk_ptr,
     pool_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr,
-    o_ptr, m_ptr, l_ptr, do_ptr,
+    delta_ptr, m_ptr, l_ptr, do_ptr,  # delta: dO . o [B, H, L] (_bwd_kernel's)
     dk_ptr, dv_ptr, dphk_ptr, du_ptr,  # out, key-side: float32, added to
     n_queries, n_ext, n_heads, group, n_blocks, n_slots, topk, window, scale,
     G: tl.constexpr, QB: tl.constexpr, SB: tl.constexpr, SEG: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
@@ -487,10 +488,9 @@ def _pool_walk_kernel(
                 q = tl.load(q_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
                 phq = tl.load(phq_ptr + qh[:, None] * F + f[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
                 do = tl.load(do_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
-                o = tl.load(o_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
                 M = tl.load(m_ptr + bh * n_queries + i, mask=qm, other=0.0)
                 inv = 1.0 / tl.load(l_ptr + bh * n_queries + i, mask=qm, other=float("inf"))
-                delta = tl.sum(do * o, 1)
+                delta = tl.load(delta_ptr + bh * n_queries + i, mask=qm, other=0.0)
                 e_m = tl.exp(-M)
                 w, g, dmask, rr, e, lin, c = _pair_weights(q, phq, e_m, M, qp, thu, thp, tau, complete, k, phk, u, kp,
                                                            window, scale, VARIANT, True, PREC)  # [QB, SB]
@@ -559,7 +559,7 @@ def linear_fwd(
         q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, phq_ptr=phq, phk_ptr=phk, num_ptr=num, den_ptr=den,
         keys_ptr=keys, q_pos_ptr=q_pos, theta_u_ptr=theta_u, theta_pos_ptr=theta_pos, tau_ptr=tau,
         o_ptr=o, m_ptr=M, l_ptr=den_o,
-        n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, n_pool=Kb - (window + block - 1),
+        n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, n_pool=_pool_len(keys, window, block),
         topk=topk, window=window, scale=scale,
         G=block, QB=cfg["QB"], BN=cfg["BN"], D=D, F=F, VARIANT=variant, HAS_TOPK=topk > 0, PREC=_precision(q.dtype),
         INTERIOR=bool(cfg["interior"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -567,8 +567,13 @@ def linear_fwd(
     return o, M, den_o
 
 
+def _pool_len(keys: torch.Tensor, window: int, block: int) -> int:
+    """K: the block lists [B, nb, K + w + G - 1] hold the pool first, then the band (block_key_indices)."""
+    return keys.shape[-1] - (window + block - 1)
+
+
 def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_pos, tau, o, M, den_o,
-               pool: torch.Tensor,  # [B, nb, K] int32 each block's pool in the scan's slots (-1: none)
+               block_pool: torch.Tensor,  # [B, nb, K] each block's pool in the scan's slots (-1: none), any int dtype
                do: torch.Tensor,  # [B, L, H, D] contiguous
                *, topk: int, window: int, scale: float, block: int, variant: int):
     """The backward kernels (arguments as linear_fwd's and its outputs): dq [B, L, H, D], dphq [B, L, H, F],
@@ -585,13 +590,14 @@ def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_po
     dphk, du = torch.zeros(B, N, Hkv, F, **f32), torch.zeros(B, N, **f32)
     cfgs = launch_settings(D, block)
     cfg, walk = cfgs["bwd"], cfgs["walk"]
-    n_slots = pool.shape[-1]  # K: the block lists hold the pool first, then the band
+    n_slots = _pool_len(keys, window, block)
     walking = bool(walk["on"]) and n_slots > 0
+    delta = torch.empty(B, H, L if walking else 0, **f32)  # dO . o per query and head: the walk reads it
     _bwd_kernel[(triton.cdiv(L, cfg["QB"]), B * H)](
         q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, phq_ptr=phq, phk_ptr=phk,
         keys_ptr=keys, q_pos_ptr=q_pos, theta_u_ptr=theta_u, theta_pos_ptr=theta_pos, tau_ptr=tau,
         o_ptr=o, m_ptr=M, l_ptr=den_o, do_ptr=do,
-        dq_ptr=dq, dphq_ptr=dphq, dtau_ptr=dtau, dnum_ptr=dnum, dden_ptr=dden,
+        dq_ptr=dq, dphq_ptr=dphq, dtau_ptr=dtau, dnum_ptr=dnum, dden_ptr=dden, delta_ptr=delta,
         dk_ptr=dk, dv_ptr=dv, dphk_ptr=dphk, du_ptr=du,
         n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, topk=topk, window=window, scale=scale,
         key_from=n_slots if walking else 0, n_pool=n_slots,
@@ -601,8 +607,8 @@ def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_po
     if walking:
         _pool_walk_kernel[(triton.cdiv(n_slots, walk["SB"]), B * Hkv, triton.cdiv(nb, walk["SEG"]))](
             q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, phq_ptr=phq, phk_ptr=phk,
-            pool_ptr=pool, q_pos_ptr=q_pos, theta_u_ptr=theta_u, theta_pos_ptr=theta_pos, tau_ptr=tau,
-            o_ptr=o, m_ptr=M, l_ptr=den_o, do_ptr=do,
+            pool_ptr=block_pool.to(dev, torch.int32).contiguous(), q_pos_ptr=q_pos, theta_u_ptr=theta_u,
+            theta_pos_ptr=theta_pos, tau_ptr=tau, delta_ptr=delta, m_ptr=M, l_ptr=den_o, do_ptr=do,
             dk_ptr=dk, dv_ptr=dv, dphk_ptr=dphk, du_ptr=du,
             n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_slots=n_slots, topk=topk, window=window,
             scale=scale, G=block, QB=walk["QB"], SB=walk["SB"], SEG=walk["SEG"], D=D, F=F, VARIANT=variant, PREC=_precision(q.dtype),
@@ -622,7 +628,6 @@ class _SparseKLinearTriton(torch.autograd.Function):
         nb = -(-L // block)
         keys = block_key_indices(block_pool.to(dev), N, topk, window, tail_slots, block, nb, pos_ext=pos_ext)
         keys = keys.to(torch.int32).contiguous()  # [B, nb, Kb]
-        pool = block_pool[:, :nb].to(dev, torch.int32).contiguous()  # [B, nb, K] the scan's slots: the pool walk's
         # Positions in int32 (documents below 2^31 tokens) and theta as _theta32: 32-bit tests in the kernels.
         pos = pos_ext.to(dev, torch.int32).contiguous()
         q, k_ext, v_ext = q.contiguous(), k_ext.contiguous(), v_ext.contiguous()
@@ -634,7 +639,9 @@ class _SparseKLinearTriton(torch.autograd.Function):
         args = dict(topk=topk, window=window, scale=scale, block=block, variant=VARIANT_CODE[variant])
         o, M, den_o = linear_fwd(q, k_ext, v_ext, u, pos, phq, phk, num, den, keys, qpos, thu, thp, tau_c,
                                            **args)
-        ctx.save_for_backward(q, k_ext, v_ext, u, pos, phq, phk, keys, qpos, thu, thp, tau_c, o, M, den_o, pool)
+        # block_pool as the scan gave it (stable slots), for the pool walk: cast only where it runs
+        ctx.save_for_backward(q, k_ext, v_ext, u, pos, phq, phk, keys, qpos, thu, thp, tau_c, o, M, den_o,
+                              block_pool[:, :nb])
         ctx.args = args
         ctx.dtypes = [x.dtype for x in (q, phq, tau, num, den, k_ext, v_ext, phk, u_ext)]
         return o
