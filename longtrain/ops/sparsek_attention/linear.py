@@ -106,13 +106,18 @@ def _beyond_window_sums(phq, phk, keys, cache: SparseKLinearCache, window: int, 
     return causal_linear_attention(phq, lagged(phk[:, K:]), lagged(keys.v[:, K:]), start_kv, start_k, backend=backend)
 
 
+def runs_triton_core(backend: str, deterministic: bool) -> bool:
+    """Whether attention.backend `backend` runs linear_triton.py's core: "triton" does, except under torch's
+    deterministic algorithms (train.deterministic), since its backward sums the keys' gradients with atomic adds,
+    whose order changes from run to run. auto and naive run the naive core: the Triton core follows it on an H100
+    (tests/gpu/test_linear_gpu.py) but its speed against it is not yet measured. fit's summary says it too."""
+    return backend == "triton" and not deterministic
+
+
 def linear_core(backend: str):
-    """The SparseK+Linear core `backend` names: "triton" (linear_triton.py's kernels; they warn and run the naive
-    core where they cannot) or the naive core. auto runs the naive core: the Triton core follows it on an H100
-    (tests/gpu/test_linear_gpu.py) but its speed against it is not yet measured. Under torch's deterministic
-    algorithms (train.deterministic) "triton" runs the naive core too: the Triton backward sums the keys' gradients
-    with atomic adds, whose order changes from run to run."""
-    if backend in ("auto", "naive") or torch.are_deterministic_algorithms_enabled():
+    """The SparseK+Linear core `backend` names (runs_triton_core): linear_triton.py's kernels (they warn and run
+    the naive core where they cannot) or the naive core."""
+    if not runs_triton_core(backend, torch.are_deterministic_algorithms_enabled()):
         return sparsek_attention_core_naive
     from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton
 
