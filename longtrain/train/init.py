@@ -49,11 +49,17 @@ def read_init_source(source: str | Path) -> tuple[dict, Path, str | None, dict]:
     if recipe_path is None or tok_path is None:
         missing = RECIPE_FILE if recipe_path is None else TOKENIZER_FILE
         raise RecipeError(f"train.init_from: checkpoint {path} has no {missing}; give the recipe a `model:` section and tokenizer.path")
-    raw = yaml.safe_load(recipe_path.read_text()) or {}
+    raw = saved_recipe(path)
     model, attention = raw.get("model"), raw.get("attention")
     if not isinstance(model, dict):
         raise RecipeError(f"train.init_from: {recipe_path} has no `model:` section")
     return model, tok_path, (raw.get("tokenizer") or {}).get("eod_token"), attention if isinstance(attention, dict) else {}
+
+
+def saved_recipe(checkpoint: Path) -> dict:
+    """The recipe saved beside a checkpoint, as YAML gives it ({} where there is none)."""
+    recipe_path = beside(checkpoint, RECIPE_FILE)
+    return (yaml.safe_load(recipe_path.read_text()) or {}) if recipe_path is not None else {}
 
 
 def check_init_source(source: str | Path) -> Path:
@@ -107,7 +113,7 @@ def init_from_checkpoint(model: nn.Module, source: str | Path, recipe) -> list[s
     model.load_state_dict(state, strict=False)
 
     notes = [f"initialised from {path} (weights only: fresh optimizer, schedule and data stream)"]
-    changed = model_differences(path, recipe.model)
+    changed = model_differences(saved_recipe(path).get("model"), recipe.model)
     if changed:  # the shapes fit, so nothing else would say it: e.g. a circuit trained with partial RoPE, fine-tuned without
         notes.append(f"the model computes differently from the source's: {'; '.join(changed)} (the weights fit; intended for "
                      "a RoPE change, otherwise leave out the recipe's `model:` section to take the source's)")
@@ -129,12 +135,10 @@ def init_from_checkpoint(model: nn.Module, source: str | Path, recipe) -> list[s
 _TRAINING_ONLY = ("dropout", "init_std")
 
 
-def model_differences(source: str | Path, model: ModelConfig) -> list[str]:
-    """The `model:` settings in which `model` differs from the source run's saved recipe ("key source → here"),
-    beyond the training-only ones; none when the source has no recipe (an import's weights without one) or a key
-    is unset (null: a default) on either side."""
-    recipe_path = beside(Path(resolve_checkpoint(source)), RECIPE_FILE)
-    raw = (yaml.safe_load(recipe_path.read_text()) or {}).get("model") if recipe_path is not None else None
+def model_differences(raw: dict | None, model: ModelConfig) -> list[str]:
+    """The `model:` settings in which `model` differs from a source run's saved `model:` section `raw` ("key
+    source → here"), beyond the training-only ones; none when the source has none (an import's weights without a
+    recipe) or a key is unset (null: a default) on either side."""
     if not isinstance(raw, dict):
         return []
     try:
