@@ -197,16 +197,13 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
 def log_progress(out: Path, seeds: list[int | None], device: str) -> None:
     """Each stopped circuit's recall so far (its latest checkpoint), so that a circuit resumed across calls shows
     whether it is forming; not recorded: only a finished circuit's recall decides (circuit.json)."""
+    from longtrain.train.checkpoint.storage import resolve_checkpoint, step_of
+
     for s in seeds:
         run = circuit_dir(out, s)
         if (run / "checkpoints").is_dir():
-            log(f"{run.name} so far: recall {circuit_recall(run, device):.2f} at step {last_step(run)} (not final)")
-
-
-def last_step(run: Path) -> int | None:
-    metrics = run / "metrics.jsonl"
-    steps = [json.loads(x).get("step") for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
-    return max([x for x in steps if x is not None], default=None)
+            step = step_of(resolve_checkpoint(run))  # the checkpoint circuit_recall reads
+            log(f"{run.name} so far: recall {circuit_recall(run, device):.2f} at step {step} (not final)")
 
 
 def circuit_state(out: Path) -> dict:
