@@ -60,7 +60,7 @@ _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Kernel variants, off until a GPU has timed them against off (`benchmarks/linear_core_ab.py --try
 # fwd.interior=1,bwd.interior=1 --try walk.on=1`); the CPU tests compare both ways with the naive core:
 #   fwd.interior, bwd.interior  the key tiles inside every query's window without the masks, the gate and the
-#                 linear part (_interior; the forward at D = 64 spills a few registers at QB 64 / BN 32, none at BN 16);
+#                 linear part (_interior);
 #   walk.on       the pool keys' gradients by _pool_walk_kernel (SB slots, SEG blocks and QB queries a step per
 #                 program) instead of the query-major kernel's atomic adds.
 LAUNCH = {
@@ -186,6 +186,18 @@ def _interior(n_pool, blk, window, G: tl.constexpr, QB: tl.constexpr, BN: tl.con
 
 
 @triton.jit
+def _outside_end(lo, hi, n_keys, BN: tl.constexpr):
+    """The tiles outside [lo, hi) (the pool, the band's start and its end at the diagonal) run as one loop over
+    [0, _outside_end) with _outside's index: with a loop for each side the kernels spilled registers (sm_90)."""
+    return lo + (n_keys - hi + BN - 1) // BN * BN
+
+
+@triton.jit
+def _outside(t, lo, hi):
+    return t + (hi - lo) * (t >= lo)
+
+
+@triton.jit
 def _fwd_tile(M, acc, den, has, q, phq, qp, thu, thp, tau, complete, d, f, b, blk, kvh, n_kv, j0,
               k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr, n_blocks, n_keys, n_ext, window, scale,
               BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr, VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr,
@@ -195,13 +207,14 @@ def _fwd_tile(M, acc, den, has, q, phq, qp, thu, thp, tau, complete, d, f, b, bl
     kh = (b * n_ext + safe) * n_kv + kvh  # [BN] rows of the [B, N, Hkv, .] tensors
     k = tl.load(k_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, D]
     v = tl.load(v_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)
+    if not INTERIOR:  # (loaded with k and v, as the kernel always did: its schedule stays)
+        phk = tl.load(phk_ptr + kh[:, None] * F + f[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, F]
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [QB, BN]
     if INTERIOR:
         att = (kp[None, :] >= 0) & (qp[:, None] >= 0)
         m_new = tl.maximum(M, tl.max(tl.where(att, s, float("-inf")), 1))
         w = tl.exp(tl.where(att, s - m_new[:, None], float("-inf")))  # gate 1, no linear part
     else:
-        phk = tl.load(phk_ptr + kh[:, None] * F + f[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, F]
         in_win, sel = _masks(qp, thu, thp, kp, u, window, HAS_TOPK)
         g, _ = _gate(sel, u, tau, VARIANT)
         if VARIANT == SOFT_KV:
@@ -238,20 +251,21 @@ def _fwd_kernel(
     acc = tl.zeros([QB, D], tl.float32)  # sum_j w_ij v_j at the running M
     den = tl.zeros([QB], tl.float32)  # sum_j w_ij
     has = tl.zeros([QB], tl.int32)  # queries with a key (padding has none)
-    lo, hi = 0, 0
-    if INTERIOR:  # (compiled only then: LAUNCH's fwd.interior)
+    if INTERIOR:  # (compiled only then, LAUNCH's fwd.interior: the default kernel's code stays as it was)
         lo, hi = _interior(n_pool, blk, window, G, QB, BN)
-    # Every mask on the tiles outside [lo, hi) (the pool, the band's start and its end at the diagonal), in one loop:
-    # with a loop for each side the kernel spilled registers (kernels_aot.py, sm_90). Then the window's interior.
-    for t in range(0, lo + (n_keys - hi + BN - 1) // BN * BN, BN):
-        j0 = t + (hi - lo) * (t >= lo)
-        M, acc, den, has = _fwd_tile(M, acc, den, has, q, phq, qp, thu, thp, tau, complete, d, f, b, blk, kvh, n_kv, j0,
-                                     k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr, n_blocks, n_keys, n_ext, window,
-                                     scale, BN, D, F, VARIANT, HAS_TOPK, PREC, False)
-    for j0 in range(lo, hi, BN):  # (none unless INTERIOR)
-        M, acc, den, has = _fwd_tile(M, acc, den, has, q, phq, qp, thu, thp, tau, complete, d, f, b, blk, kvh, n_kv, j0,
-                                     k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr, n_blocks, n_keys, n_ext, window,
-                                     scale, BN, D, F, VARIANT, HAS_TOPK, PREC, True)
+        for t in range(0, _outside_end(lo, hi, n_keys, BN), BN):  # every mask outside [lo, hi) (_outside_end)
+            M, acc, den, has = _fwd_tile(M, acc, den, has, q, phq, qp, thu, thp, tau, complete, d, f, b, blk, kvh,
+                                         n_kv, _outside(t, lo, hi), k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr,
+                                         n_blocks, n_keys, n_ext, window, scale, BN, D, F, VARIANT, HAS_TOPK, PREC, False)
+        for j0 in range(lo, hi, BN):
+            M, acc, den, has = _fwd_tile(M, acc, den, has, q, phq, qp, thu, thp, tau, complete, d, f, b, blk, kvh,
+                                         n_kv, j0, k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr,
+                                         n_blocks, n_keys, n_ext, window, scale, BN, D, F, VARIANT, HAS_TOPK, PREC, True)
+    else:
+        for j0 in range(0, n_keys, BN):
+            M, acc, den, has = _fwd_tile(M, acc, den, has, q, phq, qp, thu, thp, tau, complete, d, f, b, blk, kvh,
+                                         n_kv, j0, k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr,
+                                         n_blocks, n_keys, n_ext, window, scale, BN, D, F, VARIANT, HAS_TOPK, PREC, False)
 
     # The linear sums beyond the window, unless S is complete (then they hold S only, counted above).
     e_lin = tl.where(complete, 0.0, tl.exp(-M))
@@ -391,12 +405,12 @@ def _bwd_kernel(
                 dq, dphq, dtau, q, phq, do, do_n, delta, inv, e_m, M, qp, thu, thp, tau, complete, d, f, b, blk, kvh,
                 n_kv, j0, key_from, k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr, dk_ptr, dv_ptr, dphk_ptr, du_ptr,
                 n_blocks, n_keys, n_ext, window, scale, BN, D, F, VARIANT, HAS_TOPK, PREC, False, False)
-    if INTERIOR:  # the tiles outside [lo, hi) in one loop, as in _fwd_kernel, then the window's interior
+    if INTERIOR:  # the tiles outside [lo, hi) in one loop (_outside_end), then the window's interior
         lo, hi = _interior(n_pool, blk, window, G, QB, BN)
-        for t in range(band_from, lo + (n_keys - hi + BN - 1) // BN * BN, BN):
+        for t in range(band_from, _outside_end(lo, hi, n_keys, BN), BN):
             dq, dphq, dtau = _bwd_tile(
                 dq, dphq, dtau, q, phq, do, do_n, delta, inv, e_m, M, qp, thu, thp, tau, complete, d, f, b, blk, kvh,
-                n_kv, t + (hi - lo) * (t >= lo), key_from, k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr, dk_ptr,
+                n_kv, _outside(t, lo, hi), key_from, k_ptr, v_ptr, u_ptr, pos_ptr, phk_ptr, keys_ptr, dk_ptr,
                 dv_ptr, dphk_ptr, du_ptr, n_blocks, n_keys, n_ext, window, scale, BN, D, F, VARIANT, HAS_TOPK, PREC,
                 True, POOL_WALK)
         for j0 in range(lo, hi, BN):
