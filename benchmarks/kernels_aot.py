@@ -6,7 +6,7 @@ instructions and the programs per SM those allow. For launch-setting and kernel 
     python benchmarks/kernels_aot.py [D=128] [T=4096] [kernel.key=value ...] [--dump DIR]
     python benchmarks/kernels_aot.py --linear [D=128] [T=4096] [B=1] [bwd.QB=64 ...]   # the SparseK+Linear+SW core's kernels
 
---linear compiles the linear types' core (linear_triton.py: lfwd, lbwd, and lwalk with walk.on=1) for one
+--linear compiles the linear types' core (linear_triton.py: lfwd, lbwd with its LAUNCH entry) for one
 chunk of the op with the same sizes, every variant, and reports the first variant's kernels.
 
 Settings as in kernels_ab.py (LAUNCH[D] entries, e.g. walk.num_stages=2 band.maxnreg=168; =none removes
@@ -129,8 +129,7 @@ def report(name: str, kw: dict, kernel, dump: str | None) -> str:
     programs = min(A.programs_per_sm(regs, md.num_warps, md.shared))
     n = {key: len(re.findall(pat, sass, re.M)) for key, pat in
          dict(ldl=r"\bLDL", stl=r"\bSTL", sass=r"^\s+/\*[0-9a-f]{4,}\*/", hgmma=r"\bHGMMA", hmma=r"\bHMMA").items()}
-    settings = " ".join(f"{x}={kw[x]}" for x in ("QB", "BN", "SB", "SEG", "MQ", "num_warps", "num_stages", "maxnreg")
-                        if kw.get(x) is not None)
+    settings = " ".join(f"{x}={kw[x]}" for x in ("QB", "BN", "MQ", "num_warps", "num_stages", "maxnreg") if kw.get(x) is not None)
     return (f"{name:5s} {settings:44s} regs {regs:3d}  stack {stack:4d} B  spill ld/st {n['ldl']:3d}/{n['stl']:3d}  "
             f"shared {md.shared:6d} B  SASS {n['sass']:5d}  HGMMA {n['hgmma']:3d}  HMMA {n['hmma']:3d}  "
             f"programs/SM {programs}")
@@ -156,7 +155,7 @@ def main(argv: list[str]) -> None:
                 LT.LAUNCH[key][kernel][field] = x
         print(f"# Triton {triton.__version__}, sm_{ARCH}, D = {D}, T = {T}; SparseK+Linear+SW, linear_triton.LAUNCH"
               f"[{key}] with {opts or 'no changes'}")
-        names = {LT._fwd_kernel: "lfwd", LT._bwd_kernel: "lbwd", LT._pool_walk_kernel: "lwalk"}  # lwalk: walk.on=1
+        names = {LT._fwd_kernel: "lfwd", LT._bwd_kernel: "lbwd"}
         compiled = compile_linear(D, T, int(opts.get("B", 0)) or None)
     else:
         print(f"# Triton {triton.__version__}, sm_{ARCH}, D = {D}, T = {T}; LAUNCH[{D}] with {opts or 'no changes'}")

@@ -32,8 +32,7 @@ def cuda_tools():
 
 
 # (kernels_aot.py's arguments, the kernels it reports): SparseK+SW's fwd+bwd, and the linear types' core (issue 38)
-CORES = {"sparsek": (["T=2048"], KERNELS), "linear": (["--linear", "T=1024", "B=1"], ["lbwd", "lfwd"]),
-         "linear-variants": (["--linear", "T=1024", "B=1", "walk.on=1", "fwd.interior=1", "bwd.interior=1"], ["lbwd", "lfwd", "lwalk"])}
+CORES = {"sparsek": (["T=2048"], KERNELS), "linear": (["--linear", "T=1024", "B=1"], ["lbwd", "lfwd"])}
 
 
 @pytest.mark.parametrize("core", sorted(CORES))

@@ -3,8 +3,7 @@ through Triton's interpreter (issue 38).
 
 Fresh random inputs at awkward shapes: L not a multiple of the block, chunks continuing from a cache (pool,
 tail and linear state non-empty), GQA, padded rows, Linear+SW (k = 0), the three variants, a document start
-where S is complete; forward and every input's gradient in float32, a bfloat16 forward, and a model step; each with
-LAUNCH's kernel variants off and on.
+where S is complete; forward and every input's gradient in float32, a bfloat16 forward, and a model step.
 """
 
 import os
@@ -24,19 +23,6 @@ from longtrain.ops.sparsek_attention.linear_triton import _theta32, sparsek_line
 from longtrain.ops.sparsek_attention.naive import LinearTerms, sparsek_attention_core_naive  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True, params=[0, 1], ids=["base", "walk+interior"])
-def kernel_variants(request, monkeypatch):
-    """Every test twice: LAUNCH's variants off, and on (the pool walk for the pool keys' gradients, the window's
-    interior tiles without masks in the forward and the backward)."""
-    from longtrain.ops.sparsek_attention import linear_triton as LT
-
-    for entry in LT.LAUNCH.values():
-        monkeypatch.setitem(entry, "walk", dict(entry["walk"], on=request.param))
-        monkeypatch.setitem(entry, "fwd", dict(entry["fwd"], interior=request.param))
-        monkeypatch.setitem(entry, "bwd", dict(entry["bwd"], interior=request.param))
-    return request.param
 
 
 def inputs(B, T, H, Hkv, D, dtype=torch.float32):
@@ -86,7 +72,7 @@ CASES = [
     (45, [13, 32], 3, 9, 2, 2, 32, "straight_through", 16),
     (30, [18, 12], 40, 5, 2, 2, 16, "hard_k_soft_v", 16),  # k above every candidate count: S complete throughout
     (70, [38, 32], 6, 20, 3, 1, 16, "soft_kv", 32),  # window longer than a block, several blocks
-    (90, [50, 40], 10, 40, 2, 1, 16, "hard_k_soft_v", 16),  # a band tile inside every query's window (fwd.interior, bwd.interior)
+    (90, [50, 40], 10, 40, 2, 1, 16, "hard_k_soft_v", 16),  # a band tile inside every query's window
 ]
 
 
