@@ -7,7 +7,9 @@ selection scan, the key layout and the causal linear sums that every setting sha
 
 Each --try is one variant of LAUNCH[D] (kernel.field=value, comma-separated); the first row is LAUNCH unchanged.
 The shape is fit_throughput's 12 x 768 case: bf16, 4 rows x 4096 tokens, 12 heads of 64, k = w = 512 (against
-SparseK+SW's own chunk op in the same run). Writes DIR/linear_core_ab.json. `--small` runs tiny shapes on the
+SparseK+SW's own chunk op in the same run), continuing from the cache that --warm-chunks earlier chunks left (a
+full pool and tail, and for the linear types a non-empty linear state, as in a fit; 0: an empty cache, as the rows
+before 2026-11-27 05:00 UTC were timed). Writes DIR/linear_core_ab.json. `--small` runs tiny shapes on the
 CPU (TRITON_INTERPRET=1) to check the script; its times mean nothing.
 """
 
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--budget", type=int, default=512, help="k = w = budget")
+    ap.add_argument("--warm-chunks", type=int, default=2, help="chunks run before the timed one, to fill the cache")
     ap.add_argument("--small", action="store_true", help="tiny shapes on the CPU: checks the script")
     args = ap.parse_args()
     if args.small:
@@ -66,16 +69,25 @@ def main() -> None:
     do = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
     leaves = (q, k, v, u, phi)
 
+    @torch.no_grad()
+    def warmed(cache, chunk_op, *extra):  # the cache after --warm-chunks chunks of fresh random keys
+        for _ in range(args.warm_chunks):
+            x = [torch.randn_like(t) for t in (q, k, v, u)]
+            cache = chunk_op(*x, *extra, cache, backend="triton")[1]
+        return cache
+
+    lin_start = warmed(SparseKLinearCache.empty(B, K, K, H, D, dtype=torch.bfloat16, device=dev, features=D),
+                       sparsek_linear_attention_chunk, phi)
+    sk_start = warmed(SparseKCache.empty(B, K, K, H, D, dtype=torch.bfloat16, device=dev), sparsek_attention_chunk)
+
     def linear(backend: str):
         def step():
-            cache = SparseKLinearCache.empty(B, K, K, H, D, dtype=torch.bfloat16, device=dev, features=D)
-            o, _, _ = sparsek_linear_attention_chunk(q, k, v, u, phi, cache, backend=backend)
+            o, _, _ = sparsek_linear_attention_chunk(q, k, v, u, phi, lin_start, backend=backend)
             torch.autograd.grad(o, leaves, do)
         return step
 
     def sparsek_sw():
-        cache = SparseKCache.empty(B, K, K, H, D, dtype=torch.bfloat16, device=dev)
-        o, _, _ = sparsek_attention_chunk(q, k, v, u, cache, backend="triton")
+        o, _, _ = sparsek_attention_chunk(q, k, v, u, sk_start, backend="triton")
         torch.autograd.grad(o, (q, k, v, u), do)
 
     key = max([x for x in LT.LAUNCH if x <= D], default=min(LT.LAUNCH))
@@ -103,12 +115,15 @@ def main() -> None:
     for text in args.tries:
         LT.LAUNCH[key] = copy.deepcopy(base)
         for kernel, fields in parse(text).items():
+            if kernel not in base or set(fields) - set(base[kernel]):
+                sys.exit(f"--try {text}: LAUNCH[{key}] has {', '.join(f'{n}.{f}' for n, c in base.items() for f in c)}")
             LT.LAUNCH[key][kernel].update(fields)
         timed(f"triton core, {text}", linear("triton"))
     LT.LAUNCH[key] = base
     timed("naive core", linear("naive"))
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rows=B, tokens=T, heads=H, head_dim=D, k=K, w=K)
+    meta = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", rows=B, tokens=T, heads=H, head_dim=D, k=K, w=K,
+                warm_chunks=args.warm_chunks)
     (args.out / "linear_core_ab.json").write_text(json.dumps(dict(meta, results=rows), indent=1))
 
 
