@@ -129,7 +129,7 @@ def report(name: str, kw: dict, kernel, dump: str | None) -> str:
     programs = min(A.programs_per_sm(regs, md.num_warps, md.shared))
     n = {key: len(re.findall(pat, sass, re.M)) for key, pat in
          dict(ldl=r"\bLDL", stl=r"\bSTL", sass=r"^\s+/\*[0-9a-f]{4,}\*/", hgmma=r"\bHGMMA", hmma=r"\bHMMA").items()}
-    settings = " ".join(f"{x}={kw[x]}" for x in ("QB", "BN", "MQ", "num_warps", "num_stages", "maxnreg") if kw.get(x) is not None)
+    settings = " ".join(f"{x}={kw[x]}" for x in ("QB", "BN", "MQ", "num_warps", "num_stages", "maxnreg", "DOTS") if kw.get(x) is not None)
     return (f"{name:5s} {settings:44s} regs {regs:3d}  stack {stack:4d} B  spill ld/st {n['ldl']:3d}/{n['stl']:3d}  "
             f"shared {md.shared:6d} B  SASS {n['sass']:5d}  HGMMA {n['hgmma']:3d}  HMMA {n['hmma']:3d}  "
             f"programs/SM {programs}")

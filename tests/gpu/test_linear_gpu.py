@@ -78,13 +78,23 @@ def test_decoding_follows_the_forward_on_the_gpu():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["hard_k_soft_v", "soft_kv", "straight_through"])
-def test_triton_core_follows_the_naive_core_on_the_gpu(dtype, variant):
+@pytest.mark.parametrize("native", [0, 1], ids=["float32 tiles", "native tiles"])
+def test_triton_core_follows_the_naive_core_on_the_gpu(dtype, variant, native, monkeypatch):
     """Issue 38: the SparseK+Linear+SW Triton core (backend triton) against the naive core on the same inputs over
     two chunks at a realistic head dim and a window of 192 (band tiles inside every query's window), forward and
     gradients. Both are measured against the naive core in float64; the Triton core's error must be within twice the
     naive core's at the same dtype (bfloat16 gradients are rounded per token before torch sums them over tokens, so a
-    summed gradient's error is set by that rounding in both), or within 1e-4 of each tensor's largest entry."""
+    summed gradient's error is set by that rounding in both), or within 1e-4 of each tensor's largest entry. With
+    LAUNCH's native (bfloat16 only) the kernels round the weights and gradient terms to bfloat16 before their dots, as
+    flash attention does: within 1e-2 of each tensor's largest entry (on the CPU: at most 4.4e-3)."""
+    from longtrain.ops.sparsek_attention import linear_triton as LT
     from longtrain.ops.sparsek_attention.linear import SparseKLinearCache, sparsek_linear_attention_chunk
+
+    if native and dtype != torch.bfloat16:
+        pytest.skip("native changes the kernels for bfloat16 inputs only")
+    for entry in LT.LAUNCH.values():
+        for kernel in ("fwd", "bwd"):
+            monkeypatch.setitem(entry, kernel, dict(entry[kernel], native=native))
 
     torch.manual_seed(0)
     B, T, H, Hkv, D, dev = 2, 1000, 4, 2, 64, "cuda"
@@ -110,5 +120,6 @@ def test_triton_core_follows_the_naive_core_on_the_gpu(dtype, variant):
     for x, y, ref, name in zip(got, naive, exact, "o dq dk dv du dphi".split()):
         assert torch.isfinite(x).all(), name
         err, err_naive = (x - ref).abs().max().item(), (y - ref).abs().max().item()
-        print(f"{dtype} {variant} {name}: triton {err:.3e} naive {err_naive:.3e} (largest {ref.abs().max().item():.3e})")
-        assert err <= max(2 * err_naive, 1e-4 * ref.abs().max().item()), (name, err, err_naive)
+        print(f"{dtype} {variant} native={native} {name}: triton {err:.3e} naive {err_naive:.3e} "
+              f"(largest {ref.abs().max().item():.3e})")
+        assert err <= max(2 * err_naive, (1e-2 if native else 1e-4) * ref.abs().max().item()), (name, err, err_naive)

@@ -32,7 +32,8 @@ def cuda_tools():
 
 
 # (kernels_aot.py's arguments, the kernels it reports): SparseK+SW's fwd+bwd, and the linear types' core (issue 38)
-CORES = {"sparsek": (["T=2048"], KERNELS), "linear": (["--linear", "T=1024", "B=1"], ["lbwd", "lfwd"])}
+CORES = {"sparsek": (["T=2048"], KERNELS), "linear": (["--linear", "T=1024", "B=1"], ["lbwd", "lfwd"]),
+         "linear-native": (["--linear", "T=1024", "B=1", "fwd.native=1", "bwd.native=1"], ["lbwd", "lfwd"])}
 
 
 @pytest.mark.parametrize("core", sorted(CORES))

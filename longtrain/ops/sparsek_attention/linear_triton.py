@@ -27,7 +27,7 @@ core counts the selected keys; the tests compare). Two kernels:
                  keys are shared between blocks through the pool and between the query heads of a KV head.
 The linear types are not bitwise chunk-invariant (docs/CONTRACTS.md), so the atomics' order is no loss.
 Inputs float32, bfloat16 or float16, computed in float32 (dots in IEEE float32 for float32 inputs, TF32 for
-half ones, whose values TF32 holds exactly); float64 (inputs or scores) goes to the naive core. The scan's
+half ones, whose values TF32 holds exactly; with LAUNCH's native, bfloat16 tiles and dots); float64 (inputs or scores) goes to the naive core. The scan's
 outputs are cast in torch before the launches, so the kernels test in 32 bits: int32 ext rows and positions,
 and theta as _theta32 makes it, with which the float32 test on the scores is the naive core's float64 one.
 """
@@ -52,12 +52,16 @@ from longtrain.ops.sparsek_attention.triton_tiles import SOFT_KV, STRAIGHT_THROU
 # the key-side atomic adds, no spills) took 149 ms, so the count of atomic adds is not what costs there. Both ran
 # the adds with Triton's default acq_rel semantics (a fence each); they are relaxed since, not yet timed.
 # The interpreter (CPU tests) takes small tiles.
+# native (off until a GPU has timed it and tests/gpu/test_linear_gpu.py has passed with it): half inputs stay half
+# in the tiles, and the dots take them as they are, with the weights and gradient terms rounded to the inputs' dtype
+# before their dots (as flash attention does), instead of float32 tiles with TF32 dots: half the registers and
+# shared memory per tile, and tensor-core dots at the half rate. No change for float32 inputs.
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LAUNCH = {
-    64: dict(fwd=dict(QB=64, BN=32, num_warps=4, num_stages=1),
-             bwd=dict(QB=32, BN=32, num_warps=4, num_stages=1)),
-    128: dict(fwd=dict(QB=32, BN=32, num_warps=4, num_stages=1),
-              bwd=dict(QB=16, BN=32, num_warps=4, num_stages=1)),
+    64: dict(fwd=dict(QB=64, BN=32, num_warps=4, num_stages=1, native=0),
+             bwd=dict(QB=32, BN=32, num_warps=4, num_stages=1, native=0)),
+    128: dict(fwd=dict(QB=32, BN=32, num_warps=4, num_stages=1, native=0),
+              bwd=dict(QB=16, BN=32, num_warps=4, num_stages=1, native=0)),
 }
 
 
@@ -113,6 +117,26 @@ def _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN:
 
 
 @triton.jit
+def _dot_operand(x, DOTS: tl.constexpr):
+    """x as a dot's operand: as it is (DOTS 0: float32 tiles), in bfloat16 (1: native), or rounded through bfloat16
+    (2: native as the interpreter runs it, whose bfloat16 dots are wrong: float32 dots of the rounded values)."""
+    if DOTS == 1:
+        x = x.to(tl.bfloat16)
+    elif DOTS == 2:
+        x = x.to(tl.bfloat16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _tile(ptrs, mask, DOTS: tl.constexpr):
+    """A [rows, cols] input tile as a dot's operand (_dot_operand): loaded as stored, in float32 unless native."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if DOTS != 1:
+        x = x.to(tl.float32)
+    return _dot_operand(x, DOTS)
+
+
+@triton.jit
 def _masks(qp, thu, thp, kp, u, window, HAS_TOPK: tl.constexpr):
     """[QB, BN] the naive core's masks: in the window, and selected (a candidate with (u, pos) >= theta; theta as
     _theta32 gives it, so the float32 test is the naive core's float64 one)."""
@@ -140,7 +164,7 @@ def _gate(sel, u, tau, VARIANT: tl.constexpr):
 
 @triton.jit
 def _program(q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, n_queries, n_heads, group, topk, window,
-             G: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, F: tl.constexpr):
+             G: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DOTS: tl.constexpr):
     """What a forward or backward program (QB queries of a block, one head) knows of its queries: the block, the
     batch x head index, the row b, the KV head, their count, the query rows (_query_rows), tau, whether S is
     complete, the D and F ranges, the rows qh [QB] of the [B, L, H, .] tensors, q [QB, D] and phi(q) [QB, F]."""
@@ -155,8 +179,8 @@ def _program(q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, n_q
     d = tl.arange(0, D)
     f = tl.arange(0, F)
     qh = row * n_heads + h
-    q = tl.load(q_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
-    phq = tl.load(phq_ptr + qh[:, None] * F + f[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
+    q = _tile(q_ptr + qh[:, None] * D + d[None, :], qm[:, None], DOTS)
+    phq = _tile(phq_ptr + qh[:, None] * F + f[None, :], qm[:, None], DOTS)
     return blk, bh, b, h // group, n_heads // group, i, qm, qp, thu, thp, tau, complete, d, f, qh, q, phq
 
 
@@ -167,13 +191,13 @@ def _fwd_kernel(
     o_ptr, m_ptr, l_ptr,  # out
     n_queries, n_ext, n_heads, group, n_blocks, n_keys, topk, window, scale,
     G: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
-    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
+    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, DOTS: tl.constexpr,
 ):
     """o of query block blk and one head over the block's keys, and its M and denominator (module doc).
     Every tensor is contiguous: q, o, num [B, L, H, D], phq [B, L, H, F], k, v [B, N, Hkv, D], phk [B, N, Hkv, F]."""
     blk, bh, b, kvh, n_kv, i, qm, qp, thu, thp, tau, complete, d, f, qh, q, phq = _program(
         q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, n_queries, n_heads, group, topk, window,
-        G, QB, D, F)
+        G, QB, D, F, DOTS)
 
     M = tl.zeros([QB], tl.float32)  # the running max of the attended logits, from 0 (naive: max(0, max s))
     acc = tl.zeros([QB, D], tl.float32)  # sum_j w_ij v_j at the running M
@@ -182,9 +206,9 @@ def _fwd_kernel(
     for j0 in range(0, n_keys, BN):
         ke, kv, safe, u, kp = _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN)
         kh = (b * n_ext + safe) * n_kv + kvh  # [BN] rows of the [B, N, Hkv, .] tensors
-        k = tl.load(k_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, D]
-        v = tl.load(v_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)
-        phk = tl.load(phk_ptr + kh[:, None] * F + f[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, F]
+        k = _tile(k_ptr + kh[:, None] * D + d[None, :], kv[:, None], DOTS)  # [BN, D]
+        v = _tile(v_ptr + kh[:, None] * D + d[None, :], kv[:, None], DOTS)
+        phk = _tile(phk_ptr + kh[:, None] * F + f[None, :], kv[:, None], DOTS)  # [BN, F]
 
         in_win, sel = _masks(qp, thu, thp, kp, u, window, HAS_TOPK)
         g, _ = _gate(sel, u, tau, VARIANT)
@@ -198,7 +222,7 @@ def _fwd_kernel(
         lin = tl.dot(phq, tl.trans(phk), input_precision=PREC)  # phi(q_i).phi(k_j)
         c = tl.where(sel, tl.where(complete[:, None], 1.0 - g, -g), 0.0)
         w = g * e + c * tl.exp(-m_new)[:, None] * lin
-        acc = acc * alpha[:, None] + tl.dot(w, v, input_precision=PREC)
+        acc = acc * alpha[:, None] + tl.dot(_dot_operand(w, DOTS), v, input_precision=PREC)
         den = den * alpha + tl.sum(w, 1)
         has = tl.maximum(has, tl.max(att.to(tl.int32), 1))
         M = m_new
@@ -225,14 +249,15 @@ def _bwd_kernel(
     dk_ptr, dv_ptr, dphk_ptr, du_ptr,  # out, key-side: float32, added to
     n_queries, n_ext, n_heads, group, n_blocks, n_keys, topk, window, scale,
     G: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
-    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr,
+    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, DOTS: tl.constexpr,
 ):
     """Gradients of query block blk and one head, recomputing w per key tile (module doc). dk, dv [B, N, Hkv, D],
     dphk [B, N, Hkv, F] and du [B, N] sum over blocks and heads by atomic adds; dtau is [B, H, L]."""
     blk, bh, b, kvh, n_kv, i, qm, qp, thu, thp, tau, complete, d, f, qh, q, phq = _program(
         q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, n_queries, n_heads, group, topk, window,
-        G, QB, D, F)
-    do = tl.load(do_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
+        G, QB, D, F, DOTS)
+    do_t = _tile(do_ptr + qh[:, None] * D + d[None, :], qm[:, None], DOTS)  # dO as the dots take it
+    do = do_t.to(tl.float32)
     o = tl.load(o_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
     M = tl.load(m_ptr + bh * n_queries + i, mask=qm, other=0.0)
     inv = 1.0 / tl.load(l_ptr + bh * n_queries + i, mask=qm, other=float("inf"))  # 0: no key, no gradient
@@ -246,9 +271,9 @@ def _bwd_kernel(
     for j0 in range(0, n_keys, BN):
         ke, kv, safe, u, kp = _key_rows(keys_ptr, u_ptr, pos_ptr, b, blk, j0, n_blocks, n_keys, n_ext, BN)
         kh = (b * n_ext + safe) * n_kv + kvh
-        k = tl.load(k_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)  # [BN, D]
-        v = tl.load(v_ptr + kh[:, None] * D + d[None, :], mask=kv[:, None], other=0.0).to(tl.float32)
-        phk = tl.load(phk_ptr + kh[:, None] * F + f[None, :], mask=kv[:, None], other=0.0).to(tl.float32)
+        k = _tile(k_ptr + kh[:, None] * D + d[None, :], kv[:, None], DOTS)  # [BN, D]
+        v = _tile(v_ptr + kh[:, None] * D + d[None, :], kv[:, None], DOTS)
+        phk = _tile(phk_ptr + kh[:, None] * F + f[None, :], kv[:, None], DOTS)
 
         in_win, sel = _masks(qp, thu, thp, kp, u, window, HAS_TOPK)
         g, dmask = _gate(sel, u, tau, VARIANT)
@@ -262,23 +287,26 @@ def _bwd_kernel(
         c = tl.where(sel, tl.where(complete[:, None], 1.0 - g, -g), 0.0)
         w = g * e + c * e_m[:, None] * lin
 
-        dw = (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None]) * inv[:, None]  # dO_i.(v_j - o_i) / den_i
+        dw = (tl.dot(do_t, tl.trans(v), input_precision=PREC) - delta[:, None]) * inv[:, None]  # dO_i.(v_j - o_i) / den_i
         ds = dw * g * e  # through e^{s - M}
         dr = ds
         if VARIANT == SOFT_KV:
             dr = ds * g
-        dq += tl.dot(dr, k, input_precision=PREC) * scale
+        dq += tl.dot(_dot_operand(dr, DOTS), k, input_precision=PREC) * scale
         dlin = dw * c * e_m[:, None]
-        dphq += tl.dot(dlin, phk, input_precision=PREC)
+        dphq += tl.dot(_dot_operand(dlin, DOTS), phk, input_precision=PREC)
         dg = dw * (e - e_m[:, None] * lin)  # c = -g or 1 - g: dc/dg = -1
         if VARIANT == SOFT_KV:
             dg += ds * r
         dm = tl.where(dmask, dg, 0.0)  # window keys' gate is the constant 1
         dtau -= tl.sum(dm, 1)
 
-        dk = tl.dot(tl.trans(dr), q, input_precision=PREC) * scale  # [BN, D]
-        dv = tl.dot(tl.trans(w), do_n, input_precision=PREC)
-        dphk = tl.dot(tl.trans(dlin), phq, input_precision=PREC)  # [BN, F]
+        dk = tl.dot(tl.trans(_dot_operand(dr, DOTS)), q, input_precision=PREC) * scale  # [BN, D]
+        if DOTS:  # dO / den in the weights, so that the dot takes dO as loaded
+            dv = tl.dot(tl.trans(_dot_operand(w * inv[:, None], DOTS)), do_t, input_precision=PREC)
+        else:
+            dv = tl.dot(tl.trans(w), do_n, input_precision=PREC)
+        dphk = tl.dot(tl.trans(_dot_operand(dlin, DOTS)), phq, input_precision=PREC)  # [BN, F]
         # relaxed: plain atomic adds, never read back here (Triton's default acq_rel fences every one; the
         # SparseK pool walk's adds are relaxed too)
         tl.atomic_add(dk_ptr + kh[:, None] * D + d[None, :], dk, mask=kv[:, None], sem="relaxed")
@@ -304,6 +332,11 @@ def _theta32(theta_u: torch.Tensor, theta_pos: torch.Tensor) -> tuple[torch.Tens
     big = torch.iinfo(torch.int32).max
     thp = torch.where(t.double() == theta_u, theta_pos.clamp(-big - 1, big), big).to(torch.int32)
     return t.contiguous(), thp.contiguous()
+
+
+def _dots(cfg: dict, dtype: torch.dtype) -> int:
+    """The kernels' DOTS (_dot_operand): native for bfloat16 inputs where LAUNCH asks, emulated under the interpreter."""
+    return 0 if not cfg["native"] or dtype != torch.bfloat16 else 2 if _INTERP else 1
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -347,7 +380,7 @@ def linear_fwd(
         o_ptr=o, m_ptr=M, l_ptr=den_o,
         n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, topk=topk, window=window, scale=scale,
         G=block, QB=cfg["QB"], BN=cfg["BN"], D=D, F=F, VARIANT=variant, HAS_TOPK=topk > 0, PREC=_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DOTS=_dots(cfg, q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, M, den_o
 
@@ -376,7 +409,7 @@ def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_po
         dk_ptr=dk, dv_ptr=dv, dphk_ptr=dphk, du_ptr=du,
         n_queries=L, n_ext=N, n_heads=H, group=H // Hkv, n_blocks=nb, n_keys=Kb, topk=topk, window=window, scale=scale,
         G=block, QB=cfg["QB"], BN=cfg["BN"], D=D, F=F, VARIANT=variant, HAS_TOPK=topk > 0, PREC=_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DOTS=_dots(cfg, q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return dq, dphq, dtau.sum(1), dnum, dden, dk, dv, dphk, du  # dtau: summed over the heads
 
