@@ -97,7 +97,8 @@ def _beyond_window_sums(phq, phk, keys, cache: SparseKLinearCache, window: int, 
     e <= i - lag, lag = w - (W-1); causal linear attention over that sequence shifted right by lag."""
     K, L = keys.topk, phq.shape[1]
     pool = keys.pos[:, :K] >= 0
-    start_kv, start_k = _add_state(cache.lin_kv, cache.lin_k, phk[:, :K], keys.v[:, :K], pool)
+    # the pool's values are the cache's, which carries no gradient: detached, their slice adds no gradient buffer
+    start_kv, start_k = _add_state(cache.lin_kv, cache.lin_k, phk[:, :K], keys.v[:, :K].detach(), pool)
     lag = window - keys.tail_slots
 
     def lagged(x):  # [B, W-1 + L, Hkv, .] -> [B, L, Hkv, .]: row i holds tail ++ chunk index i - lag (0 before)

@@ -26,10 +26,11 @@ core counts the selected keys; the tests compare). Two kernels:
                  den) and adds the key-side ones (k, v, phi(k), u) with atomic adds into float32 buffers:
                  keys are shared between blocks through the pool and between the query heads of a KV head.
 The linear types are not bitwise chunk-invariant (docs/CONTRACTS.md), so the atomics' order is no loss.
-Inputs float32, bfloat16 or float16, computed in float32 (dots in IEEE float32 for float32 inputs, TF32 for
-half ones, whose values TF32 holds exactly; with LAUNCH's native, bfloat16 tiles and dots); float64 (inputs or scores) goes to the naive core. The scan's
-outputs are cast in torch before the launches, so the kernels test in 32 bits: int32 ext rows and positions,
-and theta as _theta32 makes it, with which the float32 test on the scores is the naive core's float64 one.
+Inputs float32, bfloat16 or float16, computed in float32 (dots in IEEE float32 for float32 inputs, TF32 for half
+ones, whose values TF32 holds exactly; with LAUNCH's native, bfloat16 tiles and dots); float64 (inputs or scores)
+goes to the naive core. The scan's outputs are cast in torch before the launches, so the kernels test in 32 bits:
+int32 ext rows and positions, and theta as _theta32 makes it, with which the float32 test on the scores is the
+naive core's float64 one.
 """
 
 from __future__ import annotations
@@ -387,17 +388,20 @@ def linear_fwd(
 
 def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_pos, tau, o, M, den_o,
                do: torch.Tensor,  # [B, L, H, D] contiguous
-               *, topk: int, window: int, scale: float, block: int, variant: int):
-    """The backward kernel (arguments as linear_fwd's and its outputs): dq [B, L, H, D], dphq [B, L, H, F],
-    dtau [B, L], dnum [B, L, H, D], dden [B, L, H] (float32) and, float32, dk, dv [B, N, Hkv, D],
-    dphk [B, N, Hkv, F], du [B, N]."""
+               *, topk: int, window: int, scale: float, block: int, variant: int,
+               num_dtype: torch.dtype = torch.float32, den_dtype: torch.dtype = torch.float32):
+    """The backward kernel (arguments as linear_fwd's and its outputs): dq [B, L, H, D] in q's dtype, dphq
+    [B, L, H, F] in phq's, dnum [B, L, H, D] in num_dtype, dden [B, L, H] in den_dtype (the kernel writes them
+    in their inputs' dtypes: no float32 copies to cast), dtau [B, L] and, float32 (atomic adds), dk, dv
+    [B, N, Hkv, D], dphk [B, N, Hkv, F], du [B, N]."""
     B, L, H, D = q.shape
     N, Hkv, F = k_ext.shape[1], k_ext.shape[2], phk.shape[-1]
     nb, Kb = keys.shape[1], keys.shape[2]
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
-    dq, dnum = torch.empty(B, L, H, D, **f32), torch.empty(B, L, H, D, **f32)
-    dphq, dden, dtau = torch.empty(B, L, H, F, **f32), torch.empty(B, L, H, **f32), torch.empty(B, H, L, **f32)
+    dq, dnum = torch.empty_like(q), torch.empty(B, L, H, D, dtype=num_dtype, device=dev)
+    dphq, dden = torch.empty_like(phq), torch.empty(B, L, H, dtype=den_dtype, device=dev)
+    dtau = torch.empty(B, H, L, **f32)
     dk, dv = torch.zeros(B, N, Hkv, D, **f32), torch.zeros(B, N, Hkv, D, **f32)  # atomic adds: zeroed
     dphk, du = torch.zeros(B, N, Hkv, F, **f32), torch.zeros(B, N, **f32)
     cfg = launch_settings(D, block)["bwd"]
@@ -443,7 +447,7 @@ class _SparseKLinearTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        grads = linear_bwd(*ctx.saved_tensors, do.contiguous(), **ctx.args)
+        grads = linear_bwd(*ctx.saved_tensors, do.contiguous(), **ctx.args, num_dtype=ctx.dtypes[3], den_dtype=ctx.dtypes[4])
         dq, dphq, dtau, dnum, dden, dk, dv, dphk, du = (g.to(t) for g, t in zip(grads, ctx.dtypes))
         return dq, dk, dv, du, None, None, None, None, dtau, None, dphq, dphk, dnum, dden, None
 
