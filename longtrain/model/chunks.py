@@ -105,6 +105,8 @@ class ChunkReader:
         chunk = to_device(host, self.device)
         if host.reset.numpy().any():  # a new document starts with an empty cache (read on the host copy)
             self.cache = self.cache.reset_rows(chunk.reset)
+            if self.cache.grows:  # full attention: keep the longest current document's keys, not the reset rows'
+                self.cache = self.cache.keep_last(int(np.max(host.doc_offset.numpy(), initial=0)))
         out = forward(chunk, self.cache)
         self.cache = self.carry(out.cache, host)
         return chunk, out

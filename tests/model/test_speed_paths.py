@@ -146,3 +146,41 @@ def test_cache_clone_is_equal_and_shares_nothing(attention):
     kept = fresh.tensors()
     assert fresh.copy_(cache) is fresh and all(a is b for a, b in zip(fresh.tensors(), kept))
     assert all(torch.equal(a, b) for a, b in zip(fresh.tensors(), cache.tensors()))
+
+
+@torch.no_grad()
+def test_full_attention_reader_drops_the_reset_rows_dead_keys():
+    """A full-attention cache entering a chunk keeps the longest current document's keys (its doc_offset), not the
+    dead keys of rows that start a new document: with documents of one chunk each (the recall circuit) every chunk
+    attends to its own keys only, where it attended to one chunk of dead keys more. The logits are the same."""
+    from longtrain.data.stream import Chunk
+    from longtrain.model.chunks import ChunkReader
+
+    model = make(attention="full")
+    L = 12
+    tokens = torch.randint(0, 61, (4, 2, L))  # 4 chunks of 2 rows
+
+    def chunk(i, reset, offset):
+        return Chunk(tokens=tokens[i], targets=torch.full((2, L), -100), lengths=torch.full((2,), L),
+                     reset=torch.tensor(reset), doc_index=torch.arange(2), doc_offset=torch.tensor(offset),
+                     doc_len=torch.full((2,), 3 * L))
+
+    # chunk 0: both rows start; chunk 1: both go on; chunk 2: row 0 starts anew, row 1 goes on; chunk 3: both start
+    plan = [([True, True], [0, 0]), ([False, False], [L, L]), ([True, False], [0, 2 * L]), ([True, True], [0, 0])]
+    seen_keys, logits = [], []
+
+    def forward(c, cache):
+        seen_keys.append(cache.layers[0].attn.full_k.shape[1])
+        out = model(c.tokens, cache=cache, lengths=c.lengths)
+        logits.append(out.logits)
+        return out
+
+    reader = ChunkReader(model.empty_cache(2), torch.device("cpu"))
+    for i, (reset, offset) in enumerate(plan):
+        reader.read(chunk(i, reset, offset), forward)
+    assert seen_keys == [0, L, 2 * L, 0]  # chunk 2: row 1's 2L keys (row 0's dead ones go with the cut)
+    # each row's logits as the same documents read without a shared cache
+    whole = model(torch.cat([tokens[0], tokens[1], tokens[2]], 1)[1:]).logits[0]  # row 1: one document of 3 chunks
+    assert torch.allclose(torch.cat([logits[0][1], logits[1][1], logits[2][1]]), whole, atol=1e-10)
+    for i, row in ((2, 0), (3, 0), (3, 1)):  # documents of one chunk
+        assert torch.allclose(logits[i][row], model(tokens[i][row:row + 1]).logits[0], atol=1e-10)
