@@ -15,6 +15,9 @@ What a capture needs, and how it is provided here:
   - gradients at fixed addresses: created before the capture, zeroed in place (not freed) by the
     optimizer step, accumulated into by every replay as backward does;
   - no host synchronisation inside: the training pass already makes none (tests/ops/test_host_sync.py).
+A full-attention cache grows, so its graph is captured for chunks that start from an empty cache
+(documents of one chunk, as the recall circuit's; `ChunkReader` drops the reset rows' dead keys) and
+hands out the next cache in its own output buffers; other chunks run eagerly (`fits`).
 `graph_unusable` says where a graph cannot be used.
 """
 
@@ -65,18 +68,25 @@ class ChunkGraph:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up off the capture (lazy initialisation, workspaces)
-            chunk_pass(self.inputs, self.cache)
+            warm = chunk_pass(self.inputs, self.cache)
         torch.cuda.current_stream().wait_stream(side)
         torch._foreach_zero_(self.grads)  # the warm-up's gradients: a capture starts a step, from zero
+        # a fixed-size cache goes back into the graph's own; a growing one (full attention) comes out longer
+        # than it went in, so the replays hand out their output buffers (valid until the next replay)
+        self.in_place = shapes(warm.cache) == shapes(self.cache)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             out = chunk_pass(self.inputs, self.cache)
-            self.cache.copy_(out.cache)  # the next cache, in place
-        self.out = ChunkResult(loss_sum=out.loss_sum, cache=self.cache, overflow=out.overflow, stats=out.stats,
-                               score_distill=out.score_distill)
+            if self.in_place:
+                self.cache.copy_(out.cache)  # the next cache, in place
+        self.out = ChunkResult(loss_sum=out.loss_sum, cache=self.cache if self.in_place else out.cache,
+                               overflow=out.overflow, stats=out.stats, score_distill=out.score_distill)
+        self.replays = 0
 
-    def fits(self, inputs: ChunkInputs) -> bool:
-        return all(getattr(inputs, f.name).shape == getattr(self.inputs, f.name).shape for f in fields(ChunkInputs))
+    def fits(self, inputs: ChunkInputs, cache: ModelCache) -> bool:
+        """Whether a chunk of these inputs from this cache replays the graph (the same shapes as captured)."""
+        return (all(getattr(inputs, f.name).shape == getattr(self.inputs, f.name).shape for f in fields(ChunkInputs))
+                and shapes(cache) == shapes(self.cache))
 
     def __call__(self, inputs: ChunkInputs, cache: ModelCache) -> ChunkResult:
         """Replay on `inputs` from `cache`. The result's tensors are the graph's buffers: the next replay
@@ -85,7 +95,18 @@ class ChunkGraph:
                              [getattr(inputs, f.name) for f in fields(ChunkInputs)])
         self.cache.copy_(cache)  # nothing to copy when the trainer carries the graph's own cache on
         self.graph.replay()
+        self.replays += 1
         return self.out
+
+
+def shapes(cache: ModelCache) -> list[torch.Size]:
+    return [t.shape for t in cache.tensors()]
+
+
+def capturable(cache: ModelCache) -> bool:
+    """Whether a chunk from `cache` is one to capture: any from a fixed-size cache, from a growing one (full
+    attention) only from an empty one, whose shapes repeat (documents of one chunk)."""
+    return not cache.grows or cache.kv_entries_per_layer == 0
 
 
 def graph_unusable(recipe, *, device_type: str, precision: str) -> str | None:

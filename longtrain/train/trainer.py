@@ -79,7 +79,7 @@ from longtrain.train.signals import StopSignal, kill_for_tests_after, signal_for
 from longtrain.train import memory, summary
 from longtrain.train.summary import FitResult
 from longtrain.train.validation import evaluate
-from longtrain.train.step_graph import ChunkGraph, ChunkInputs, ChunkResult, graph_unusable
+from longtrain.train.step_graph import ChunkGraph, ChunkInputs, ChunkResult, capturable, graph_unusable
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COMPILE_BACKEND_ENV = "LONGTRAIN_COMPILE_BACKEND"  # train.compile's backend: inductor, or aot_eager to debug
@@ -427,13 +427,14 @@ class Trainer:
         """One chunk's pass, replayed from the CUDA graph where the run allows one (captured at the first
         chunk of the session's second step: the first compiles the kernels), else eagerly."""
         # graphs_off: graph_unusable()'s reason, or a failed capture's
-        if self.chunk_graph is None and first_of_step and self.graphs_off is None and self.state.step > self.start.step:
+        if (self.chunk_graph is None and first_of_step and self.graphs_off is None and self.state.step > self.start.step
+                and capturable(cache)):
             try:
                 self.chunk_graph = ChunkGraph(self.chunk_pass, inputs, cache, self.trainable())
             except RuntimeError as e:  # an op that cannot be captured: the run goes on eagerly
                 self.graphs_off = f"its capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
                 self.warn(f"training without CUDA graphs: {self.graphs_off}")
-        if self.chunk_graph is not None and self.chunk_graph.fits(inputs):
+        if self.chunk_graph is not None and self.chunk_graph.fits(inputs, cache):
             return self.chunk_graph(inputs, cache)
         # eagerly (also a chunk of another shape after a capture: its backward adds into the same gradients)
         return self.chunk_pass(inputs, cache)

@@ -14,6 +14,7 @@ import longtrain.model.attention as attention_module
 import longtrain.model.model as model_module
 from longtrain.train.metrics import read_metrics
 from longtrain.train.recipe import RecipeError, load_recipe
+from longtrain.train.step_graph import shapes
 from longtrain.train import summary
 from longtrain.train.trainer import Trainer
 
@@ -233,12 +234,14 @@ class StandInGraph:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.params, self.grads, self.chunk_pass = params, [p.grad for p in params], chunk_pass
+        self.cache_shapes, self.replays = shapes(cache), 0
 
-    def fits(self, inputs):
-        return True
+    def fits(self, inputs, cache):
+        return shapes(cache) == self.cache_shapes
 
     def __call__(self, inputs, cache):
         assert all(p.grad is g for p, g in zip(self.params, self.grads))  # never freed between steps
+        self.replays += 1
         return self.chunk_pass(inputs, cache)
 
 
@@ -265,3 +268,27 @@ def test_trainer_captures_at_its_second_step_and_falls_back_if_the_capture_fails
     r = cli("fit", path, "--run-dir", tmp / "fallback", *common)
     assert r.exit_code == 0 and "training without CUDA graphs: its capture failed" in r.output, r.output
     assert losses(tmp / "fallback") == losses(tmp / "eager")
+
+
+def test_full_attention_is_captured_from_an_empty_cache_and_replayed_for_documents_of_one_chunk(workspace, monkeypatch):
+    """Full attention's cache grows: the trainer captures its chunk pass only from an empty cache and replays it
+    for chunks whose cache has the captured shapes. With documents of one chunk (the recall circuit's) that is every
+    chunk after the capture, since ChunkReader drops the reset rows' keys; with longer documents no chunk of a
+    step's start ever comes empty here, so nothing is captured."""
+    import longtrain.train.trainer as trainer_module
+
+    tmp, recipe = workspace
+    monkeypatch.setattr(Trainer, "graph_unusable", lambda self: None)  # as on CUDA with the gate lifted
+    monkeypatch.setattr(trainer_module, "ChunkGraph", StandInGraph)
+    full = ["attention.type=full", "attention.topk=0", "attention.window=0", "train.valid_every=0"]
+    one_chunk = ["data.source=recall", "data.recall.docs=120", "data.recall.doc_tokens=96", "data.recall.facts=2",
+                 "data.recall.min_distance=10", "data.recall.max_distance=40", "train.chunk_size=96", "data.valid=0.05"]
+    StandInGraph.built = []
+    t = Trainer(load_recipe(recipe(steps=6, every=100), full + one_chunk), run_dir=tmp / "one-chunk")
+    t.train()
+    assert len(StandInGraph.built) == 1 and t.chunk_graph.replays == 5  # captured at step 2, steps 2..6 replayed
+
+    StandInGraph.built = []
+    t = Trainer(load_recipe(recipe(steps=6, every=100), full), run_dir=tmp / "long-docs")  # documents of many chunks
+    t.train()
+    assert StandInGraph.built == [] and t.chunk_graph is None
