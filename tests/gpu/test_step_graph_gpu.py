@@ -35,6 +35,16 @@ def train(tmp_path, name, attention, graphs, overrides=()):
     return trainer
 
 
+def assert_steps_close(tmp_path, steps=8):
+    """The eager and graph runs' logged losses and gradient norms, step by step, within rounding (1e-3, 1e-2)."""
+    a, b = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("eager", "graph"))
+    train_a = [(r["step"], r["loss"], r["grad_norm"]) for r in a if "loss" in r]
+    train_b = [(r["step"], r["loss"], r["grad_norm"]) for r in b if "loss" in r]
+    assert len(train_a) == len(train_b) == steps
+    for (sa, la, ga), (sb, lb, gb) in zip(train_a, train_b):
+        assert sa == sb and abs(la - lb) <= 1e-3 * abs(la) and abs(ga - gb) <= 1e-2 * abs(ga), (sa, la, lb, ga, gb)
+
+
 @pytest.mark.parametrize("attention", ["sparsek+sw", "sw"])
 def test_graph_replay_equals_eager(tmp_path, monkeypatch, attention):
     from longtrain.ops.sparsek_attention import triton_core
@@ -74,12 +84,7 @@ def test_the_linear_types_replay_like_eager(tmp_path, monkeypatch, attention, ba
     assert eager.chunk_graph is None
     assert graph.chunk_graph is not None and graph.graphs_off is None, graph.graphs_off  # the reason, if none
 
-    a, b = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("eager", "graph"))
-    train_a = [(r["step"], r["loss"], r["grad_norm"]) for r in a if "loss" in r]
-    train_b = [(r["step"], r["loss"], r["grad_norm"]) for r in b if "loss" in r]
-    assert len(train_a) == len(train_b) == 8
-    for (sa, la, ga), (sb, lb, gb) in zip(train_a, train_b):
-        assert sa == sb and abs(la - lb) <= 1e-3 * abs(la) and abs(ga - gb) <= 1e-2 * abs(ga), (sa, la, lb, ga, gb)
+    assert_steps_close(tmp_path)
     wa, wb = (load_file(tmp_path / run / "checkpoints" / "step-00000008" / "model.safetensors")
               for run in ("eager", "graph"))
     for name in wa:
@@ -118,9 +123,4 @@ def test_full_attention_replays_documents_of_one_chunk(tmp_path, monkeypatch):
         runs[name] = trainer
     g = runs["graph"].chunk_graph
     assert runs["eager"].chunk_graph is None and g is not None and not g.in_place and g.replays >= 6, runs["graph"].graphs_off
-    a, b = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("eager", "graph"))
-    train_a = [(r["step"], r["loss"], r["grad_norm"]) for r in a if "loss" in r]
-    train_b = [(r["step"], r["loss"], r["grad_norm"]) for r in b if "loss" in r]
-    assert len(train_a) == len(train_b) == 8
-    for (sa, la, ga), (sb, lb, gb) in zip(train_a, train_b):
-        assert sa == sb and abs(la - lb) <= 1e-3 * abs(la) and abs(ga - gb) <= 1e-2 * abs(ga), (sa, la, lb, ga, gb)
+    assert_steps_close(tmp_path)
