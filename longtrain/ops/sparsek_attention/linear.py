@@ -84,13 +84,11 @@ def _add_state(state_kv, state_k, phk, v, keep) -> tuple[torch.Tensor, torch.Ten
     """The state plus the keys where keep [B, N] (phk [B, N, Hkv, F], v [B, N, Hkv, D]).
 
     phi(k) and v are copied once each, into the state's dtype and the layout of a batched product over (row,
-    KV head), the mask multiplied into the copy (an einsum of the cast, masked inputs wrote them three times:
-    benchmarks/op_traffic.py)."""
-    B, N, G, F = phk.shape
-    dt = state_kv.dtype
-    phk_t = torch.empty(B, G, F, N, dtype=dt, device=phk.device).copy_(phk.permute(0, 2, 3, 1))  # [B, Hkv, F, N]
-    phk_t = phk_t * keep[:, None, None, :]
-    v_t = torch.empty(B, G, N, v.shape[-1], dtype=dt, device=v.device).copy_(v.permute(0, 2, 1, 3))  # [B, Hkv, N, D]
+    KV head), the mask multiplied into the copy in place (an einsum of the cast, masked inputs wrote them three
+    times: benchmarks/op_traffic.py)."""
+    as_operand = dict(dtype=state_kv.dtype, memory_format=torch.contiguous_format, copy=True)
+    phk_t = phk.permute(0, 2, 3, 1).to(**as_operand).mul_(keep[:, None, None, :])  # [B, Hkv, F, N]
+    v_t = v.permute(0, 2, 1, 3).to(**as_operand)  # [B, Hkv, N, D]
     return state_kv + phk_t @ v_t, state_k + phk_t.sum(-1)
 
 
