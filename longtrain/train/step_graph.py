@@ -86,7 +86,7 @@ class ChunkGraph:
     def fits(self, inputs: ChunkInputs, cache: ModelCache) -> bool:
         """Whether a chunk of these inputs from this cache replays the graph (the same shapes as captured)."""
         return (all(getattr(inputs, f.name).shape == getattr(self.inputs, f.name).shape for f in fields(ChunkInputs))
-                and shapes(cache) == shapes(self.cache))
+                and (self.in_place or shapes(cache) == shapes(self.cache)))  # a fixed-size cache always fits
 
     def __call__(self, inputs: ChunkInputs, cache: ModelCache) -> ChunkResult:
         """Replay on `inputs` from `cache`. The result's tensors are the graph's buffers: the next replay
