@@ -48,7 +48,8 @@ class Uncounted:
 
 
 class WriteCounter(TorchDispatchMode):
-    """Bytes written per (aten op, the innermost longtrain source line that called it; 'autograd' in backward)."""
+    """Bytes written per (aten op, the innermost longtrain source line that called it, as path:line under
+    longtrain/; 'autograd' in backward)."""
 
     def __init__(self):
         super().__init__()
@@ -62,7 +63,7 @@ class WriteCounter(TorchDispatchMode):
         written = sum(t.numel() * t.element_size() for t in (out if isinstance(out, (tuple, list)) else [out])
                       if isinstance(t, torch.Tensor))
         frames = [f for f in traceback.extract_stack() if "/longtrain/" in f.filename]
-        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "autograd"
+        where = f"{frames[-1].filename.rsplit('/longtrain/', 1)[1]}:{frames[-1].lineno}" if frames else "autograd"
         self.rows[(name, where)][0] += 1
         self.rows[(name, where)][1] += written
         return out

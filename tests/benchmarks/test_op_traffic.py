@@ -15,15 +15,25 @@ def test_op_traffic_counts_the_glue_of_both_ops():
     pytest.importorskip("triton")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "op_traffic.py"), "--rows", "1", "--tokens", "48",
-                          "--heads", "2", "--head-dim", "16", "--budget", "8"], capture_output=True, text=True, env=env,
-                         timeout=600)
+                          "--heads", "2", "--head-dim", "16", "--budget", "8", "--top", "1000"], capture_output=True,
+                         text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     totals = {line.split(":")[0]: float(line.split(":")[1].split()[0]) for line in res.stdout.splitlines()
               if line.startswith("sparsek")}
     assert set(totals) == {"sparsek+sw", "sparsek+linear+sw"}, res.stdout
     assert 0 < totals["sparsek+sw"] < totals["sparsek+linear+sw"], totals
-    assert "| cat | op.py:" in res.stdout  # the key layout's concatenation, found at its line
-    assert "linear_triton.py" in res.stdout and "_fwd_kernel" not in res.stdout
+    assert "| cat | ops/sparsek_attention/op.py:" in res.stdout  # the key layout's concatenation, found at its line
+    assert "linear_triton.py" in res.stdout  # the Triton core's wrapper: counted (its kernels are not)
+    # the causal linear sums (fla's kernels on a GPU) are left out: no row from the naive sums' lines
+    import inspect
+
+    from longtrain.ops.linear_attention.naive import causal_linear_attention_naive
+
+    lines, first = inspect.getsourcelines(causal_linear_attention_naive)
+    here = "ops/linear_attention/naive.py:"
+    sums = {f"{here}{n}" for n in range(first, first + len(lines))}
+    counted = {row.split("|")[4].strip() for row in res.stdout.splitlines() if row.startswith("| ") and here in row}
+    assert counted and not counted & sums, counted  # feature_map's lines are counted, the sums' are not
 
 
 def test_the_counter_skips_views_and_counts_writes():
