@@ -55,8 +55,9 @@ from longtrain.ops.sparsek_attention.triton_tiles import SOFT_KV, STRAIGHT_THROU
 # The interpreter (CPU tests) takes small tiles.
 # native (off until a GPU has timed it and tests/gpu/test_linear_gpu.py has passed with it): half inputs stay half
 # in the tiles, and the dots take them as they are, with the weights and gradient terms rounded to the inputs' dtype
-# before their dots (as flash attention does), instead of float32 tiles with TF32 dots: half the registers and
-# shared memory per tile, and tensor-core dots at the half rate. No change for float32 inputs.
+# before their dots (as flash attention does), instead of float32 tiles with TF32 dots: half the shared memory and
+# tensor-core instructions (registers stay near 255: kernels_aot.py), dots at bfloat16's rate, twice TF32's. No
+# change for float32 inputs.
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LAUNCH = {
     64: dict(fwd=dict(QB=64, BN=32, num_warps=4, num_stages=1, native=0),
