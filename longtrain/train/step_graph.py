@@ -119,8 +119,6 @@ def graph_unusable(recipe, *, device_type: str, precision: str) -> str | None:
         return "not on CUDA"
     if cfg.parallel == "fsdp":
         return "fsdp gathers and reduces parameters in every chunk's pass"
-    if recipe.attention.type == "full":
-        return "full attention's cache grows chunk by chunk"
     if recipe.model.dropout > 0:
         return "dropout draws new masks per chunk"
     if precision == "fp16":

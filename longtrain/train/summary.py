@@ -261,6 +261,8 @@ def notes(t: Trainer) -> list[str]:
 def graph_note(t: Trainer) -> str:
     """The summary's words on CUDA graphs (nothing on the CPU)."""
     why = t.graph_unusable()
+    if why is None and t.recipe.attention.type == "full":  # a growing cache: only chunks from an empty one replay
+        return ", one CUDA graph for chunks that start every row's document (from the second step; later chunks eager)"
     if why is None:
         return ", one CUDA graph per chunk (from the second step)"
     return "" if why == "not on CUDA" else f", no CUDA graph: {why}"

@@ -107,12 +107,7 @@ logging: {{every: 2, progress: false}}
 def test_full_attention_replays_documents_of_one_chunk(tmp_path, monkeypatch):
     """Full attention with documents of one chunk (the recall circuit's): every chunk starts from an empty cache
     (ChunkReader drops the reset rows' keys), so its pass replays from a graph that hands out the next cache in its
-    own buffers. The gate in graph_unusable is lifted here; fit keeps it until this has passed on a GPU. Within
-    rounding of the eager run, not bitwise: SDPA's backward need not repeat bit for bit."""
-    from longtrain.train import trainer as trainer_module
-
-    monkeypatch.setattr(trainer_module, "graph_unusable",
-                        lambda recipe, **kw: None if recipe.train.cuda_graphs else "train.cuda_graphs is false")
+    own buffers. Within rounding of the eager run, not bitwise: SDPA's backward need not repeat bit for bit."""
     monkeypatch.setenv("LONGTRAIN_CACHE", str(tmp_path / "cache"))
     runs = {}
     for name, graphs in (("eager", False), ("graph", True)):
