@@ -18,9 +18,12 @@ checkpoint, and calling it again resumes where it stopped.
         --circuit-stage none                                                             # no curriculum
 
 The circuit is checked before stage 2: its own recall at its longest distances must reach
-CIRCUIT_FORMED, or that circuit trains its steps again (up to CIRCUIT_EXTENSIONS times). Stage 2 trains
-only the seeds whose circuit formed (it never inherits a circuit that cannot recall); the others are
-named at the end and the experiment exits non-zero. With --seeds each seed changes train.seed and the
+CIRCUIT_FORMED. A circuit that has not trains its steps again (--circuit-extensions, default
+CIRCUIT_EXTENSIONS), then starts over from a new init (--circuit-retries, default CIRCUIT_RETRIES: an
+attempt a >= 1 trains with train.seed + ATTEMPT_SEED_STRIDE * a on the seed's own documents, in
+circuit-s<seed>-a<a>). Stage 2 trains only the seeds whose circuit formed, from the attempt that formed
+(it never inherits a circuit that cannot recall); the others are named at the end and the experiment
+exits non-zero. With --seeds each seed changes train.seed and the
 recall data's seed of both stages. The circuit trains after a curriculum (CIRCUIT_CURRICULUM: distances
 8..32 for 2,000 steps, then the recipe's 32..256), each stage from the previous one's weights;
 --circuit-stage replaces it (repeatable; 'none': no curriculum).
@@ -86,7 +89,16 @@ ABLATIONS = {
 CIRCUIT_CURRICULUM = ["data.recall.min_distance=8 data.recall.max_distance=32 train.steps=2000"]
 CIRCUIT_STATE = "circuit.json"  # in OUT: each seed's circuit step target and recall (circuit_state)
 CIRCUIT_FORMED = 0.9  # the circuit's own recall at its longest distances that counts as formed
-CIRCUIT_EXTENSIONS = 2  # times an unformed circuit trains its steps again before stage 2 skips its seed
+# An unformed circuit: train it longer, or start over? Measured on H100/H200 circuits (benchmarks/README.md,
+# 2026-11-26..27): of 10,000-step runs, 4/8 formed with the default recipe, 7/10 with half RoPE, 6/10 with half
+# RoPE and 8 heads, 3/6 with five-letter keys: each lever moved *which* seeds formed, about 6 in 10 each time.
+# Trained on, an unformed circuit formed in 2 of 7 cases by 20,000 steps and in 2 of the 3 tried further by
+# 30,000 (seed 7 stayed at 0.66). A fresh init at ~0.6 per 10,000 steps is the better use of the same steps
+# (two retries: ~0.84 if attempts are independent, against the 3 of 4 that two extensions reached), and a
+# stalled run cannot hold a seed back.
+CIRCUIT_EXTENSIONS = 0  # times an unformed circuit trains its steps again (the same run, resumed)
+CIRCUIT_RETRIES = 2  # times an unformed circuit (after its extensions) starts over from a new init
+ATTEMPT_SEED_STRIDE = 1000  # attempt a of seed s trains with train.seed = s + 1000 a (its documents stay)
 SETTINGS = ("train", "4x", "4x-far")
 
 
@@ -110,13 +122,22 @@ def stop_at_budget(part: str) -> None:
                      "Run the same command again to resume.")
 
 
-def circuit_dir(out: Path, seed: int | None) -> Path:
-    return out / ("circuit" if seed is None else f"circuit-s{seed}")
+def attempt_suffix(attempt: int) -> str:
+    return f"-a{attempt}" if attempt else ""
 
 
-def seed_sets(seed: int | None, data_offset: int) -> list[str]:
-    """A seed study changes the init and the data: train.seed and the recall generator's seed."""
-    return [] if seed is None else [f"train.seed={seed}", f"data.recall.seed={data_offset + seed}"]
+def circuit_dir(out: Path, seed: int | None, attempt: int = 0) -> Path:
+    return out / (("circuit" if seed is None else f"circuit-s{seed}") + attempt_suffix(attempt))
+
+
+def seed_sets(seed: int | None, data_offset: int, attempt: int = 0) -> list[str]:
+    """A seed study changes the init and the data: train.seed and the recall generator's seed. A circuit's retry
+    (attempt >= 1) changes the init only: train.seed moves by ATTEMPT_SEED_STRIDE per attempt (from the recipe's 0
+    for the recipes' own seed), the documents stay the seed's."""
+    init = (seed or 0) + ATTEMPT_SEED_STRIDE * attempt
+    if seed is None:
+        return [f"train.seed={init}"] if attempt else []
+    return [f"train.seed={init}", f"data.recall.seed={data_offset + seed}"]
 
 
 def circuit_recall(run_dir: Path, device: str) -> float:
@@ -136,71 +157,82 @@ def start_from(run_dir: Path | None) -> list[str]:
     return [] if run_dir is None else [f"train.init_from={run_dir}", f"tokenizer.path={run_dir / 'tokenizer.json'}"]
 
 
-def stage_dir(out: Path, stage: int, seed: int | None) -> Path:
-    return out / f"warmup{stage}-s{seed}"
+def stage_dir(out: Path, stage: int, seed: int | None, attempt: int = 0) -> Path:
+    return out / f"warmup{stage}-s{seed}{attempt_suffix(attempt)}"
 
 
-def warmup(out: Path, seeds: list[int | None], stages: list[list[str]], budget_s: float, extra: list[str]) -> None:
+def warmup(out: Path, attempts: dict[int | None, int], stages: list[list[str]], deadline: float,
+           extra: list[str]) -> None:
     """A curriculum before the circuit: each stage (recall-circuit with its own overrides, e.g. short distances
-    first) trains every seed side by side from the previous stage's weights (stage_dir)."""
-    t0 = time.monotonic()
+    first) trains every seed's attempt (seed -> attempt) side by side from the previous stage's weights."""
     for j, stage in enumerate(stages):
-        runs = {s: stage_dir(out, j, s) for s in seeds}
-        procs = {d.name: start_fit(CIRCUIT, d, [*seed_sets(s, 1), *extra, *stage,
-                                                *start_from(stage_dir(out, j - 1, s) if j else None)],
+        runs = {s: stage_dir(out, j, s, a) for s, a in attempts.items()}
+        procs = {d.name: start_fit(CIRCUIT, d, [*seed_sets(s, 1, attempts[s]), *extra, *stage,
+                                                *start_from(stage_dir(out, j - 1, s, attempts[s]) if j else None)],
                                    out / f"fit-{d.name}.log")
                  for s, d in runs.items()}
-        if wait_all(procs, budget_s - (time.monotonic() - t0)):
+        if wait_all(procs, deadline - time.monotonic()):
             stop_at_budget(f"warm-up stage {j}")
 
 
 def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str], device: str,
-            stages: list[list[str]] = (), extensions: int = CIRCUIT_EXTENSIONS) -> None:
-    """Stage 1: recall-circuit per seed, side by side. A circuit whose recall stays under CIRCUIT_FORMED
-    trains its steps again (up to `extensions` times); unformed() then names the seeds still under it.
-    The state (each seed's step target and recall) lives in out/circuit.json, so a part stopped by the
-    budget resumes where it stopped, extensions included."""
-    t0 = time.monotonic()
-    fresh = [s for s in seeds if not (circuit_dir(out, s) / "checkpoints").is_dir()]  # a started circuit is past them
-    if stages and fresh:
-        warmup(out, fresh, list(stages), budget_s, extra)
-    start = {s: stage_dir(out, len(stages) - 1, s) if stages else None for s in seeds}
-    budget_s, t0 = budget_s - (time.monotonic() - t0), time.monotonic()  # what the curriculum left
+            stages: list[list[str]] = (), extensions: int = CIRCUIT_EXTENSIONS, retries: int = CIRCUIT_RETRIES) -> None:
+    """Stage 1: recall-circuit per seed, side by side, each after the curriculum `stages`. A circuit whose recall
+    stays under CIRCUIT_FORMED trains its steps again (up to `extensions` times), then starts over from a new init
+    (up to `retries` times: attempt a in circuit-s<seed>-a<a>, curriculum included); unformed() then names the
+    seeds still under it. The state (each seed's attempt, step target and recall) lives in out/circuit.json, so a
+    part stopped by the budget resumes where it stopped, extensions and attempts included."""
+    deadline = time.monotonic() + budget_s
     base = _recipe_steps(CIRCUIT, extra)
     state = circuit_state(out)  # other seeds' entries stay
     for s in seeds:
-        state.setdefault(str(s), {"steps": base, "recall": None})
+        state.setdefault(str(s), {"steps": base, "recall": None}).setdefault("attempt", 0)
     last = base * (extensions + 1)
     while True:
-        pending = [s for s in seeds if state[str(s)]["recall"] is None]
+        pending = {s: state[str(s)]["attempt"] for s in seeds if state[str(s)]["recall"] is None}  # seed -> attempt
         if pending:
-            procs = {f"circuit-s{s}": start_fit(CIRCUIT, circuit_dir(out, s),
-                                          [*seed_sets(s, 1), *extra, *start_from(start[s]),
-                                           f"train.steps={state[str(s)]['steps']}"],
-                                          out / f"fit-{circuit_dir(out, s).name}.log") for s in pending}
-            if wait_all(procs, budget_s - (time.monotonic() - t0)):
+            fresh = {s: a for s, a in pending.items() if not (circuit_dir(out, s, a) / "checkpoints").is_dir()}
+            if stages and fresh:  # a started circuit is past its curriculum
+                warmup(out, fresh, list(stages), deadline, extra)
+            procs = {}
+            for s, a in pending.items():
+                run = circuit_dir(out, s, a)
+                procs[run.name] = start_fit(CIRCUIT, run, [*seed_sets(s, 1, a), *extra,
+                                                           *start_from(stage_dir(out, len(stages) - 1, s, a) if stages else None),
+                                                           f"train.steps={state[str(s)]['steps']}"],
+                                            out / f"fit-{run.name}.log")
+            if wait_all(procs, deadline - time.monotonic()):
                 save_circuit_state(out, state)
                 log_progress(out, pending, device)
                 stop_at_budget("circuit")
-            for s in pending:
-                state[str(s)]["recall"] = circuit_recall(circuit_dir(out, s), device)
+            for s, a in pending.items():
+                state[str(s)]["recall"] = circuit_recall(circuit_dir(out, s, a), device)
             save_circuit_state(out, state)
         log(f"circuit recall at its longest distances: {describe(state, seeds)}")
-        extend = [s for s in unformed(state, seeds) if state[str(s)]["steps"] < last]
-        if not extend:
+        unformed_now = unformed(state, seeds)
+        extend = [s for s in unformed_now if state[str(s)]["steps"] < last]
+        retry = [s for s in unformed_now if s not in extend and state[str(s)]["attempt"] < retries]
+        if not extend and not retry:
             return
-        log(f"circuit not formed for seeds {extend} (< {CIRCUIT_FORMED}): training them {base} more steps")
+        if extend:
+            log(f"circuit not formed for seeds {extend} (< {CIRCUIT_FORMED}): training them {base} more steps")
         for s in extend:
-            state[str(s)] = {"steps": state[str(s)]["steps"] + base, "recall": None}
+            state[str(s)].update(steps=state[str(s)]["steps"] + base, recall=None)
+        for s in retry:
+            a = state[str(s)]["attempt"] + 1
+            log(f"circuit not formed for seed {s} (< {CIRCUIT_FORMED}): attempt {a + 1} of {retries + 1} starts over "
+                f"from a new init ({' '.join(seed_sets(s, 1, a))}, in {circuit_dir(out, s, a).name})")
+            state[str(s)] = {"steps": base, "recall": None, "attempt": a}
+        save_circuit_state(out, state)
 
 
-def log_progress(out: Path, seeds: list[int | None], device: str) -> None:
-    """Each stopped circuit's recall so far (its latest checkpoint), so that a circuit resumed across calls shows
-    whether it is forming; not recorded: only a finished circuit's recall decides (circuit.json)."""
+def log_progress(out: Path, attempts: dict[int | None, int], device: str) -> None:
+    """Each stopped circuit's recall so far (its latest checkpoint; seed -> attempt), so that a circuit resumed
+    across calls shows whether it is forming; not recorded: only a finished circuit's recall decides (circuit.json)."""
     from longtrain.train.checkpoint.storage import resolve_checkpoint, step_of
 
-    for s in seeds:
-        run = circuit_dir(out, s)
+    for s, a in attempts.items():
+        run = circuit_dir(out, s, a)
         if (run / "checkpoints").is_dir():
             step = step_of(resolve_checkpoint(run))  # the checkpoint circuit_recall reads
             log(f"{run.name} so far: recall {circuit_recall(run, device):.2f} at step {step} (not final)")
@@ -217,7 +249,17 @@ def save_circuit_state(out: Path, state: dict) -> None:
 
 
 def describe(state: dict, seeds: list[int | None]) -> str:
-    return ", ".join(f"seed {s}: {state[str(s)]['recall']:.2f} after {state[str(s)]['steps']} steps" for s in seeds)
+    """Each seed's recall, rounded down (0.898 reads 0.89, not 0.90: under CIRCUIT_FORMED), steps and attempt."""
+    def one(s) -> str:
+        e = state[str(s)]
+        attempt = f" (attempt {e['attempt'] + 1})" if e.get("attempt") else ""
+        return f"seed {s}: {math.floor(e['recall'] * 100) / 100:.2f} after {e['steps']} steps{attempt}"
+    return ", ".join(one(s) for s in seeds)
+
+
+def formed_circuit(out: Path, seed: int | None) -> Path:
+    """The run stage 2 starts from: the seed's last circuit attempt (the one that formed, as unformed() checks)."""
+    return circuit_dir(out, seed, (circuit_state(out).get(str(seed)) or {}).get("attempt", 0))
 
 
 def unformed(state: dict, seeds: list[int | None]) -> list[int | None]:
@@ -229,7 +271,8 @@ def unformed(state: dict, seeds: list[int | None]) -> list[int | None]:
 def unformed_message(seeds: list[int | None], out: Path) -> str:
     return (f"the recall circuit did not form for seeds {seeds} ({describe(circuit_state(out), seeds)}; formed means "
             f"recall >= {CIRCUIT_FORMED}); stage 2 skipped them (it would inherit a model that cannot recall). Train "
-            "them longer with --circuit-extensions N (then run the same command again), or try --circuit-set train.lr=...")
+            "them again from new inits with --circuit-retries N or longer with --circuit-extensions N (then run the same "
+            "command again), or try --circuit-set train.lr=...")
 
 
 def _recipe_steps(recipe: Path, sets: list[str]) -> int:
@@ -242,7 +285,7 @@ def train(out: Path, models: list[str], seeds: list[int | None], budget_s: float
     """Stage 2: each model (and seed) from its circuit's weights into out/runs/<model>[-s<seed>], all at once."""
     procs = {}
     for seed in seeds:
-        source = circuit_dir(out, seed)
+        source = formed_circuit(out, seed)
         if not (source / "checkpoints").is_dir():
             raise SystemExit(f"no circuit in {source}: run --part circuit first")
         for model in models:
@@ -425,7 +468,10 @@ def main() -> None:
                          "'data.recall.max_distance=32 train.steps=2000' (repeatable; each starts from the previous; "
                          f"'none': no curriculum). Default: {CIRCUIT_CURRICULUM}")
     ap.add_argument("--circuit-extensions", type=int, default=CIRCUIT_EXTENSIONS,
-                    help="times an unformed circuit trains its steps again before stage 2 skips its seed")
+                    help="times an unformed circuit trains its steps again (the same run, resumed)")
+    ap.add_argument("--circuit-retries", type=int, default=CIRCUIT_RETRIES,
+                    help="times an unformed circuit (after its extensions) starts over from a new init before stage 2 "
+                         "skips its seed")
     ap.add_argument("--docs", type=int, default=64, help="eval: documents per setting")
     ap.add_argument("--run", type=Path, help="eval-one: the run dir")
     ap.add_argument("--device", default="auto")
@@ -439,7 +485,7 @@ def main() -> None:
         model_args(m)  # an unknown name fails before anything runs
     if a.part in ("circuit", "all"):  # a finished circuit resumes to "nothing to do"
         circuit(a.out, seeds, a.circuit_budget_s if a.part == "all" else a.budget_s, a.circuit_sets, a.device,
-                curriculum(a.circuit_stages), a.circuit_extensions)
+                curriculum(a.circuit_stages), a.circuit_extensions, a.circuit_retries)
     skipped = unformed(circuit_state(a.out), seeds) if a.part in ("circuit", "train", "all") else []
     if skipped and (a.part == "circuit" or skipped == seeds):
         raise SystemExit(unformed_message(skipped, a.out))

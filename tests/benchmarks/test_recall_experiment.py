@@ -1,5 +1,5 @@
-"""benchmarks/recall_experiment.py's stage-1 check (issue 30): a circuit that has not formed trains again, only
-the unformed seeds; stage 2 then trains the seeds whose circuit formed and never one that did not, and the
+"""benchmarks/recall_experiment.py's stage-1 check (issue 30): a circuit that has not formed trains again (longer,
+or from a new init), only the unformed seeds; stage 2 then trains the seeds whose circuit formed and never one that did not, and the
 experiment ends with a message naming those. A curriculum stage (--circuit-stage) trains first and the
 circuit starts from it. A real run of the script's parts (real `longtrain fit` processes) at a toy size on the
 CPU, with the circuit's recall measurement replaced so that one seed forms and the other does not."""
@@ -29,7 +29,8 @@ def test_stage_2_trains_the_formed_seeds_and_names_the_one_that_did_not_form(tmp
 
     def argv(part: str, seeds: str) -> list[str]:
         return ["recall_experiment.py", "--out", str(tmp_path), "--part", part, "--model", "sparsek", "--seeds", seeds,
-                "--device", "cpu", "--docs", "2", "--circuit-stage", "data.recall.max_distance=32 train.steps=2",
+                "--device", "cpu", "--docs", "2", "--circuit-extensions", "2", "--circuit-retries", "0",
+                "--circuit-stage", "data.recall.max_distance=32 train.steps=2",
                 *[x for s in [*TOY, "model.rotary_pct=0.5"] for x in ("--circuit-set", s)],
                 *[x for s in TOY_STAGE2 for x in ("--set", s)]]
 
@@ -38,8 +39,8 @@ def test_stage_2_trains_the_formed_seeds_and_names_the_one_that_did_not_form(tmp
         rx.main()
     assert "did not form for seeds [1] (seed 1: 0.10 after 6 steps" in str(stop.value), capsys.readouterr().out[-3000:]
     state = json.loads((tmp_path / "circuit.json").read_text())
-    assert state["0"] == {"steps": 2, "recall": 0.95}  # formed at once: never extended
-    assert state["1"] == {"steps": 6, "recall": 0.1}  # 2 steps, then twice 2 more
+    assert state["0"] == {"steps": 2, "recall": 0.95, "attempt": 0}  # formed at once: never extended
+    assert state["1"] == {"steps": 6, "recall": 0.1, "attempt": 0}  # 2 steps, then twice 2 more
     assert capsys.readouterr().out.count("circuit not formed for seeds [1] (< 0.9): training them 2 more steps") == 2
     metrics = [json.loads(x) for x in (tmp_path / "circuit-s1" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert max(r["step"] for r in metrics) == 6  # the extensions resumed the same run
@@ -64,6 +65,34 @@ def test_stage_2_trains_the_formed_seeds_and_names_the_one_that_did_not_form(tmp
     assert not (tmp_path / "runs" / "sparsek-s1").exists()
 
 
+def test_an_unformed_circuit_starts_over_from_a_new_init_and_stage_2_starts_from_the_attempt_that_formed(
+        tmp_path, monkeypatch, capsys):
+    import recall_experiment as rx
+
+    recall = {"circuit-s0": 0.95, "circuit-s1": 0.1, "circuit-s1-a1": 0.898, "circuit-s1-a2": 0.97}
+    monkeypatch.setattr(rx, "circuit_recall", lambda run_dir, device: recall[run_dir.name])
+    monkeypatch.setattr(sys, "argv", [
+        "recall_experiment.py", "--out", str(tmp_path), "--part", "all", "--model", "sparsek", "--seeds", "0,1",
+        "--device", "cpu", "--docs", "2", "--circuit-stage", "data.recall.max_distance=32 train.steps=2",
+        *[x for s in TOY for x in ("--circuit-set", s)], *[x for s in TOY_STAGE2 for x in ("--set", s)]])
+    rx.main()  # every seed formed in the end: no exit
+    out = capsys.readouterr().out
+    state = json.loads((tmp_path / "circuit.json").read_text())
+    assert state["0"] == {"steps": 2, "recall": 0.95, "attempt": 0}
+    assert state["1"] == {"steps": 2, "recall": 0.97, "attempt": 2}  # the defaults: no extension, up to two retries
+    assert "seed 1: 0.89 after 2 steps (attempt 2)" in out  # 0.898 is under 0.9 and reads so
+    assert "attempt 3 of 3 starts over from a new init (train.seed=2001 data.recall.seed=2, in circuit-s1-a2)" in out
+    for attempt, name in ((1, "circuit-s1-a1"), (2, "circuit-s1-a2")):
+        circuit = yaml.safe_load((tmp_path / name / "recipe.yaml").read_text())
+        assert circuit["train"]["seed"] == 1 + 1000 * attempt and circuit["data"]["recall"]["seed"] == 2  # its documents
+        assert Path(circuit["train"]["init_from"]).name == f"warmup0-s1-a{attempt}"  # each attempt has its curriculum
+        warm = yaml.safe_load((tmp_path / f"warmup0-s1-a{attempt}" / "recipe.yaml").read_text())
+        assert warm["train"]["seed"] == 1 + 1000 * attempt and warm["train"].get("init_from") is None
+    stage2 = yaml.safe_load((tmp_path / "runs" / "sparsek-s1" / "recipe.yaml").read_text())
+    assert Path(stage2["train"]["init_from"]).name == "circuit-s1-a2" and stage2["train"]["seed"] == 1
+    assert Path(yaml.safe_load((tmp_path / "runs" / "sparsek-s0" / "recipe.yaml").read_text())["train"]["init_from"]).name == "circuit-s0"
+
+
 def test_a_circuit_stopped_by_the_budget_logs_its_recall_so_far_and_resumes_unmeasured(tmp_path, monkeypatch, capsys):
     import recall_experiment as rx
 
@@ -81,7 +110,7 @@ def test_a_circuit_stopped_by_the_budget_logs_its_recall_so_far_and_resumes_unme
     with pytest.raises(SystemExit, match="time budget ran out"):
         rx.main()
     assert "circuit-s3 so far: recall 0.42 at step 2 (not final)" in capsys.readouterr().out
-    assert json.loads((tmp_path / "circuit.json").read_text())["3"] == {"steps": 2, "recall": None}  # measured on resume
+    assert json.loads((tmp_path / "circuit.json").read_text())["3"] == {"steps": 2, "recall": None, "attempt": 0}  # measured on resume
 
 
 def test_the_circuit_trains_after_the_default_curriculum_and_none_turns_it_off():
