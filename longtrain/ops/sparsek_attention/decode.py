@@ -225,7 +225,9 @@ def _admit(cache: SparseKCache, ck, cv, cu, cpos, *, topk: int, backend: str = "
     ok = cpos >= 0  # [B]
     if cu.device.type == "cpu" and not bool((ok & (cu.to(torch.float64) > cache.tau)).any()):
         # Nothing to update: the candidate is at or below tau, so below the pool's worst key too (a
-        # host branch, free on the CPU; on a GPU every step runs the same ops, so a graph can hold it).
+        # host branch, free on the CPU; on a GPU every step runs the same ops, so a graph can hold it). Compiled on
+        # the CPU it breaks the graph, and must: without the break Inductor's CPU code of the whole step admitted
+        # a wrong threshold state (test_the_compiled_cpu_decoder_equals_the_eager_one).
         return cache
     return replace(cache, **_admit_pool(cache, ck, cv, cu, cpos, ok), **_admit_threshold(cache, cu, cpos, ok, topk))
 
