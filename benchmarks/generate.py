@@ -20,6 +20,9 @@ A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with S
   profile  torch.profiler over 20 decode steps (CUDA): eager after the shortest prompt and in the batch,
            and with --compile the compiled step's graph replays (the profiler names the kernels a graph
            launches); the kernels by device time per step and the launches per step (JSON only);
+  inductor --inductor freezing=1[,combo_kernels=1,...]: torch._inductor.config for the compiled rows (issue 33's
+           levers: freezing folds the weights into the step, so Inductor's concat-linear pass turns q, k, v and
+           the MLP's gate and up into one product each; combo_kernels launches independent small kernels as one);
   check    decode == chunked forward in bf16 (SparseK+SW): after a CHECK_PROMPT-token prompt, the same
            CHECK_TOKENS tokens once as one chunk through the forward (the chunk op, device scan) and
            once token by token through the decode step; per layer, the positions whose selection
@@ -292,6 +295,21 @@ def decode_equals_forward(model: LM, n_prompt: int, n_tokens: int, *, chunk: int
             "overflowed": step_cache.overflowed()}
 
 
+def inductor_settings(text: str, error) -> dict:
+    """--inductor's KEY=VALUE list set on torch._inductor.config (each value parsed as the setting's type)."""
+    import torch._inductor.config as config
+
+    settings = {}
+    for item in (x for x in text.split(",") if x):
+        key, _, value = item.partition("=")
+        if not hasattr(config, key):
+            error(f"--inductor {key}: torch._inductor.config has no such setting (e.g. freezing, combo_kernels)")
+        kind = type(getattr(config, key))
+        settings[key] = value not in ("0", "false", "False") if kind is bool else kind(value)
+        setattr(config, key, settings[key])
+    return settings
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for generate.json and generate.md")
@@ -309,7 +327,10 @@ def main() -> None:
         help="decode == forward check: prompt (default 65536; --small 512; 0: no check)")
     ap.add_argument("--check-tokens", type=int, default=None, help="decode == forward check: tokens (default 1000; --small 20)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new row after this many seconds")
+    ap.add_argument("--inductor", default="", help="comma list KEY=VALUE of torch._inductor.config for the compiled "
+                    "rows, e.g. freezing=1,combo_kernels=1")
     args = ap.parse_args()
+    inductor = inductor_settings(args.inductor, ap.error)
     modes = tuple(m for m in args.modes.split(",") if m)
     if bad := [m for m in modes if m not in MODES]:
         ap.error(f"--modes takes {', '.join(MODES)}; got {bad}")
@@ -336,7 +357,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "commit": _commit(), "dtype": str(dtype).removeprefix("torch."),
         "model": {**base, "params": sum(p.numel() for p in LM(LMConfig(**base, **attns[0][1])).parameters())},
-        "prefill_chunk": chunk, "new_tokens": new, "rows": [], "check": None,
+        "prefill_chunk": chunk, "new_tokens": new, "rows": [], "check": None, "inductor": inductor,
     }
 
     def over_budget() -> bool:
