@@ -12,12 +12,13 @@ checkpoint, and calling it again resumes where it stopped.
     python benchmarks/recall_experiment.py --out $OUT --part eval      # every trained model in $OUT/runs
     python benchmarks/recall_experiment.py --out $OUT --part plot      # recall.png, table.md from eval/*.json
     python benchmarks/recall_experiment.py --out $OUT --part all --model sparsek,sw   # the four in a row
-    python benchmarks/recall_experiment.py --out $OUT --part all --model sparsek-distill,sw --seeds 0,1,2,3,4 \
-        --set train.deterministic=true --circuit-set train.deterministic=true            # a seed study, one command
+    python benchmarks/recall_experiment.py --out $OUT --part all --model sparsek-distill,sw --seeds 0,1,2,3,4  # a seed study
     python benchmarks/recall_experiment.py --out $OUT --part circuit --seeds 0,1,2,3,4 \
         --circuit-stage none                                                             # no curriculum
 
-The circuit is checked before stage 2: its own recall at its longest distances must reach
+Every run is `train.deterministic` (a seed gives one run, whatever else shares the GPU: without it two GPU runs of
+one circuit seed parted at step 2 and formed at different steps; `--set` / `--circuit-set train.deterministic=false`
+for the faster, unrepeatable kernels). The circuit is checked before stage 2: its own recall at its longest distances must reach
 CIRCUIT_FORMED. A circuit that has not trains its steps again (--circuit-extensions, default
 CIRCUIT_EXTENSIONS), then starts over from a new init (--circuit-retries, default CIRCUIT_RETRIES: an
 attempt a >= 1 trains with train.seed + ATTEMPT_SEED_STRIDE * a on the seed's own documents, in
@@ -100,6 +101,7 @@ CIRCUIT_EXTENSIONS = 0  # times an unformed circuit trains its steps again (the 
 CIRCUIT_RETRIES = 2  # times an unformed circuit (after its extensions) starts over from a new init
 ATTEMPT_SEED_STRIDE = 1000  # attempt a of seed s trains with train.seed = s + 1000 a (its documents stay)
 SETTINGS = ("train", "4x", "4x-far")
+DETERMINISTIC = ["train.deterministic=true"]  # before the user's overrides, which may turn it off
 
 
 def log(msg: str) -> None:
@@ -484,7 +486,7 @@ def main() -> None:
     for m in models:
         model_args(m)  # an unknown name fails before anything runs
     if a.part in ("circuit", "all"):  # a finished circuit resumes to "nothing to do"
-        circuit(a.out, seeds, a.circuit_budget_s if a.part == "all" else a.budget_s, a.circuit_sets, a.device,
+        circuit(a.out, seeds, a.circuit_budget_s if a.part == "all" else a.budget_s, [*DETERMINISTIC, *a.circuit_sets], a.device,
                 curriculum(a.circuit_stages), a.circuit_extensions, a.circuit_retries)
     skipped = unformed(circuit_state(a.out), seeds) if a.part in ("circuit", "train", "all") else []
     if skipped and (a.part == "circuit" or skipped == seeds):
@@ -493,7 +495,7 @@ def main() -> None:
         # the circuit's model settings reach stage 2, which fine-tunes its weights (e.g. --circuit-set
         # model.rotary_pct=0.5: without it stage 2 would load them into a model that computes differently)
         circuit_model = [s for s in a.circuit_sets if s.startswith("model.")]
-        train(a.out, models, [s for s in seeds if s not in skipped], a.budget_s, [*circuit_model, *a.sets])
+        train(a.out, models, [s for s in seeds if s not in skipped], a.budget_s, [*DETERMINISTIC, *circuit_model, *a.sets])
     if a.part in ("eval", "all"):
         evaluate(a.out, models, a.docs, a.device, a.sets)
     if a.part == "eval-one":

@@ -90,6 +90,7 @@ def test_an_unformed_circuit_starts_over_from_a_new_init_and_stage_2_starts_from
         assert warm["train"]["seed"] == 1 + 1000 * attempt and warm["train"].get("init_from") is None
     stage2 = yaml.safe_load((tmp_path / "runs" / "sparsek-s1" / "recipe.yaml").read_text())
     assert Path(stage2["train"]["init_from"]).name == "circuit-s1-a2" and stage2["train"]["seed"] == 1
+    assert stage2["train"]["deterministic"] and circuit["train"]["deterministic"]  # every run, by default
     assert Path(yaml.safe_load((tmp_path / "runs" / "sparsek-s0" / "recipe.yaml").read_text())["train"]["init_from"]).name == "circuit-s0"
 
 
