@@ -101,6 +101,7 @@ CIRCUIT_EXTENSIONS = 0  # times an unformed circuit trains its steps again (the 
 CIRCUIT_RETRIES = 2  # times an unformed circuit (after its extensions) starts over from a new init
 ATTEMPT_SEED_STRIDE = 1000  # attempt a of seed s trains with train.seed = s + 1000 a (its documents stay)
 SETTINGS = ("train", "4x", "4x-far")
+TARGET_RECALL = 0.95  # issue 30, target 1: exact recall in every bucket from 16x to 32x the KV budget
 DETERMINISTIC = ["train.deterministic=true"]  # before the user's overrides, which may turn it off
 
 
@@ -402,9 +403,31 @@ def plot(out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "recall.png", dpi=120)
     log(f"wrote {out / 'recall.png'}")
-    table = markdown_table(res)
+    table = markdown_table(res) + "\n" + "\n".join(f"- {line}" for line in verdict(res)) + "\n"
     (out / "table.md").write_text(table)
     log(table)
+
+
+def verdict(res: dict) -> list[str]:
+    """Issue 30's target 1 per run, in words: exact recall >= TARGET_RECALL in every bucket of the training setting
+    from 16x to 32x the run's KV budget (k + w), the window at chance there; then how many SparseK runs meet it."""
+    chance = res["settings"]["train"]["chance"]["exact"]
+    lines, met, sparsek = [], 0, 0
+    for name, m in res["models"].items():
+        kv = m["kv_budget"]
+        far = [b for b in m["recall"]["train"] if b["trials"] and b["start"] >= 16 * kv and b["end"] - 1 <= 32 * kv]
+        if not kv or not far:
+            lines.append(f"{name}: no bucket from 16x to 32x its KV budget ({kv}) in the training setting")
+            continue
+        worst = min(far, key=lambda b: b["accuracy"])
+        where = f"{16 * kv}-{32 * kv} (worst {worst['accuracy']:.3f} at {worst['start']}-{worst['end'] - 1})"
+        if m["topk"] == 0:  # a window: it should be at chance beyond itself
+            lines.append(f"{name}: a window, recall at {where}; chance {chance:.3g}")
+            continue
+        sparsek += 1
+        met += worst["accuracy"] >= TARGET_RECALL
+        lines.append(f"{name}: {'meets' if worst['accuracy'] >= TARGET_RECALL else 'MISSES'} >= {TARGET_RECALL} at {where}")
+    return [*lines, f"{met} of {sparsek} SparseK runs recall >= {TARGET_RECALL} in every bucket from 16x to 32x their KV budget"]
 
 
 def seed_summary(models: dict, setting: str) -> list[str]:

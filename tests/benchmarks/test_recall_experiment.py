@@ -138,3 +138,21 @@ def test_every_run_is_evaluated_on_recall_sparsek_documents_also_an_ablation_tha
     recipe, sets = rx.model_args("sparsek-train4x")  # trains on the 4x setting itself
     trained = load_recipe(recipe, sets).data.recall
     assert (trained.doc_tokens, trained.facts) == (4 * standard.doc_tokens, 4 * standard.facts)
+
+
+def test_the_verdict_names_the_runs_that_miss_the_target_and_counts_the_rest():
+    import recall_experiment as rx
+
+    def run(topk, window, *accuracies):  # buckets 512-1023, 1024-2048 (16x to 32x a budget of 64), 2049-4096
+        edges = [512, 1024, 2049, 4097]
+        return {"topk": topk, "window": window, "kv_budget": topk + window, "recall": {"train": [
+            {"start": a, "end": b, "trials": 10, "accuracy": acc} for a, b, acc in zip(edges, edges[1:], accuracies)]}}
+
+    res = {"settings": {"train": {"chance": {"exact": 0.01}}},
+           "models": {"sparsek-s0": run(32, 32, 1.0, 0.97, 0.2), "sparsek-s3": run(32, 32, 0.94, 0.87, 0.1),
+                      "sw-s0": run(0, 64, 0.0, 0.02, 0.0)}}
+    lines = rx.verdict(res)
+    assert lines[0] == "sparsek-s0: meets >= 0.95 at 1024-2048 (worst 0.970 at 1024-2048)"  # the 2049+ bucket is beyond 32x
+    assert lines[1] == "sparsek-s3: MISSES >= 0.95 at 1024-2048 (worst 0.870 at 1024-2048)"
+    assert lines[2] == "sw-s0: a window, recall at 1024-2048 (worst 0.020 at 1024-2048); chance 0.01"
+    assert lines[-1].startswith("1 of 2 SparseK runs recall >= 0.95")
