@@ -24,7 +24,8 @@ CIRCUIT_EXTENSIONS), then starts over from a new init (--circuit-retries, defaul
 attempt a >= 1 trains with train.seed + ATTEMPT_SEED_STRIDE * a on the seed's own documents, in
 circuit-s<seed>-a<a>). Stage 2 trains only the seeds whose circuit formed, from the attempt that formed
 (it never inherits a circuit that cannot recall); the others are named at the end and the experiment
-exits non-zero. With --seeds each seed changes train.seed and the
+exits non-zero. With --part all a seed's stage 2 starts as soon as its circuit has formed, beside the
+other seeds' retries. With --seeds each seed changes train.seed and the
 recall data's seed of both stages. The circuit trains after a curriculum (CIRCUIT_CURRICULUM: distances
 8..32 for 2,000 steps, then the recipe's 32..256), each stage from the previous one's weights;
 --circuit-stage replaces it (repeatable; 'none': no curriculum).
@@ -51,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from side_by_side import start_fit, training_summary, wait_all
@@ -179,18 +181,44 @@ def warmup(out: Path, attempts: dict[int | None, int], stages: list[list[str]], 
 
 
 def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str], device: str,
-            stages: list[list[str]] = (), extensions: int = CIRCUIT_EXTENSIONS, retries: int = CIRCUIT_RETRIES) -> None:
+            stages: list[list[str]] = (), extensions: int = CIRCUIT_EXTENSIONS, retries: int = CIRCUIT_RETRIES,
+            on_formed: Callable[[list[int | None]], dict[str, subprocess.Popen]] | None = None) -> dict[str, subprocess.Popen]:
     """Stage 1: recall-circuit per seed, side by side, each after the curriculum `stages`. A circuit whose recall
     stays under CIRCUIT_FORMED trains its steps again (up to `extensions` times), then starts over from a new init
     (up to `retries` times: attempt a in circuit-s<seed>-a<a>, curriculum included); unformed() then names the
     seeds still under it. The state (each seed's attempt, step target and recall) lives in out/circuit.json, so a
-    part stopped by the budget resumes where it stopped, extensions and attempts included."""
+    part stopped by the budget resumes where it stopped, extensions and attempts included.
+
+    on_formed(seeds) starts the stage 2 of seeds whose circuit has formed (those formed already first, then after
+    each round) and returns its processes, so that stage 2 trains beside the other seeds' retries; they are
+    returned still running (stopped with the circuits at the budget)."""
     deadline = time.monotonic() + budget_s
     base = _recipe_steps(CIRCUIT, extra)
     state = circuit_state(out)  # other seeds' entries stay
     for s in seeds:
         state.setdefault(str(s), {"steps": base, "recall": None}).setdefault("attempt", 0)
     last = base * (extensions + 1)
+    background: dict[str, subprocess.Popen] = {}
+    handed: set[int | None] = set()
+
+    def hand_over() -> None:
+        new = [s for s in seeds if s not in handed and state[str(s)]["recall"] is not None
+               and state[str(s)]["recall"] >= CIRCUIT_FORMED]
+        if on_formed and new:
+            handed.update(new)
+            background.update(on_formed(new))
+
+    try:
+        hand_over()
+        _circuit_rounds(out, seeds, state, deadline, extra, device, stages, base, last, retries, hand_over)
+    except SystemExit:  # the budget or a failed run: stage 2's runs stop with the circuits (they resume next time)
+        wait_all(background, 0)
+        raise
+    return background
+
+
+def _circuit_rounds(out, seeds, state, deadline, extra, device, stages, base, last, retries, hand_over) -> None:
+    """circuit()'s rounds: train the pending circuits side by side, measure them, then extend or retry the unformed."""
     while True:
         pending = {s: state[str(s)]["attempt"] for s in seeds if state[str(s)]["recall"] is None}  # seed -> attempt
         if pending:
@@ -211,6 +239,7 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
             for s, a in pending.items():
                 state[str(s)]["recall"] = circuit_recall(circuit_dir(out, s, a), device)
             save_circuit_state(out, state)
+            hand_over()
         log(f"circuit recall at its longest distances: {describe(state, seeds)}")
         unformed_now = unformed(state, seeds)
         extend = [s for s in unformed_now if state[str(s)]["steps"] < last]
@@ -286,6 +315,12 @@ def _recipe_steps(recipe: Path, sets: list[str]) -> int:
 
 def train(out: Path, models: list[str], seeds: list[int | None], budget_s: float, extra: list[str]) -> None:
     """Stage 2: each model (and seed) from its circuit's weights into out/runs/<model>[-s<seed>], all at once."""
+    if wait_all(start_train(out, models, seeds, extra), budget_s):
+        stop_at_budget("train")
+
+
+def start_train(out: Path, models: list[str], seeds: list[int | None], extra: list[str]) -> dict[str, subprocess.Popen]:
+    """Stage 2's runs of `seeds`, started (train() waits for them; --part all starts them as circuits form)."""
     procs = {}
     for seed in seeds:
         source = formed_circuit(out, seed)
@@ -296,8 +331,7 @@ def train(out: Path, models: list[str], seeds: list[int | None], budget_s: float
             name = model if seed is None else f"{model}-s{seed}"
             sets = [*start_from(source), *seed_sets(seed, 0), *sets, *extra]
             procs[name] = start_fit(recipe, out / "runs" / name, sets, out / f"fit-{name}.log")
-    if wait_all(procs, budget_s):
-        stop_at_budget("train")
+    return procs
 
 
 def _standard_recall(sets: list[str]):
@@ -483,8 +517,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="output folder (runs, logs, JSON, PNG)")
     ap.add_argument("--part", choices=("circuit", "train", "eval", "eval-one", "plot", "all"), required=True)
     ap.add_argument("--model", default="sparsek,sw", help=f"comma-separated: {', '.join([*RECIPES, *ABLATIONS])}")
-    ap.add_argument("--budget-s", type=float, default=540.0, help="circuit/train: stop (with a checkpoint) after this many seconds")
-    ap.add_argument("--circuit-budget-s", type=float, default=540.0, help="all: the circuit's budget (--budget-s is the models')")
+    ap.add_argument("--budget-s", type=float, default=540.0,
+                    help="circuit/train: stop (with a checkpoint) after this many seconds; all: the training of both "
+                         "stages, from the command's start (a formed seed's stage 2 starts beside the other seeds' retries)")
+    ap.add_argument("--circuit-budget-s", type=float, default=540.0, help="all: the circuits' own budget, within --budget-s")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra recipe override for every model (repeatable)")
     ap.add_argument("--circuit-set", dest="circuit_sets", action="append", default=[],
                     help="circuit: recipe override (repeatable); model.* ones apply to stage 2 too (before --set)")
@@ -503,22 +539,28 @@ def main() -> None:
     ap.add_argument("--seeds", default="", help="comma-separated seeds (train.seed and the data's seed of both "
                     "stages); each seed gets its own circuit and runs (<model>-s<seed>). Empty: the recipes' own")
     a = ap.parse_args()
+    t_start = time.monotonic()
     seeds = [int(x) for x in a.seeds.split(",") if x] or [None]
     a.out.mkdir(parents=True, exist_ok=True)
     models = [m for m in a.model.split(",") if m]
     for m in models:
         model_args(m)  # an unknown name fails before anything runs
+    # the circuit's model settings reach stage 2, which fine-tunes its weights (e.g. --circuit-set
+    # model.rotary_pct=0.5: without it stage 2 would load them into a model that computes differently)
+    stage2_sets = [*DETERMINISTIC, *[s for s in a.circuit_sets if s.startswith("model.")], *a.sets]
+    early: dict[str, subprocess.Popen] = {}  # --part all: stage 2 of each seed starts once its circuit formed
     if a.part in ("circuit", "all"):  # a finished circuit resumes to "nothing to do"
-        circuit(a.out, seeds, a.circuit_budget_s if a.part == "all" else a.budget_s, [*DETERMINISTIC, *a.circuit_sets], a.device,
-                curriculum(a.circuit_stages), a.circuit_extensions, a.circuit_retries)
+        overlap = (lambda formed: start_train(a.out, models, formed, stage2_sets)) if a.part == "all" else None
+        early = circuit(a.out, seeds, min(a.circuit_budget_s, a.budget_s) if a.part == "all" else a.budget_s,
+                        [*DETERMINISTIC, *a.circuit_sets], a.device, curriculum(a.circuit_stages), a.circuit_extensions,
+                        a.circuit_retries, on_formed=overlap)
     skipped = unformed(circuit_state(a.out), seeds) if a.part in ("circuit", "train", "all") else []
     if skipped and (a.part == "circuit" or skipped == seeds):
         raise SystemExit(unformed_message(skipped, a.out))
-    if a.part in ("train", "all"):
-        # the circuit's model settings reach stage 2, which fine-tunes its weights (e.g. --circuit-set
-        # model.rotary_pct=0.5: without it stage 2 would load them into a model that computes differently)
-        circuit_model = [s for s in a.circuit_sets if s.startswith("model.")]
-        train(a.out, models, [s for s in seeds if s not in skipped], a.budget_s, [*DETERMINISTIC, *circuit_model, *a.sets])
+    if a.part == "all" and wait_all(early, a.budget_s - (time.monotonic() - t_start)):  # what the circuits left
+        stop_at_budget("train")
+    if a.part == "train":
+        train(a.out, models, [s for s in seeds if s not in skipped], a.budget_s, stage2_sets)
     if a.part in ("eval", "all"):
         evaluate(a.out, models, a.docs, a.device, a.sets)
     if a.part == "eval-one":

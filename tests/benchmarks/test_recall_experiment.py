@@ -88,6 +88,9 @@ def test_an_unformed_circuit_starts_over_from_a_new_init_and_stage_2_starts_from
         assert Path(circuit["train"]["init_from"]).name == f"warmup0-s1-a{attempt}"  # each attempt has its curriculum
         warm = yaml.safe_load((tmp_path / f"warmup0-s1-a{attempt}" / "recipe.yaml").read_text())
         assert warm["train"]["seed"] == 1 + 1000 * attempt and warm["train"].get("init_from") is None
+    # seed 0's stage 2 started once its circuit formed, beside seed 1's retries
+    assert out.index(f"--run-dir {tmp_path / 'runs' / 'sparsek-s0'} ") < out.index(f"--run-dir {tmp_path / 'circuit-s1-a1'} ")
+    assert out.index(f"--run-dir {tmp_path / 'runs' / 'sparsek-s1'} ") > out.index(f"--run-dir {tmp_path / 'circuit-s1-a2'} ")
     stage2 = yaml.safe_load((tmp_path / "runs" / "sparsek-s1" / "recipe.yaml").read_text())
     assert Path(stage2["train"]["init_from"]).name == "circuit-s1-a2" and stage2["train"]["seed"] == 1
     assert stage2["train"]["deterministic"] and circuit["train"]["deterministic"]  # every run, by default
