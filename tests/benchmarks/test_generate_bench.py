@@ -9,16 +9,17 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def test_inductor_settings_are_typed_and_set(monkeypatch):
+def test_inductor_settings_are_typed_and_set():
     import torch._inductor.config as config
     from generate import inductor_settings
 
-    monkeypatch.setattr(config, "freezing", False)
-    monkeypatch.setattr(config, "combo_kernels", False)
-    errors = []
-    assert inductor_settings("freezing=1,combo_kernels=false", errors.append) == {"freezing": True, "combo_kernels": False}
-    assert config.freezing is True and config.combo_kernels is False and not errors
-    assert inductor_settings("", errors.append) == {}
+    # config.patch restores them after (pytest's monkeypatch would delete them: a config module is no plain module)
+    with config.patch(freezing=False, combo_kernels=True):
+        errors = []
+        assert inductor_settings("freezing=1,combo_kernels=false", errors.append) == {"freezing": True, "combo_kernels": False}
+        assert config.freezing is True and config.combo_kernels is False and not errors
+        assert inductor_settings("", errors.append) == {}
+    assert config.freezing is False  # the default again
 
 
 def test_an_unknown_inductor_setting_is_refused_by_name(tmp_path):
