@@ -48,16 +48,16 @@ from longtrain.ops.sparsek_attention.triton_tiles import SOFT_KV, STRAIGHT_THROU
 # Launch settings per head dim (the entry of the largest key <= D): per kernel the queries per program QB (a
 # power of two; a block of G queries takes G / QB programs, min(QB, G)), the key tile BN and warps. Chosen so
 # that every kernel compiled for sm_90 (benchmarks/kernels_aot.py --linear, bf16) fits two programs per SM,
-# spilling a few registers in the D = 128 backward only. On an H100 the D = 64 backward takes 146 ms of a
-# 403 ms step at 12 x 768 (benchmarks/README.md); a whole block per program (QB = 64, BN = 16, 8 warps: half
-# the key-side atomic adds, no spills) took 149 ms, so the count of atomic adds is not what costs there. Both ran
-# the adds with Triton's default acq_rel semantics (a fence each); they are relaxed since, not yet timed.
+# spilling a few registers in the D = 128 backward only. On an H100 at 12 x 768 the D = 64 backward took 146 ms
+# a step with Triton's default acq_rel atomic adds (a fence each) and 51.6 ms with relaxed ones; a whole block per
+# program (QB = 64, BN = 16, 8 warps: half the adds, no spills) took 149 ms under acq_rel, so the fences, not the
+# count of adds, were the cost (benchmarks/README.md).
 # The interpreter (CPU tests) takes small tiles.
-# native (off until a GPU has timed it and tests/gpu/test_linear_gpu.py has passed with it): half inputs stay half
-# in the tiles, and the dots take them as they are, with the weights and gradient terms rounded to the inputs' dtype
-# before their dots (as flash attention does), instead of float32 tiles with TF32 dots: half the shared memory and
-# tensor-core instructions (registers stay near 255: kernels_aot.py), dots at bfloat16's rate, twice TF32's. No
-# change for float32 inputs.
+# native: half inputs stay half in the tiles and the dots take them as they are, with the weights and gradient
+# terms rounded to the inputs' dtype before their dots (as flash attention does), instead of float32 tiles with
+# TF32 dots: half the shared memory and tensor-core instructions (registers stay near 255: kernels_aot.py). Off:
+# on an H100 (linear_core_ab.py, D = 64, 4 x 4096 tokens) the op took 11.31 ms with it against 10.18 without, and
+# 10.26-10.32 with smaller backward tiles; tests/gpu/test_linear_gpu.py passes with it. No change for float32 inputs.
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LAUNCH = {
     64: dict(fwd=dict(QB=64, BN=32, num_warps=4, num_stages=1, native=0),
