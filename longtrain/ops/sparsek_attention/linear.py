@@ -118,8 +118,8 @@ def runs_triton_core(backend: str, deterministic: bool) -> bool:
     deterministic algorithms (train.deterministic), since its backward sums the keys' gradients with atomic adds,
     whose order changes from run to run (fit's summary says so). auto and naive run the naive core. The Triton core
     follows it on an H100 (tests/gpu/test_linear_gpu.py) and its op is ~8x faster there (linear_core_ab.py, 4 x 4096
-    tokens, D = 64: 10.18 against 81.64 ms forward + backward); auto is to move to it once fit's paths with it (the
-    CUDA graph, resume) have run on a GPU as the default."""
+    tokens, D = 64: 10.18 against 81.64 ms forward + backward); auto moves to it once every path that reads auto (fit,
+    eval, generate's prefill) has been re-run with it on a GPU, as a default that changes must be."""
     return backend == "triton" and not deterministic
 
 
