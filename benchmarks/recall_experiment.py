@@ -202,8 +202,7 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
     handed: set[int | None] = set()
 
     def hand_over() -> None:
-        new = [s for s in seeds if s not in handed and state[str(s)]["recall"] is not None
-               and state[str(s)]["recall"] >= CIRCUIT_FORMED]
+        new = [s for s in formed(state, seeds) if s not in handed]
         if on_formed and new:
             handed.update(new)
             background.update(on_formed(new))
@@ -292,6 +291,12 @@ def describe(state: dict, seeds: list[int | None]) -> str:
 def formed_circuit(out: Path, seed: int | None) -> Path:
     """The run stage 2 starts from: the seed's last circuit attempt (the one that formed, as unformed() checks)."""
     return circuit_dir(out, seed, (circuit_state(out).get(str(seed)) or {}).get("attempt", 0))
+
+
+def formed(state: dict, seeds: list[int | None]) -> list[int | None]:
+    """The seeds whose circuit was measured and formed (recall at least CIRCUIT_FORMED)."""
+    return [s for s in seeds if (state.get(str(s)) or {}).get("recall") is not None
+            and state[str(s)]["recall"] >= CIRCUIT_FORMED]
 
 
 def unformed(state: dict, seeds: list[int | None]) -> list[int | None]:

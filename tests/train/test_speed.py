@@ -280,7 +280,7 @@ def test_full_attention_is_captured_from_an_empty_cache_and_replayed_for_documen
     import longtrain.train.trainer as trainer_module
 
     tmp, recipe = workspace
-    monkeypatch.setattr(Trainer, "graph_unusable", lambda self: None)  # as on CUDA with the gate lifted
+    monkeypatch.setattr(Trainer, "graph_unusable", lambda self: None)  # as on CUDA
     monkeypatch.setattr(trainer_module, "ChunkGraph", StandInGraph)
     full = ["attention.type=full", "attention.topk=0", "attention.window=0", "train.valid_every=0"]
     one_chunk = ["data.source=recall", "data.recall.docs=120", "data.recall.doc_tokens=96", "data.recall.facts=2",
