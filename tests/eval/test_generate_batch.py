@@ -181,8 +181,8 @@ def test_the_in_place_decoder_equals_the_functional_one(name, compile):
 def test_the_compiled_cpu_decoder_equals_the_eager_one():
     """The functional (not in-place) decoder compiled on the CPU gives the eager decoder's logits. Guards the host
     branch in decode._admit: without its graph break, Inductor's CPU code for the whole step admitted the wrong
-    threshold state in layer 1 here (logits off by 0.013 in float64 after 3 steps; aot_eager exact; the admission
-    compiled alone exact), found when that branch was made compile-free."""
+    threshold state in layer 1 here (logits off by up to 0.025 in float64 within 4 steps; aot_eager exact; the
+    admission compiled alone exact), found when that branch was made compile-free."""
     from longtrain.generate import Decoder
 
     torch.manual_seed(0)
