@@ -21,7 +21,7 @@ one circuit seed parted at step 2 and formed at different steps; `--set` / `--ci
 for the faster, unrepeatable kernels). The circuit is checked before stage 2: its own recall at its longest distances must reach
 CIRCUIT_FORMED. A circuit that has not trains its steps again (--circuit-extensions, default
 CIRCUIT_EXTENSIONS), then starts over from a new init (--circuit-retries, default CIRCUIT_RETRIES: an
-attempt a >= 1 trains with train.seed + ATTEMPT_SEED_STRIDE * a on the seed's own documents, in
+attempt a >= 1 moves train.seed and the circuit's documents' seed by ATTEMPT_SEED_STRIDE * a, in
 circuit-s<seed>-a<a>). Stage 2 trains only the seeds whose circuit formed, from the attempt that formed
 (it never inherits a circuit that cannot recall); the others are named at the end and the experiment
 exits non-zero. With --part all a seed's stage 2 starts as soon as its circuit has formed, beside the
@@ -101,7 +101,7 @@ CIRCUIT_FORMED = 0.9  # the circuit's own recall at its longest distances that c
 # stalled run cannot hold a seed back.
 CIRCUIT_EXTENSIONS = 0  # times an unformed circuit trains its steps again (the same run, resumed)
 CIRCUIT_RETRIES = 2  # times an unformed circuit (after its extensions) starts over from a new init
-ATTEMPT_SEED_STRIDE = 1000  # attempt a of seed s trains with train.seed = s + 1000 a (its documents stay)
+ATTEMPT_SEED_STRIDE = 1000  # attempt a of seed s: train.seed s + 1000 a, its circuit's documents' seed too
 SETTINGS = ("train", "4x", "4x-far")
 TARGET_RECALL = 0.95  # issue 30, target 1: exact recall in every bucket from 16x to 32x the KV budget
 DETERMINISTIC = ["train.deterministic=true"]  # before the user's overrides, which may turn it off
@@ -137,12 +137,13 @@ def circuit_dir(out: Path, seed: int | None, attempt: int = 0) -> Path:
 
 def seed_sets(seed: int | None, data_offset: int, attempt: int = 0) -> list[str]:
     """A seed study changes the init and the data: train.seed and the recall generator's seed. A circuit's retry
-    (attempt >= 1) changes the init only: train.seed moves by ATTEMPT_SEED_STRIDE per attempt (from the recipe's 0
-    for the recipes' own seed), the documents stay the seed's."""
-    init = (seed or 0) + ATTEMPT_SEED_STRIDE * attempt
+    (attempt >= 1) changes both again, each by ATTEMPT_SEED_STRIDE per attempt: seed 0's circuit failed on three
+    inits over the same documents (H100, f420a61), so a retry draws new documents too. Stage 2 (attempt 0) keeps
+    the seed's own documents, whichever attempt its circuit came from."""
+    shift = ATTEMPT_SEED_STRIDE * attempt
     if seed is None:
-        return [f"train.seed={init}"] if attempt else []
-    return [f"train.seed={init}", f"data.recall.seed={data_offset + seed}"]
+        return [f"train.seed={shift}", f"data.recall.seed={data_offset + shift}"] if attempt else []
+    return [f"train.seed={seed + shift}", f"data.recall.seed={data_offset + seed + shift}"]
 
 
 def circuit_recall(run_dir: Path, device: str) -> float:

@@ -81,18 +81,21 @@ def test_an_unformed_circuit_starts_over_from_a_new_init_and_stage_2_starts_from
     assert state["0"] == {"steps": 2, "recall": 0.95, "attempt": 0}
     assert state["1"] == {"steps": 2, "recall": 0.97, "attempt": 2}  # the defaults: no extension, up to two retries
     assert "seed 1: 0.89 after 2 steps (attempt 2)" in out  # 0.898 is under 0.9 and reads so
-    assert "attempt 3 of 3 starts over from a new init (train.seed=2001 data.recall.seed=2, in circuit-s1-a2)" in out
+    assert "attempt 3 of 3 starts over from a new init (train.seed=2001 data.recall.seed=2002, in circuit-s1-a2)" in out
     for attempt, name in ((1, "circuit-s1-a1"), (2, "circuit-s1-a2")):
         circuit = yaml.safe_load((tmp_path / name / "recipe.yaml").read_text())
-        assert circuit["train"]["seed"] == 1 + 1000 * attempt and circuit["data"]["recall"]["seed"] == 2  # its documents
+        assert circuit["train"]["seed"] == 1 + 1000 * attempt  # a new init
+        assert circuit["data"]["recall"]["seed"] == 2 + 1000 * attempt  # and new documents
         assert Path(circuit["train"]["init_from"]).name == f"warmup0-s1-a{attempt}"  # each attempt has its curriculum
         warm = yaml.safe_load((tmp_path / f"warmup0-s1-a{attempt}" / "recipe.yaml").read_text())
         assert warm["train"]["seed"] == 1 + 1000 * attempt and warm["train"].get("init_from") is None
+        assert warm["data"]["recall"]["seed"] == 2 + 1000 * attempt
     # seed 0's stage 2 started once its circuit formed, beside seed 1's retries
     assert out.index(f"--run-dir {tmp_path / 'runs' / 'sparsek-s0'} ") < out.index(f"--run-dir {tmp_path / 'circuit-s1-a1'} ")
     assert out.index(f"--run-dir {tmp_path / 'runs' / 'sparsek-s1'} ") > out.index(f"--run-dir {tmp_path / 'circuit-s1-a2'} ")
     stage2 = yaml.safe_load((tmp_path / "runs" / "sparsek-s1" / "recipe.yaml").read_text())
     assert Path(stage2["train"]["init_from"]).name == "circuit-s1-a2" and stage2["train"]["seed"] == 1
+    assert stage2["data"]["recall"]["seed"] == 1  # the seed's own documents, whichever attempt formed
     assert stage2["train"]["deterministic"] and circuit["train"]["deterministic"]  # every run, by default
     assert Path(yaml.safe_load((tmp_path / "runs" / "sparsek-s0" / "recipe.yaml").read_text())["train"]["init_from"]).name == "circuit-s0"
 
