@@ -162,3 +162,25 @@ def test_the_verdict_names_the_runs_that_miss_the_target_and_counts_the_rest():
     assert lines[1] == "sparsek-s3: MISSES >= 0.95 at 1024-2048 (worst 0.870 at 1024-2048)"
     assert lines[2] == "sw-s0: a window, recall at 1024-2048 (worst 0.020 at 1024-2048); chance 0.01"
     assert lines[-1].startswith("1 of 2 SparseK runs recall >= 0.95")
+    assert rx.missed(res) == {"sparsek-s3": 0.87}  # the window is not a miss: it is meant to be at chance there
+    assert "stage 2 missed the target in sparsek-s3 (0.870)" in rx.missed_message(res, Path("OUT"))
+
+
+def test_the_whole_experiment_exits_non_zero_naming_a_stage_2_run_that_misses_the_target(tmp_path, monkeypatch):
+    import recall_experiment as rx
+
+    def run(topk, window, far):  # one bucket 1024-2048: 16x to 32x a KV budget of 64
+        return {"topk": topk, "window": window, "kv_budget": 64,
+                "recall": {"train": [{"start": 1024, "end": 2049, "trials": 80, "accuracy": far}]}}
+
+    res = {"settings": {"train": {"chance": {"exact": 0.01}}},
+           "models": {"sparsek-s0": run(32, 32, 0.889), "sparsek-s1": run(32, 32, 0.988), "sw-s0": run(0, 64, 0.01)}}
+    monkeypatch.setattr(rx, "circuit", lambda *a, **k: {})  # every stage ran: only the ending is under test
+    monkeypatch.setattr(rx, "evaluate", lambda *a, **k: None)
+    monkeypatch.setattr(rx, "plot", lambda out: None)
+    monkeypatch.setattr(rx, "merged_results", lambda out: res)
+    monkeypatch.setattr(sys, "argv", ["recall_experiment.py", "--out", str(tmp_path), "--part", "all", "--seeds", "0,1"])
+    with pytest.raises(SystemExit, match=r"stage 2 missed the target in sparsek-s0 \(0\.889\): exact recall under 0\.95"):
+        rx.main()
+    res["models"]["sparsek-s0"] = run(32, 32, 0.95)
+    rx.main()  # every SparseK run met it: no exit
