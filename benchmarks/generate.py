@@ -23,6 +23,8 @@ A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with S
   inductor --inductor freezing=1[,combo_kernels=1,...]: torch._inductor.config for the compiled rows (issue 33's
            levers: freezing folds the weights into the step, so Inductor's concat-linear pass turns q, k, v and
            the MLP's gate and up into one product each; combo_kernels launches independent small kernels as one);
+  warm     each prefill is timed after an untimed one of the same shapes (warm_prefix: a single prompt's
+           first chunks; the batch itself), so that no row times the kernels' compile and autotuning;
   check    decode == chunked forward in bf16 (SparseK+SW): after a CHECK_PROMPT-token prompt, the same
            CHECK_TOKENS tokens once as one chunk through the forward (the chunk op, device scan) and
            once token by token through the decode step; per layer, the positions whose selection
@@ -132,6 +134,26 @@ def batched_prompts(model: LM, rows: int, n_prompt: int) -> list[list[int]]:
     return [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
+def timed_prefill(model: LM, prompts, *, chunk: int, dev: torch.device, warm_with=None) -> tuple[object, torch.Tensor, float]:
+    """prefill(model, prompts) and its seconds, after an untimed prefill of `warm_with` (if given): the kernels'
+    first launches for these shapes (Triton's compile and autotuning) are then not timed."""
+    if warm_with is not None:
+        prefill(model, warm_with, chunk_size=chunk)
+    _sync(dev)
+    t0 = time.perf_counter()
+    cache, logits = prefill(model, prompts, chunk_size=chunk)
+    _sync(dev)
+    return cache, logits, time.perf_counter() - t0
+
+
+def warm_prefix(prompt: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The prompt's first chunks that hold every chunk shape its prefill meets: a chunk from the empty cache, one
+    from a filled cache and the last partial one (min(n, 2 chunks + n mod chunk) tokens; a 1M prompt's 128 chunks
+    repeat the second one's shapes)."""
+    n = prompt.shape[1]
+    return prompt[:, :min(n, 2 * chunk + n % chunk)]
+
+
 def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev: torch.device, profile: bool = False,
                modes: tuple[str, ...] = ()) -> dict:
     row = {"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n_prompt}
@@ -139,11 +161,7 @@ def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev
         return row | {"skipped": f"full attention's O(n^2) prefill of {n_prompt:,} tokens is beyond this benchmark"}
     prompt = single_prompt(model, n_prompt)
     row["allocated_at_start_bytes"] = _fresh(dev)
-    _sync(dev)
-    t0 = time.perf_counter()
-    cache, logits = prefill(model, prompt, chunk_size=chunk)
-    _sync(dev)
-    row["prefill_s"] = time.perf_counter() - t0
+    cache, logits, row["prefill_s"] = timed_prefill(model, prompt, chunk=chunk, dev=dev, warm_with=warm_prefix(prompt, chunk))
     row["prefill_tokens_per_s"] = n_prompt / row["prefill_s"]
     graph = dev.type == "cuda" and name != "full"
     d = decode_rate(model, cache, logits, new, graph=graph)
@@ -168,11 +186,8 @@ def run_batched(model: LM, name: str, rows: int, n_prompt: int, *, chunk: int, n
     lengths = [len(p) for p in prompts]
     row = {"kind": "batched", "attention": name, "rows": rows, "prompt_tokens": sum(lengths),
            "prompt_lengths": [min(lengths), max(lengths)], "allocated_at_start_bytes": _fresh(dev)}
-    _sync(dev)
-    t0 = time.perf_counter()
-    cache, logits = prefill(model, prompts, chunk_size=chunk)
-    _sync(dev)
-    row["prefill_s"] = time.perf_counter() - t0
+    # warmed: the ragged rows' shapes are new to the kernels (the single rows ran one row)
+    cache, logits, row["prefill_s"] = timed_prefill(model, prompts, chunk=chunk, dev=dev, warm_with=prompts)
     row["prefill_tokens_per_s"] = sum(lengths) / row["prefill_s"]
     graph = dev.type == "cuda" and name != "full"
     d = decode_rate(model, cache, logits, new, graph=graph)

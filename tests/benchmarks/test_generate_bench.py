@@ -28,3 +28,15 @@ def test_an_unknown_inductor_setting_is_refused_by_name(tmp_path):
     assert res.returncode == 2, res.stderr[-2000:]
     assert "--inductor no_such_setting: torch._inductor.config has no such setting" in res.stderr
     assert not (tmp_path / "generate.json").exists()
+
+
+def test_the_warm_prefix_holds_every_chunk_shape_of_the_prompt_and_no_more():
+    import torch
+    from generate import warm_prefix
+
+    chunk = 8
+    for n, expected in ((5, 5), (8, 8), (16, 16), (20, 20), (21, 21), (27, 19), (64, 16), (1000, 16)):
+        # under a chunk: all of it; else two full chunks (from the empty cache, from a filled one) and the partial last
+        prefix = warm_prefix(torch.arange(n)[None], chunk)
+        assert prefix.shape == (1, expected), n
+        assert torch.equal(prefix[0], torch.arange(expected))  # the prompt's own first tokens
