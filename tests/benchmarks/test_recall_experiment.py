@@ -184,3 +184,40 @@ def test_the_whole_experiment_exits_non_zero_naming_a_stage_2_run_that_misses_th
         rx.main()
     res["models"]["sparsek-s0"] = run(32, 32, 0.95)
     rx.main()  # every SparseK run met it: no exit
+
+
+def test_a_stage_2_run_under_the_target_starts_over_from_its_circuit_with_a_new_train_seed(tmp_path, monkeypatch, capsys):
+    import recall_experiment as rx
+
+    monkeypatch.setattr(rx, "circuit_recall", lambda run_dir, device: 0.95)  # every circuit formed
+    checks = {"sparsek-s0": [0.5, 0.97], "sparsek-s1": [0.5, 0.6]}  # the check of each attempt, in turn
+    checked = []
+
+    def check(run_dir, device, sets, docs):
+        checked.append(run_dir.name)
+        assert docs == 1  # half of --docs
+        return checks[run_dir.name].pop(0)
+
+    monkeypatch.setattr(rx, "stage2_check", check)
+    monkeypatch.setattr(sys, "argv", [
+        "recall_experiment.py", "--out", str(tmp_path), "--part", "all", "--model", "sparsek", "--seeds", "0,1",
+        "--device", "cpu", "--docs", "2", "--stage2-retries", "1", "--circuit-stage", "none",
+        *[x for s in TOY for x in ("--circuit-set", s)], *[x for s in TOY_STAGE2 for x in ("--set", s)]])
+    rx.main()  # the toy's documents hold no distance 16x its KV budget: no miss to exit on
+    out = capsys.readouterr().out
+    assert sorted(checked) == ["sparsek-s0", "sparsek-s0", "sparsek-s1", "sparsek-s1"]
+    assert not rx.is_sparsek("sw", []) and rx.is_sparsek("sparsek-only", [])  # a window is never checked
+    state = json.loads((tmp_path / "stage2.json").read_text())
+    assert state["sparsek-s0"] == {"attempt": 1, "checked": True, "recall": 0.97, "failed": [0.5]}
+    assert state["sparsek-s1"] == {"attempt": 1, "checked": True, "recall": 0.6, "failed": [0.5]}  # no attempt left
+    for seed in (0, 1):
+        failed = tmp_path / "runs-failed" / f"sparsek-s{seed}-a0"
+        assert (failed / "checkpoints").is_dir()  # kept
+        again = yaml.safe_load((tmp_path / "runs" / f"sparsek-s{seed}" / "recipe.yaml").read_text())
+        assert again["train"]["seed"] == seed + 1000 and again["data"]["recall"]["seed"] == seed  # new init, same documents
+        assert Path(again["train"]["init_from"]).name == f"circuit-s{seed}"  # from its circuit again
+        assert yaml.safe_load((failed / "recipe.yaml").read_text())["train"]["seed"] == seed
+    assert "stage 2 of sparsek-s0 under 0.95 (0.500): attempt 2 of 2 starts over from its circuit" in out
+    table = (tmp_path / "table.md").read_text()
+    assert "sparsek-s0: stage 2 attempt 2; the earlier attempts' checks 0.500" in table
+    assert sorted(p.stem for p in (tmp_path / "eval").glob("*.json")) == ["sparsek-s0", "sparsek-s1"]  # the last attempts
