@@ -84,12 +84,15 @@ def _add_state(state_kv, state_k, phk, v, keep) -> tuple[torch.Tensor, torch.Ten
     """The state plus the keys where keep [B, N] (phk [B, N, Hkv, F], v [B, N, Hkv, D]).
 
     phi(k) and v are copied once each, into the state's dtype and the layout of a batched product over (row,
-    KV head), the mask multiplied into the copy in place (an einsum of the cast, masked inputs wrote them three
-    times: benchmarks/op_traffic.py)."""
-    as_operand = dict(dtype=state_kv.dtype, memory_format=torch.contiguous_format, copy=True)
-    phk_t = phk.permute(0, 2, 3, 1).to(**as_operand).mul_(keep[:, None, None, :])  # [B, Hkv, F, N]
-    v_t = v.permute(0, 2, 1, 3).to(**as_operand)  # [B, Hkv, N, D]
-    return state_kv + phk_t @ v_t, state_k + phk_t.sum(-1)
+    KV head); the mask goes into v's copy as it is cast (one write, out=) and into sum phi(k) as a product with
+    the mask's column (an einsum of the cast, masked inputs wrote them three times, a separate in-place mask once
+    more: benchmarks/op_traffic.py)."""
+    B, N, Hkv, D = v.shape
+    sdt = state_kv.dtype
+    keep_col = keep.to(sdt)[:, None, :, None]  # [B, 1, N, 1]
+    phk_t = phk.permute(0, 2, 3, 1).to(dtype=sdt, memory_format=torch.contiguous_format, copy=True)  # [B, Hkv, F, N]
+    v_t = torch.mul(v.permute(0, 2, 1, 3), keep_col, out=v.new_empty(B, Hkv, N, D, dtype=sdt))  # [B, Hkv, N, D] masked
+    return state_kv + phk_t @ v_t, state_k + (phk_t @ keep_col)[..., 0]
 
 
 def _beyond_window_sums(phq, phk, keys, cache: SparseKLinearCache, window: int, backend: str):
