@@ -94,7 +94,7 @@ def wrap_ranges() -> list[str]:
         ("longtrain.ops.sparsek_attention.linear", None, "select", "lt.scan"),
         ("longtrain.ops.sparsek_attention.linear", None, "lay_out_keys", "lt.cache"),
         ("longtrain.ops.sparsek_attention.linear", None, "next_cache", "lt.cache"),
-        ("longtrain.ops.sparsek_attention.linear", None, "_beyond_window_sums", "lt.linear"),
+        ("longtrain.ops.sparsek_attention.linear", None, "_phi_and_beyond_window_sums", "lt.linear"),
         ("longtrain.ops.sparsek_attention.linear", None, "_add_state", "lt.linear"),
         ("longtrain.ops.sparsek_attention.linear", None, "sparsek_attention_core_naive", "lt.attention_core"),
         ("longtrain.ops.sparsek_attention.linear_triton", None, "sparsek_linear_attention_core_triton", "lt.attention_core"),

@@ -7,7 +7,7 @@ The linear part of query i is phi(q_i) . sum_j (1 - g_ij) phi(k_j) v_j^T. Split 
     query. Their sums (sum phi(k) v^T, sum phi(k)) are the carried state, of fixed size;
   - the pool, the tail and the chunk (the extended keys): query i's linear sums over those outside
     its window are a causal linear attention (ops/linear_attention) started from state + pool over the
-    tail and chunk keys lagged by the window (_beyond_window_sums), and the core takes the g-weighted
+    tail and chunk keys lagged by the window (_phi_and_beyond_window_sums), and the core takes the g-weighted
     part of the selected keys back out, where g depends on the query (tau_i), so a pooled key cannot
     join the state before it is evicted. The window's keys (g = 1) never enter the linear sums.
 After the chunk, the extended keys in neither the new pool nor the new tail join the state.
@@ -95,8 +95,84 @@ def _add_state(state_kv, state_k, phk, v, keep) -> tuple[torch.Tensor, torch.Ten
     return state_kv + phk_t @ v_t, state_k + (phk_t @ keep_col)[..., 0]
 
 
-def _beyond_window_sums(phq, phk, keys, cache: SparseKLinearCache, window: int, backend: str):
-    """(num [B, L, H, D], den [B, L, H]): phi(q_i) . the sums over the causal keys outside query i's window
+def _lagged_rows(x: torch.Tensor, K: int, lag: int, L: int) -> torch.Tensor:
+    """[B, L, ...]: row i holds x's ext row K + i - lag (tail ++ chunk index i - lag), 0 for i < lag: one write."""
+    rows = max(L - lag, 0)
+    return torch.nn.functional.pad(x[:, K:K + rows], (0, 0, 0, 0, L - rows, 0))
+
+
+class _KeyFeatures(torch.autograd.Function):
+    """phi of the extended keys and what the linear sums read of it, with one backward for all of them: phk
+    [B, N, Hkv, F] (0 where there is no key), its rows lagged for the causal sums (_phi_and_beyond_window_sums) and the
+    start state (state + the pool). As separate torch ops each reader's gradient was a full-size slice backward
+    and the readers' sum a full-size add (benchmarks/op_traffic.py); here they add into one buffer."""
+
+    @staticmethod
+    def forward(ctx, k, weight, k_ext, has_key, v_pool, state_kv, state_k, lag):
+        # k [B, L, Hkv, D] the chunk's keys (k_ext's last L rows, the ones with a gradient); k_ext [B, N, Hkv, D]
+        # detached; weight [Hkv, D, F]; has_key [B, N]; v_pool [B, K, Hkv, D] the cache's (no gradient)
+        B, N, Hkv, D = k_ext.shape
+        L, K, Fd = k.shape[1], v_pool.shape[1], weight.shape[-1]
+        w = weight.to(k_ext.dtype)
+        y = torch.bmm(k_ext.permute(2, 0, 1, 3).reshape(Hkv, B * N, D), w)  # [Hkv, B N, F]
+        m = has_key.to(y.dtype)[:, :, None, None]  # [B, N, 1, 1]
+        # phi = m (1 + elu(y)): the + 1 and the mask in one pass, written in the layout the core reads
+        phk = torch.addcmul(m, m, torch.nn.functional.elu(y).view(Hkv, B, N, Fd).permute(1, 2, 0, 3),
+                            out=y.new_empty(B, N, Hkv, Fd))  # [B, N, Hkv, F]
+        start_kv, start_k = _add_state(state_kv, state_k, phk[:, :K], v_pool, has_key[:, :K])
+        ctx.save_for_backward(k_ext, w, y, has_key, v_pool)
+        ctx.lag, ctx.L, ctx.weight_dtype = lag, L, weight.dtype
+        ctx.set_materialize_grads(False)
+        return phk, _lagged_rows(phk, K, lag, L), start_kv, start_k
+
+    @staticmethod
+    def backward(ctx, g_phk, g_lag, g_skv, g_sk):
+        k_ext, w, y, has_key, v_pool = ctx.saved_tensors
+        B, N, Hkv, D = k_ext.shape
+        L, K, lag, Fd = ctx.L, v_pool.shape[1], ctx.lag, w.shape[-1]
+        m = has_key.to(y.dtype)[:, :, None, None]  # [B, N, 1, 1]
+        # d phi summed over the readers, masked (phi's mask): the core's, then the lagged rows' and the pool's added
+        tot = g_phk * m if g_phk is not None else y.new_zeros(B, N, Hkv, Fd)  # [B, N, Hkv, F]
+        rows = max(L - lag, 0)
+        if g_lag is not None and rows:
+            tot[:, K:K + rows].addcmul_(g_lag[:, L - rows:], m[:, K:K + rows])
+        if K and (g_skv is not None or g_sk is not None):
+            # start_kv = state_kv + sum_j keep_j phk_j v_j^T, start_k = state_k + sum_j keep_j phk_j (j in the pool)
+            sdt = g_skv.dtype if g_skv is not None else g_sk.dtype
+            dpool = torch.zeros(B, Hkv, Fd, K, dtype=sdt, device=y.device)  # [B, Hkv, F, K]
+            if g_skv is not None:
+                dpool = dpool + g_skv @ v_pool.permute(0, 2, 3, 1).to(sdt)
+            if g_sk is not None:
+                dpool = dpool + g_sk[..., None]
+            tot[:, :K] += (dpool * has_key[:, None, None, :K]).permute(0, 3, 1, 2).to(tot.dtype)
+        # through elu (its derivative from y, as torch's elu takes it) into the head-wise map's input
+        dy = torch.ops.aten.elu_backward(tot.permute(2, 0, 1, 3), 1.0, 1, 1, False, y.view(Hkv, B, N, Fd))
+        dy = dy.reshape(Hkv, B * N, Fd)  # [Hkv, B N, F]
+        dk = dw = None
+        if ctx.needs_input_grad[0]:  # only the chunk's rows: the cache's keys carry no gradient
+            dk = torch.bmm(dy, w.transpose(1, 2)).view(Hkv, B, N, D).permute(1, 2, 0, 3)[:, N - L:]  # [B, L, Hkv, D]
+        if ctx.needs_input_grad[1]:
+            dw = torch.bmm(k_ext.permute(2, 0, 1, 3).reshape(Hkv, B * N, D).transpose(1, 2), dy).to(ctx.weight_dtype)
+        return dk, dw, None, None, None, None, None, None
+
+
+class _LaggedValues(torch.autograd.Function):
+    """The values' rows lagged for the causal sums (_lagged_rows), whose gradient goes to the chunk's values
+    alone (the cache's carry none) in one write, not a pad's and two slices' backward into full-size zeros."""
+
+    @staticmethod
+    def forward(ctx, v, v_ext, K, lag):  # v [B, L, Hkv, D] the chunk's values (v_ext's last L rows), v_ext detached
+        ctx.skip = min(v_ext.shape[1] - K - v.shape[1] + lag, v.shape[1])  # lagged index of the chunk's first row
+        return _lagged_rows(v_ext, K, lag, v.shape[1])
+
+    @staticmethod
+    def backward(ctx, g):  # g [B, L, Hkv, D]: chunk row c is lagged row skip + c
+        return torch.nn.functional.pad(g[:, ctx.skip:], (0, 0, 0, 0, 0, ctx.skip)), None, None, None
+
+
+def _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache: SparseKLinearCache, window: int, backend: str):
+    """(phq [B, L, H, F], phk [B, N, Hkv, F], num [B, L, H, D], den [B, L, H]): phi of the queries and the extended
+    keys, and phi(q_i) . the sums over the causal keys outside query i's window
     (positions <= p_i - w), so the window's keys (gate 1, no linear part) are never added and then taken
     back out: that difference of two large sums cancelled to noise in bfloat16 and float32 and made the
     denominator zero or negative (NaN in training on the GPU).
@@ -104,16 +180,15 @@ def _beyond_window_sums(phq, phk, keys, cache: SparseKLinearCache, window: int, 
     They are the state, the pool (both beyond every chunk query's window) and the tail and chunk keys
     lagged: tail ++ chunk index e holds position seen - (W-1) + e, which leaves query i's window once
     e <= i - lag, lag = w - (W-1); causal linear attention over that sequence shifted right by lag."""
-    K, L = keys.topk, phq.shape[1]
-    pool = keys.pos[:, :K] >= 0
-    # the pool's values are the cache's, which carries no gradient: detached, their slice adds no gradient buffer
-    start_kv, start_k = _add_state(cache.lin_kv, cache.lin_k, phk[:, :K], keys.v[:, :K].detach(), pool)
+    K = keys.topk
     lag = window - keys.tail_slots
-
-    def lagged(x):  # [B, W-1 + L, Hkv, .] -> [B, L, Hkv, .]: row i holds tail ++ chunk index i - lag (0 before)
-        return torch.nn.functional.pad(x, (0, 0, 0, 0, lag, 0))[:, :L]
-
-    return causal_linear_attention(phq, lagged(phk[:, K:]), lagged(keys.v[:, K:]), start_kv, start_k, backend=backend)
+    phq = feature_map(q, phi_weight)  # [B, L, H, F]
+    # the pool's values are the cache's, which carry no gradient
+    phk, phk_lag, start_kv, start_k = _KeyFeatures.apply(k, phi_weight, keys.k.detach(), keys.pos >= 0,
+                                                         keys.v[:, :K].detach(), cache.lin_kv, cache.lin_k, lag)
+    v_lag = _LaggedValues.apply(v, keys.v.detach(), K, lag)  # [B, L, Hkv, D]
+    num, den = causal_linear_attention(phq, phk_lag, v_lag, start_kv, start_k, backend=backend)
+    return phq, phk, num, den
 
 
 def runs_triton_core(backend: str, deterministic: bool) -> bool:
@@ -162,9 +237,7 @@ def sparsek_linear_attention_chunk(
     keys = lay_out_keys(cache, k, v, u, lengths)
     sel = select(keys, cache, window=window, block=block, scan=scan)
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
-    phq = feature_map(q, phi_weight)  # [B, L, H, F]
-    phk = _phi_keys(keys.k, keys.pos, phi_weight)  # [B, N, Hkv, F]
-    num, den = _beyond_window_sums(phq, phk, keys, cache, window, linear_backend)
+    phq, phk, num, den = _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache, window, linear_backend)
     o = linear_core(backend)(
         q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool,
         topk=keys.topk, window=window, tail_slots=keys.tail_slots, variant=variant, scale=scale, block=block,
