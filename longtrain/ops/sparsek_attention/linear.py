@@ -95,6 +95,34 @@ def _add_state(state_kv, state_k, phk, v, keep) -> tuple[torch.Tensor, torch.Ten
     return state_kv + phk_t @ v_t, state_k + (phk_t @ keep_col)[..., 0]
 
 
+class _QueryFeatures(torch.autograd.Function):
+    """feature_map(q, weight) [B, L, H, F] (bitwise), its + 1 written straight into a contiguous tensor (the core
+    reads phi(q) contiguous: as torch ops its layout was the einsum's and the core copied it)."""
+
+    @staticmethod
+    def forward(ctx, q, weight):  # q [B, L, H, D], weight [Hkv, D, F]
+        B, L, H, D = q.shape
+        Hkv, Fd = weight.shape[0], weight.shape[-1]
+        w = weight.to(q.dtype)
+        y = torch.einsum("btgrd,gdf->btgrf", q.view(B, L, Hkv, H // Hkv, D), w)  # [B, L, Hkv, R, F]
+        phq = torch.add(torch.nn.functional.elu(y), 1, out=q.new_empty(B, L, Hkv, H // Hkv, Fd))
+        ctx.save_for_backward(q, w, y)
+        ctx.weight_dtype = weight.dtype
+        return phq.view(B, L, H, Fd)
+
+    @staticmethod
+    def backward(ctx, g):  # g [B, L, H, F]
+        q, w, y = ctx.saved_tensors
+        B, L, H, D = q.shape
+        dy = torch.ops.aten.elu_backward(g.view(y.shape), 1.0, 1, 1, False, y)  # [B, L, Hkv, R, F]
+        dq = dw = None
+        if ctx.needs_input_grad[0]:
+            dq = torch.einsum("btgrf,gdf->btgrd", dy, w).reshape(B, L, H, D)
+        if ctx.needs_input_grad[1]:
+            dw = torch.einsum("btgrd,btgrf->gdf", q.view(*y.shape[:-1], D), dy).to(ctx.weight_dtype)
+        return dq, dw
+
+
 def _lagged_rows(x: torch.Tensor, K: int, lag: int, L: int) -> torch.Tensor:
     """[B, L, ...]: row i holds x's ext row K + i - lag (tail ++ chunk index i - lag), 0 for i < lag: one write."""
     rows = max(L - lag, 0)
@@ -138,13 +166,13 @@ class _KeyFeatures(torch.autograd.Function):
             tot[:, K:K + rows].addcmul_(g_lag[:, L - rows:], m[:, K:K + rows])
         if K and (g_skv is not None or g_sk is not None):
             # start_kv = state_kv + sum_j keep_j phk_j v_j^T, start_k = state_k + sum_j keep_j phk_j (j in the pool)
-            sdt = g_skv.dtype if g_skv is not None else g_sk.dtype
-            dpool = torch.zeros(B, Hkv, Fd, K, dtype=sdt, device=y.device)  # [B, Hkv, F, K]
             if g_skv is not None:
-                dpool = dpool + g_skv @ v_pool.permute(0, 2, 3, 1).to(sdt)
-            if g_sk is not None:
-                dpool = dpool + g_sk[..., None]
-            tot[:, :K] += (dpool * has_key[:, None, None, :K]).permute(0, 3, 1, 2).to(tot.dtype)
+                dpool = g_skv @ v_pool.permute(0, 2, 3, 1).to(g_skv.dtype)  # [B, Hkv, F, K]
+                dpool = dpool + g_sk[..., None] if g_sk is not None else dpool
+            else:
+                dpool = g_sk[..., None].expand(B, Hkv, Fd, K)
+            # added in place in dpool's dtype, rounded once into tot's
+            tot[:, :K].addcmul_(dpool.permute(0, 3, 1, 2), has_key[:, :K, None, None].to(dpool.dtype))
         # through elu (its derivative from y, as torch's elu takes it) into the head-wise map's input
         dy = torch.ops.aten.elu_backward(tot.permute(2, 0, 1, 3), 1.0, 1, 1, False, y.view(Hkv, B, N, Fd))
         dy = dy.reshape(Hkv, B * N, Fd)  # [Hkv, B N, F]
@@ -182,7 +210,7 @@ def _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache: SparseKLinearC
     e <= i - lag, lag = w - (W-1); causal linear attention over that sequence shifted right by lag."""
     K = keys.topk
     lag = window - keys.tail_slots
-    phq = feature_map(q, phi_weight)  # [B, L, H, F]
+    phq = _QueryFeatures.apply(q, phi_weight)  # [B, L, H, F]
     # the pool's values are the cache's, which carry no gradient
     phk, phk_lag, start_kv, start_k = _KeyFeatures.apply(k, phi_weight, keys.k.detach(), keys.pos >= 0,
                                                          keys.v[:, :K].detach(), cache.lin_kv, cache.lin_k, lag)
