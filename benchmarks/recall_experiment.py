@@ -59,7 +59,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from side_by_side import start_fit, training_summary, wait_all
+from side_by_side import start_fit, training_summary, wait_all, wait_first
 
 ROOT = Path(__file__).resolve().parents[1]
 CIRCUIT = ROOT / "recipes" / "recall-circuit.yaml"
@@ -396,19 +396,19 @@ def stage2_check(run_dir: Path, device: str, sets: list[str] = (), docs: int = C
 
 def stage2_rounds(out: Path, models: list[str], seeds: list[int | None], extra: list[str], deadline: float, device: str,
                   retries: int, running: dict[str, subprocess.Popen], check_docs: int = CHECK_DOCS) -> None:
-    """Wait for stage 2's `running` runs, check each finished SparseK run (stage2_check) and start the ones under
-    TARGET_RECALL over from their circuit, up to `retries` times: the run moves to out/runs-failed/<name>-a<attempt>
-    (kept, with its check in stage2.json) and trains again in out/runs/<name>. Returns when every run has met the
-    target or used its attempts; stops at the deadline (the same command resumes, attempts included)."""
+    """Check each SparseK stage 2 run as soon as it has finished (stage2_check) and start one under TARGET_RECALL
+    over from its circuit, up to `retries` times, while the others train: the run moves to
+    out/runs-failed/<name>-a<attempt> (kept, with its check in stage2.json) and trains again in out/runs/<name>.
+    Returns when every run has met the target or used its attempts; stops at the deadline (the same command
+    resumes, attempts included)."""
+    running = dict(running)
     while True:
-        if wait_all(running, deadline - time.monotonic()):
-            stop_at_budget("train")
-        state, running = stage2_state(out), {}
+        state = stage2_state(out)
         for seed in seeds:
             for model in models:
                 name = run_name(model, seed)
                 run = out / "runs" / name
-                if not is_sparsek(model, extra) or not (run / "checkpoints").is_dir():
+                if name in running or not is_sparsek(model, extra) or not (run / "checkpoints").is_dir():
                     continue
                 entry = state.setdefault(name, {"attempt": 0, "checked": False, "recall": None, "failed": []})
                 if not entry["checked"]:
@@ -432,6 +432,10 @@ def stage2_rounds(out: Path, models: list[str], seeds: list[int | None], extra: 
                 running[name] = start_stage2(out, model, seed, extra)
         if not running:
             return
+        done = wait_first(running, deadline - time.monotonic())
+        if done is None:
+            stop_at_budget("train")
+        del running[done]
 
 
 def _standard_recall(sets: list[str]):

@@ -52,6 +52,27 @@ def wait_all(procs: dict[str, subprocess.Popen], budget_s: float) -> list[str]:
     return stopped
 
 
+def wait_first(procs: dict[str, subprocess.Popen], budget_s: float, poll_s: float = 2.0) -> str | None:
+    """Wait until one run exits and return its name, so that the caller can act on it while the others train. A run
+    that exits with an error stops the others and the caller, as in wait_all; at the budget every run still going
+    is stopped as wait_all stops them, and None is returned."""
+    t0 = time.monotonic()
+    while True:
+        done = next((name for name, p in procs.items() if p.poll() is not None), None)
+        if done is not None or time.monotonic() - t0 >= budget_s:
+            break
+        time.sleep(poll_s)
+    if done is None:
+        wait_all(procs, 0)
+        return None
+    rc = procs[done].returncode
+    print(f"{done}: exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
+    if rc:
+        _stop([p for p in procs.values() if p.poll() is None])  # none left running unwatched on the GPU
+        raise SystemExit(f"{done} failed (exit {rc}): see its fit-{done}.log")
+    return done
+
+
 def _stop(procs: list[subprocess.Popen]) -> None:
     """SIGTERM every process first, then wait for each (they save their checkpoints in parallel)."""
     for p in procs:

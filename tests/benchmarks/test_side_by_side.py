@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from side_by_side import wait_all  # noqa: E402
+from side_by_side import wait_all, wait_first  # noqa: E402
 
 # a run that "saves" for 1 s on SIGTERM, writing when the signal came
 RUN = """import signal, sys, time
@@ -57,3 +57,26 @@ def test_a_run_that_failed_behind_one_still_going_is_reported_at_the_budget(tmp_
     with pytest.raises(SystemExit, match=r"bad failed \(exit 3\)"):  # never a normal return
         wait_all(procs, budget_s=1.0)
     assert mark.exists() and procs["run0"].returncode == 143  # the one still going was stopped with its save
+
+
+def test_wait_first_returns_the_run_that_finished_while_the_others_train_on(tmp_path):
+    mark = tmp_path / "run0"
+    procs = {"run0": subprocess.Popen([sys.executable, "-c", RUN, str(mark)]),
+             "quick": subprocess.Popen([sys.executable, "-c", "pass"])}
+    while not Path(f"{mark}.up").exists():
+        time.sleep(0.05)
+    assert wait_first(procs, budget_s=60.0, poll_s=0.05) == "quick"
+    assert procs["run0"].poll() is None  # still training
+    assert wait_first({"run0": procs["run0"]}, budget_s=0.5, poll_s=0.05) is None  # the budget: stopped, saved
+    assert mark.exists() and procs["run0"].returncode == 143
+
+
+def test_wait_first_stops_the_others_when_a_run_fails(tmp_path):
+    mark = tmp_path / "run0"
+    procs = {"run0": subprocess.Popen([sys.executable, "-c", RUN, str(mark)]),
+             "bad": subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])}
+    while not Path(f"{mark}.up").exists():
+        time.sleep(0.05)
+    with pytest.raises(SystemExit, match=r"bad failed \(exit 3\)"):
+        wait_first(procs, budget_s=60.0, poll_s=0.05)
+    assert mark.exists() and procs["run0"].returncode == 143
