@@ -177,8 +177,7 @@ def test_the_whole_experiment_exits_non_zero_naming_a_stage_2_run_that_misses_th
            "models": {"sparsek-s0": run(32, 32, 0.889), "sparsek-s1": run(32, 32, 0.988), "sw-s0": run(0, 64, 0.01)}}
     monkeypatch.setattr(rx, "circuit", lambda *a, **k: {})  # every stage ran: only the ending is under test
     monkeypatch.setattr(rx, "evaluate", lambda *a, **k: None)
-    monkeypatch.setattr(rx, "plot", lambda out: None)
-    monkeypatch.setattr(rx, "merged_results", lambda out: res)
+    monkeypatch.setattr(rx, "plot", lambda out: res)  # table.md and the plot from these results
     monkeypatch.setattr(sys, "argv", ["recall_experiment.py", "--out", str(tmp_path), "--part", "all", "--seeds", "0,1"])
     with pytest.raises(SystemExit, match=r"stage 2 missed the target in sparsek-s0 \(0\.889\): exact recall under 0\.95"):
         rx.main()
