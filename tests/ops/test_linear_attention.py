@@ -115,6 +115,22 @@ def test_gradcheck(k, w, variant):
         lambda *a: sparsek_linear_attention(*a, topk=k, window=w, variant=variant, block=4), args, fast_mode=True)
 
 
+@pytest.mark.parametrize("k,w,variant", [(3, 2, "hard_k_soft_v"), (0, 3, "hard_k_soft_v"), (2, 2, "soft_kv")])
+def test_gradcheck_of_a_chunk_from_a_filled_cache(k, w, variant):
+    """The chunk op's own backward (phi of the queries and keys, the lagged rows, the start state from the carried
+    state and the pool) in float64, from a cache that a first chunk filled: pool, tail and state all in play."""
+    q, kk, v, u, phi = inputs(20, 2, 1, D=3, B=1, u_scale=0.4)
+    cache = SparseKLinearCache.empty(1, k, w, 1, 3, dtype=torch.float64, score_dtype=torch.float64)
+    with torch.no_grad():
+        _, cache, _ = sparsek_linear_attention_chunk(q[:, :12], kk[:, :12], v[:, :12], u[:, :12], phi, cache,
+                                                     variant=variant, block=4)
+    assert (cache.lin_k != 0).any() and (k == 0 or (cache.pool_pos >= 0).any())  # a state (and a pool) to start from
+    args = [x[:, 12:].clone().requires_grad_() for x in (q, kk, v, u)] + [phi.clone().requires_grad_()]
+    assert torch.autograd.gradcheck(
+        lambda q2, k2, v2, u2, p: sparsek_linear_attention_chunk(q2, k2, v2, u2, p, cache, variant=variant, block=4)[0],
+        args, fast_mode=True)
+
+
 @pytest.mark.parametrize("chunk", [7, 32])
 @pytest.mark.parametrize("k,w", [(6, 5), (0, 4), (20, 33)])
 def test_chunked_forward_equals_unchunked(chunk, k, w):
