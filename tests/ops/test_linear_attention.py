@@ -207,3 +207,14 @@ def test_deterministic_algorithms_take_the_naive_core_over_the_atomic_triton_bac
         assert linear_core("triton") is sparsek_attention_core_naive
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunk_ops_query_features_are_feature_map_bitwise(dtype):
+    """_QueryFeatures writes phi(q) contiguous for the core; its values are feature_map's, bit for bit."""
+    from longtrain.ops.sparsek_attention.linear import _QueryFeatures
+
+    q = torch.randn(2, 13, 6, 8).to(dtype)  # [B, L, H, D], 3 query heads per KV head
+    w = torch.randn(2, 8, 5)  # [Hkv, D, F]
+    got = _QueryFeatures.apply(q, w)
+    assert got.is_contiguous() and torch.equal(got, feature_map(q, w))
