@@ -20,9 +20,10 @@ A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with S
   profile  torch.profiler over 20 decode steps (CUDA): eager after the shortest prompt and in the batch,
            and with --compile the compiled step's graph replays (the profiler names the kernels a graph
            launches); the kernels by device time per step and the launches per step (JSON only);
-  inductor --inductor freezing=1[,combo_kernels=1,...]: torch._inductor.config for the compiled rows (issue 33's
-           levers: freezing folds the weights into the step, so Inductor's concat-linear pass turns q, k, v and
-           the MLP's gate and up into one product each; combo_kernels launches independent small kernels as one);
+  inductor --inductor freezing=0[,combo_kernels=0,...]: torch._inductor.config for the compiled rows, over
+           Decoder's COMPILE_OPTIONS (freezing=0,combo_kernels=0: Inductor's defaults; issue 33's levers: freezing
+           folds the weights into the step, so Inductor's concat-linear pass turns q, k, v and the MLP's gate and
+           up into one product each; combo_kernels launches independent small kernels as one);
   warm     each prefill is timed after an untimed one of the same shapes (warm_prefix: a single prompt's
            first chunks; the batch itself), so that no row times the kernels' compile and autotuning;
   check    decode == chunked forward in bf16 (SparseK+SW): after a CHECK_PROMPT-token prompt, the same
@@ -311,8 +312,11 @@ def decode_equals_forward(model: LM, n_prompt: int, n_tokens: int, *, chunk: int
 
 
 def inductor_settings(text: str, error) -> dict:
-    """--inductor's KEY=VALUE list set on torch._inductor.config (each value parsed as the setting's type)."""
+    """--inductor's KEY=VALUE list (each value parsed as the setting's type of torch._inductor.config) over the
+    compiled step's COMPILE_OPTIONS: the options every compiled row runs with."""
     import torch._inductor.config as config
+
+    from longtrain import generate
 
     settings = {}
     for item in (x for x in text.split(",") if x):
@@ -321,8 +325,8 @@ def inductor_settings(text: str, error) -> dict:
             error(f"--inductor {key}: torch._inductor.config has no such setting (e.g. freezing, combo_kernels)")
         kind = type(getattr(config, key))
         settings[key] = value not in ("0", "false", "False") if kind is bool else kind(value)
-        setattr(config, key, settings[key])
-    return settings
+    generate.COMPILE_OPTIONS = {**generate.COMPILE_OPTIONS, **settings}
+    return generate.COMPILE_OPTIONS
 
 
 def main() -> None:
@@ -343,7 +347,7 @@ def main() -> None:
     ap.add_argument("--check-tokens", type=int, default=None, help="decode == forward check: tokens (default 1000; --small 20)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new row after this many seconds")
     ap.add_argument("--inductor", default="", help="comma list KEY=VALUE of torch._inductor.config for the compiled "
-                    "rows, e.g. freezing=1,combo_kernels=1")
+                    "rows over Decoder's COMPILE_OPTIONS, e.g. freezing=0,combo_kernels=0 (Inductor's defaults)")
     args = ap.parse_args()
     inductor = inductor_settings(args.inductor, ap.error)
     modes = tuple(m for m in args.modes.split(",") if m)

@@ -209,6 +209,13 @@ def in_place_by_default(attention: str, device_type: str) -> bool:
     return has_ring_layout(attention) and device_type == "cuda"
 
 
+# Inductor settings of the compiled step on CUDA: freezing folds the weights into the graph as constants (q/k/v and
+# gate/up become one product each) and combo kernels fuse the step's small independent kernels. On an H100,
+# SparseK+SW 12 x 768 one row: 984 tokens/s with Inductor's defaults, 1,070 with freezing, 1,406 with both
+# (benchmarks/README.md, issue 33). A frozen step reads the weights as they were when it compiled.
+COMPILE_OPTIONS = {"freezing": True, "combo_kernels": True}
+
+
 class Decoder:
     """Decodes one token per row per step from a prefilled cache, sampling on the device.
 
@@ -220,7 +227,8 @@ class Decoder:
     each replay updates in place, and the sampled tokens are written into the buffer the next
     replay reads. None (the default): on CUDA unless the model uses full attention, and if the
     capture fails, eager decoding with the reason in `graph_error` (True: fail). compile: the step
-    through torch.compile (before the capture); a compile that fails falls back the same way.
+    through torch.compile (before the capture; on CUDA with COMPILE_OPTIONS); a compile that fails falls back the
+    same way.
 
     in_place (SparseK and SW caches): the decoder keeps the cache in the ring layout (SparseKRingCache): each
     step writes its token's K/V into the tail slot of the token leaving the window and an admitted key into the
@@ -257,7 +265,7 @@ class Decoder:
         self.in_place = in_place
         try:
             if compile:
-                self._fn = torch.compile(self._decode_and_sample, dynamic=False)
+                self._fn = torch.compile(self._decode_and_sample, dynamic=False, options=COMPILE_OPTIONS if on_cuda else None)
                 self.compiled = True
             if cuda_graph or (cuda_graph is None and on_cuda and fixed):
                 self._capture()

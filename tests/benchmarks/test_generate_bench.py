@@ -1,5 +1,5 @@
 """benchmarks/generate.py's --inductor: KEY=VALUE settings of torch._inductor.config for the compiled decode rows,
-parsed as each setting's type; an unknown key stops the script before anything runs, naming it."""
+over Decoder's COMPILE_OPTIONS, parsed as each setting's type; an unknown key stops the script before anything runs, naming it."""
 
 import subprocess
 import sys
@@ -9,17 +9,17 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def test_inductor_settings_are_typed_and_set():
-    import torch._inductor.config as config
+def test_inductor_settings_are_typed_and_override_the_decoders_options(monkeypatch):
     from generate import inductor_settings
 
-    # config.patch restores them after (pytest's monkeypatch would delete them: a config module is no plain module)
-    with config.patch(freezing=False, combo_kernels=True):
-        errors = []
-        assert inductor_settings("freezing=1,combo_kernels=false", errors.append) == {"freezing": True, "combo_kernels": False}
-        assert config.freezing is True and config.combo_kernels is False and not errors
-        assert inductor_settings("", errors.append) == {}
-    assert config.freezing is False  # the default again
+    from longtrain import generate
+
+    monkeypatch.setattr(generate, "COMPILE_OPTIONS", {"freezing": True, "combo_kernels": True})
+    errors = []
+    assert inductor_settings("", errors.append) == {"freezing": True, "combo_kernels": True}
+    assert inductor_settings("freezing=0,combo_kernels=false,max_autotune=1", errors.append) == {
+        "freezing": False, "combo_kernels": False, "max_autotune": True}
+    assert generate.COMPILE_OPTIONS["max_autotune"] is True and not errors
 
 
 def test_an_unknown_inductor_setting_is_refused_by_name(tmp_path):
