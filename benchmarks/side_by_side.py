@@ -1,6 +1,8 @@
 """Several `longtrain fit` runs side by side on one GPU, stopped gracefully at a time budget: the seed studies'
 launcher (recall_experiment.py, books_study.py). A run stopped at the budget saves a checkpoint and exits; the same
-command resumes it (`--resume auto` once the run dir has checkpoints)."""
+command resumes it (`--resume auto` once the run dir has checkpoints). With several GPUs visible each new run goes to
+the one with the fewest of these runs still going (CUDA_VISIBLE_DEVICES in its environment), so that a study uses
+them all."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+_placed: list[tuple[str, subprocess.Popen]] = []  # (GPU id, process) of each run start_fit placed on a GPU
 
 
 def fit_command(recipe: str | Path, run_dir: Path, sets: list[str]) -> list[str]:
@@ -25,9 +28,38 @@ def start_fit(recipe: str | Path, run_dir: Path, sets: list[str], log_path: Path
     cmd = fit_command(recipe, run_dir, sets)
     if (run_dir / "checkpoints").is_dir():
         cmd += ["--resume", "auto"]
-    print(f"$ {' '.join(cmd)}", flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    gpu = pick_gpu()
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    print(f"$ {'' if gpu is None else f'CUDA_VISIBLE_DEVICES={gpu} '}{' '.join(cmd)}", flush=True)
     with open(log_path, "a") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    if gpu is not None:
+        _placed.append((gpu, proc))
+    return proc
+
+
+def gpu_count() -> int:
+    """The GPUs this process sees (torch.cuda.device_count(): no CUDA context in this process; 0 without torch)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count()
+
+
+def pick_gpu() -> str | None:
+    """The visible GPU (its id as CUDA_VISIBLE_DEVICES names it: one of the parent's own list, if it has one) with
+    the fewest of start_fit's runs still going, the first on a tie; None with fewer than two GPUs (nothing to choose)."""
+    n = gpu_count()
+    if n < 2:
+        return None
+    listed = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    gpus = listed[:n] if listed else [str(i) for i in range(n)]
+    _placed[:] = [(g, p) for g, p in _placed if p.poll() is None]  # a finished run frees its place
+    load = {g: sum(g == h for h, _ in _placed) for g in gpus}
+    return min(gpus, key=load.__getitem__)
 
 
 def wait_all(procs: dict[str, subprocess.Popen], budget_s: float) -> list[str]:

@@ -1,5 +1,6 @@
 """benchmarks/side_by_side.py's wait_all with real processes: at the budget every run still going gets SIGTERM at
-once, so their saves overlap instead of each run training on through the saves of those stopped before it."""
+once, so their saves overlap instead of each run training on through the saves of those stopped before it. And
+start_fit's placement on several GPUs (their count faked)."""
 
 import subprocess
 import sys
@@ -80,3 +81,61 @@ def test_wait_first_stops_the_others_when_a_run_fails(tmp_path):
     with pytest.raises(SystemExit, match=r"bad failed \(exit 3\)"):
         wait_first(procs, budget_s=60.0, poll_s=0.05)
     assert mark.exists() and procs["run0"].returncode == 143
+
+
+# a run that writes the GPU it was given, then trains until told to finish (a file `go` in its run dir)
+PLACED = """import os, sys, time
+from pathlib import Path
+run = Path(sys.argv[1])
+run.mkdir(parents=True, exist_ok=True)
+(run / "gpu").write_text(str(os.environ.get("CUDA_VISIBLE_DEVICES")))
+while not (run / "go").exists():
+    time.sleep(0.02)
+"""
+
+
+def _gpu_of(run: Path) -> str:
+    while not (run / "gpu").exists():
+        time.sleep(0.02)
+    return (run / "gpu").read_text()
+
+
+def test_start_fit_puts_each_run_on_the_gpu_with_the_fewest_runs_going(tmp_path, monkeypatch):
+    import side_by_side as sbs
+
+    monkeypatch.setattr(sbs, "gpu_count", lambda: 2)
+    monkeypatch.setattr(sbs, "_placed", [])
+    monkeypatch.setattr(sbs, "fit_command", lambda recipe, run_dir, sets: [sys.executable, "-c", PLACED, str(run_dir)])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    procs = {}
+
+    def start(name: str) -> str:
+        procs[name] = sbs.start_fit("recipe", tmp_path / name, [], tmp_path / f"fit-{name}.log")
+        return _gpu_of(tmp_path / name)
+
+    def finish(name: str) -> None:
+        (tmp_path / name / "go").touch()
+        procs[name].wait()
+
+    try:
+        assert [start("a"), start("b"), start("c")] == ["0", "1", "0"]
+        finish("a")
+        finish("c")  # GPU 0 is free again: counted so, not as two runs
+        assert start("d") == "0"
+        assert start("e") == "0" and start("f") == "1"  # a tie goes to the first: 2 and 1 a GPU, then 2 and 2
+        # the parent's own CUDA_VISIBLE_DEVICES: the runs go to its GPUs, by its ids
+        for name in "bdef":
+            finish(name)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+        assert [start("g"), start("h")] == ["5", "7"]
+        for name in "gh":
+            finish(name)
+        # one GPU (or none): the environment is the parent's
+        monkeypatch.setattr(sbs, "gpu_count", lambda: 1)
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+        assert start("i") == "None"
+        finish("i")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
