@@ -29,7 +29,14 @@ other seeds' retries, and the command also exits non-zero, naming the runs, when
 (target 1 in table.md's verdict). Stage 2 is checked too: a SparseK run whose recall from 16x to 32x its KV budget,
 on check documents the final evaluation never reads, is under TARGET_RECALL starts over from its circuit with a
 new train.seed (--stage2-retries, default STAGE2_RETRIES; the failed run kept in $OUT/runs-failed, the attempts
-in $OUT/stage2.json and table.md). With --seeds each seed changes train.seed and the
+in $OUT/stage2.json and table.md). --attempts-at-once N trains up to N attempts of a seed's circuit, and of a
+SparseK stage 2 run, side by side (a GPU has room for several of these small runs, and a seed that needs three
+attempts of each would otherwise wait for six trainings one after another): the next attempts start ahead, before
+the check that would ask for them. Every run is deterministic, so the result is the one-at-a-time one, sooner:
+attempts are checked in order and the first that passes is kept. A circuit's attempts trained ahead are measured
+and their recall kept in circuit.json ("tried"), to be used when the retry comes; stage 2's train in
+$OUT/runs-retry/<name>-a<attempt>, move to $OUT/runs/<name> when they come to be checked, and those after the kept
+attempt are stopped and set aside in $OUT/runs-unused. With --seeds each seed changes train.seed and the
 recall data's seed of both stages. The circuit trains after a curriculum (CIRCUIT_CURRICULUM: distances
 8..32 for 2,000 steps, then the recipe's 32..256), each stage from the previous one's weights;
 --circuit-stage replaces it (repeatable; 'none': no curriculum).
@@ -59,7 +66,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from side_by_side import start_fit, training_summary, wait_all, wait_first
+from side_by_side import start_fit, stop, training_summary, wait_all, wait_first
 
 ROOT = Path(__file__).resolve().parents[1]
 CIRCUIT = ROOT / "recipes" / "recall-circuit.yaml"
@@ -180,28 +187,35 @@ def stage_dir(out: Path, stage: int, seed: int | None, attempt: int = 0) -> Path
     return out / f"warmup{stage}-s{seed}{attempt_suffix(attempt)}"
 
 
-def warmup(out: Path, attempts: dict[int | None, int], stages: list[list[str]], deadline: float,
+def warmup(out: Path, attempts: list[tuple[int | None, int]], stages: list[list[str]], deadline: float,
            extra: list[str]) -> None:
     """A curriculum before the circuit: each stage (recall-circuit with its own overrides, e.g. short distances
-    first) trains every seed's attempt (seed -> attempt) side by side from the previous stage's weights."""
+    first) trains every (seed, attempt) side by side from the previous stage's weights."""
     for j, stage in enumerate(stages):
-        runs = {s: stage_dir(out, j, s, a) for s, a in attempts.items()}
-        procs = {d.name: start_fit(CIRCUIT, d, [*seed_sets(s, 1, attempts[s]), *extra, *stage,
-                                                *start_from(stage_dir(out, j - 1, s, attempts[s]) if j else None)],
-                                   out / f"fit-{d.name}.log")
-                 for s, d in runs.items()}
+        procs = {}
+        for s, a in attempts:
+            d = stage_dir(out, j, s, a)
+            procs[d.name] = start_fit(CIRCUIT, d, [*seed_sets(s, 1, a), *extra, *stage,
+                                                   *start_from(stage_dir(out, j - 1, s, a) if j else None)],
+                                      out / f"fit-{d.name}.log")
         if wait_all(procs, deadline - time.monotonic()):
             stop_at_budget(f"warm-up stage {j}")
 
 
 def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str], device: str,
             stages: list[list[str]] = (), extensions: int = CIRCUIT_EXTENSIONS, retries: int = CIRCUIT_RETRIES,
-            on_formed: Callable[[list[int | None]], dict[str, subprocess.Popen]] | None = None) -> dict[str, subprocess.Popen]:
+            on_formed: Callable[[list[int | None]], dict[str, subprocess.Popen]] | None = None,
+            at_once: int = 1) -> dict[str, subprocess.Popen]:
     """Stage 1: recall-circuit per seed, side by side, each after the curriculum `stages`. A circuit whose recall
     stays under CIRCUIT_FORMED trains its steps again (up to `extensions` times), then starts over from a new init
     (up to `retries` times: attempt a in circuit-s<seed>-a<a>, curriculum included); unformed() then names the
     seeds still under it. The state (each seed's attempt, step target and recall) lives in out/circuit.json, so a
     part stopped by the budget resumes where it stopped, extensions and attempts included.
+
+    at_once > 1 (--attempts-at-once) trains a seed's next attempts (up to at_once - 1, within `retries`) beside its
+    pending one, each at the base step target, and records every attempt's recall at the base steps in the seed's
+    "tried" (attempt -> recall); a retry then takes its recall from there instead of training it again, so the
+    attempt that counts, and the state, are the sequential ones (an extension of such an attempt resumes its run).
 
     on_formed(seeds) starts the stage 2 of seeds whose circuit has formed (those formed already first, then after
     each round) and returns its processes, so that stage 2 trains beside the other seeds' retries; they are
@@ -223,36 +237,47 @@ def circuit(out: Path, seeds: list[int | None], budget_s: float, extra: list[str
 
     try:
         hand_over()
-        _circuit_rounds(out, seeds, state, deadline, extra, device, stages, base, last, retries, hand_over)
+        _circuit_rounds(out, seeds, state, deadline, extra, device, stages, base, last, retries, hand_over, at_once)
     except SystemExit:  # the budget or a failed run: stage 2's runs stop with the circuits (they resume next time)
         wait_all(background, 0)
         raise
     return background
 
 
-def _circuit_rounds(out, seeds, state, deadline, extra, device, stages, base, last, retries, hand_over) -> None:
-    """circuit()'s rounds: train the pending circuits side by side, measure them, then extend or retry the unformed."""
+def _circuit_rounds(out, seeds, state, deadline, extra, device, stages, base, last, retries, hand_over, at_once=1) -> None:
+    """circuit()'s rounds: train the pending circuits side by side (with at_once > 1 each seed's next attempts beside
+    its pending one), measure them, then extend or retry the unformed."""
     while True:
-        pending = {s: state[str(s)]["attempt"] for s in seeds if state[str(s)]["recall"] is None}  # seed -> attempt
+        pending = [(s, state[str(s)]["attempt"]) for s in seeds if state[str(s)]["recall"] is None]
+        ahead = [(s, b) for s, a in pending for b in range(a + 1, min(a + at_once - 1, retries) + 1)
+                 if str(b) not in state[str(s)].get("tried", {})]  # attempts trained ahead, at the base steps
         if pending:
-            fresh = {s: a for s, a in pending.items() if not (circuit_dir(out, s, a) / "checkpoints").is_dir()}
+            runs = [*pending, *ahead]
+            fresh = [(s, a) for s, a in runs if not (circuit_dir(out, s, a) / "checkpoints").is_dir()]
             if stages and fresh:  # a started circuit is past its curriculum
                 warmup(out, fresh, list(stages), deadline, extra)
             procs = {}
-            for s, a in pending.items():
+            for s, a in runs:
                 run = circuit_dir(out, s, a)
+                steps = state[str(s)]["steps"] if (s, a) in pending else base
                 procs[run.name] = start_fit(CIRCUIT, run, [*seed_sets(s, 1, a), *extra,
                                                            *start_from(stage_dir(out, len(stages) - 1, s, a) if stages else None),
-                                                           f"train.steps={state[str(s)]['steps']}"],
+                                                           f"train.steps={steps}"],
                                             out / f"fit-{run.name}.log")
             if wait_all(procs, deadline - time.monotonic()):
                 save_circuit_state(out, state)
-                log_progress(out, pending, device)
+                log_progress(out, runs, device)
                 stop_at_budget("circuit")
-            for s, a in pending.items():
+            for s, a in pending:
                 state[str(s)]["recall"] = circuit_recall(circuit_dir(out, s, a), device)
+                if at_once > 1 and state[str(s)]["steps"] == base:
+                    state[str(s)].setdefault("tried", {})[str(a)] = state[str(s)]["recall"]
+            for s, b in ahead:
+                recall = state[str(s)].setdefault("tried", {})[str(b)] = circuit_recall(circuit_dir(out, s, b), device)
+                log(f"{circuit_dir(out, s, b).name} (attempt {b + 1}, trained ahead beside attempt {state[str(s)]['attempt'] + 1}):"
+                    f" recall {recall:.3f}, used only if the attempts before it do not form")
             save_circuit_state(out, state)
-            hand_over()
+        hand_over()  # also a seed whose retry took an attempt trained ahead that had formed
         log(f"circuit recall at its longest distances: {describe(state, seeds)}")
         unformed_now = unformed(state, seeds)
         extend = [s for s in unformed_now if state[str(s)]["steps"] < last]
@@ -267,16 +292,20 @@ def _circuit_rounds(out, seeds, state, deadline, extra, device, stages, base, la
             a = state[str(s)]["attempt"] + 1
             log(f"circuit not formed for seed {s} (< {CIRCUIT_FORMED}): attempt {a + 1} of {retries + 1} starts over "
                 f"from a new init ({' '.join(seed_sets(s, 1, a))}, in {circuit_dir(out, s, a).name})")
-            state[str(s)] = {"steps": base, "recall": None, "attempt": a}
+            tried = state[str(s)].get("tried")
+            state[str(s)] = {"steps": base, "recall": None, "attempt": a, **({"tried": tried} if tried else {})}
+            if tried and str(a) in tried:  # trained ahead: its recall at the base steps is the one it would get now
+                state[str(s)]["recall"] = tried[str(a)]
+                log(f"{circuit_dir(out, s, a).name} was trained ahead: recall {tried[str(a)]:.3f} after {base} steps")
         save_circuit_state(out, state)
 
 
-def log_progress(out: Path, attempts: dict[int | None, int], device: str) -> None:
-    """Each stopped circuit's recall so far (its latest checkpoint; seed -> attempt), so that a circuit resumed
+def log_progress(out: Path, attempts: list[tuple[int | None, int]], device: str) -> None:
+    """Each stopped circuit's recall so far (its latest checkpoint; (seed, attempt) pairs), so that a circuit resumed
     across calls shows whether it is forming; not recorded: only a finished circuit's recall decides (circuit.json)."""
     from longtrain.train.checkpoint.storage import resolve_checkpoint, step_of
 
-    for s, a in attempts.items():
+    for s, a in attempts:
         run = circuit_dir(out, s, a)
         if (run / "checkpoints").is_dir():
             step = step_of(resolve_checkpoint(run))  # the checkpoint circuit_recall reads
@@ -284,7 +313,8 @@ def log_progress(out: Path, attempts: dict[int | None, int], device: str) -> Non
 
 
 def circuit_state(out: Path) -> dict:
-    """out/circuit.json: seed -> {"steps": its step target, "recall": measured after them, or None}."""
+    """out/circuit.json: seed -> {"steps": its step target, "recall": measured after them, or None, "attempt"; with
+    --attempts-at-once > 1 also "tried": attempt -> its recall after the base steps, the attempts trained ahead too}."""
     path = out / CIRCUIT_STATE
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -333,39 +363,84 @@ def _recipe_steps(recipe: Path, sets: list[str]) -> int:
 
 
 def train(out: Path, models: list[str], seeds: list[int | None], budget_s: float, extra: list[str], device: str,
-          retries: int = STAGE2_RETRIES, check_docs: int = CHECK_DOCS) -> None:
+          retries: int = STAGE2_RETRIES, check_docs: int = CHECK_DOCS, at_once: int = 1) -> None:
     """Stage 2: each model (and seed) from its circuit's weights into out/runs/<model>[-s<seed>], all at once,
     then checked and retried (stage2_rounds)."""
     deadline = time.monotonic() + budget_s
-    stage2_rounds(out, models, seeds, extra, deadline, device, retries, start_train(out, models, seeds, extra), check_docs)
+    stage2_rounds(out, models, seeds, extra, deadline, device, retries,
+                  start_train(out, models, seeds, extra, at_once, retries), check_docs, at_once)
 
 
 def run_name(model: str, seed: int | None) -> str:
     return model if seed is None else f"{model}-s{seed}"
 
 
-def start_train(out: Path, models: list[str], seeds: list[int | None], extra: list[str]) -> dict[str, subprocess.Popen]:
-    """Stage 2's runs of `seeds`, started (train() waits for them; --part all starts them as circuits form)."""
-    return {run_name(model, seed): start_stage2(out, model, seed, extra) for seed in seeds for model in models}
+def start_train(out: Path, models: list[str], seeds: list[int | None], extra: list[str], at_once: int = 1,
+                retries: int = STAGE2_RETRIES) -> dict[str, subprocess.Popen]:
+    """Stage 2's runs of `seeds`, started (train() waits for them; --part all starts them as circuits form): each at
+    its current attempt and, with at_once > 1, a SparseK run's next attempts too (ahead_attempts). Keyed by run dir
+    name (<name>, or <name>-a<attempt> in out/runs-retry)."""
+    procs = {}
+    for seed in seeds:
+        for model in models:
+            procs.update(start_stage2(out, model, seed, extra))
+            for b in ahead_attempts(out, model, seed, extra, at_once, retries):
+                procs.update(start_stage2(out, model, seed, extra, b))
+    return procs
 
 
-def start_stage2(out: Path, model: str, seed: int | None, extra: list[str]) -> subprocess.Popen:
-    """One stage 2 run from the seed's formed circuit, at its attempt (stage2.json): attempt a >= 1 trains with
-    train.seed moved by ATTEMPT_SEED_STRIDE * a, on the seed's own documents."""
+def ahead_dir(out: Path, name: str, attempt: int) -> Path:
+    """Where a stage 2 attempt started ahead of the current one trains (--attempts-at-once)."""
+    return out / "runs-retry" / f"{name}-a{attempt}"
+
+
+def stage2_dir(out: Path, name: str, attempt: int) -> Path:
+    """Where the current stage 2 attempt of run `name` trains or lies: in out/runs-retry if it was started ahead (until
+    it has finished as the current one and moves to out/runs/<name>), else out/runs/<name>."""
+    ahead = ahead_dir(out, name, attempt)
+    return ahead if ahead.is_dir() else out / "runs" / name
+
+
+def settled(entry: dict, retries: int) -> bool:
+    """A stage 2 run's current attempt is the one kept: checked, and met the target, had nothing to check or was the
+    last attempt."""
+    return entry["checked"] and (entry["recall"] is None or entry["recall"] >= TARGET_RECALL or entry["attempt"] >= retries)
+
+
+def ahead_attempts(out: Path, model: str, seed: int | None, extra: list[str], at_once: int, retries: int) -> list[int]:
+    """The attempts of a SparseK stage 2 run to train ahead beside its current one (at_once - 1 of them, within
+    `retries`; none once the current attempt is kept), so that a retry does not wait for the check that asks for it."""
+    entry = stage2_state(out).get(run_name(model, seed)) or {"attempt": 0, "checked": False}
+    if at_once < 2 or settled(entry, retries) or not is_sparsek(model, extra):
+        return []
+    return list(range(entry["attempt"] + 1, min(entry["attempt"] + at_once - 1, retries) + 1))
+
+
+def start_stage2(out: Path, model: str, seed: int | None, extra: list[str],
+                 attempt: int | None = None) -> dict[str, subprocess.Popen]:
+    """One stage 2 run from the seed's formed circuit, at its attempt (stage2.json) or a later `attempt` started
+    ahead (in out/runs-retry/<name>-a<attempt>): attempt a >= 1 trains with train.seed moved by
+    ATTEMPT_SEED_STRIDE * a, on the seed's own documents. Returns {run dir name: its process}."""
     source = formed_circuit(out, seed)
     if not (source / "checkpoints").is_dir():
         raise SystemExit(f"no circuit in {source}: run --part circuit first")
     recipe, sets = model_args(model)
     name = run_name(model, seed)
-    attempt = stage2_state(out).get(name, {}).get("attempt", 0)
+    current = stage2_state(out).get(name, {}).get("attempt", 0)
+    if attempt is None or attempt == current:
+        attempt, run = current, stage2_dir(out, name, current)
+    else:
+        run = ahead_dir(out, name, attempt)
+        run.mkdir(parents=True, exist_ok=True)  # at once: stage2_dir() finds it from the start
     retry = [f"train.seed={(seed or 0) + ATTEMPT_SEED_STRIDE * attempt}"] if attempt else []
     sets = [*start_from(source), *seed_sets(seed, 0), *sets, *extra, *retry]
-    return start_fit(recipe, out / "runs" / name, sets, out / f"fit-{name}.log")
+    return {run.name: start_fit(recipe, run, sets, out / f"fit-{run.name}.log")}
 
 
 def stage2_state(out: Path) -> dict:
     """out/stage2.json: run name -> {"attempt", "checked", "recall" (the check's; None: nothing to check), "failed": the
-    earlier attempts' checks}."""
+    earlier attempts' checks; with --attempts-at-once > 1 also "unused": the later attempts trained ahead, set aside
+    in out/runs-unused once this attempt was kept}."""
     path = out / STAGE2_STATE
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -395,29 +470,42 @@ def stage2_check(run_dir: Path, device: str, sets: list[str] = (), docs: int = C
 
 
 def stage2_rounds(out: Path, models: list[str], seeds: list[int | None], extra: list[str], deadline: float, device: str,
-                  retries: int, running: dict[str, subprocess.Popen], check_docs: int = CHECK_DOCS) -> None:
+                  retries: int, running: dict[str, subprocess.Popen], check_docs: int = CHECK_DOCS, at_once: int = 1) -> None:
     """Check each SparseK stage 2 run as soon as it has finished (stage2_check) and start one under TARGET_RECALL
     over from its circuit, up to `retries` times, while the others train: the run moves to
     out/runs-failed/<name>-a<attempt> (kept, with its check in stage2.json) and trains again in out/runs/<name>.
     Returns when every run has met the target or used its attempts; stops at the deadline (the same command
-    resumes, attempts included)."""
+    resumes, attempts included).
+
+    at_once > 1: up to at_once of a SparseK run's attempts train at once, the later ones ahead in
+    out/runs-retry/<name>-a<attempt>. Only the current attempt is checked, in order: when the one before it failed,
+    it moves (once finished) to out/runs/<name> and is checked there, as if it had trained there; when an attempt
+    is kept, those ahead of it are stopped and set aside in out/runs-unused."""
     running = dict(running)
     while True:
         state = stage2_state(out)
+        moved_on = False  # an attempt failed: the next may have finished already, so look again before waiting
         for seed in seeds:
             for model in models:
                 name = run_name(model, seed)
-                run = out / "runs" / name
-                if name in running or not is_sparsek(model, extra) or not (run / "checkpoints").is_dir():
+                if not is_sparsek(model, extra):
+                    continue
+                run = stage2_dir(out, name, (state.get(name) or {}).get("attempt", 0))
+                if run.name in running or not (run / "checkpoints").is_dir():
                     continue
                 entry = state.setdefault(name, {"attempt": 0, "checked": False, "recall": None, "failed": []})
+                if run != out / "runs" / name:  # trained ahead, finished, and now the current attempt: it takes its place
+                    (out / "runs").mkdir(exist_ok=True)
+                    run = run.rename(out / "runs" / name)
+                    log(f"stage 2 of {name}: attempt {entry['attempt'] + 1} (trained ahead) moves to {run}")
                 if not entry["checked"]:
                     entry.update(checked=True, recall=stage2_check(run, device, extra, check_docs))
                     log(f"stage 2 check of {name} (attempt {entry['attempt'] + 1}): " + (
                         "no bucket from 16x to 32x its KV budget in its documents, nothing to check" if entry["recall"] is None
                         else f"worst recall {entry['recall']:.3f} there, on {check_docs} check documents"))
                     (out / STAGE2_STATE).write_text(json.dumps(state, indent=1))
-                if entry["recall"] is None or entry["recall"] >= TARGET_RECALL or entry["attempt"] >= retries:
+                if settled(entry, retries):
+                    set_aside_unused(out, name, state, retries, running)
                     continue
                 failed = out / "runs-failed" / f"{name}-a{entry['attempt']}"
                 failed.parent.mkdir(exist_ok=True)
@@ -429,13 +517,38 @@ def stage2_rounds(out: Path, models: list[str], seeds: list[int | None], extra: 
                 (out / STAGE2_STATE).write_text(json.dumps(state, indent=1))
                 log(f"stage 2 of {name} under {TARGET_RECALL} ({entry['recall']:.3f}): attempt {entry['attempt'] + 2} of "
                     f"{retries + 1} starts over from its circuit with a new train.seed (the failed run: {failed})")
-                running[name] = start_stage2(out, model, seed, extra)
+                moved_on = True
+                current = entry["attempt"] + 1
+                if not ahead_dir(out, name, current).is_dir():  # not started ahead: it trains in runs/<name>
+                    running.update(start_stage2(out, model, seed, extra))
+                for b in ahead_attempts(out, model, seed, extra, at_once, retries):
+                    if not ahead_dir(out, name, b).is_dir():
+                        running.update(start_stage2(out, model, seed, extra, b))
+        if moved_on:
+            continue
         if not running:
             return
         done = wait_first(running, deadline - time.monotonic())
         if done is None:
             stop_at_budget("train")
         del running[done]
+
+
+def set_aside_unused(out: Path, name: str, state: dict, retries: int, running: dict[str, subprocess.Popen]) -> None:
+    """The attempts of `name` trained ahead of its kept one: stopped if still training (SIGTERM: they save a checkpoint)
+    and moved to out/runs-unused/<name>-a<attempt>, recorded as "unused" in stage2.json."""
+    entry = state[name]
+    for b in range(entry["attempt"] + 1, retries + 1):
+        ahead = ahead_dir(out, name, b)
+        if ahead.name in running:
+            stop([running.pop(ahead.name)])
+            log(f"{ahead.name}: stopped, not used (attempt {entry['attempt'] + 1} of {name} is kept)")
+        if ahead.is_dir():
+            (out / "runs-unused").mkdir(exist_ok=True)
+            ahead.rename(out / "runs-unused" / ahead.name)
+            entry["unused"] = sorted({*entry.get("unused", []), b})
+            (out / STAGE2_STATE).write_text(json.dumps(state, indent=1))
+            log(f"stage 2 of {name}: attempt {b + 1}, trained ahead, is not used: {out / 'runs-unused' / ahead.name}")
 
 
 def _standard_recall(sets: list[str]):
@@ -667,12 +780,20 @@ def main() -> None:
     ap.add_argument("--stage2-retries", type=int, default=STAGE2_RETRIES,
                     help="times a SparseK stage 2 run under the target on its check documents starts over from its "
                          "circuit with a new train.seed (the failed run kept in OUT/runs-failed)")
+    ap.add_argument("--attempts-at-once", type=int, default=1, metavar="N",
+                    help="train up to N attempts of a seed's circuit, and of a SparseK stage 2 run, side by side: the "
+                         "next ones ahead, before the checks that would ask for them (a GPU has room for several of "
+                         "these small runs). The result is the one-at-a-time one (the first attempt that passes is "
+                         "kept, every run is deterministic), sooner; the attempts after it are set aside unused. "
+                         "Default 1: one at a time")
     ap.add_argument("--docs", type=int, default=64, help="eval: documents per setting")
     ap.add_argument("--run", type=Path, help="eval-one: the run dir")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--seeds", default="", help="comma-separated seeds (train.seed and the data's seed of both "
                     "stages); each seed gets its own circuit and runs (<model>-s<seed>). Empty: the recipes' own")
     a = ap.parse_args()
+    if a.attempts_at_once < 1:
+        ap.error("--attempts-at-once must be at least 1")
     t_start = time.monotonic()
     seeds = [int(x) for x in a.seeds.split(",") if x] or [None]
     a.out.mkdir(parents=True, exist_ok=True)
@@ -684,19 +805,21 @@ def main() -> None:
     stage2_sets = [*DETERMINISTIC, *[s for s in a.circuit_sets if s.startswith("model.")], *a.sets]
     early: dict[str, subprocess.Popen] = {}  # --part all: stage 2 of each seed starts once its circuit formed
     if a.part in ("circuit", "all"):  # a finished circuit resumes to "nothing to do"
-        overlap = (lambda formed: start_train(a.out, models, formed, stage2_sets)) if a.part == "all" else None
+        overlap = ((lambda formed: start_train(a.out, models, formed, stage2_sets, a.attempts_at_once, a.stage2_retries))
+                   if a.part == "all" else None)
         early = circuit(a.out, seeds, min(a.circuit_budget_s, a.budget_s) if a.part == "all" else a.budget_s,
                         [*DETERMINISTIC, *a.circuit_sets], a.device, curriculum(a.circuit_stages), a.circuit_extensions,
-                        a.circuit_retries, on_formed=overlap)
+                        a.circuit_retries, on_formed=overlap, at_once=a.attempts_at_once)
     skipped = unformed(circuit_state(a.out), seeds) if a.part in ("circuit", "train", "all") else []
     if skipped and (a.part == "circuit" or skipped == seeds):
         raise SystemExit(unformed_message(skipped, a.out))
     ready = [s for s in seeds if s not in skipped]
     if a.part == "all":  # what the circuits left, then stage 2's checks and retries
         stage2_rounds(a.out, models, ready, stage2_sets, t_start + a.budget_s, a.device, a.stage2_retries, early,
-                      max(1, a.docs // 2))
+                      max(1, a.docs // 2), a.attempts_at_once)
     if a.part == "train":
-        train(a.out, models, ready, a.budget_s, stage2_sets, a.device, a.stage2_retries, max(1, a.docs // 2))
+        train(a.out, models, ready, a.budget_s, stage2_sets, a.device, a.stage2_retries, max(1, a.docs // 2),
+              a.attempts_at_once)
     if a.part in ("eval", "all"):
         evaluate(a.out, models, a.docs, a.device, a.sets)
     if a.part == "eval-one":

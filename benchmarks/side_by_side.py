@@ -74,10 +74,10 @@ def wait_all(procs: dict[str, subprocess.Popen], budget_s: float) -> list[str]:
             continue
         print(f"{name}: exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
         if rc:
-            _stop([p for p in procs.values() if p.poll() is None])  # none left running unwatched on the GPU
+            stop([p for p in procs.values() if p.poll() is None])  # none left running unwatched on the GPU
             raise SystemExit(f"{name} failed (exit {rc}): see its fit-{name}.log")
     running = {name: p for name, p in procs.items() if p.poll() is None}
-    _stop(list(running.values()))
+    stop(list(running.values()))
     for name in running:
         stopped.append(name)
         print(f"{name}: stopped at the budget after {time.monotonic() - t0:.0f} s", flush=True)
@@ -100,12 +100,12 @@ def wait_first(procs: dict[str, subprocess.Popen], budget_s: float, poll_s: floa
     rc = procs[done].returncode
     print(f"{done}: exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
     if rc:
-        _stop([p for p in procs.values() if p.poll() is None])  # none left running unwatched on the GPU
+        stop([p for p in procs.values() if p.poll() is None])  # none left running unwatched on the GPU
         raise SystemExit(f"{done} failed (exit {rc}): see its fit-{done}.log")
     return done
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def stop(procs: list[subprocess.Popen]) -> None:
     """SIGTERM every process first, then wait for each (they save their checkpoints in parallel)."""
     for p in procs:
         p.send_signal(signal.SIGTERM)
