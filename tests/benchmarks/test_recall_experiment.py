@@ -220,3 +220,186 @@ def test_a_stage_2_run_under_the_target_starts_over_from_its_circuit_with_a_new_
     table = (tmp_path / "table.md").read_text()
     assert "sparsek-s0: stage 2 attempt 2; the earlier attempts' checks 0.500" in table
     assert sorted(p.stem for p in (tmp_path / "eval").glob("*.json")) == ["sparsek-s0", "sparsek-s1"]  # the last attempts
+
+
+# --attempts-at-once: the orchestration with a stand-in for `longtrain fit` (a process that makes the run's checkpoints
+# folder, records its overrides and "trains" for a while; SIGTERM: it saves and exits), the circuit's recall and the
+# stage 2 check read from what each run was started with.
+FAKE_FIT = """import json, signal, sys, time
+from pathlib import Path
+run, seconds = Path(sys.argv[1]), float(sys.argv[2])
+run.mkdir(parents=True, exist_ok=True)
+signal.signal(signal.SIGTERM, lambda *_: ((run / "stopped").touch(), sys.exit(0)))
+(run / "sets.json").write_text(sys.argv[3])
+(run / "checkpoints").mkdir(exist_ok=True)
+time.sleep(seconds)
+(run / "finished").touch()
+"""
+
+
+def _fake_runs(monkeypatch, rx, seconds=lambda run_dir, sets: 0.0):
+    """start_fit, wait_all, evaluate and plot replaced: returns the started runs [(run dir name, sets)] and the rounds
+    (each wait_all's runs, in order)."""
+    import functools
+    import subprocess
+
+    from side_by_side import wait_all, wait_first
+
+    started, rounds = [], []
+
+    def start_fit(recipe, run_dir, sets, log_path):
+        started.append((run_dir.name, list(sets)))
+        return subprocess.Popen([sys.executable, "-c", FAKE_FIT, str(run_dir), str(seconds(run_dir, sets)), json.dumps(sets)])
+
+    def waited(procs, budget_s):
+        rounds.append(sorted(procs))
+        return wait_all(procs, budget_s)
+
+    monkeypatch.setattr(rx, "start_fit", start_fit)
+    monkeypatch.setattr(rx, "wait_all", waited)
+    monkeypatch.setattr(rx, "wait_first", functools.partial(wait_first, poll_s=0.05))
+    monkeypatch.setattr(rx, "evaluate", lambda *a, **k: None)
+    monkeypatch.setattr(rx, "plot", lambda out: {"models": {}})
+    return started, rounds
+
+
+def _last(sets: list[str], key: str) -> str:
+    return [s.split("=", 1)[1] for s in sets if s.startswith(key + "=")][-1]
+
+
+def _circuits(tmp_path, monkeypatch, at_once: int, recall: dict, *args: str):
+    """--part all on seed 0 with `recall[(circuit dir name, its step target)]`; returns (circuit.json's seed 0, the
+    rounds of circuits and warm-ups, stage 2's init_from, the runs started)."""
+    import recall_experiment as rx
+
+    started, rounds = _fake_runs(monkeypatch, rx)
+    steps = lambda run_dir: int(_last([s for n, sets in started if n == run_dir.name for s in sets], "train.steps"))  # noqa: E731
+    monkeypatch.setattr(rx, "circuit_recall", lambda run_dir, device: recall[(run_dir.name, steps(run_dir))])
+    monkeypatch.setattr(rx, "stage2_check", lambda *a, **k: 0.97)
+    monkeypatch.setattr(sys, "argv", [
+        "recall_experiment.py", "--out", str(tmp_path), "--part", "all", "--model", "sparsek", "--seeds", "0",
+        "--device", "cpu", "--attempts-at-once", str(at_once), "--circuit-stage", "train.steps=1",
+        "--circuit-set", "train.steps=2", *args])
+    rx.main()
+    state = json.loads((tmp_path / "circuit.json").read_text())["0"]
+    init_from = Path(_last(next(sets for n, sets in started if n == "sparsek-s0"), "train.init_from")).name
+    return state, rounds, init_from, started
+
+
+def test_attempts_at_once_trains_a_circuits_next_attempts_beside_it_and_keeps_the_sequential_result(tmp_path, monkeypatch):
+    recall = {("circuit-s0", 2): 0.67, ("circuit-s0-a1", 2): 0.5, ("circuit-s0-a2", 2): 1.0, ("circuit-s0-a3", 2): 0.2}
+    one, rounds1, init1, _ = _circuits(tmp_path / "one", monkeypatch, 1, recall)
+    assert one == {"steps": 2, "recall": 1.0, "attempt": 2}  # the sequential run: three attempts, one after another
+    assert rounds1 == [["warmup0-s0"], ["circuit-s0"], ["warmup0-s0-a1"], ["circuit-s0-a1"], ["warmup0-s0-a2"],
+                       ["circuit-s0-a2"]] and init1 == "circuit-s0-a2"
+
+    three, rounds3, init3, started = _circuits(tmp_path / "three", monkeypatch, 3, recall)
+    assert rounds3 == [["warmup0-s0", "warmup0-s0-a1", "warmup0-s0-a2"], ["circuit-s0", "circuit-s0-a1", "circuit-s0-a2"]]
+    assert three.pop("tried") == {"0": 0.67, "1": 0.5, "2": 1.0} and three == one  # the same, and sooner
+    assert init3 == "circuit-s0-a2"
+    seeds = {n: (_last(sets, "train.seed"), _last(sets, "data.recall.seed")) for n, sets in started}
+    assert seeds["circuit-s0-a2"] == ("2000", "2001") and seeds["warmup0-s0-a2"] == ("2000", "2001")  # its own init
+    assert Path(_last(dict(started)["circuit-s0-a2"], "train.init_from")).name == "warmup0-s0-a2"  # and curriculum
+
+    two, rounds2, init2, _ = _circuits(tmp_path / "two", monkeypatch, 2, recall)
+    assert [r for r in rounds2 if r[0].startswith("circuit")] == [["circuit-s0", "circuit-s0-a1"],
+                                                                 ["circuit-s0-a2", "circuit-s0-a3"]]
+    assert two.pop("tried") == {"0": 0.67, "1": 0.5, "2": 1.0, "3": 0.2} and two == one and init2 == "circuit-s0-a2"
+
+
+def test_attempts_trained_ahead_of_a_circuit_that_formed_are_not_used(tmp_path, monkeypatch):
+    recall = {("circuit-s0", 2): 0.95, ("circuit-s0-a1", 2): 1.0, ("circuit-s0-a2", 2): 0.3}
+    state, rounds, init_from, _ = _circuits(tmp_path, monkeypatch, 3, recall)
+    assert [r for r in rounds if r[0].startswith("circuit")] == [["circuit-s0", "circuit-s0-a1", "circuit-s0-a2"]]
+    assert state == {"steps": 2, "recall": 0.95, "attempt": 0, "tried": {"0": 0.95, "1": 1.0, "2": 0.3}}
+    assert init_from == "circuit-s0"  # stage 2 starts from attempt 0, as one at a time
+
+
+def test_attempts_at_once_with_extensions_extends_an_attempt_trained_ahead_as_the_sequential_run_does(tmp_path, monkeypatch):
+    recall = {("circuit-s0", 2): 0.5, ("circuit-s0", 4): 0.6, ("circuit-s0-a1", 2): 0.7, ("circuit-s0-a1", 4): 0.92}
+    args = ("--circuit-extensions", "1", "--circuit-retries", "1")
+    one, rounds1, _, _ = _circuits(tmp_path / "one", monkeypatch, 1, recall, *args)
+    assert one == {"steps": 4, "recall": 0.92, "attempt": 1}
+    two, rounds2, init2, started = _circuits(tmp_path / "two", monkeypatch, 2, recall, *args)
+    assert [r for r in rounds2 if r[0].startswith("circuit")] == [["circuit-s0", "circuit-s0-a1"], ["circuit-s0"],
+                                                                 ["circuit-s0-a1"]]
+    assert two.pop("tried") == {"0": 0.5, "1": 0.7} and two == one and init2 == "circuit-s0-a1"
+    assert [_last(sets, "train.steps") for n, sets in started if n == "circuit-s0-a1"] == ["2", "4"]  # resumed, extended
+
+
+def test_attempts_at_once_resume_after_the_budget_without_a_second_curriculum(tmp_path, monkeypatch):
+    import recall_experiment as rx
+
+    recall = {("circuit-s0", 2): 0.5, ("circuit-s0-a1", 2): 0.95}
+    started, rounds = _fake_runs(monkeypatch, rx)
+    real_wait = rx.wait_all
+
+    def budget_ran_out(procs, budget_s):  # the circuits finish, then the budget counts as spent
+        if any(name.startswith("circuit") for name in procs):
+            real_wait(procs, budget_s)
+            return list(procs)
+        return real_wait(procs, budget_s)
+
+    monkeypatch.setattr(rx, "wait_all", budget_ran_out)
+    progress = []
+    monkeypatch.setattr(rx, "log_progress", lambda out, runs, device: progress.append(runs))
+    steps = lambda run_dir: int(_last([s for n, sets in started if n == run_dir.name for s in sets], "train.steps"))  # noqa: E731
+    monkeypatch.setattr(rx, "circuit_recall", lambda run_dir, device: recall[(run_dir.name, steps(run_dir))])
+    monkeypatch.setattr(sys, "argv", ["recall_experiment.py", "--out", str(tmp_path), "--part", "circuit", "--seeds", "0",
+                                      "--device", "cpu", "--attempts-at-once", "2", "--circuit-stage", "train.steps=1",
+                                      "--circuit-set", "train.steps=2"])
+    with pytest.raises(SystemExit, match="time budget ran out"):
+        rx.main()
+    assert json.loads((tmp_path / "circuit.json").read_text())["0"] == {"steps": 2, "recall": None, "attempt": 0}
+    assert progress == [[(0, 0), (0, 1)]]  # both circuits' recall so far is logged
+    monkeypatch.setattr(rx, "wait_all", real_wait)
+    del started[:]
+    rx.main()
+    assert [n for n, _ in started] == ["circuit-s0", "circuit-s0-a1"]  # resumed, past their curriculum
+    assert json.loads((tmp_path / "circuit.json").read_text())["0"] == {
+        "steps": 2, "recall": 0.95, "attempt": 1, "tried": {"0": 0.5, "1": 0.95}}
+
+
+def _stage2(tmp_path, monkeypatch, at_once: int):
+    """--part all, seed 0, sparsek and sw: every circuit forms; sparsek's attempt 0 fails its check (and trains longest
+    but one), attempt 1 passes (and finishes first), attempt 2 would train on for a minute. Returns the checks
+    (attempts, in order) and stage2.json."""
+    import recall_experiment as rx
+
+    attempt = lambda sets: int(_last(sets, "train.seed")) // 1000  # noqa: E731
+    secs = {0: 1.0, 1: 0.2, 2: 60.0}
+    _fake_runs(monkeypatch, rx, lambda run_dir, sets: secs[attempt(sets)] if run_dir.parent.name != tmp_path.name else 0.0)
+    monkeypatch.setattr(rx, "circuit_recall", lambda run_dir, device: 0.95)
+    checks = []
+
+    def check(run_dir, device, sets, docs):
+        assert run_dir == tmp_path / "runs" / "sparsek-s0"  # checked where the sequential run is
+        checks.append(attempt(json.loads((run_dir / "sets.json").read_text())))
+        return {0: 0.5, 1: 0.97}[checks[-1]]
+
+    monkeypatch.setattr(rx, "stage2_check", check)
+    monkeypatch.setattr(sys, "argv", [
+        "recall_experiment.py", "--out", str(tmp_path), "--part", "all", "--model", "sparsek,sw", "--seeds", "0",
+        "--device", "cpu", "--circuit-stage", "none", "--circuit-retries", "0", "--attempts-at-once", str(at_once)])
+    rx.main()
+    return checks, json.loads((tmp_path / "stage2.json").read_text())
+
+
+def test_stage_2_attempts_at_once_keep_the_first_that_passes_in_runs_and_set_the_later_ones_aside(tmp_path, monkeypatch):
+    checks1, state1 = _stage2(tmp_path / "one", monkeypatch, 1)
+    assert checks1 == [0, 1] and state1 == {"sparsek-s0": {"attempt": 1, "checked": True, "recall": 0.97, "failed": [0.5]}}
+
+    out = tmp_path / "three"
+    checks, state = _stage2(out, monkeypatch, 3)
+    assert checks == [0, 1]  # in order, though attempt 1 finished first; attempt 2 never checked
+    finished = lambda run: (run / "finished").stat().st_mtime  # noqa: E731
+    assert finished(out / "runs" / "sparsek-s0") < finished(out / "runs-failed" / "sparsek-s0-a0")
+    assert state["sparsek-s0"].pop("unused") == [2] and state == state1
+    seed_of = lambda run: _last(json.loads((run / "sets.json").read_text()), "train.seed")  # noqa: E731
+    assert seed_of(out / "runs" / "sparsek-s0") == "1000" and (out / "runs" / "sparsek-s0" / "finished").exists()
+    assert seed_of(out / "runs-failed" / "sparsek-s0-a0") == "0"
+    unused = out / "runs-unused" / "sparsek-s0-a2"
+    assert seed_of(unused) == "2000" and (unused / "stopped").exists() and not (unused / "finished").exists()
+    assert not any((out / "runs-retry").iterdir())
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["sparsek-s0", "sw-s0"]  # a window: one attempt only
+    assert not list(out.glob("runs-*/sw-*"))
