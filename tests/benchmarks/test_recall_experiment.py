@@ -403,3 +403,31 @@ def test_stage_2_attempts_at_once_keep_the_first_that_passes_in_runs_and_set_the
     assert not any((out / "runs-retry").iterdir())
     assert sorted(p.name for p in (out / "runs").iterdir()) == ["sparsek-s0", "sw-s0"]  # a window: one attempt only
     assert not list(out.glob("runs-*/sw-*"))
+
+
+def test_stage_2_attempts_at_once_resume_after_the_budget_where_the_attempt_ahead_trains(tmp_path, monkeypatch):
+    import recall_experiment as rx
+
+    attempt = lambda sets: int(_last(sets, "train.seed")) // 1000  # noqa: E731
+    secs = {0: 0.2, 1: 60.0}
+    started, _ = _fake_runs(monkeypatch, rx, lambda run_dir, sets: secs[attempt(sets)] if run_dir.parent.name.startswith("runs") else 0.0)
+    monkeypatch.setattr(rx, "circuit_recall", lambda run_dir, device: 0.95)
+    monkeypatch.setattr(rx, "stage2_check", lambda run_dir, *a: {0: 0.5, 1: 0.97}[
+        attempt(json.loads((run_dir / "sets.json").read_text()))])
+    argv = ["recall_experiment.py", "--out", str(tmp_path), "--part", "all", "--model", "sparsek", "--seeds", "0",
+            "--device", "cpu", "--circuit-stage", "none", "--circuit-retries", "0", "--stage2-retries", "1",
+            "--attempts-at-once", "2"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--budget-s", "3"])
+    with pytest.raises(SystemExit, match="time budget ran out"):
+        rx.main()  # attempt 0 failed its check; attempt 1, ahead, was stopped at the budget
+    ahead = tmp_path / "runs-retry" / "sparsek-s0-a1"
+    assert (ahead / "stopped").exists() and not (tmp_path / "runs" / "sparsek-s0").exists()
+    assert json.loads((tmp_path / "stage2.json").read_text())["sparsek-s0"]["attempt"] == 1
+    secs[1] = 0.1
+    del started[:]
+    monkeypatch.setattr(sys, "argv", argv)
+    rx.main()
+    assert [n for n, _ in started] == ["sparsek-s0-a1"]  # resumed where it trained; nothing else
+    assert json.loads((tmp_path / "stage2.json").read_text())["sparsek-s0"] == {
+        "attempt": 1, "checked": True, "recall": 0.97, "failed": [0.5]}
+    assert (tmp_path / "runs" / "sparsek-s0" / "finished").exists() and not ahead.exists()
