@@ -245,10 +245,18 @@ def max_context_that_fits(recipe, *, budget: int, **kw) -> int | None:
     return fits
 
 
-def advice(recipe, *, suggest_max_context: int | None = None) -> str:
-    """What to change when a run does not fit its device."""
+def advice(recipe, *, suggest_max_context: int | None = None, naive_linear_core: bool = False) -> str:
+    """What to change when a run does not fit its device. naive_linear_core: a linear type's SparseK part runs the
+    naive core on a GPU (attention.backend auto), whose kept scores are then most of the estimate."""
+    from longtrain.ops.sparsek_attention.linear import runs_triton_core
+
     cfg, att = recipe.train, recipe.attention
-    tips = [f"a smaller train.chunk_size (now {cfg.chunk_size}; --set train.chunk_size={max(cfg.chunk_size // 2, 1)}), "
+    tips = []
+    if naive_linear_core and linear(att.type):  # first: at k = w = 512 the naive core was ~7x the Triton one's estimate
+        both = "" if runs_triton_core("triton", cfg.deterministic) else " and train.deterministic=false"
+        tips.append(f"--set attention.backend=triton{both} (the Triton kernels keep no scores; attention.backend "
+                    f"{att.backend} runs the naive core, which keeps ~48 bytes per query, head and scored key for the backward)")
+    tips += [f"a smaller train.chunk_size (now {cfg.chunk_size}; --set train.chunk_size={max(cfg.chunk_size // 2, 1)}), "
             f"or fewer train.batch_docs (now {cfg.batch_docs})"]
     if att.type == "full":
         mc = f"--set attention.max_context={suggest_max_context}" if suggest_max_context else "--set attention.max_context=N"

@@ -217,7 +217,10 @@ def fit_advice(t: Trainer, have: int) -> str:
             t.recipe, budget=int(0.9 * have), n_params=t.model.num_params(),
             vocab_size=t.model.cfg.vocab_size, compute_dtype=t.compute_dtype, device_type=t.device_type(),
         )
-    return memory.advice(t.recipe, suggest_max_context=fits)
+    att, kind = t.recipe.attention, t.device_type()
+    naive = kind != "cpu" and linear(att.type) and memory.linear_core_is_naive(
+        att.backend, t.model.cfg.d_model // t.model.cfg.heads, t.compute_dtype, kind)
+    return memory.advice(t.recipe, suggest_max_context=fits, naive_linear_core=naive)
 
 
 def ranks_line(t: Trainer) -> str:

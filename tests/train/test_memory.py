@@ -52,6 +52,20 @@ def test_activation_checkpointing_keeps_one_blocks_activations_and_each_blocks_i
     assert "activation_checkpointing" not in memory.advice(load_recipe("quickstart", ["train.activation_checkpointing=true"]))
 
 
+
+def test_the_advice_names_the_triton_core_first_when_a_linear_type_runs_the_naive_one_on_a_gpu():
+    from longtrain.ops.sparsek_attention.linear import runs_triton_core
+
+    for det in (False, True):
+        r = load_recipe("quickstart", ["attention.type=sparsek+linear+sw", f"train.deterministic={str(det).lower()}"])
+        tip = memory.advice(r, naive_linear_core=True)
+        assert tip.startswith("--set attention.backend=triton"), tip
+        assert ("train.deterministic=false" in tip) == (not runs_triton_core("triton", det))
+        assert "attention.backend" not in memory.advice(r)  # the Triton core already, or the CPU: nothing to switch
+    plain = load_recipe("quickstart", [])
+    assert "attention.backend" not in memory.advice(plain, naive_linear_core=True)  # no linear part
+
+
 MEASURED_RECIPE = """
 model: {{style: gpt2, layers: 2, d_model: 64, heads: 8, mlp_ratio: 2.0}}
 attention: {{type: sparsek+sw, topk: 512, window: 64}}
