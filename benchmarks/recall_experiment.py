@@ -111,8 +111,12 @@ CIRCUIT_FORMED = 0.9  # the circuit's own recall at its longest distances that c
 # (two retries: ~0.84 if attempts are independent, against the 3 of 4 that two extensions reached), and a
 # stalled run cannot hold a seed back.
 CIRCUIT_EXTENSIONS = 0  # times an unformed circuit trains its steps again (the same run, resumed)
-# Seed 0 formed on its third attempt (0.67, 0.50, 1.00; H100, cef985b): a fourth costs ~5 minutes only where needed.
-CIRCUIT_RETRIES = 3  # times an unformed circuit (after its extensions) starts over from a new init
+# Attempts that formed, half RoPE: 5 of 9 on an H100 (f420a61/cef985b: seeds 1-4 first, seed 0 on its third of 0.67,
+# 0.50, 1.00), 1 of 8 on an H200 (5622eef: seed 4 on its fourth of 0.66, 0.60, 0.57, 0.97; seed 0 none of 0.63, 0.00,
+# 0.03, 0.59): the same seeds form on one card and not on the other, 6 of 17 (0.35) an attempt over both. If attempts
+# are independent, eight reach 0.97 a seed (0.86 for all of five seeds) against four's 0.82 (0.38); an attempt costs
+# ~5 minutes of one GPU only where it is needed, and --attempts-at-once trains them side by side.
+CIRCUIT_RETRIES = 7  # times an unformed circuit (after its extensions) starts over from a new init
 ATTEMPT_SEED_STRIDE = 1000  # attempt a of seed s: train.seed s + 1000 a, its circuit's documents' seed too
 STAGE2_STATE = "stage2.json"  # in OUT: each SparseK stage 2 run's attempt and its check's recall (stage2_state)
 # Stage 2 from a formed circuit missed the target in 3 of 11 runs at 1024-2048 (seeds 3 and 4: 0.870, 0.938 in

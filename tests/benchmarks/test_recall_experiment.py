@@ -81,7 +81,7 @@ def test_an_unformed_circuit_starts_over_from_a_new_init_and_stage_2_starts_from
     assert state["0"] == {"steps": 2, "recall": 0.95, "attempt": 0}
     assert state["1"] == {"steps": 2, "recall": 0.97, "attempt": 2}  # the defaults: no extension, retries
     assert "seed 1: 0.89 after 2 steps (attempt 2)" in out  # 0.898 is under 0.9 and reads so
-    assert "attempt 3 of 4 starts over from a new init (train.seed=2001 data.recall.seed=2002, in circuit-s1-a2)" in out
+    assert "attempt 3 of 8 starts over from a new init (train.seed=2001 data.recall.seed=2002, in circuit-s1-a2)" in out
     for attempt, name in ((1, "circuit-s1-a1"), (2, "circuit-s1-a2")):
         circuit = yaml.safe_load((tmp_path / name / "recipe.yaml").read_text())
         assert circuit["train"]["seed"] == 1 + 1000 * attempt  # a new init
