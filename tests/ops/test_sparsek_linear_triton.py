@@ -196,25 +196,40 @@ def test_unsupported_shapes_and_float64_run_the_naive_core():
     assert_close(got, want, "o dq dk dv du dphi".split(), tol=0)
 
 
-def test_model_steps_with_the_triton_core():
-    """A tiny sparsek+linear+sw model: loss and gradients with backend triton equal backend naive's."""
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic algorithms"])
+def test_model_steps_with_the_triton_core(monkeypatch, deterministic):
+    """A tiny sparsek+linear+sw model: loss and gradients with backend triton equal backend naive's; under torch's
+    deterministic algorithms (train.deterministic) backend triton runs the Triton core, its backward without atomic
+    adds (two chunks, two launches)."""
+    rec = launches(monkeypatch)
     torch.manual_seed(0)
     tokens = torch.randint(0, 61, (2, 40), device=DEV)
     grads = []
-    for backend in ("naive", "triton"):
-        torch.manual_seed(1)
-        model = LM(LMConfig(vocab_size=61, layers=1, d_model=32, heads=2, attention="sparsek+linear+sw", topk=4,
-                            window=6, backend=backend)).to(DEV)
-        cache = model.empty_cache(2)
-        loss = 0
-        for s in (0, 22):  # two chunks: the second reads the first's pool, tail and linear state
-            out = model(tokens[:, s:s + 22], cache=cache)
-            cache = out.cache
-            loss = loss + out.logits.float().logsumexp(-1).mean()
-        loss.backward()
-        grads.append([loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None])
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        for backend in ("naive", "triton"):
+            grads.append(model_step(backend, tokens))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert rec.atomic == [not deterministic] * 2
     assert grads[1][0] == pytest.approx(grads[0][0].item(), rel=1e-5)
     assert_close(grads[1], grads[0], ["loss"] + [f"grad {i}" for i in range(len(grads[0]) - 1)], tol=1e-4)
+
+
+def model_step(backend, tokens):
+    """The loss of two chunks of a tiny sparsek+linear+sw model on `backend` and its parameters' gradients."""
+    torch.manual_seed(1)
+    model = LM(LMConfig(vocab_size=61, layers=1, d_model=32, heads=2, attention="sparsek+linear+sw", topk=4,
+                        window=6, backend=backend)).to(DEV)
+    cache = model.empty_cache(2)
+    loss = 0
+    for s in (0, 22):  # two chunks: the second reads the first's pool, tail and linear state
+        out = model(tokens[:, s:s + 22], cache=cache)
+        cache = out.cache
+        loss = loss + out.logits.float().logsumexp(-1).mean()
+    loss.backward()
+    return [loss.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
 
 
 def test_float32_follows_float64_where_s_is_complete_and_the_exp_part_is_tiny():
@@ -241,3 +256,142 @@ def test_theta32_gives_float32_scores_the_naive_cores_float64_test():
     want = (u.double()[None] > thu[:, None]) | ((u.double()[None] == thu[:, None]) & (kp[None] >= thp[:, None]))
     got = (u[None] > t[:, None]) | ((u[None] == t[:, None]) & (kp[None] >= p[:, None]))
     assert t.dtype == torch.float32 and p.dtype == torch.int32 and torch.equal(got, want)
+
+
+# The deterministic backward (linear_triton.DETERMINISTIC, or torch's deterministic algorithms): no atomic adds, the
+# key-side gradients stored per (query tile, head, key-list slot) and summed by _key_sum_kernel in a fixed order.
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) for the test, the setting restored after it."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+class Launches:
+    """Wraps _bwd_kernel (monkeypatched into linear_triton) and records each launch's ATOMIC switch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.atomic = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*a, **kw):
+            self.atomic.append(kw["ATOMIC"])
+            return launch(*a, **kw)
+
+        return run
+
+
+def launches(monkeypatch):
+    from longtrain.ops.sparsek_attention import linear_triton as LT
+
+    rec = Launches(LT._bwd_kernel)
+    monkeypatch.setattr(LT, "_bwd_kernel", rec)
+    return rec
+
+
+def core_grads(core, leaves, pos, qpos, thu, thp, pool, kw, cast=None):
+    """o and every leaf's gradient (q, k_ext, v_ext, u_ext, tau, phq, phk, num, den), float32, through `core`;
+    cast: the dtype of q, k, v and the linear terms (else the leaves')."""
+    x = [t.detach().clone() for t in leaves]
+    x = [t.to(cast) if cast is not None and i not in (3, 4) else t for i, t in enumerate(x)]
+    x = [t.requires_grad_() for t in x]
+    o = core(x[0], x[1], x[2], x[3], pos, qpos, thu, thp, x[4], pool, linear=LinearTerms(*x[5:]), **kw)
+    g = torch.cos(torch.arange(o.numel(), dtype=torch.float32, device=DEV)).reshape(o.shape)
+    (o.float() * g).sum().backward()
+    return [o.detach().float()] + [t.grad.float() for t in x]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["hard_k_soft_v", "soft_kv", "straight_through"])
+def test_deterministic_backward_follows_the_atomic_one_and_the_naive_core(monkeypatch, variant, dtype):
+    """Every input's gradient (GQA, gates at clamp's edges) with the deterministic backward equals the atomic
+    backward's and the naive core's (float32 on the same rounded inputs for bfloat16) to their tolerances."""
+    from longtrain.ops.sparsek_attention import linear_triton as LT
+
+    a, kw = core_inputs(monkeypatch, inputs(2, 53, 4, 2, 16), [30, 23], topk=6, window=5, block=16)
+    kw = dict(kw, variant=variant)
+    (q, k, v, u, pos, qpos, thu, thp, tau, pool), lin = a, kw.pop("linear")
+    tau = at_gate_edges(tau, u, pos, qpos, thu, thp, window=5, topk=6)
+    leaves = [q, k, v, u, tau, *lin]
+    if dtype != torch.float32:  # the naive core on the rounded inputs, in float32
+        leaves = [t.to(dtype).float() if i not in (3, 4) else t for i, t in enumerate(leaves)]
+    ctx = (pos, qpos, thu, thp, pool, kw)
+    want = core_grads(sparsek_attention_core_naive, leaves, *ctx)
+    rec = launches(monkeypatch)
+    atomic = core_grads(sparsek_linear_attention_core_triton, leaves, *ctx, cast=dtype)
+    monkeypatch.setattr(LT, "DETERMINISTIC", True)
+    got = core_grads(sparsek_linear_attention_core_triton, leaves, *ctx, cast=dtype)
+    assert rec.atomic == [True, False]
+    names = "o q k_ext v_ext u_ext tau phq phk num den".split()
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    assert want[3].abs().sum() > 0 and want[4].abs().sum() > 0  # the gates' gradients are exercised
+    assert_close(got, atomic, names, tol=tol)
+    assert_close(got, want, names, tol=tol)
+
+
+DET_CASES = [
+    # T, chunks, topk, window, H, Hkv, D, variant, block, lengths, scratch bytes
+    (50, [50], 0, 7, 4, 2, 16, "soft_kv", 16, None, None),  # Linear+SW (k = 0), GQA
+    (41, [41], 4, 5, 4, 2, 16, "hard_k_soft_v", 16, [41, 17, 3], None),  # padding queries
+    (70, [38, 32], 6, 20, 3, 1, 16, "straight_through", 32, None, None),  # two query tiles a block, MQA
+    (70, [38, 32], 6, 20, 3, 1, 16, "hard_k_soft_v", 32, None, 1),  # a slab a block (the scratch's cap)
+]
+
+
+@pytest.mark.parametrize("T,chunks,topk,window,H,Hkv,D,variant,block,lengths,cap", DET_CASES)
+def test_deterministic_chunks_follow_the_naive_core(monkeypatch, T, chunks, topk, window, H, Hkv, D, variant, block,
+                                                   lengths, cap):
+    from longtrain.ops.sparsek_attention import linear_triton as LT
+
+    args = inputs(len(lengths) if lengths else 2, T, H, Hkv, D)
+    lengths = torch.tensor(lengths, device=DEV) if lengths else None
+    kw = dict(topk=topk, window=window, variant=variant, block=block, lengths=lengths)
+    want = run_chunks("naive", args, chunks, **kw)
+    monkeypatch.setattr(LT, "DETERMINISTIC", True)
+    if cap is not None:
+        monkeypatch.setattr(LT, "SCRATCH_BYTES", cap)
+        tiles, slab, _ = LT.scratch_tiles(2, chunks[0], H, topk + window + block - 1, D, D, block)
+        assert slab == block // LT.launch_settings(D, block)["bwd"]["QB"] < tiles  # several slabs
+    rec = launches(monkeypatch)
+    got = run_chunks("triton", args, chunks, **kw)
+    assert rec.atomic and not any(rec.atomic)
+    assert_close(got, want, "o dq dk dv du dphi".split())
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="counts the interpreter's atomic operations")
+def test_deterministic_backward_repeats_bit_for_bit_without_atomic_adds(monkeypatch, deterministic_algorithms):
+    """Under torch's deterministic algorithms (DETERMINISTIC off) the backward launches with ATOMIC off, runs no
+    atomic operation (the interpreter's, counted; it runs atomics in order, so equal results alone would not show
+    it) and two runs give the same gradients bit for bit. With them off, the atomic launch (its adds counted)."""
+    from triton.runtime import interpreter
+
+    from longtrain.ops.sparsek_attention import linear_triton as LT
+
+    assert not LT.DETERMINISTIC
+    count = [0]
+    rmw = interpreter.InterpreterBuilder.create_atomic_rmw
+
+    def counted(self, *a, **kw):
+        count[0] += 1
+        return rmw(self, *a, **kw)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_atomic_rmw", counted)
+    rec = launches(monkeypatch)
+    args = inputs(2, 37, 4, 2, 16)
+    kw = dict(topk=5, window=4, variant="soft_kv", block=16)
+    first = run_chunks("triton", args, [20, 17], **kw)
+    second = run_chunks("triton", args, [20, 17], **kw)
+    assert rec.atomic == [False] * 4 and count[0] == 0
+    assert all(torch.equal(x, y) for x, y in zip(first, second))
+    torch.use_deterministic_algorithms(False)
+    atomic = run_chunks("triton", args, [20, 17], **kw)
+    assert rec.atomic[4:] == [True] * 2 and count[0] > 0
+    assert_close(first, atomic, "o dq dk dv du dphi".split())

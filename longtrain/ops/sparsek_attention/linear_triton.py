@@ -58,6 +58,11 @@ from longtrain.ops.sparsek_attention.triton_tiles import SOFT_KV, STRAIGHT_THROU
 # TF32 dots: half the shared memory and tensor-core instructions (registers stay near 255: kernels_aot.py). Off:
 # on an H100 (linear_core_ab.py, D = 64, 4 x 4096 tokens) the op took 11.31 ms with it against 10.18 without, and
 # 10.26-10.32 with smaller backward tiles; tests/gpu/test_linear_gpu.py passes with it. No change for float32 inputs.
+# Backward without atomics (bitwise reproducible; linear_bwd); also on under torch.use_deterministic_algorithms.
+DETERMINISTIC = False
+# The deterministic backward's scratch per slab of query tiles (scratch_tiles; at least one block's tiles): at
+# 1 x 4096 tokens, 12 heads, D = F = 64, k = w = 128 (Kb = 319) the 128 tiles of 32 queries take 378 MB, one slab.
+SCRATCH_BYTES = 512 << 20
 _INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LAUNCH = {
     64: dict(fwd=dict(QB=64, BN=32, num_warps=4, num_stages=1, native=0),
@@ -166,11 +171,12 @@ def _gate(sel, u, tau, VARIANT: tl.constexpr):
 
 @triton.jit
 def _program(q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, n_queries, n_heads, group, topk, window,
-             G: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DOTS: tl.constexpr):
-    """What a forward or backward program (QB queries of a block, one head) knows of its queries: the block, the
-    batch x head index, the row b, the KV head, their count, the query rows (_query_rows), tau, whether S is
-    complete, the D and F ranges, the rows qh [QB] of the [B, L, H, .] tensors, q [QB, D] and phi(q) [QB, F]."""
-    first = tl.program_id(0) * QB  # the program's queries: QB of block blk's G
+             tile0, G: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, F: tl.constexpr, DOTS: tl.constexpr):
+    """What a forward or backward program (QB queries of a block, one head; query tile tile0 + its first program
+    index) knows of its queries: the block, the batch x head index, the row b, the KV head, their count, the query
+    rows (_query_rows), tau, whether S is complete, the D and F ranges, the rows qh [QB] of the [B, L, H, .]
+    tensors, q [QB, D] and phi(q) [QB, F]."""
+    first = (tile0 + tl.program_id(0)) * QB  # the program's queries: QB of block blk's G
     blk = first // G
     bh = tl.program_id(1)
     b = bh // n_heads
@@ -199,7 +205,7 @@ def _fwd_kernel(
     Every tensor is contiguous: q, o, num [B, L, H, D], phq [B, L, H, F], k, v [B, N, Hkv, D], phk [B, N, Hkv, F]."""
     blk, bh, b, kvh, n_kv, i, qm, qp, thu, thp, tau, complete, d, f, qh, q, phq = _program(
         q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, n_queries, n_heads, group, topk, window,
-        G, QB, D, F, DOTS)
+        0, G, QB, D, F, DOTS)
 
     M = tl.zeros([QB], tl.float32)  # the running max of the attended logits, from 0 (naive: max(0, max s))
     acc = tl.zeros([QB, D], tl.float32)  # sum_j w_ij v_j at the running M
@@ -248,16 +254,20 @@ def _bwd_kernel(
     keys_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr,
     o_ptr, m_ptr, l_ptr, do_ptr,
     dq_ptr, dphq_ptr, dtau_ptr, dnum_ptr, dden_ptr,  # out, query-side: written
-    dk_ptr, dv_ptr, dphk_ptr, du_ptr,  # out, key-side: float32, added to
-    n_queries, n_ext, n_heads, group, n_blocks, n_keys, topk, window, scale,
+    dk_ptr, dv_ptr, dphk_ptr, du_ptr,  # out, key-side: float32, added to (ATOMIC)
+    scratch_ptr,  # out, key-side (not ATOMIC): float32 [slab tiles, B, H, Kb, 2D + F + 1], written
+    n_queries, n_ext, n_heads, group, n_blocks, n_keys, topk, window, scale, tile0,
     G: tl.constexpr, QB: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, F: tl.constexpr,
-    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, DOTS: tl.constexpr,
+    VARIANT: tl.constexpr, HAS_TOPK: tl.constexpr, PREC: tl.constexpr, DOTS: tl.constexpr, ATOMIC: tl.constexpr,
 ):
-    """Gradients of query block blk and one head, recomputing w per key tile (module doc). dk, dv [B, N, Hkv, D],
-    dphk [B, N, Hkv, F] and du [B, N] sum over blocks and heads by atomic adds; dtau is [B, H, L]."""
+    """Gradients of query tile tile0 + program_id(0) (QB queries of block blk) and one head, recomputing w per key
+    tile (module doc); dtau is [B, H, L]. ATOMIC: dk, dv [B, N, Hkv, D], dphk [B, N, Hkv, F] and du [B, N] sum over
+    blocks and heads by atomic adds. Not ATOMIC (deterministic): the program stores its key-side gradients, each
+    slot j of the block's key list once, in the row (tile - tile0, b, h, j) of scratch (dk | dv | dphk | du), which
+    _key_sum_kernel sums in a fixed order."""
     blk, bh, b, kvh, n_kv, i, qm, qp, thu, thp, tau, complete, d, f, qh, q, phq = _program(
         q_ptr, phq_ptr, q_pos_ptr, theta_u_ptr, theta_pos_ptr, tau_ptr, n_queries, n_heads, group, topk, window,
-        G, QB, D, F, DOTS)
+        tile0, G, QB, D, F, DOTS)
     do_t = _tile(do_ptr + qh[:, None] * D + d[None, :], qm[:, None], DOTS)  # dO as the dots take it
     do = do_t.to(tl.float32)
     o = tl.load(o_ptr + qh[:, None] * D + d[None, :], mask=qm[:, None], other=0.0).to(tl.float32)
@@ -309,12 +319,21 @@ def _bwd_kernel(
         else:
             dv = tl.dot(tl.trans(w), do_n, input_precision=PREC)
         dphk = tl.dot(tl.trans(_dot_operand(dlin, DOTS)), phq, input_precision=PREC)  # [BN, F]
-        # relaxed: plain atomic adds, never read back here (Triton's default acq_rel fences every one; the
-        # SparseK pool walk's adds are relaxed too)
-        tl.atomic_add(dk_ptr + kh[:, None] * D + d[None, :], dk, mask=kv[:, None], sem="relaxed")
-        tl.atomic_add(dv_ptr + kh[:, None] * D + d[None, :], dv, mask=kv[:, None], sem="relaxed")
-        tl.atomic_add(dphk_ptr + kh[:, None] * F + f[None, :], dphk, mask=kv[:, None], sem="relaxed")
-        tl.atomic_add(du_ptr + b * n_ext + safe, tl.sum(dm, 0), mask=kv, sem="relaxed")
+        if ATOMIC:
+            # relaxed: plain atomic adds, never read back here (Triton's default acq_rel fences every one; the
+            # SparseK pool walk's adds are relaxed too)
+            tl.atomic_add(dk_ptr + kh[:, None] * D + d[None, :], dk, mask=kv[:, None], sem="relaxed")
+            tl.atomic_add(dv_ptr + kh[:, None] * D + d[None, :], dv, mask=kv[:, None], sem="relaxed")
+            tl.atomic_add(dphk_ptr + kh[:, None] * F + f[None, :], dphk, mask=kv[:, None], sem="relaxed")
+            tl.atomic_add(du_ptr + b * n_ext + safe, tl.sum(dm, 0), mask=kv, sem="relaxed")
+        else:  # scratch rows (tile - tile0, b, h, slot j): each written by this program only (int64: large slabs)
+            W = 2 * D + F + 1
+            j = j0 + tl.arange(0, BN)
+            sr = ((tl.program_id(0).to(tl.int64) * tl.num_programs(1) + bh) * n_keys + j) * W  # [BN]
+            tl.store(scratch_ptr + sr[:, None] + d[None, :], dk, mask=kv[:, None])
+            tl.store(scratch_ptr + sr[:, None] + D + d[None, :], dv, mask=kv[:, None])
+            tl.store(scratch_ptr + sr[:, None] + 2 * D + f[None, :], dphk, mask=kv[:, None])
+            tl.store(scratch_ptr + sr + 2 * D + F, tl.sum(dm, 0), mask=kv)
 
     e_lin = tl.where(complete, 0.0, e_m)  # the linear sums' factor (0 when S is complete)
     tl.store(dq_ptr + qh[:, None] * D + d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=qm[:, None])
@@ -323,6 +342,57 @@ def _bwd_kernel(
              mask=qm[:, None])
     tl.store(dden_ptr + qh, (-e_lin * delta * inv).to(dden_ptr.dtype.element_ty), mask=qm)
     tl.store(dtau_ptr + bh * n_queries + i, dtau, mask=qm)
+
+
+@triton.jit
+def _key_sum_kernel(
+    scratch_ptr, order_ptr, start_ptr,
+    dk_ptr, dv_ptr, dphk_ptr, du_ptr,  # out: float32 dk, dv [B, N, Hkv, D], dphk [B, N, Hkv, F], du [B, Hkv, N]
+    n_ext, n_heads, group, n_bh, slab_blocks, n_keys, tile0, n_tiles, tiles_per_block,
+    D: tl.constexpr, F: tl.constexpr, ACCUM: tl.constexpr,
+):
+    """The deterministic backward's sum (linear_bwd): ext row e of batch row b (r = b N + e, program_id(0)) and KV
+    head kvh (program_id(1)). Its entries in the slab's key lists are order[start[r] : start[r + 1]] (flat indices
+    into keys[:, slab blocks] [B, slab_blocks, Kb], ascending); for each, in that order, the block's query tiles
+    in order and the KV head's query heads in order, it adds the scratch rows _bwd_kernel stored. A fixed order:
+    the same sums, bit for bit, every run. ACCUM: add to the outputs (a later slab); else write them."""
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n_kv = n_heads // group
+    W = 2 * D + F + 1
+    d = tl.arange(0, D)
+    f = tl.arange(0, F)
+    acc_k = tl.zeros([D], tl.float32)
+    acc_v = tl.zeros([D], tl.float32)
+    acc_p = tl.zeros([F], tl.float32)
+    acc_u = tl.zeros([1], tl.float32)
+    one = tl.arange(0, 1)
+    s0 = tl.load(start_ptr + r)
+    s1 = tl.load(start_ptr + r + 1)
+    for p in range(s0, s1):
+        ent = tl.load(order_ptr + p)
+        j = ent % n_keys
+        rel = (ent // n_keys) % slab_blocks  # the block within the slab
+        b = ent // n_keys // slab_blocks
+        t_first = rel * tiles_per_block  # its first query tile within the slab
+        for t in range(t_first, tl.minimum(t_first + tiles_per_block, n_tiles - tile0)):  # (the last block: fewer)
+            for hh in range(0, group):  # (b: int64, from order, so sr is)
+                sr = ((t * n_bh + b * n_heads + kvh * group + hh) * n_keys + j) * W
+                acc_k += tl.load(scratch_ptr + sr + d)
+                acc_v += tl.load(scratch_ptr + sr + D + d)
+                acc_p += tl.load(scratch_ptr + sr + 2 * D + f)
+                acc_u += tl.load(scratch_ptr + sr + 2 * D + F + one)
+    ok = (r * n_kv + kvh).to(tl.int64)  # the row of the [B, N, Hkv, .] outputs
+    ou = ((r // n_ext) * n_kv + kvh) * n_ext + r % n_ext + one  # du [B, Hkv, N]
+    if ACCUM:
+        acc_k += tl.load(dk_ptr + ok * D + d)
+        acc_v += tl.load(dv_ptr + ok * D + d)
+        acc_p += tl.load(dphk_ptr + ok * F + f)
+        acc_u += tl.load(du_ptr + ou)
+    tl.store(dk_ptr + ok * D + d, acc_k)
+    tl.store(dv_ptr + ok * D + d, acc_v)
+    tl.store(dphk_ptr + ok * F + f, acc_p)
+    tl.store(du_ptr + ou, acc_u)
 
 
 def _theta32(theta_u: torch.Tensor, theta_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -387,26 +457,41 @@ def linear_fwd(
     return o, M, den_o
 
 
+def scratch_tiles(B: int, L: int, H: int, Kb: int, D: int, F: int, block: int) -> tuple[int, int, int]:
+    """The deterministic backward's slabs: (query tiles of QB queries, tiles per slab, scratch bytes of a slab).
+    A slab is whole blocks (at least one) whose scratch, B H Kb (2D + F + 1) float32 per tile, fits
+    SCRATCH_BYTES."""
+    QB = launch_settings(D, block)["bwd"]["QB"]
+    tiles, per_block = triton.cdiv(L, QB), block // QB
+    tile_bytes = B * H * Kb * (2 * D + F + 1) * 4
+    slab = min(max(1, SCRATCH_BYTES // (tile_bytes * per_block)) * per_block, tiles)
+    return tiles, slab, slab * tile_bytes
+
+
 def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_pos, tau, o, M, den_o,
                do: torch.Tensor,  # [B, L, H, D] contiguous
                *, topk: int, window: int, scale: float, block: int, variant: int,
                num_dtype: torch.dtype = torch.float32, den_dtype: torch.dtype = torch.float32):
     """The backward kernel (arguments as linear_fwd's and its outputs): dq [B, L, H, D] in q's dtype, dphq
     [B, L, H, F] in phq's, dnum [B, L, H, D] in num_dtype, dden [B, L, H] in den_dtype (the kernel writes them
-    in their inputs' dtypes: no float32 copies to cast), dtau [B, L] and, float32 (atomic adds), dk, dv
-    [B, N, Hkv, D], dphk [B, N, Hkv, F], du [B, N]."""
+    in their inputs' dtypes: no float32 copies to cast), dtau [B, L] and, float32, dk, dv [B, N, Hkv, D],
+    dphk [B, N, Hkv, F], du [B, N]: atomic adds, or under DETERMINISTIC or torch's deterministic algorithms
+    the kernel's scratch rows summed by _key_sum_kernel in a fixed order, one slab of query tiles at a time
+    (scratch_tiles)."""
     B, L, H, D = q.shape
     N, Hkv, F = k_ext.shape[1], k_ext.shape[2], phk.shape[-1]
     nb, Kb = keys.shape[1], keys.shape[2]
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
+    det = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
     dq, dnum = torch.empty_like(q), torch.empty(B, L, H, D, dtype=num_dtype, device=dev)
     dphq, dden = torch.empty_like(phq), torch.empty(B, L, H, dtype=den_dtype, device=dev)
     dtau = torch.empty(B, H, L, **f32)
-    dk, dv = torch.zeros(B, N, Hkv, D, **f32), torch.zeros(B, N, Hkv, D, **f32)  # atomic adds: zeroed
-    dphk, du = torch.zeros(B, N, Hkv, F, **f32), torch.zeros(B, N, **f32)
+    new = torch.empty if det else torch.zeros  # atomic adds: zeroed
+    dk, dv = new(B, N, Hkv, D, **f32), new(B, N, Hkv, D, **f32)
+    dphk, du = new(B, N, Hkv, F, **f32), new((B, Hkv, N) if det else (B, N), **f32)
     cfg = launch_settings(D, block)["bwd"]
-    _bwd_kernel[(triton.cdiv(L, cfg["QB"]), B * H)](
+    kernel_args = dict(
         q_ptr=q, k_ptr=k_ext, v_ptr=v_ext, u_ptr=u, pos_ptr=pos, phq_ptr=phq, phk_ptr=phk,
         keys_ptr=keys, q_pos_ptr=q_pos, theta_u_ptr=theta_u, theta_pos_ptr=theta_pos, tau_ptr=tau,
         o_ptr=o, m_ptr=M, l_ptr=den_o, do_ptr=do,
@@ -416,7 +501,31 @@ def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_po
         G=block, QB=cfg["QB"], BN=cfg["BN"], D=D, F=F, VARIANT=variant, HAS_TOPK=topk > 0, PREC=_precision(q.dtype),
         DOTS=_dots(cfg, q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return dq, dphq, dtau.sum(1), dnum, dden, dk, dv, dphk, du  # dtau: summed over the heads
+    if not det:
+        _bwd_kernel[(triton.cdiv(L, cfg["QB"]), B * H)](scratch_ptr=dk, tile0=0, ATOMIC=True, **kernel_args)
+        return dq, dphq, dtau.sum(1), dnum, dden, dk, dv, dphk, du  # dtau: summed over the heads
+    # Deterministic: per slab of query tiles (whole blocks), the kernel stores each program's key-side gradients
+    # in scratch [slab tiles, B, H, Kb, 2D + F + 1] float32 (scratch_tiles: at most SCRATCH_BYTES unless one block
+    # takes more), and _key_sum_kernel adds them into each ext row and KV head in a fixed order: the key lists'
+    # entries of the row, ascending (a stable sort of their destinations), then tiles and heads in order.
+    tiles, slab, _ = scratch_tiles(B, L, H, Kb, D, F, block)
+    per_block = block // cfg["QB"]
+    scratch = torch.empty(slab * B * H * Kb * (2 * D + F + 1), **f32)
+    rows = torch.arange(B, device=dev)[:, None, None] * N
+    for t0 in range(0, tiles, slab):
+        t1 = min(t0 + slab, tiles)
+        _bwd_kernel[(t1 - t0, B * H)](scratch_ptr=scratch, tile0=t0, ATOMIC=False, **kernel_args)
+        b0, b1 = t0 // per_block, triton.cdiv(t1, per_block)
+        ks = keys[:, b0:b1].long()  # [B, slab blocks, Kb]
+        dest = torch.where(ks >= 0, rows + ks, B * N).flatten()  # B N: no key (sorted last, never visited)
+        dest, order = torch.sort(dest, stable=True)  # a stable sort: one result, whatever the algorithm
+        start = torch.searchsorted(dest, torch.arange(B * N + 1, device=dev))
+        _key_sum_kernel[(B * N, Hkv)](
+            scratch_ptr=scratch, order_ptr=order, start_ptr=start, dk_ptr=dk, dv_ptr=dv, dphk_ptr=dphk, du_ptr=du,
+            n_ext=N, n_heads=H, group=H // Hkv, n_bh=B * H, slab_blocks=b1 - b0, n_keys=Kb, tile0=t0, n_tiles=tiles,
+            tiles_per_block=per_block, D=D, F=F, ACCUM=t0 > 0, num_warps=1,
+        )
+    return dq, dphq, dtau.sum(1), dnum, dden, dk, dv, dphk, du.sum(1)  # dtau, du: summed over the heads
 
 
 class _SparseKLinearTriton(torch.autograd.Function):
