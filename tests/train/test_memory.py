@@ -36,6 +36,26 @@ def test_linear_types_add_the_naive_core_activations():
     assert 0 < linear - plain < memory.FRAGMENTATION * m.layers * t.batch_docs * t.chunk_size * per_query / 4
 
 
+def test_a_deterministic_run_adds_the_linear_triton_cores_scratch():
+    """train.deterministic: the linear types' Triton core sums the keys' gradients through a scratch (one layer's at
+    a time, a slab of query tiles): the estimate adds it once, bounded by linear_triton.SCRATCH_BYTES."""
+    from longtrain.ops.sparsek_attention import linear_triton
+
+    def estimate(*sets):
+        r = load_recipe("quickstart", ["attention.type=sparsek+linear+sw", "attention.topk=64", "attention.window=64",
+                                       "attention.backend=triton", *sets])
+        return r, memory.estimate_training_bytes(r, n_params=10**6, vocab_size=2048, position=4096,
+                                                 compute_dtype=torch.float32)
+
+    r, fast = estimate()
+    _, det = estimate("train.deterministic=true")
+    m, t = r.model, r.train
+    D = m.d_model // m.heads
+    scratch = memory.linear_triton_scratch_bytes(t.batch_docs, t.chunk_size, m.heads, 64 + 64 + 63, D)
+    assert 0 < scratch <= linear_triton.SCRATCH_BYTES * 1.01
+    assert abs(det - fast - memory.FRAGMENTATION * scratch) <= 1
+
+
 def test_activation_checkpointing_keeps_one_blocks_activations_and_each_blocks_input():
     def estimate(*sets):
         r = load_recipe("quickstart", list(sets))

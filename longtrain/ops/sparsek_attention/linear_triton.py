@@ -17,15 +17,23 @@ Design. Each query block of G (the op's block) needs its pool at the block start
 kernels gather them in tiles of BN keys, recomputing the naive core's masks per tile from positions, u,
 theta and tau. S_i is complete exactly when query i has at most k keys beyond its window (p_i - w + 1 <= k):
 until the pool has seen k candidates it keeps and selects them all, and after it selects k of more (the naive
-core counts the selected keys; the tests compare). Two kernels:
-  _fwd_kernel    per (QB queries of a block, batch x head): w with an online running max M (from 0), the sums
-                 num and den; stores o and per query and head M and the denominator (+inf for queries with
-                 no key, so their gradients come out 0);
-  _bwd_kernel    per (QB queries of a block, batch x head), recomputing w (no stored scores): with
-                 dw_ij = dO_i.(v_j - o_i) / den_i it writes the query-side gradients (q, phi(q), tau, num,
-                 den) and adds the key-side ones (k, v, phi(k), u) with atomic adds into float32 buffers:
-                 keys are shared between blocks through the pool and between the query heads of a KV head.
-The linear types are not bitwise chunk-invariant (docs/CONTRACTS.md), so the atomics' order is no loss.
+core counts the selected keys; the tests compare). Kernels:
+  _fwd_kernel      per (QB queries of a block, batch x head): w with an online running max M (from 0), the sums
+                   num and den; stores o and per query and head M and the denominator (+inf for queries with
+                   no key, so their gradients come out 0);
+  _bwd_kernel      per (QB queries of a block, batch x head), recomputing w (no stored scores): with
+                   dw_ij = dO_i.(v_j - o_i) / den_i it writes the query-side gradients (q, phi(q), tau, num,
+                   den) and adds the key-side ones (k, v, phi(k), u) with atomic adds into float32 buffers:
+                   keys are shared between blocks through the pool and between the query heads of a KV head;
+  _key_sum_kernel  the deterministic backward (DETERMINISTIC or torch's deterministic algorithms, which
+                   train.deterministic sets): _bwd_kernel (ATOMIC off) stores each program's key-side gradients
+                   in a float32 scratch row per (query tile, head, slot of its block's key list), each written
+                   once, and this kernel sums them per ext row and KV head in a fixed order (the row's slots in
+                   ascending order, from a stable sort of their ext rows; then tiles and heads in order): bit for
+                   bit the same every run, whatever the scheduling. Slabs of whole blocks keep the scratch under
+                   SCRATCH_BYTES (scratch_tiles).
+The linear types are not bitwise chunk-invariant (docs/CONTRACTS.md), so the atomics' order is no loss outside
+deterministic runs; the atomic and deterministic sums differ by rounding only.
 Inputs float32, bfloat16 or float16, computed in float32 (dots in IEEE float32 for float32 inputs, TF32 for half
 ones, whose values TF32 holds exactly; with LAUNCH's native, bfloat16 tiles and dots); float64 (inputs or scores)
 goes to the naive core. The scan's outputs are cast in torch before the launches, so the kernels test in 32 bits:
