@@ -3,7 +3,8 @@ through Triton's interpreter (issue 38).
 
 Fresh random inputs at awkward shapes: L not a multiple of the block, chunks continuing from a cache (pool,
 tail and linear state non-empty), GQA, padded rows, Linear+SW (k = 0), the three variants, a document start
-where S is complete; forward and every input's gradient in float32, a bfloat16 forward, and a model step.
+where S is complete; forward and every input's gradient in float32, a bfloat16 forward, and a model step; the
+deterministic backward (no atomic adds) against the atomic one and the naive core, and its bitwise repeats.
 """
 
 import os
