@@ -384,7 +384,7 @@ def _key_sum_kernel(
         b = ent // n_keys // slab_blocks
         t_first = rel * tiles_per_block  # its first query tile within the slab
         for t in range(t_first, tl.minimum(t_first + tiles_per_block, n_tiles - tile0)):  # (the last block: fewer)
-            for hh in range(0, group):  # (b: int64, from order, so sr is)
+            for hh in range(0, group):  # (sr in int64: ent, hence b and j, is)
                 sr = ((t * n_bh + b * n_heads + kvh * group + hh) * n_keys + j) * W
                 acc_k += tl.load(scratch_ptr + sr + d)
                 acc_v += tl.load(scratch_ptr + sr + D + d)
