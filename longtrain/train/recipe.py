@@ -310,7 +310,7 @@ class TrainConfig(_Section):
     )
     deterministic: bool = Field(
         False, description="the same seed gives the same run bit for bit on the same machine and software: "
-        "deterministic kernels (no atomic adds, fixed cuBLAS workspaces), Inductor "
+        "deterministic kernels (no atomic adds, fixed cuBLAS workspaces; the linear types' naive core), Inductor "
         "without timing-based choices; costs some tokens/s on CUDA (benchmarks/README.md)"
     )
     activation_checkpointing: bool = Field(

@@ -123,3 +123,39 @@ def test_triton_core_follows_the_naive_core_on_the_gpu(dtype, variant, native, m
         print(f"{dtype} {variant} native={native} {name}: triton {err:.3e} naive {err_naive:.3e} "
               f"(largest {ref.abs().max().item():.3e})")
         assert err <= max(2 * err_naive, (1e-2 if native else 1e-4) * ref.abs().max().item()), (name, err, err_naive)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backward_without_atomics_follows_the_atomic_one_and_repeats_on_the_gpu(dtype, monkeypatch):
+    """Issue 38: linear_triton's DETERMINISTIC backward (each program's key-side gradients stored per key-list slot and
+    summed by _key_sum_kernel in a fixed order) compiles and runs on the GPU, gives the atomic backward's gradients to
+    rounding, and the same gradients bit for bit twice (the atomic one need not). train.deterministic takes it once
+    this passes (linear.runs_triton_core); SCRATCH_BYTES is lowered so that the backward runs in several slabs."""
+    from longtrain.ops.sparsek_attention import linear_triton as LT
+    from longtrain.ops.sparsek_attention.linear import SparseKLinearCache, sparsek_linear_attention_chunk
+
+    torch.manual_seed(1)
+    B, T, H, Hkv, D, dev = 2, 1000, 4, 2, 64, "cuda"
+    base = [torch.randn(B, T, H, D, device=dev), torch.randn(B, T, Hkv, D, device=dev),
+            torch.randn(B, T, Hkv, D, device=dev), torch.randn(B, T, device=dev) + torch.arange(T, device=dev) * 1e-3,
+            torch.eye(D, device=dev).repeat(Hkv, 1, 1) + 0.1 * torch.randn(Hkv, D, D, device=dev)]
+
+    def run(deterministic):
+        monkeypatch.setattr(LT, "DETERMINISTIC", deterministic)
+        monkeypatch.setattr(LT, "SCRATCH_BYTES", 8 << 20)
+        a = [x.to(dtype if i < 3 else torch.float32).clone().requires_grad_() for i, x in enumerate(base)]
+        cache = SparseKLinearCache.empty(B, 64, 192, Hkv, D, dtype=dtype, device=dev, features=D)
+        outs = []
+        for s in (0, 600):
+            sl = slice(s, min(T, s + 600))
+            o, cache, _ = sparsek_linear_attention_chunk(a[0][:, sl], a[1][:, sl], a[2][:, sl], a[3][:, sl], a[4], cache,
+                                                         backend="triton")
+            outs.append(o)
+        o = torch.cat(outs, 1).float()
+        (o * torch.sin(torch.arange(o.numel(), device=dev)).reshape(o.shape)).sum().backward()
+        return [o.detach()] + [x.grad.float() for x in a]
+
+    first, second, atomic = run(True), run(True), run(False)
+    for x, y, z, name in zip(first, second, atomic, "o dq dk dv du dphi".split()):
+        assert torch.isfinite(x).all() and torch.equal(x, y), name
+        assert (x - z).abs().max() <= 1e-3 * z.abs().max(), name

@@ -197,22 +197,18 @@ def test_unsupported_shapes_and_float64_run_the_naive_core():
     assert_close(got, want, "o dq dk dv du dphi".split(), tol=0)
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic algorithms"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic backward"])
 def test_model_steps_with_the_triton_core(monkeypatch, deterministic):
-    """A tiny sparsek+linear+sw model: loss and gradients with backend triton equal backend naive's; under torch's
-    deterministic algorithms (train.deterministic) backend triton runs the Triton core, its backward without atomic
-    adds (two chunks, two launches)."""
+    """A tiny sparsek+linear+sw model: loss and gradients with backend triton equal backend naive's, with the atomic
+    backward and with the one without atomics (linear_triton.DETERMINISTIC; train.deterministic still runs the naive
+    core until the GPU test, linear.runs_triton_core): two chunks, two launches."""
+    from longtrain.ops.sparsek_attention import linear_triton
+
+    monkeypatch.setattr(linear_triton, "DETERMINISTIC", deterministic)
     rec = launches(monkeypatch)
     torch.manual_seed(0)
     tokens = torch.randint(0, 61, (2, 40), device=DEV)
-    grads = []
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(deterministic)
-    try:
-        for backend in ("naive", "triton"):
-            grads.append(model_step(backend, tokens))
-    finally:
-        torch.use_deterministic_algorithms(before)
+    grads = [model_step(backend, tokens) for backend in ("naive", "triton")]
     assert rec.atomic == [not deterministic] * 2
     assert grads[1][0] == pytest.approx(grads[0][0].item(), rel=1e-5)
     assert_close(grads[1], grads[0], ["loss"] + [f"grad {i}" for i in range(len(grads[0]) - 1)], tol=1e-4)
@@ -259,17 +255,20 @@ def test_theta32_gives_float32_scores_the_naive_cores_float64_test():
     assert t.dtype == torch.float32 and p.dtype == torch.int32 and torch.equal(got, want)
 
 
-# The deterministic backward (linear_triton.DETERMINISTIC, or torch's deterministic algorithms): no atomic adds, the
+# The deterministic backward (linear_triton.deterministic_backward: DETERMINISTIC, or torch's deterministic algorithms): no atomic adds, the
 # key-side gradients stored per (query tile, head, key-list slot) and summed by _key_sum_kernel in a fixed order.
 
 
-@pytest.fixture
-def deterministic_algorithms():
-    """torch.use_deterministic_algorithms(True) for the test, the setting restored after it."""
+def test_the_backward_goes_without_atomics_under_its_flag_or_torchs_deterministic_algorithms(monkeypatch):
+    from longtrain.ops.sparsek_attention import linear_triton as LT
+
     before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
     try:
-        yield
+        for flag in (False, True):
+            monkeypatch.setattr(LT, "DETERMINISTIC", flag)
+            for mode in (False, True):
+                torch.use_deterministic_algorithms(mode)
+                assert LT.deterministic_backward() == (flag or mode)
     finally:
         torch.use_deterministic_algorithms(before)
 
@@ -368,15 +367,15 @@ def test_deterministic_chunks_follow_the_naive_core(monkeypatch, T, chunks, topk
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="counts the interpreter's atomic operations")
-def test_deterministic_backward_repeats_bit_for_bit_without_atomic_adds(monkeypatch, deterministic_algorithms):
-    """Under torch's deterministic algorithms (DETERMINISTIC off) the backward launches with ATOMIC off, runs no
-    atomic operation (the interpreter's, counted; it runs atomics in order, so equal results alone would not show
-    it) and two runs give the same gradients bit for bit. With them off, the atomic launch (its adds counted)."""
+def test_deterministic_backward_repeats_bit_for_bit_without_atomic_adds(monkeypatch):
+    """With DETERMINISTIC the backward launches with ATOMIC off, runs no atomic operation (the interpreter's,
+    counted; it runs atomics in order, so equal results alone would not show it) and two runs give the same
+    gradients bit for bit. Without it, the atomic launch (its adds counted)."""
     from triton.runtime import interpreter
 
     from longtrain.ops.sparsek_attention import linear_triton as LT
 
-    assert not LT.DETERMINISTIC
+    monkeypatch.setattr(LT, "DETERMINISTIC", True)
     count = [0]
     rmw = interpreter.InterpreterBuilder.create_atomic_rmw
 
@@ -392,7 +391,7 @@ def test_deterministic_backward_repeats_bit_for_bit_without_atomic_adds(monkeypa
     second = run_chunks("triton", args, [20, 17], **kw)
     assert rec.atomic == [False] * 4 and count[0] == 0
     assert all(torch.equal(x, y) for x, y in zip(first, second))
-    torch.use_deterministic_algorithms(False)
+    monkeypatch.setattr(LT, "DETERMINISTIC", False)
     atomic = run_chunks("triton", args, [20, 17], **kw)
     assert rec.atomic[4:] == [True] * 2 and count[0] > 0
     assert_close(first, atomic, "o dq dk dv du dphi".split())

@@ -220,17 +220,15 @@ def _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache: SparseKLinearC
 
 
 def runs_triton_core(backend: str, deterministic: bool) -> bool:
-    """Whether attention.backend `backend` runs linear_triton.py's core: "triton" does, under torch's deterministic
-    algorithms (train.deterministic) too, whose backward then sums the keys' gradients without atomic adds, in a
-    fixed order (linear_triton.linear_bwd: bit for bit the same every run; before that, the atomic adds' order
-    changed from run to run and deterministic runs took the naive core). `deterministic` no longer changes the
-    answer; callers still pass it. auto and naive run the naive
-    core. The Triton core follows it on an H100 (tests/gpu/test_linear_gpu.py) and its op is ~8x faster there
-    (linear_core_ab.py, 4 x 4096 tokens, D = 64: 10.18 against 81.64 ms forward + backward); auto moves to it once
-    every path that reads auto (fit, eval, generate's prefill) has been re-run with it on a GPU, as a default that
-    changes must be."""
-    del deterministic
-    return backend == "triton"
+    """Whether attention.backend `backend` runs linear_triton.py's core: "triton" does, except under torch's
+    deterministic algorithms (train.deterministic), since its backward sums the keys' gradients with atomic adds,
+    whose order changes from run to run (fit's summary says so). Its backward without atomics (linear_triton's
+    DETERMINISTIC, bitwise repeatable) is tested on the CPU only; deterministic runs take it once
+    tests/gpu/test_linear_gpu.py has run it on a GPU (issue 38). auto and naive run the naive core. The Triton core
+    follows it on an H100 (tests/gpu/test_linear_gpu.py) and its op is ~8x faster there (linear_core_ab.py, 4 x 4096
+    tokens, D = 64: 10.18 against 81.64 ms forward + backward); auto moves to it once every path that reads auto (fit,
+    eval, generate's prefill) has been re-run with it on a GPU, as a default that changes must be."""
+    return backend == "triton" and not deterministic
 
 
 def linear_core(backend: str):

@@ -25,8 +25,9 @@ core counts the selected keys; the tests compare). Kernels:
                    dw_ij = dO_i.(v_j - o_i) / den_i it writes the query-side gradients (q, phi(q), tau, num,
                    den) and adds the key-side ones (k, v, phi(k), u) with atomic adds into float32 buffers:
                    keys are shared between blocks through the pool and between the query heads of a KV head;
-  _key_sum_kernel  the deterministic backward (DETERMINISTIC or torch's deterministic algorithms, which
-                   train.deterministic sets): _bwd_kernel (ATOMIC off) stores each program's key-side gradients
+  _key_sum_kernel  the deterministic backward (DETERMINISTIC, or torch's deterministic algorithms when the core
+                   runs under them; train.deterministic still takes the naive core until this backward has run on
+                   a GPU, linear.runs_triton_core): _bwd_kernel (ATOMIC off) stores each program's key-side gradients
                    in a float32 scratch row per (query tile, head, slot of its block's key list), each written
                    once, and this kernel sums them per ext row and KV head in a fixed order (the row's slots in
                    ascending order, from a stable sort of their ext rows; then tiles and heads in order): bit for
@@ -465,6 +466,12 @@ def linear_fwd(
     return o, M, den_o
 
 
+def deterministic_backward() -> bool:
+    """Whether linear_bwd sums the key-side gradients without atomic adds: DETERMINISTIC, or torch's deterministic
+    algorithms (train.deterministic, once linear.runs_triton_core lets such runs take this core)."""
+    return DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
+
+
 def scratch_tiles(B: int, L: int, H: int, Kb: int, D: int, F: int, block: int) -> tuple[int, int, int]:
     """The deterministic backward's slabs: (query tiles of QB queries, tiles per slab, scratch bytes of a slab).
     A slab is whole blocks (at least one) whose scratch, B H Kb (2D + F + 1) float32 per tile, fits
@@ -491,7 +498,7 @@ def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_po
     nb, Kb = keys.shape[1], keys.shape[2]
     dev = q.device
     f32 = dict(dtype=torch.float32, device=dev)
-    det = DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
+    det = deterministic_backward()
     dq, dnum = torch.empty_like(q), torch.empty(B, L, H, D, dtype=num_dtype, device=dev)
     dphq, dden = torch.empty_like(phq), torch.empty(B, L, H, dtype=den_dtype, device=dev)
     dtau = torch.empty(B, H, L, **f32)
