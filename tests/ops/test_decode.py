@@ -213,18 +213,24 @@ def test_bad_arguments(args, message):
         sparsek_attention_decode(**kw)
 
 
+@pytest.mark.parametrize("kernel", ["per_head", "rows"])
 @pytest.mark.parametrize("topk,window,H,Hkv,D,variant,t", [
     (5, 4, 6, 2, 12, "hard_k_soft_v", 9),  # 3 query heads per KV head, D no power of 2, a pool not yet full
     (140, 3, 2, 2, 8, "soft_kv", 300),  # K above the kernel's block of keys (128 here)
     (0, 150, 4, 1, 16, "hard_k_soft_v", 100),  # sliding window only, a tail longer than the block, partly before 0
     (6, 0, 2, 2, 8, "straight_through", 30),  # SparseK only: the token sees itself only through the pool
     (3, 1, 4, 4, 8, "soft_kv", 5),  # w = 1: no tail
+    (8, 16, 6, 3, 12, "hard_k_soft_v", 3),  # a few tokens seen: most pool slots empty, most of the tail before 0; Hkv = 3
 ])
-def test_the_attention_kernel_equals_attend_torch(topk, window, H, Hkv, D, variant, t):
-    """decode_triton.attend_triton against attend_torch (its reference, the same signature), float64 and bf16."""
+def test_the_attention_kernel_equals_attend_torch(topk, window, H, Hkv, D, variant, t, kernel):
+    """decode_triton.attend_triton (kernel "per_head": a program per row, KV head and split) and attend_triton_rows
+    ("rows": a program per row and split, reading whole K/V rows) against attend_torch (their reference, the same
+    signature), float64 and bf16."""
     pytest.importorskip("triton")  # on the CPU: the kernel under TRITON_INTERPRET=1
+    from longtrain.ops.sparsek_attention import decode_triton
     from longtrain.ops.sparsek_attention.decode import attend_torch
-    from longtrain.ops.sparsek_attention.decode_triton import attend_triton
+
+    attend_triton = decode_triton.attend_triton if kernel == "per_head" else decode_triton.attend_triton_rows
 
     torch.manual_seed(topk + window)
     B = 3
@@ -234,7 +240,9 @@ def test_the_attention_kernel_equals_attend_torch(topk, window, H, Hkv, D, varia
         cache.pool_u.copy_(torch.randn(B, topk))
         pos = torch.randperm(max(t, topk))[:topk].expand(B, -1).clone()
         pos[0, topk // 2 :] = -1  # row 0: a pool with empty slots
+        pos[pos >= t] = -1  # fewer tokens seen than k: only positions before t pooled
         cache.pool_pos.copy_(pos)
+        cache.pool_u.masked_fill_(pos < 0, -torch.inf)  # empty slots as the cache keeps them (row 0: u - tau is nan)
         cache.tau.copy_(torch.tensor([-torch.inf, 0.3, -0.5], dtype=torch.float64)[:B])  # tau = -inf: gate 1
         cache.seen.copy_(torch.tensor([t, max(t - 25, 0), t + 3]))  # rows at different positions, some before Wt
         q = torch.randn(B, H, D, dtype=dtype)
