@@ -7,6 +7,7 @@ import torch
 from longtrain.generate import Decoder, prefill
 from longtrain.model import LM, LMConfig
 from longtrain.ops.sparsek_attention import SparseKCache, sparsek_attention_chunk, sparsek_attention_decode
+from longtrain.ops.sparsek_attention.cache import to_ring
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 CASES = [
@@ -65,14 +66,17 @@ def test_the_admission_kernel_equals_the_torch_admission(topk, window, cap):
         assert torch.allclose(a.tau, b.tau, atol=1e-9, rtol=0), step
 
 
+@pytest.mark.parametrize("kernel", ["per_head", "rows"])
 @pytest.mark.parametrize("B", [1, 64])
 @torch.no_grad()
-def test_the_split_attention_kernel_equals_attend_torch(B):
-    """attend_triton over 1, 8 and attend_splits' number of key splits against attend_torch, at 12 x 768's
-    decode shapes (k = w = 512, a full pool and tail, bf16)."""
+def test_the_split_attention_kernel_equals_attend_torch(B, kernel):
+    """attend_triton (kernel "per_head") and attend_triton_rows ("rows": whole K/V rows per program) over 1, 8 and
+    the rule's number of key splits against attend_torch, at 12 x 768's decode shapes (k = w = 512, a full pool and
+    tail, bf16)."""
+    from longtrain.ops.sparsek_attention import decode_triton
     from longtrain.ops.sparsek_attention.decode import attend_torch
-    from longtrain.ops.sparsek_attention.decode_triton import attend_triton
 
+    attend_triton = decode_triton.attend_triton if kernel == "per_head" else decode_triton.attend_triton_rows
     torch.manual_seed(B)
     H, D, topk, window, dev = 12, 64, 512, 512, "cuda"
     cache = SparseKCache.empty(B, topk, window, H, D, dtype=torch.bfloat16, device=dev)
@@ -88,6 +92,39 @@ def test_the_split_attention_kernel_equals_attend_torch(B):
     for splits in (1, 8, None):
         got = attend_triton(q, k, v, cache, **kw, splits=splits).float()
         assert torch.allclose(got, want, atol=2e-2, rtol=0), (splits, (got - want).abs().max())
+    ring = to_ring(cache)  # the in-place decoder's layout
+    want = attend_torch(q, k, v, ring, **kw, tail_ring=True).float()
+    got = attend_triton(q, k, v, ring, **kw, tail_ring=True).float()
+    assert torch.allclose(got, want, atol=2e-2, rtol=0), ("ring", (got - want).abs().max())
+
+
+@torch.no_grad()
+def test_the_whole_rows_attention_kernel_equals_attend_torch_with_gqa_in_float32():
+    """attend_triton_rows at a GQA shape (16 query heads on 4 KV heads of 128), float32 (no tf32: to 1e-5), a pool
+    with empty slots (tau = -inf: their u - tau is nan) and rows before the window fills, both tail layouts."""
+    from longtrain.ops.sparsek_attention.decode import attend_torch
+    from longtrain.ops.sparsek_attention.decode_triton import attend_triton_rows
+
+    torch.manual_seed(0)
+    B, H, Hkv, D, topk, window, dev = 5, 16, 4, 128, 256, 256, "cuda"
+    cache = SparseKCache.empty(B, topk, window, Hkv, D, device=dev)
+    for t in (cache.pool_k, cache.pool_v, cache.tail_k, cache.tail_v):
+        t.normal_()
+    pos = (torch.arange(topk, device=dev) * 2).expand(B, -1).clone()
+    pos[0, 100:] = -1
+    cache.pool_pos.copy_(pos)
+    cache.pool_u.copy_(torch.where(pos >= 0, torch.randn(B, topk, device=dev), -torch.inf))
+    cache.tau.copy_(torch.tensor([-torch.inf, -0.5, 0.0, 0.3, 1.0], device=dev, dtype=torch.float64))
+    cache.seen.copy_(torch.tensor([600, 100, 3, 2000, 255], device=dev))
+    q = torch.randn(B, H, D, device=dev)
+    k, v = torch.randn(B, Hkv, D, device=dev), torch.randn(B, Hkv, D, device=dev)
+    for variant in ("hard_k_soft_v", "soft_kv", "straight_through"):
+        kw = dict(window=window, variant=variant, scale=D**-0.5)
+        for c, ring in ((cache, False), (to_ring(cache), True)):
+            want = attend_torch(q, k, v, c, **kw, tail_ring=ring)
+            for splits in (1, 5, None):
+                got = attend_triton_rows(q, k, v, c, **kw, tail_ring=ring, splits=splits)
+                assert torch.allclose(got, want, atol=1e-5, rtol=0), (variant, ring, splits, (got - want).abs().max())
 
 
 @pytest.mark.parametrize("kw", CASES[:2])
