@@ -72,10 +72,18 @@ def _scores(c: SparseKCache, r: int, atol: float):
 @pytest.mark.parametrize("ring", [False, True], ids=["chunk layout", "ring layout"])
 @pytest.mark.parametrize(
     "topk,window,H,Hkv,variant,cap,prefill,steps,spread,backend",
-    [(*c, "torch") for c in CASES] + [(*c, "triton") for c in CASES if c[0] and c[0] < 40 and c[1] != 1],
+    [(*c, "torch") for c in CASES] + [(*c, "triton") for c in CASES if c[0] and c[0] < 40 and c[1] != 1]
+    + [(*CASES[0], "triton_rows")],
 )
-def test_decode_equals_the_chunk_op(topk, window, H, Hkv, variant, cap, prefill, steps, spread, backend, ring):
-    """ring: the decoder's layout (SparseKRingCache), which the step updates in place; compared through from_ring."""
+def test_decode_equals_the_chunk_op(topk, window, H, Hkv, variant, cap, prefill, steps, spread, backend, ring, monkeypatch):
+    """ring: the decoder's layout (SparseKRingCache), which the step updates in place; compared through from_ring.
+    triton_rows: the Triton backend with decode.ATTEND_WHOLE_ROWS on (the query by attend_triton_rows)."""
+    if backend == "triton_rows":
+        from longtrain.ops.sparsek_attention import decode, decode_triton
+
+        monkeypatch.setattr(decode, "ATTEND_WHOLE_ROWS", True)
+        monkeypatch.setattr(decode_triton, "attend_triton", None)  # not called
+        backend = "triton"
     if backend == "triton":
         pytest.importorskip("triton")  # on the CPU: the kernel under TRITON_INTERPRET=1
         cap = cap or 64  # a small state keeps the interpreted kernel quick (it may overflow: both sides count it)
