@@ -1,6 +1,7 @@
 """The decode step's Triton kernels per layer: the admission of one candidate (one program per row)
 and the query against the cache (`attend_kernel`, below: one program per row, KV head and split of the
-keys, then `combine_kernel` merging the splits).
+keys, then `combine_kernel` merging the splits; `attend_rows_kernel`, the same attention with one program per row
+and split reading whole K/V rows, not the default until a GPU times it faster).
 
 decode.py's torch admission (`_admit_pool`, `_admit_threshold`) is ~120 small operations: on a GPU
 each is a launch of a few microseconds, more than the work. This kernel does the same in one launch:
