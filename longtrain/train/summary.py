@@ -218,7 +218,7 @@ def fit_advice(t: Trainer, have: int) -> str:
             vocab_size=t.model.cfg.vocab_size, compute_dtype=t.compute_dtype, device_type=t.device_type(),
         )
     att, kind = t.recipe.attention, t.device_type()
-    naive = kind != "cpu" and linear(att.type) and memory.linear_core_is_naive(
+    naive = kind != "cpu" and memory.linear_core_is_naive(
         att.backend, t.model.cfg.d_model // t.model.cfg.heads, t.compute_dtype, kind, t.cfg.deterministic)
     return memory.advice(t.recipe, suggest_max_context=fits, naive_linear_core=naive)
 
