@@ -24,11 +24,16 @@ time.sleep(60)
 """
 
 
+def wait_up(*marks: Path) -> None:
+    """Until every RUN has installed its SIGTERM handler (before a budget can stop it)."""
+    while not all(Path(f"{m}.up").exists() for m in marks):
+        time.sleep(0.05)
+
+
 def test_runs_at_the_budget_are_stopped_together(tmp_path):
     marks = [tmp_path / f"run{i}" for i in range(3)]
     procs = {m.name: subprocess.Popen([sys.executable, "-c", RUN, str(m)]) for m in marks}
-    while not all(Path(f"{m}.up").exists() for m in marks):  # handlers installed before the budget
-        time.sleep(0.05)
+    wait_up(*marks)
     stopped = wait_all(procs, budget_s=1.0)
     assert stopped == ["run0", "run1", "run2"] and all(p.returncode == 143 for p in procs.values())
     got = [float(m.read_text()) for m in marks]
@@ -39,8 +44,7 @@ def test_a_run_that_fails_stops_the_others(tmp_path):
     marks = [tmp_path / f"run{i}" for i in range(2)]
     procs = {"bad": subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]),
              **{m.name: subprocess.Popen([sys.executable, "-c", RUN, str(m)]) for m in marks}}
-    while not all(Path(f"{m}.up").exists() for m in marks):
-        time.sleep(0.05)
+    wait_up(*marks)
     with pytest.raises(SystemExit, match=r"bad failed \(exit 3\)"):  # never a normal return
         wait_all(procs, budget_s=60.0)
     assert all(m.exists() for m in marks) and all(p.poll() is not None for p in procs.values())
@@ -52,8 +56,7 @@ def test_a_run_that_failed_behind_one_still_going_is_reported_at_the_budget(tmp_
     mark = tmp_path / "run0"
     procs = {"run0": subprocess.Popen([sys.executable, "-c", RUN, str(mark)]),
              "bad": subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])}
-    while not Path(f"{mark}.up").exists():
-        time.sleep(0.05)
+    wait_up(mark)
     procs["bad"].wait()
     with pytest.raises(SystemExit, match=r"bad failed \(exit 3\)"):  # never a normal return
         wait_all(procs, budget_s=1.0)
@@ -64,8 +67,7 @@ def test_wait_first_returns_the_run_that_finished_while_the_others_train_on(tmp_
     mark = tmp_path / "run0"
     procs = {"run0": subprocess.Popen([sys.executable, "-c", RUN, str(mark)]),
              "quick": subprocess.Popen([sys.executable, "-c", "pass"])}
-    while not Path(f"{mark}.up").exists():
-        time.sleep(0.05)
+    wait_up(mark)
     assert wait_first(procs, budget_s=60.0, poll_s=0.05) == "quick"
     assert procs["run0"].poll() is None  # still training
     assert wait_first({"run0": procs["run0"]}, budget_s=0.5, poll_s=0.05) is None  # the budget: stopped, saved
@@ -76,8 +78,7 @@ def test_wait_first_stops_the_others_when_a_run_fails(tmp_path):
     mark = tmp_path / "run0"
     procs = {"run0": subprocess.Popen([sys.executable, "-c", RUN, str(mark)]),
              "bad": subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])}
-    while not Path(f"{mark}.up").exists():
-        time.sleep(0.05)
+    wait_up(mark)
     with pytest.raises(SystemExit, match=r"bad failed \(exit 3\)"):
         wait_first(procs, budget_s=60.0, poll_s=0.05)
     assert mark.exists() and procs["run0"].returncode == 143
