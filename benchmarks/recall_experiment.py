@@ -111,11 +111,11 @@ CIRCUIT_FORMED = 0.9  # the circuit's own recall at its longest distances that c
 # (two retries: ~0.84 if attempts are independent, against the 3 of 4 that two extensions reached), and a
 # stalled run cannot hold a seed back.
 CIRCUIT_EXTENSIONS = 0  # times an unformed circuit trains its steps again (the same run, resumed)
-# Attempts that formed, half RoPE: 5 of 9 on an H100 (f420a61/cef985b: seeds 1-4 first, seed 0 on its third of 0.67,
-# 0.50, 1.00), 1 of 8 on an H200 (5622eef: seed 4 on its fourth of 0.66, 0.60, 0.57, 0.97; seed 0 none of 0.63, 0.00,
-# 0.03, 0.59): the same seeds form on one card and not on the other, 6 of 17 (0.35) an attempt over both. If attempts
-# are independent, eight reach 0.97 a seed (0.86 for all of five seeds) against four's 0.82 (0.38); an attempt costs
-# ~5 minutes of one GPU only where it is needed, and --attempts-at-once trains them side by side.
+# Distinct attempts that formed, half RoPE (benchmarks/README.md, 2026-11-27): 8 of 12 on H100s, 6 of 29 on H200s
+# (6f992f3: seeds 0, 1, 2, 4 on attempts 5, 4, 3, 4, seed 3 none of 6). Each attempt repeats on its own card kind
+# (train.deterministic), not across kinds. If attempts are independent, eight reach 0.9999 a seed at 0.67 (H100) and
+# 0.85 at 0.21 (H200); an attempt costs ~5 minutes of one GPU only where it is needed, and --attempts-at-once trains
+# them side by side.
 CIRCUIT_RETRIES = 7  # times an unformed circuit (after its extensions) starts over from a new init
 ATTEMPT_SEED_STRIDE = 1000  # attempt a of seed s: train.seed s + 1000 a, its circuit's documents' seed too
 STAGE2_STATE = "stage2.json"  # in OUT: each SparseK stage 2 run's attempt and its check's recall (stage2_state)
