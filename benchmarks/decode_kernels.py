@@ -1,15 +1,13 @@
 """The decode step's Triton kernels alone, timed at a model's shapes: where a decode step's time per layer goes.
 
-    PYTHONPATH=. python benchmarks/decode_kernels.py --out OUT_DIR        # on a GPU (a few minutes: ~1 compile per kernel configuration)
+    PYTHONPATH=. python benchmarks/decode_kernels.py --out OUT_DIR        # on a GPU (under a minute)
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/decode_kernels.py --small --out /tmp/dk   # checks the script
 
 For rows B in --batches, a cache of 12 KV heads x 64 (12 x 768's), k = w = 512 (threshold capacity 8·k = 4096) filled
 with random keys and scores, one query per row: `attend_triton` with every split count in --splits (and the
-count `attend_splits` picks), against `attend_torch`'s result; `attend_triton_rows` (one program per row and split
-reading whole K/V rows: issue 33's candidate) at every split count and its rule's, both tail layouts, and over keys
-per tile x warps (ROWS_SWEEP, ring tail); `admit_triton` (the candidate admission), and the torch reference of both.
-Times are medians over CUDA-graph replays of 20 calls each (no launch overhead: what the calls cost inside the
-decoder's whole-step graph), in microseconds per call (one layer).
+count `attend_splits` picks), against `attend_torch`'s result; `admit_triton` (the candidate admission), and
+the torch reference of both. Times are medians over CUDA-graph replays of 20 calls each (no launch
+overhead: what the calls cost inside the decoder's whole-step graph), in microseconds per call (one layer).
 Writes OUT/decode_kernels.json and prints a table.
 """
 
@@ -28,19 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from longtrain.ops.sparsek_attention.cache import SparseKCache, to_ring  # noqa: E402
 from longtrain.ops.sparsek_attention.decode import _admit_pool, _admit_threshold, attend_torch  # noqa: E402
-from longtrain.ops.sparsek_attention.decode_triton import (  # noqa: E402
-    admit_triton,
-    attend_rows_splits,
-    attend_splits,
-    attend_triton,
-    attend_triton_rows,
-)
+from longtrain.ops.sparsek_attention.decode_triton import admit_triton, attend_splits, attend_triton  # noqa: E402
 
 
 # keys per block, warps, pipeline stages (--sweep)
 SWEEP = [(bn, w, st) for bn in (32, 64, 128, 256) for w in (2, 4, 8) for st in (1, 2, 3, 4)]
-# the whole-rows attention's keys per tile and warps (always timed, at its rule's split count, ring tail)
-ROWS_SWEEP = [(bn, w) for bn in (4, 8, 16, 32) for w in (4, 8, 16)]
 
 
 def filled_cache(B: int, topk: int, window: int, Hkv: int, D: int, dtype, dev, seen: int) -> SparseKCache:
@@ -127,21 +117,6 @@ def main() -> None:
         got = attend_triton(q, k, v, ring, **kw, tail_ring=True).float()
         row["attend_ring_max_abs_diff"] = float((got - attend_torch(q, k, v, ring, **kw, tail_ring=True).float()).abs().max())
         row["attend_ring_us"] = timed(lambda: attend_triton(q, k, v, ring, **kw, tail_ring=True), args.iters, dev)
-        # whole K/V rows per program (attend_triton_rows): every split count, its rule's, the ring, its launch sweep
-        row["rows_auto_splits"] = attend_rows_splits(B, topk, cache.tail_slots)
-        row["attend_rows_us"], row["attend_rows_max_abs_diff"] = {}, {}
-        for s in [int(x) for x in args.splits.split(",")] + [None]:
-            got = attend_triton_rows(q, k, v, cache, **kw, splits=s).float()
-            row["attend_rows_max_abs_diff"][s or "auto"] = float((got - want).abs().max())
-            row["attend_rows_us"][s or "auto"] = timed(lambda s=s: attend_triton_rows(q, k, v, cache, **kw, splits=s), args.iters, dev)
-        got = attend_triton_rows(q, k, v, ring, **kw, tail_ring=True).float()
-        row["attend_rows_ring_max_abs_diff"] = float((got - want).abs().max())
-        row["attend_rows_ring_us"] = timed(lambda: attend_triton_rows(q, k, v, ring, **kw, tail_ring=True), args.iters, dev)
-        row["rows_sweep_us"] = {}
-        for bn, warps in ROWS_SWEEP if not args.small else ROWS_SWEEP[:2]:
-            f = lambda bn=bn, warps=warps: attend_triton_rows(q, k, v, ring, **kw, tail_ring=True, block_n=bn, num_warps=warps)  # noqa: E731
-            err = float((f().float() - want).abs().max())
-            row["rows_sweep_us"][f"{bn}/{warps}"] = timed(f, args.iters, dev) if err < 0.05 else f"wrong ({err})"
         if args.sweep:
             row["sweep_us"] = {}
             for bn, warps, stages in SWEEP if not args.small else SWEEP[:2]:
@@ -177,20 +152,6 @@ def main() -> None:
         print(f"| {r['rows']} | " + " | ".join(f"{r['attend_us'][s]:.1f}" for s in splits)
               + f" | {r['auto_splits']} | {r['attend_ring_us']:.1f} | {r['admit_us']:.1f} | {r['attend_torch_us']:.1f} |"
               f" {r['admit_torch_us']:.1f} |")
-    print("\nattend_triton_rows (whole K/V rows per program, one program per row and split), us per call:")
-    print("| rows | " + " | ".join(f"whole rows S={s}" for s in splits) + " | rows' auto S | whole rows (auto S) |"
-          " whole rows, ring tail (auto S) | per head, ring tail (auto S) | max abs diff (auto S, ring) |")
-    print("|---" * (len(splits) + 6) + "|")
-    for r in rows:
-        print(f"| {r['rows']} | " + " | ".join(f"{r['attend_rows_us'][s]:.1f}" for s in splits)
-              + f" | {r['rows_auto_splits']} | {r['attend_rows_us']['auto']:.1f} | {r['attend_rows_ring_us']:.1f} |"
-              f" {r['attend_ring_us']:.1f} | {r['attend_rows_max_abs_diff']['auto']:.2g}, {r['attend_rows_ring_max_abs_diff']:.2g} |")
-    for r in rows:
-        ok = {c: t for c, t in r["rows_sweep_us"].items() if isinstance(t, float)}
-        best = sorted(ok, key=ok.get)[:5]
-        wrong = [c for c, t in r["rows_sweep_us"].items() if not isinstance(t, float)]
-        print(f"rows {r['rows']}: whole-rows ring attention, fastest keys per tile / warps: "
-              + ", ".join(f"{c} {ok[c]:.1f} us" for c in best) + (f"; wrong: {wrong}" if wrong else ""))
 
 
 if __name__ == "__main__":

@@ -66,17 +66,13 @@ def test_the_admission_kernel_equals_the_torch_admission(topk, window, cap):
         assert torch.allclose(a.tau, b.tau, atol=1e-9, rtol=0), step
 
 
-@pytest.mark.parametrize("kernel", ["per_head", "rows"])
 @pytest.mark.parametrize("B", [1, 64])
 @torch.no_grad()
-def test_the_split_attention_kernel_equals_attend_torch(B, kernel):
-    """attend_triton (kernel "per_head") and attend_triton_rows ("rows": whole K/V rows per program) over 1, 8 and
-    the rule's number of key splits against attend_torch, at 12 x 768's decode shapes (k = w = 512, a full pool and
-    tail, bf16)."""
-    from longtrain.ops.sparsek_attention import decode_triton
+def test_the_split_attention_kernel_equals_attend_torch(B):
+    """attend_triton over 1, 8 and attend_splits' number of key splits against attend_torch, at 12 x 768's decode
+    shapes (k = w = 512, a full pool and tail, bf16), both tail layouts."""
     from longtrain.ops.sparsek_attention.decode import attend_torch
-
-    attend_triton = decode_triton.attend_triton if kernel == "per_head" else decode_triton.attend_triton_rows
+    from longtrain.ops.sparsek_attention.decode_triton import attend_triton
     torch.manual_seed(B)
     H, D, topk, window, dev = 12, 64, 512, 512, "cuda"
     cache = SparseKCache.empty(B, topk, window, H, D, dtype=torch.bfloat16, device=dev)
@@ -99,11 +95,11 @@ def test_the_split_attention_kernel_equals_attend_torch(B, kernel):
 
 
 @torch.no_grad()
-def test_the_whole_rows_attention_kernel_equals_attend_torch_with_gqa_in_float32():
-    """attend_triton_rows at a GQA shape (16 query heads on 4 KV heads of 128), float32 (no tf32: to 1e-5), a pool
+def test_the_attention_kernel_equals_attend_torch_with_gqa_in_float32():
+    """attend_triton at a GQA shape (16 query heads on 4 KV heads of 128), float32 (no tf32: to 1e-5), a pool
     with empty slots (tau = -inf: their u - tau is nan) and rows before the window fills, both tail layouts."""
     from longtrain.ops.sparsek_attention.decode import attend_torch
-    from longtrain.ops.sparsek_attention.decode_triton import attend_triton_rows
+    from longtrain.ops.sparsek_attention.decode_triton import attend_triton
 
     torch.manual_seed(0)
     B, H, Hkv, D, topk, window, dev = 5, 16, 4, 128, 256, 256, "cuda"
@@ -123,7 +119,7 @@ def test_the_whole_rows_attention_kernel_equals_attend_torch_with_gqa_in_float32
         for c, ring in ((cache, False), (to_ring(cache), True)):
             want = attend_torch(q, k, v, c, **kw, tail_ring=ring)
             for splits in (1, 5, None):
-                got = attend_triton_rows(q, k, v, c, **kw, tail_ring=ring, splits=splits)
+                got = attend_triton(q, k, v, c, **kw, tail_ring=ring, splits=splits)
                 assert torch.allclose(got, want, atol=1e-5, rtol=0), (variant, ring, splits, (got - want).abs().max())
 
 

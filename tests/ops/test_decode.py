@@ -72,18 +72,10 @@ def _scores(c: SparseKCache, r: int, atol: float):
 @pytest.mark.parametrize("ring", [False, True], ids=["chunk layout", "ring layout"])
 @pytest.mark.parametrize(
     "topk,window,H,Hkv,variant,cap,prefill,steps,spread,backend",
-    [(*c, "torch") for c in CASES] + [(*c, "triton") for c in CASES if c[0] and c[0] < 40 and c[1] != 1]
-    + [(*CASES[0], "triton_rows")],
+    [(*c, "torch") for c in CASES] + [(*c, "triton") for c in CASES if c[0] and c[0] < 40 and c[1] != 1],
 )
-def test_decode_equals_the_chunk_op(topk, window, H, Hkv, variant, cap, prefill, steps, spread, backend, ring, monkeypatch):
-    """ring: the decoder's layout (SparseKRingCache), which the step updates in place; compared through from_ring.
-    triton_rows: the Triton backend with decode.ATTEND_WHOLE_ROWS on (the query by attend_triton_rows)."""
-    if backend == "triton_rows":
-        from longtrain.ops.sparsek_attention import decode, decode_triton
-
-        monkeypatch.setattr(decode, "ATTEND_WHOLE_ROWS", True)
-        monkeypatch.setattr(decode_triton, "attend_triton", None)  # not called
-        backend = "triton"
+def test_decode_equals_the_chunk_op(topk, window, H, Hkv, variant, cap, prefill, steps, spread, backend, ring):
+    """ring: the decoder's layout (SparseKRingCache), which the step updates in place; compared through from_ring."""
     if backend == "triton":
         pytest.importorskip("triton")  # on the CPU: the kernel under TRITON_INTERPRET=1
         cap = cap or 64  # a small state keeps the interpreted kernel quick (it may overflow: both sides count it)
@@ -221,7 +213,6 @@ def test_bad_arguments(args, message):
         sparsek_attention_decode(**kw)
 
 
-@pytest.mark.parametrize("kernel", ["per_head", "rows"])
 @pytest.mark.parametrize("topk,window,H,Hkv,D,variant,t", [
     (5, 4, 6, 2, 12, "hard_k_soft_v", 9),  # 3 query heads per KV head, D no power of 2, a pool not yet full
     (140, 3, 2, 2, 8, "soft_kv", 300),  # K above the kernel's block of keys (128 here)
@@ -230,15 +221,11 @@ def test_bad_arguments(args, message):
     (3, 1, 4, 4, 8, "soft_kv", 5),  # w = 1: no tail
     (8, 16, 6, 3, 12, "hard_k_soft_v", 3),  # a few tokens seen: most pool slots empty, most of the tail before 0; Hkv = 3
 ])
-def test_the_attention_kernel_equals_attend_torch(topk, window, H, Hkv, D, variant, t, kernel):
-    """decode_triton.attend_triton (kernel "per_head": a program per row, KV head and split) and attend_triton_rows
-    ("rows": a program per row and split, reading whole K/V rows) against attend_torch (their reference, the same
-    signature), float64 and bf16."""
+def test_the_attention_kernel_equals_attend_torch(topk, window, H, Hkv, D, variant, t):
+    """decode_triton.attend_triton against attend_torch (its reference, the same signature), float64 and bf16."""
     pytest.importorskip("triton")  # on the CPU: the kernel under TRITON_INTERPRET=1
-    from longtrain.ops.sparsek_attention import decode_triton
     from longtrain.ops.sparsek_attention.decode import attend_torch
-
-    attend_triton = decode_triton.attend_triton if kernel == "per_head" else decode_triton.attend_triton_rows
+    from longtrain.ops.sparsek_attention.decode_triton import attend_triton
 
     torch.manual_seed(topk + window)
     B = 3

@@ -39,12 +39,6 @@ import torch
 from longtrain.ops.sparsek_attention.cache import SparseKCache, SparseKRingCache
 from longtrain.ops.sparsek_attention.op import ChunkSelection, check_inputs, sparsek_attention_chunk
 
-# The Triton backend's query against the cache: False, attend_triton (a program per row, KV head and split of the
-# keys); True, attend_triton_rows (a program per row and split, reading whole K/V rows: issue 33's candidate, the same
-# results). It becomes the default only after a GPU times it faster (benchmarks/decode_kernels.py); read at each step,
-# so a Decoder built or a graph captured after setting it uses it.
-ATTEND_WHOLE_ROWS = False
-
 _MASK63 = (1 << 63) - 1
 _U64 = 1 << 64
 
@@ -104,9 +98,7 @@ def sparsek_attention_decode(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     attend = attend_torch
     if backend == "triton":
-        from longtrain.ops.sparsek_attention import decode_triton
-
-        attend = decode_triton.attend_triton_rows if ATTEND_WHOLE_ROWS else decode_triton.attend_triton
+        from longtrain.ops.sparsek_attention.decode_triton import attend_triton as attend
     o = attend(q, k, v, cache, window=window, variant=variant, scale=scale, tail_ring=ring)
 
     selection = _selection(cache, topk) if with_selection else None

@@ -1,7 +1,6 @@
 """The decode step's Triton kernels per layer: the admission of one candidate (one program per row)
 and the query against the cache (`attend_kernel`, below: one program per row, KV head and split of the
-keys, then `combine_kernel` merging the splits; `attend_rows_kernel`, the same attention with one program per row
-and split reading whole K/V rows, not the default until a GPU times it faster).
+keys, then `combine_kernel` merging the splits).
 
 decode.py's torch admission (`_admit_pool`, `_admit_threshold`) is ~120 small operations: on a GPU
 each is a launch of a few microseconds, more than the work. This kernel does the same in one launch:
@@ -428,6 +427,7 @@ def attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, w
     Hkv = k.shape[1]
     K, Wt = cache.topk, cache.tail_slots
     S = splits or attend_splits(B, Hkv, K, Wt)
+    o = torch.empty_like(q)
     f64 = q.dtype == torch.float64
     cdt = tl.float64 if f64 else tl.float32
     RB, DB = triton.next_power_of_2(H // Hkv), triton.next_power_of_2(D)
@@ -435,7 +435,13 @@ def attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, w
     # Keys per block: the split's share, at most what keeps the [RB, BN, DB] product at 8k elements, 16 to 128.
     BN = block_n or max(16, min(128, 8192 // (RB * DB), triton.next_power_of_2(max(k_per, t_per, 1))))
     launch = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
-    o, part_m, part_l, part_acc = _attend_outputs(q, S)
+    part_dtype = torch.float64 if f64 else torch.float32
+    if S > 1:
+        part_m = torch.empty(B, H, S, dtype=part_dtype, device=q.device)
+        part_l = torch.empty(B, H, S, dtype=part_dtype, device=q.device)
+        part_acc = torch.empty(B, H, S, D, dtype=part_dtype, device=q.device)
+    else:
+        part_m = part_l = part_acc = o  # not written
     attend_kernel[(B, Hkv, S)](
         Q=q.contiguous(), PK=cache.pool_k.contiguous(), PV=cache.pool_v.contiguous(), TK=cache.tail_k.contiguous(),
         TV=cache.tail_v.contiguous(), NK=k.contiguous(), NV=v.contiguous(),
@@ -448,194 +454,7 @@ def attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, w
         GATED=K > 0 and variant != "straight_through", SOFT_KV=variant == "soft_kv", SELF_OK=window > 0, CDT=cdt,
         SPLIT=S > 1, SCALE_IN_MEMORY=f64, TAIL_RING=tail_ring, **launch,
     )
-    _combine(o, part_m, part_l, part_acc, S)
-    return o
-
-
-def _attend_outputs(q: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """o [B, H, D] and, with S > 1 splits, the partial softmaxes combine_kernel merges ([B, H, S] max and sum,
-    [B, H, S, D] output, in the softmax's precision); with one split the partials are o itself, never written."""
-    B, H, D = q.shape
-    o = torch.empty_like(q)
-    if S == 1:
-        return o, o, o, o
-    part_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    part_m = torch.empty(B, H, S, dtype=part_dtype, device=q.device)
-    part_l = torch.empty(B, H, S, dtype=part_dtype, device=q.device)
-    return o, part_m, part_l, torch.empty(B, H, S, D, dtype=part_dtype, device=q.device)
-
-
-def _combine(o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor, S: int) -> None:
-    """The S splits' partials merged into o [B, H, D] (nothing to do with one split)."""
     if S > 1:
-        B, H, D = o.shape
         combine_kernel[(B * H,)](PART_M=part_m, PART_L=part_l, PART_ACC=part_acc, O=o, S=S, D=D,
-                                 SB=triton.next_power_of_2(S), DB=triton.next_power_of_2(D), num_warps=1)
-
-
-# ----------------------------------------------------------------------------- the query against the cache, whole rows
-
-
-@triton.jit
-def _online_softmax_rows(m, l, acc, s, v):
-    """One tile of an online softmax over whole key rows: logits s [BN, HKB, RB] (-inf: masked) over values
-    v [BN, HKB, DB] into the running max and sum m, l [HKB, RB] and the output acc [HKB, RB, DB] of every
-    (KV head, query head of it); a (head, query head) masked so far keeps m = -inf."""
-    m_new = tl.maximum(m, tl.max(s, axis=0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m - m_safe)
-    p = tl.exp(s - m_safe[None, :, :])
-    l = l * alpha + tl.sum(p, axis=0)
-    acc = acc * alpha[:, :, None] + tl.sum(p[:, :, :, None] * v[:, :, None, :], axis=0)
-    return m_new, l, acc
-
-
-@triton.jit
-def attend_rows_kernel(
-    Q, PK, PV, TK, TV, NK, NV,  # q [B, H, D]; pool K/V [B, K, Hkv, D]; tail K/V [B, Wt, Hkv, D]; the token's K/V [B, Hkv, D]
-    PPOS, PU, TAU, SEEN,  # [B, K] int64 pool positions (-1: empty), [B, K] pool scores, [B] float64 tau, [B] int64 t
-    O,  # out: [B, H, D] (one split)
-    PART_M, PART_L, PART_ACC,  # out with several splits: combine_kernel's layout, as attend_kernel writes it
-    SCALE,  # float, or [1] float64 in memory (SCALE_IN_MEMORY), as attend_kernel takes it
-    K, Wt, Hkv, H, K_PER, T_PER,  # pool and tail slots per split
-    R: tl.constexpr, RB: tl.constexpr, HKB: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, BN: tl.constexpr,
-    GATED: tl.constexpr, SOFT_KV: tl.constexpr, SELF_OK: tl.constexpr, CDT: tl.constexpr,
-    SPLIT: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr, TAIL_RING: tl.constexpr,
-):
-    """attend_kernel's attention with one program per (row, split) instead of per (row, KV head, split): every
-    KV head of the row at once, so each tile of BN keys is read as whole K/V rows ([BN, Hkv, D]: BN·Hkv·D
-    contiguous elements) rather than one head's D-element slice of each row. Per KV head g its R query heads
-    (q [HKB, RB, DB]) score the tile ([BN, HKB, RB]), one online softmax per query head; the masks, the gate
-    and the token itself as attend_kernel has them. HKB, RB, DB: Hkv, R, D padded to powers of 2 (masked)."""
-    b = tl.program_id(0).to(tl.int64)
-    sp = tl.program_id(1)
-    n_splits = tl.num_programs(1)
-    g = tl.arange(0, HKB)
-    r = tl.arange(0, RB)
-    d = tl.arange(0, DB)
-    gm, rm, dm = g < Hkv, r < R, d < D
-    h = b * H + g[:, None] * R + r[None, :]  # [HKB, RB] flat (row, query head)
-    hm = gm[:, None] & rm[None, :]
-    q = tl.load(Q + h[:, :, None] * D + d[None, None, :], mask=hm[:, :, None] & dm[None, None, :], other=0.0).to(CDT)
-    m = tl.full([HKB, RB], float("-inf"), CDT)
-    l = tl.zeros([HKB, RB], CDT)
-    acc = tl.zeros([HKB, RB, DB], CDT)
-    tau = tl.load(TAU + b)
-    t = tl.load(SEEN + b)
-    if SCALE_IN_MEMORY:
-        scale = tl.load(SCALE).to(CDT)
-    else:
-        scale = tl.full([], SCALE, CDT)
-    row = g[None, :, None] * D + d[None, None, :]  # [1, HKB, DB] an element's offset in a key's K/V row
-    row_mask = gm[None, :, None] & dm[None, None, :]
-
-    # the pool: gated by clamp(u - tau, 0, 1) (empty slots: masked)
-    p_end = tl.minimum(K, (sp + 1) * K_PER)
-    for j0 in range(sp * K_PER, p_end, BN):
-        j = j0 + tl.arange(0, BN)
-        jm = j < p_end
-        pos = tl.load(PPOS + b * K + j, mask=jm, other=-1)
-        ok = pos >= 0
-        at = (b * K + j)[:, None, None] * Hkv * D + row  # [BN, HKB, DB]: BN whole rows
-        kv_mask = jm[:, None, None] & row_mask
-        kk = tl.load(PK + at, mask=kv_mask, other=0.0).to(CDT)
-        vv = tl.load(PV + at, mask=kv_mask, other=0.0).to(CDT)
-        if GATED:
-            u = tl.load(PU + b * K + j, mask=jm, other=0.0).to(tl.float64)
-            gate = tl.where(ok, tl.minimum(tl.maximum(u - tau, 0.0), 1.0), 0.0).to(CDT)
-        else:
-            gate = tl.full([BN], 1.0, CDT)
-        s = tl.sum(kk[:, :, None, :] * q[None, :, :, :], axis=3) * scale  # [BN, HKB, RB]
-        if SOFT_KV:
-            s = s * gate[:, None, None]
-        s = tl.where(ok[:, None, None], s, float("-inf"))
-        m, l, acc = _online_softmax_rows(m, l, acc, s, gate[:, None, None] * vv)
-
-    # the tail: which slots hold a position >= 0, as attend_kernel reads them (canonical, or TAIL_RING)
-    t_end = tl.minimum(Wt, (sp + 1) * T_PER)
-    for j0 in range(sp * T_PER, t_end, BN):
-        j = j0 + tl.arange(0, BN)
-        jm = j < t_end
-        if TAIL_RING:
-            ok = jm & (j < t)
-        else:
-            ok = jm & (t - Wt + j >= 0)
-        at = (b * Wt + j)[:, None, None] * Hkv * D + row
-        kv_mask = jm[:, None, None] & row_mask
-        kk = tl.load(TK + at, mask=kv_mask, other=0.0).to(CDT)
-        vv = tl.load(TV + at, mask=kv_mask, other=0.0).to(CDT)
-        s = tl.sum(kk[:, :, None, :] * q[None, :, :, :], axis=3) * scale
-        s = tl.where(ok[:, None, None], s, float("-inf"))
-        m, l, acc = _online_softmax_rows(m, l, acc, s, vv)
-
-    # the token itself (in its own window when w > 0), in the last split
-    if SELF_OK:
-        if sp == n_splits - 1:
-            at = b * Hkv * D + g[:, None] * D + d[None, :]  # [HKB, DB]
-            kv_mask = gm[:, None] & dm[None, :]
-            kk = tl.load(NK + at, mask=kv_mask, other=0.0).to(CDT)
-            vv = tl.load(NV + at, mask=kv_mask, other=0.0).to(CDT)
-            s = tl.sum(q * kk[:, None, :], axis=2) * scale  # [HKB, RB]
-            m_new = tl.maximum(m, s)
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new)
-            l = l * alpha + p
-            acc = acc * alpha[:, :, None] + p[:, :, None] * vv[:, None, :]
-            m = m_new
-
-    out_mask = hm[:, :, None] & dm[None, None, :]
-    if SPLIT:
-        tl.store(PART_M + h * n_splits + sp, m, mask=hm)
-        tl.store(PART_L + h * n_splits + sp, l, mask=hm)
-        tl.store(PART_ACC + (h * n_splits + sp)[:, :, None] * D + d[None, None, :], acc, mask=out_mask)
-    else:
-        o = acc / l[:, :, None]
-        tl.store(O + h[:, :, None] * D + d[None, None, :], o.to(O.dtype.element_ty), mask=out_mask)
-
-
-# Programs the whole-rows attention aims for (B * splits of them), and the most splits of a row's keys.
-ROWS_PROGRAMS = 512
-MAX_ROWS_SPLITS = 64
-# Elements of a tile's [BN, HKB, RB, DB] score product the default keys per block keeps to (BN = 16 for 12 x 64).
-ROWS_TILE_ELEMENTS = 16384
-
-
-def attend_rows_splits(batch: int, topk: int, tail_slots: int) -> int:
-    """Splits of each row's keys for attend_triton_rows: B · splits >= ROWS_PROGRAMS where the keys allow (at least
-    16 keys of pool or tail per split); fixed by the shapes, as attend_splits."""
-    useful = max(1, triton.cdiv(max(topk, tail_slots), 16))
-    return max(1, min(useful, MAX_ROWS_SPLITS, triton.cdiv(ROWS_PROGRAMS, batch)))
-
-
-def attend_triton_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, window: int, variant: str,
-                       scale: float, tail_ring: bool = False, splits: int | None = None, block_n: int | None = None,
-                       num_warps: int = 8, num_stages: int | None = None) -> torch.Tensor:
-    """o [B, H, D]: attend_triton's result (the same signature) from attend_rows_kernel, one program per (row, split
-    of the keys) reading whole K/V rows; `splits`: attend_rows_splits' choice by default; block_n (keys per tile,
-    a power of 2), num_warps, num_stages: the launch's. Not the decoder's default: it becomes that only once a GPU
-    times it faster than attend_triton (benchmarks/decode_kernels.py)."""
-    B, H, D = q.shape
-    Hkv = k.shape[1]
-    K, Wt = cache.topk, cache.tail_slots
-    S = splits or attend_rows_splits(B, K, Wt)
-    f64 = q.dtype == torch.float64
-    R = H // Hkv
-    RB, HKB, DB = triton.next_power_of_2(R), triton.next_power_of_2(Hkv), triton.next_power_of_2(D)
-    k_per, t_per = triton.cdiv(K, S), triton.cdiv(Wt, S)
-    # Keys per tile: the split's share, at most what keeps the score product at ROWS_TILE_ELEMENTS, 2 to 64.
-    BN = block_n or max(2, min(64, ROWS_TILE_ELEMENTS // (HKB * RB * DB), triton.next_power_of_2(max(k_per, t_per, 1))))
-    launch = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
-    o, part_m, part_l, part_acc = _attend_outputs(q, S)
-    attend_rows_kernel[(B, S)](
-        Q=q.contiguous(), PK=cache.pool_k.contiguous(), PV=cache.pool_v.contiguous(), TK=cache.tail_k.contiguous(),
-        TV=cache.tail_v.contiguous(), NK=k.contiguous(), NV=v.contiguous(),
-        PPOS=cache.pool_pos.contiguous(), PU=cache.pool_u.contiguous(), TAU=cache.tau.contiguous(), SEEN=cache.seen.contiguous(),
-        O=o, PART_M=part_m, PART_L=part_l, PART_ACC=part_acc,
-        SCALE=torch.full((1,), scale, dtype=torch.float64, device=q.device) if f64 else float(scale),
-        K=K, Wt=Wt, Hkv=Hkv, H=H, K_PER=k_per, T_PER=t_per,
-        R=R, RB=RB, HKB=HKB, D=D, DB=DB, BN=BN,
-        GATED=K > 0 and variant != "straight_through", SOFT_KV=variant == "soft_kv", SELF_OK=window > 0,
-        CDT=tl.float64 if f64 else tl.float32, SPLIT=S > 1, SCALE_IN_MEMORY=f64, TAIL_RING=tail_ring, **launch,
-    )
-    _combine(o, part_m, part_l, part_acc, S)
+                                 SB=triton.next_power_of_2(S), DB=DB, num_warps=1)
     return o
