@@ -658,7 +658,7 @@ def plot(out: Path) -> dict:
     fig.tight_layout()
     fig.savefig(out / "recall.png", dpi=120)
     log(f"wrote {out / 'recall.png'}")
-    lines = [*verdict(res), *stage2_attempts(out)]
+    lines = [*verdict(res), *stage2_attempts(out), *trained_on(out)]
     table = markdown_table(res) + "\n" + "\n".join(f"- {line}" for line in lines) + "\n"
     (out / "table.md").write_text(table)
     log(table)
@@ -696,6 +696,20 @@ def verdict(res: dict) -> list[str]:
         met += worst["accuracy"] >= TARGET_RECALL
         lines.append(f"{name}: {'meets' if worst['accuracy'] >= TARGET_RECALL else 'MISSES'} >= {TARGET_RECALL} at {where}")
     return [*lines, f"{met} of {sparsek} SparseK runs recall >= {TARGET_RECALL} in every bucket from 16x to 32x their KV budget"]
+
+
+def trained_on(out: Path) -> list[str]:
+    """A line naming the machine(s) the circuits and stage 2 runs were saved on (their newest checkpoint's meta):
+    the circuit forms on one card kind and not on another from the same seed (benchmarks/README.md)."""
+    machines: dict[str, list[str]] = {}
+    for run in sorted([*out.glob("circuit-s*"), *out.glob("runs/*")]):
+        metas = sorted(run.glob("checkpoints/step-*/meta.json"))
+        if metas and (rec := json.loads(metas[-1].read_text()).get("machine")):
+            words = f"{rec.get('device', '?')}, torch {rec.get('torch', '?')}"
+            machines.setdefault(words, []).append(run.name)
+    if len(machines) == 1:
+        return [f"trained on {next(iter(machines))} (every run)"]
+    return [f"trained on {words}: {', '.join(names)}" for words, names in machines.items()]
 
 
 def stage2_attempts(out: Path) -> list[str]:

@@ -1,6 +1,9 @@
-"""Which device and dtype a command runs on: `auto` resolved, names checked, the one table of dtypes."""
+"""Which device and dtype a command runs on: `auto` resolved, names checked, the one table of dtypes; and the
+machine a run trained on (`machine`), which a checkpoint records."""
 
 from __future__ import annotations
+
+import platform
 
 import torch
 
@@ -35,3 +38,45 @@ def train_device(choice: str) -> torch.device:
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(choice)
+
+
+# The parts of a machine that decide a run's rounding: train.deterministic repeats a run bit for bit where these
+# agree, not across them (the recall circuit of one seed formed on H100s and not on H200s: benchmarks/README.md).
+NUMERICS_KEYS = ("device", "torch", "cuda", "triton")
+
+
+def machine(device: torch.device, world_size: int = 1) -> dict[str, str | int]:
+    """What a run trains on: the device's model (a GPU's name, or the CPU's architecture), how many of them, and
+    the versions of the software whose kernels compute its numbers."""
+    rec: dict[str, str | int] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+        "devices": world_size,
+        "torch": torch.__version__,
+    }
+    if device.type == "cuda":
+        rec["cuda"] = str(torch.version.cuda)
+    try:
+        import triton
+
+        rec["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return rec
+
+
+def cpu_name() -> str:
+    """"cpu (x86_64, AVX512)": the architecture and the vector kernels torch picked for it (they decide its sums)."""
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
+    return f"cpu ({platform.machine()}" + (f", {capability})" if capability else ")")
+
+
+def machine_words(rec: dict) -> str:
+    """"NVIDIA H200 × 2, torch 2.11.0, CUDA 12.8, Triton 3.6.0" for a `machine` record."""
+    n = rec.get("devices", 1)
+    return (f"{rec.get('device', '?')}" + (f" × {n}" if n > 1 else "") + f", torch {rec.get('torch', '?')}"
+            + (f", CUDA {rec['cuda']}" if rec.get("cuda") else "") + (f", Triton {rec['triton']}" if rec.get("triton") else ""))
+
+
+def same_numerics(a: dict, b: dict) -> bool:
+    """Whether two `machine` records agree on everything that decides the rounding (NUMERICS_KEYS)."""
+    return all(a.get(k) == b.get(k) for k in NUMERICS_KEYS)

@@ -309,7 +309,8 @@ class TrainConfig(_Section):
         128, ge=1, description="queries sampled per chunk and row for train.score_distill"
     )
     deterministic: bool = Field(
-        False, description="the same seed gives the same run bit for bit on the same machine and software: "
+        False, description="the same seed gives the same run bit for bit on the same kind of device and software "
+        "(a checkpoint's meta.json records them as `machine`; fit notes a resume saved elsewhere): "
         "deterministic kernels (no atomic adds, fixed cuBLAS workspaces; the linear types' naive core), Inductor "
         "without timing-based choices; costs some tokens/s on CUDA (benchmarks/README.md)"
     )

@@ -17,6 +17,7 @@ import torch
 
 from longtrain.console import plural as _n
 from longtrain.errors import TrainingError
+from longtrain.device import machine, machine_words, same_numerics
 from longtrain.data.cache import disk_size
 from longtrain.model.attention_types import kv_entries, linear
 from longtrain.ops.sparsek_attention.linear import runs_triton_core
@@ -104,12 +105,27 @@ def run_summary(t: Trainer) -> list[str]:
     if cfg.score_distill > 0:
         lines.append(f"score distillation: weight {cfg.score_distill} over {cfg.score_distill_queries} sampled "
                      "queries per chunk and row (the scores learn where dense attention goes)")
+    lines.append(f"machine: {machine_words(this_machine(t))}")
     lines += memory_lines(t) + disk_lines(t)
     if t.resume_from is not None:
         how = "forking (a new run) from" if t.fork else "resuming from"
         loaded = f", loaded in {t.restore_seconds:.1f} s" if t.restore_seconds is not None else ""
         lines.append(f"{how} {t.resume_from} (step {t.state.step}, {t.state.tokens:,} tokens{loaded})")
     return lines + notes(t)
+
+
+def this_machine(t: Trainer) -> dict:
+    """The `machine` record of this run's device (the one train.device would pick, in a dry run)."""
+    return machine(memory_device(t), t.ranks.world_size)
+
+
+def machine_change(t: Trainer) -> str | None:
+    """A note when the resumed checkpoint was saved on another machine or software (what decides the rounding)."""
+    if t.resume_from is None or not t.saved_on or same_numerics(t.saved_on, this_machine(t)):
+        return None
+    why = ("train.deterministic repeats a run bit for bit on one kind of device and software only, so this run "
+           "now differs from one that stayed there" if t.cfg.deterministic else "the rounding differs from there on")
+    return f"note: the checkpoint was saved on {machine_words(t.saved_on)}: {why}"
 
 
 def attention_origin(t: Trainer) -> str:
@@ -251,6 +267,8 @@ def notes(t: Trainer) -> list[str]:
     if linear(att.type) and att.backend == "triton" and not runs_triton_core(att.backend, cfg.deterministic):
         out.append("note: train.deterministic runs the linear types' naive core, not the Triton one attention.backend "
                    "asks for (its backward adds with atomics): slower; train.deterministic=false for the Triton core")
+    if changed := machine_change(t):
+        out.append(changed)
     if warning := t.stream.too_few_documents():
         out.append(f"warning: {warning}")
     if aside := set_aside(t.run_dir, t.checkpoints.dir):

@@ -108,6 +108,7 @@ class Trainer:
         self.start = TrainState()  # where this session starts (the resumed checkpoint's state)
         self.resume_from: Path | None = None
         self.restore_seconds: float | None = None  # loading the resumed checkpoint
+        self.saved_on: dict | None = None  # the machine that saved the resumed checkpoint (its meta's), if recorded
         self.last_saved: Path | None = None
         self.last_loss: float | None = None
         self.final_valid_loss: float | None = None
@@ -175,6 +176,7 @@ class Trainer:
         if missing := missing_extras(self.recipe.logging):  # optional packages the recipe asks for
             raise TrainingError(missing)
         meta = self.read_inputs()
+        self.saved_on = meta.get("machine") if meta is not None else None
         if meta is not None and (meta["step"] >= self.cfg.steps or self.out_of_patience(TrainState.from_meta(meta))):
             self.state = self.start = TrainState.from_meta(meta)  # finished: no need to build anything
             return
@@ -240,6 +242,7 @@ class Trainer:
         meta = self.read_inputs()
         if meta is not None:
             self.state = TrainState.from_meta(meta)
+            self.saved_on = meta.get("machine")
         self.model = self.build_model(torch.device("meta"))  # sizes only: no memory, any machine
         self.stream = self.build_stream()
         if meta is not None and not (self.state.step >= self.cfg.steps or self.out_of_patience()):

@@ -52,6 +52,7 @@ def test_stage_2_trains_the_formed_seeds_and_names_the_one_that_did_not_form(tmp
     assert stage2["model"]["rotary_pct"] == 0.5  # the circuit's model settings reach stage 2
     assert "computes differently" not in (tmp_path / "fit-sparsek-s0.log").read_text()
     assert (tmp_path / "eval" / "sparsek-s0.json").is_file() and (tmp_path / "table.md").is_file()
+    assert "- trained on cpu (" in (tmp_path / "table.md").read_text()  # the machine: formation depends on the card
     # the curriculum stage ran first, at its own distances, and the circuit started from its weights
     stage = yaml.safe_load((tmp_path / "warmup0-s1" / "recipe.yaml").read_text())
     assert stage["data"]["recall"]["max_distance"] == 32

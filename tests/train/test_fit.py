@@ -77,6 +77,34 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workspace, monkeypatc
     assert not (tmp / "nan/checkpoints/step-00000003").exists()
 
 
+def test_a_checkpoint_names_its_machine_and_a_resume_elsewhere_says_so(workspace):
+    """meta.json records the machine (device model and count, torch, Triton); fit prints it, and resuming a checkpoint
+    saved on another machine says so (under train.deterministic: that bit-for-bit repeats end there)."""
+    from longtrain.device import machine, machine_words
+
+    tmp, recipe = workspace
+    path = recipe(steps=4, every=2)
+    r = cli("fit", path, "--run-dir", tmp / "r", "--set", "train.deterministic=true")
+    assert r.exit_code == 0, r.output
+    here = machine(torch.device("cpu"))
+    assert f"machine: {machine_words(here)}" in r.output
+    meta_path = tmp / "r/checkpoints/step-00000004/meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["machine"] == here and here["device"].startswith("cpu (") and here["torch"] == torch.__version__
+
+    r = cli("fit", path, "--run-dir", tmp / "r", "--set", "train.deterministic=true", "--set", "train.steps=6")
+    assert r.exit_code == 0 and "resuming from" in r.output and "saved on" not in r.output, r.output  # the same machine
+
+    meta = json.loads((tmp / "r/checkpoints/step-00000006/meta.json").read_text())
+    meta["machine"] = {"device": "NVIDIA H100 80GB HBM3", "devices": 2, "torch": "2.11.0", "cuda": "12.8"}
+    (tmp / "r/checkpoints/step-00000006/meta.json").write_text(json.dumps(meta))
+    r = cli("fit", path, "--run-dir", tmp / "r", "--set", "train.deterministic=true", "--set", "train.steps=8")
+    out = " ".join(r.output.split())
+    assert r.exit_code == 0, r.output
+    assert "saved on NVIDIA H100 80GB HBM3 × 2, torch 2.11.0, CUDA 12.8" in out and "bit for bit" in out, out
+    assert sorted(losses(tmp / "r")) == list(range(1, 9))  # the run goes on
+
+
 def test_resume_refuses_another_model_and_skips_a_corrupt_checkpoint(workspace):
     tmp, recipe = workspace
     path = recipe(steps=4, every=2)

@@ -13,8 +13,9 @@
                                             batch_docs b, rows W·b, parallel}, the corpus fingerprint, the
                                             hashes a resume must match (model, attention, tokenizer), under
                                             "ranks" each rank's RNG state (rng.py), an import's record
-                                            (`imported_from`), and under "files" the size and sha256 of
-                                            every file above.
+                                            (`imported_from`), the machine that saved it (`machine`: the
+                                            device's model and count, torch, CUDA and Triton versions), and
+                                            under "files" the size and sha256 of every file above.
 
 Writing is atomic: a checkpoint is written into `.tmp-step-XXXXXXXX-<pid>/` beside it, fsynced, then
 renamed, so a directory carries its final name only when it is complete and a SIGKILL or a full disk

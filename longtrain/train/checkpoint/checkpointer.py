@@ -13,6 +13,7 @@ import torch
 from tokenizers import Tokenizer
 
 from longtrain.console import plural
+from longtrain.device import machine
 from longtrain.train import distributed
 from longtrain.train.checkpoint import storage as ckpt
 from longtrain.train.checkpoint.loading import checkpoint_files
@@ -204,6 +205,7 @@ class Checkpointer:
                 "corpus": self.corpus.fingerprint,
                 "optimizer": opt_info,
                 "hashes": self.hashes,
+                "machine": machine(self.device, ranks.world_size),  # what decides the rounding: longtrain.device
             }
             files = checkpoint_files(self.recipe, self.corpus.tokenizer)  # self-contained
         return self.manager.save(step, tensors=tensors, meta=meta, files=files, rank_meta={"rng": capture_rng()},
