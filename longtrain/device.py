@@ -42,7 +42,8 @@ def train_device(choice: str) -> torch.device:
 
 # The parts of a machine that decide a run's rounding: train.deterministic repeats a run bit for bit where these
 # agree, not across them (the recall circuit of one seed formed on H100s and not on H200s: benchmarks/README.md).
-NUMERICS_KEYS = ("device", "torch", "cuda", "triton")
+# The device count too: ranks sum their gradients in another order than one process does.
+NUMERICS_KEYS = ("device", "devices", "torch", "cuda", "triton")
 
 
 def machine(device: torch.device, world_size: int = 1) -> dict[str, str | int]:
