@@ -176,7 +176,6 @@ class Trainer:
         if missing := missing_extras(self.recipe.logging):  # optional packages the recipe asks for
             raise TrainingError(missing)
         meta = self.read_inputs()
-        self.saved_on = meta.get("machine") if meta is not None else None
         if meta is not None and (meta["step"] >= self.cfg.steps or self.out_of_patience(TrainState.from_meta(meta))):
             self.state = self.start = TrainState.from_meta(meta)  # finished: no need to build anything
             return
@@ -228,7 +227,9 @@ class Trainer:
         self.hashes = run_hashes(self.recipe, self.corpus.tokenizer)
         if self.resume_from is None:
             return None
-        return self.checkpoints.check(self.resume_from, self.hashes, self.layout())
+        meta = self.checkpoints.check(self.resume_from, self.hashes, self.layout())
+        self.saved_on = meta.get("machine")  # older checkpoints record none
+        return meta
 
     def dry_run(self) -> list[str]:
         """What `fit` would do, without doing it: the resolved recipe, the summary and the plan.
@@ -242,7 +243,6 @@ class Trainer:
         meta = self.read_inputs()
         if meta is not None:
             self.state = TrainState.from_meta(meta)
-            self.saved_on = meta.get("machine")
         self.model = self.build_model(torch.device("meta"))  # sizes only: no memory, any machine
         self.stream = self.build_stream()
         if meta is not None and not (self.state.step >= self.cfg.steps or self.out_of_patience()):
