@@ -701,12 +701,17 @@ def verdict(res: dict) -> list[str]:
 def trained_on(out: Path) -> list[str]:
     """A line naming the machine(s) the circuits and stage 2 runs were saved on (their newest checkpoint's meta):
     the circuit forms on one card kind and not on another from the same seed (benchmarks/README.md)."""
+    from longtrain.device import machine_words
+    from longtrain.train.checkpoint.storage import CheckpointError, read_meta, resolve_checkpoint
+
     machines: dict[str, list[str]] = {}
     for run in sorted([*out.glob("circuit-s*"), *out.glob("runs/*")]):
-        metas = sorted(run.glob("checkpoints/step-*/meta.json"))
-        if metas and (rec := json.loads(metas[-1].read_text()).get("machine")):
-            words = f"{rec.get('device', '?')}, torch {rec.get('torch', '?')}"
-            machines.setdefault(words, []).append(run.name)
+        try:
+            rec = read_meta(resolve_checkpoint(run)).get("machine")
+        except CheckpointError:  # no complete checkpoint (yet)
+            continue
+        if rec:
+            machines.setdefault(machine_words(rec), []).append(run.name)
     if len(machines) == 1:
         return [f"trained on {next(iter(machines))} (every run)"]
     return [f"trained on {words}: {', '.join(names)}" for words, names in machines.items()]
