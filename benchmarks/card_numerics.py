@@ -5,9 +5,10 @@
 
 Why: the recall circuit formed in 8 of 12 distinct attempts on H100s and 6 of 29 on H200s (benchmarks/README.md,
 2026-11-27), each attempt repeatable on its own kind of card under train.deterministic. Both are sm_90 with 132 SMs
-and run the same Triton and FlashAttention code, so the candidates are the libraries that choose by device: cuBLAS
-(split-K, and whether split-K partial sums are reduced in bfloat16, which torch allows by default) and SDPA's
-backend. This script says what each card does, so two cards' JSONs can be compared.
+and run the same Triton and Inductor code (no timing-based choices under train.deterministic), so the suspects, not
+yet confirmed, are the libraries that may choose by device: cuBLAS (split-K, and whether split-K partial sums are
+reduced in bfloat16, which torch allows by default) and SDPA's backend. This script says what each card does, so
+two cards' JSONs can be compared.
 
 For the recipe's model (every distinct nn.Linear shape) at one step's tokens (train.batch_docs x train.chunk_size):
 the forward product, the input gradient and the weight gradient (the one that sums over every token, where split-K

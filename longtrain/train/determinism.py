@@ -8,9 +8,9 @@ selection or a training outcome (issue 30: a recall circuit that formed in one r
 not in the next). On, each of these takes its deterministic path: `torch.use_deterministic_algorithms`
 (which the op's kernels follow too: longtrain.ops.sparsek_attention.triton_core), a fixed cuBLAS
 workspace, cuDNN without benchmarking, and Inductor's deterministic mode (no on-device benchmarking).
-It does not make two kinds of device agree: cuBLAS and SDPA choose their kernels by device, so an H100 and an
-H200 round differently and a seed's run differs between them (the recall circuit of one seed formed on one and
-not the other). A checkpoint records its machine (longtrain.device.machine) and fit notes a resume elsewhere.
+It does not make two kinds of device agree: a seed's run on an H100 and on an H200 differ (measured: the recall
+circuit of one seed formed on one and not the other; libraries that pick kernels by device, such as cuBLAS, are
+the suspects). A checkpoint records its machine (longtrain.device.machine) and fit notes a resume elsewhere.
 """
 
 from __future__ import annotations

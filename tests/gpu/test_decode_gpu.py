@@ -73,6 +73,7 @@ def test_the_split_attention_kernel_equals_attend_torch(B):
     shapes (k = w = 512, a full pool and tail, bf16), both tail layouts."""
     from longtrain.ops.sparsek_attention.decode import attend_torch
     from longtrain.ops.sparsek_attention.decode_triton import attend_triton
+
     torch.manual_seed(B)
     H, D, topk, window, dev = 12, 64, 512, 512, "cuda"
     cache = SparseKCache.empty(B, topk, window, H, D, dtype=torch.bfloat16, device=dev)
