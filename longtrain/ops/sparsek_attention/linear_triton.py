@@ -527,6 +527,7 @@ def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_po
     per_block = block // cfg["QB"]
     scratch = torch.empty(slab * B * H * Kb * (2 * D + F + 1), **f32)
     rows = torch.arange(B, device=dev)[:, None, None] * N
+    ext_rows = torch.arange(B * N + 1, device=dev)  # each ext row's start in the sorted destinations (searchsorted)
     for t0 in range(0, tiles, slab):
         t1 = min(t0 + slab, tiles)
         _bwd_kernel[(t1 - t0, B * H)](scratch_ptr=scratch, tile0=t0, ATOMIC=False, **kernel_args)
@@ -534,7 +535,7 @@ def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_po
         ks = keys[:, b0:b1].long()  # [B, slab blocks, Kb]
         dest = torch.where(ks >= 0, rows + ks, B * N).flatten()  # B N: no key (sorted last, never visited)
         dest, order = torch.sort(dest, stable=True)  # a stable sort: one result, whatever the algorithm
-        start = torch.searchsorted(dest, torch.arange(B * N + 1, device=dev))
+        start = torch.searchsorted(dest, ext_rows)
         _key_sum_kernel[(B * N, Hkv)](
             scratch_ptr=scratch, order_ptr=order, start_ptr=start, dk_ptr=dk, dv_ptr=dv, dphk_ptr=dphk, du_ptr=du,
             n_ext=N, n_heads=H, group=H // Hkv, n_bh=B * H, slab_blocks=b1 - b0, n_keys=Kb, tile0=t0, n_tiles=tiles,
