@@ -14,7 +14,8 @@
     keys and keeps what the backward needs (`naive_core_bytes_per_score`, measured), plus one step of
     them being built or differentiated (CUDA's kernels keep no scores); the linear types' naive core
     (CPU or backend naive) keeps ~48 bytes per query, head and scored key, their Triton core only
-    per-query tensors (not under train.deterministic, which runs the naive core: linear.runs_triton_core);
+    per-query tensors (under train.deterministic, plus its backward's scratch for one layer: at most
+    linear_triton.SCRATCH_BYTES unless one query block's takes more);
 and 15% for the allocator's fragmentation and kernel workspaces (on the CPU also CPU_RUNTIME_BYTES, what a
 step allocates beyond its tensors). `benchmarks/memory_estimate.py`
 measures it against the peak a short fit adds (CPU: within 1.5x at three pool sizes, tested). The
@@ -158,17 +159,26 @@ def naive_core_bytes_per_score(heads: int, kv_heads: int, head_dim: int, variant
     return (saved_bytes(192) - saved_bytes(64)) / (128 * G * heads)
 
 
-def linear_core_is_naive(backend: str, head_dim: int, dtype: torch.dtype, device_type: str,
-                         deterministic: bool = False) -> bool:
+def linear_core_is_naive(backend: str, head_dim: int, dtype: torch.dtype, device_type: str) -> bool:
     """Whether the linear types' SparseK part runs on the naive core: on the CPU, where linear.runs_triton_core
-    says so for `backend` and train.deterministic, or where the Triton kernels do not take the head dim or dtype
-    (phi keeps the head dim)."""
+    says so for `backend`, or where the Triton kernels do not take the head dim or dtype (phi keeps the head dim)."""
     from longtrain.ops.sparsek_attention.linear import runs_triton_core
     from longtrain.ops.sparsek_attention.linear_triton import unsupported
 
-    if device_type == "cpu" or not runs_triton_core(backend, deterministic):
+    if device_type == "cpu" or not runs_triton_core(backend):
         return True
     return unsupported(QUERY_BLOCK, head_dim, head_dim, dtype) is not None
+
+
+def linear_triton_scratch_bytes(B: int, L: int, H: int, scored: int, D: int) -> int:
+    """The linear types' Triton core under train.deterministic: the backward's scratch (a slab of query tiles:
+    linear_triton.scratch_tiles, at most linear_triton.SCRATCH_BYTES unless one block takes more; phi keeps the
+    head dim) and the sort of the slab's key-list entries (int64: their ext rows, sorted, order; ~24 bytes each)."""
+    from longtrain.ops.sparsek_attention.linear_triton import launch_settings, scratch_tiles
+
+    _, slab, scratch = scratch_tiles(B, L, H, scored, D, D, QUERY_BLOCK)
+    blocks = -(-slab * launch_settings(D, QUERY_BLOCK)["bwd"]["QB"] // QUERY_BLOCK)
+    return scratch + B * blocks * scored * 24
 
 
 def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position: int, compute_dtype: torch.dtype,
@@ -187,6 +197,7 @@ def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position:
     trainable = n_params if n_trainable is None else n_trainable  # LoRA: the frozen weights have no grads or moments
     state = n_params * (4 + (e if e < 4 else 0)) + trainable * 12
     acts = layers * B * L * d * activation_bytes_per_token(m.style, mlp_ratio, compute_dtype)
+    scratch = 0  # a backward's transient buffers beyond what the layers keep
     kv = Hkv * D * 2 * e  # bytes of one cached key and its value
     if att.type == "full":
         keys = min(position, (att.max_context - 1 + L) if att.max_context else position)  # the chunk sees
@@ -202,7 +213,7 @@ def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position:
         mask = 0
         scored = (att.topk or 0) + (att.window or 0) + QUERY_BLOCK - 1  # keys a query block scores
         blocks = -(-L // QUERY_BLOCK) * QUERY_BLOCK  # queries, padded to whole blocks
-        if linear(att.type) and linear_core_is_naive(att.backend, D, compute_dtype, device_type, cfg.deterministic):
+        if linear(att.type) and linear_core_is_naive(att.backend, D, compute_dtype, device_type):
             # the naive core keeps, per query and head, ~48 float32 bytes of each of its k + w + 63
             # gathered keys for the backward (measured: 120 KB a query at k = w = 128, 8 heads)
             op_keys += layers * B * L * H * scored * 48
@@ -211,6 +222,8 @@ def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position:
             # query, and each block's key list (int32)
             op_keys += layers * B * (L * H * D * e + (cached + L) * Hkv * D * e + L * H * (D + 1) * 4
                                      + L * H * 8 + L * 4 + blocks // QUERY_BLOCK * scored * 4)
+            if cfg.deterministic:  # its deterministic backward's scratch, one layer's at a time (transient)
+                scratch = linear_triton_scratch_bytes(B, L, H, scored, D)
         elif device_type == "cpu":  # the naive core: what it keeps, and one step's scores being built or
             # differentiated (1.5 times what it keeps of them: the middle of what benchmarks/memory_estimate.py
             # measured at k = 256 to 2048, whose peaks vary by ±15% between runs)
@@ -224,7 +237,7 @@ def estimate_training_bytes(recipe, *, n_params: int, vocab_size: int, position:
     loss = min(rows, B * L) * vocab_size * (2 * e + 8) + B * L * d * 4 + vocab_size * d * 4
     embed = 3 * B * L * d * 4  # the embedding's output, the final norm's input and output
     runtime = CPU_RUNTIME_BYTES if device_type == "cpu" else 0
-    return int(FRAGMENTATION * (state + acts + op + cache + mask + loss + embed)) + runtime
+    return int(FRAGMENTATION * (state + acts + op + cache + mask + loss + embed + scratch)) + runtime
 
 
 def longest_position(corpus, cfg) -> int:
@@ -250,13 +263,10 @@ def advice(recipe, *, suggest_max_context: int | None = None, naive_linear_core:
     """What to change when a run does not fit its device. naive_linear_core: the run is on a GPU and its attention
     would run the naive core (linear_core_is_naive; a linear type's SparseK part on attention.backend auto), whose
     kept scores are then most of the estimate."""
-    from longtrain.ops.sparsek_attention.linear import runs_triton_core
-
     cfg, att = recipe.train, recipe.attention
     tips = []
     if naive_linear_core and linear(att.type):  # first: 38.9 against 6.3 GiB (12 x 768, k = w = 512, 4096 x 1)
-        both = "" if runs_triton_core("triton", cfg.deterministic) else " and train.deterministic=false"
-        tips.append(f"--set attention.backend=triton{both} (the Triton kernels keep no scores; attention.backend "
+        tips.append(f"--set attention.backend=triton (the Triton kernels keep no scores; attention.backend "
                     f"{att.backend} runs the naive core, which keeps ~48 bytes per query, head and scored key for the backward)")
     tips += [f"a smaller train.chunk_size (now {cfg.chunk_size}; --set train.chunk_size={max(cfg.chunk_size // 2, 1)}), "
             f"or fewer train.batch_docs (now {cfg.batch_docs})"]

@@ -311,7 +311,7 @@ class TrainConfig(_Section):
     deterministic: bool = Field(
         False, description="the same seed gives the same run bit for bit on the same kind of device and software "
         "(a checkpoint's meta.json records them as `machine`; fit notes a resume saved elsewhere): "
-        "deterministic kernels (no atomic adds, fixed cuBLAS workspaces; the linear types' naive core), Inductor "
+        "deterministic kernels (no atomic adds, fixed cuBLAS workspaces), Inductor "
         "without timing-based choices; costs some tokens/s on CUDA (benchmarks/README.md)"
     )
     activation_checkpointing: bool = Field(

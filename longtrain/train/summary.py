@@ -19,8 +19,7 @@ from longtrain.console import plural as _n
 from longtrain.errors import TrainingError
 from longtrain.device import machine, machine_words, same_numerics
 from longtrain.data.cache import disk_size
-from longtrain.model.attention_types import kv_entries, linear
-from longtrain.ops.sparsek_attention.linear import runs_triton_core
+from longtrain.model.attention_types import kv_entries
 from longtrain.train import memory
 from longtrain.train.metrics import gib
 from longtrain.train.run_dir import set_aside
@@ -235,7 +234,7 @@ def fit_advice(t: Trainer, have: int) -> str:
         )
     att, kind = t.recipe.attention, t.device_type()
     naive = kind != "cpu" and memory.linear_core_is_naive(
-        att.backend, t.model.cfg.d_model // t.model.cfg.heads, t.compute_dtype, kind, t.cfg.deterministic)
+        att.backend, t.model.cfg.d_model // t.model.cfg.heads, t.compute_dtype, kind)
     return memory.advice(t.recipe, suggest_max_context=fits, naive_linear_core=naive)
 
 
@@ -263,10 +262,6 @@ def notes(t: Trainer) -> list[str]:
     if cfg.valid_every and cfg.steps < cfg.valid_every and len(t.corpus.valid):
         out.append(f"note: no validation: the run is shorter than train.valid_every ({cfg.valid_every}); "
                    f"--set train.valid_every={cfg.steps} validates at its end")
-    att = t.recipe.attention
-    if linear(att.type) and att.backend == "triton" and not runs_triton_core(att.backend, cfg.deterministic):
-        out.append("note: train.deterministic runs the linear types' naive core, not the Triton one attention.backend "
-                   "asks for (its backward adds with atomics): slower; train.deterministic=false for the Triton core")
     if changed := machine_change(t):
         out.append(changed)
     if warning := t.stream.too_few_documents():

@@ -129,8 +129,8 @@ def test_triton_core_follows_the_naive_core_on_the_gpu(dtype, variant, native, m
 def test_the_backward_without_atomics_follows_the_atomic_one_and_repeats_on_the_gpu(dtype, monkeypatch):
     """Issue 38: linear_triton's DETERMINISTIC backward (each program's key-side gradients stored per key-list slot and
     summed by _key_sum_kernel in a fixed order) compiles and runs on the GPU, gives the atomic backward's gradients to
-    rounding, and the same gradients bit for bit twice (the atomic one need not). train.deterministic takes it once
-    this passes (linear.runs_triton_core); SCRATCH_BYTES is lowered so that the backward runs in several slabs."""
+    rounding, and the same gradients bit for bit twice (the atomic one need not). train.deterministic takes it since
+    this passed on an H100 (linear.runs_triton_core); SCRATCH_BYTES is lowered so that the backward runs in several slabs."""
     from longtrain.ops.sparsek_attention import linear_triton as LT
     from longtrain.ops.sparsek_attention.linear import SparseKLinearCache, sparsek_linear_attention_chunk
 

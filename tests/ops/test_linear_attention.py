@@ -194,19 +194,23 @@ def test_bad_arguments_are_named():
         sparsek_linear_attention(q, k, v, u, phi, topk=2, window=0)
 
 
-def test_deterministic_algorithms_take_the_naive_core_over_the_atomic_triton_backward():
-    """train.deterministic must repeat a run bit for bit: the Triton core's backward adds with atomics, so under
-    torch's deterministic algorithms the linear types run the naive core, whatever attention.backend says."""
-    from longtrain.ops.sparsek_attention.linear import linear_core
+def test_deterministic_algorithms_keep_the_triton_core():
+    """train.deterministic must repeat a run bit for bit: the Triton core's backward then sums the keys' gradients
+    without atomic adds (tests/ops/test_sparsek_linear_triton.py; on an H100, tests/gpu/test_linear_gpu.py), so
+    backend triton keeps it; it took the naive core there until that backward had run on a GPU. auto and naive run
+    the naive core either way."""
+    from longtrain.ops.sparsek_attention.linear import linear_core, runs_triton_core
     from longtrain.ops.sparsek_attention.naive import sparsek_attention_core_naive
 
-    assert linear_core("triton") is not sparsek_attention_core_naive
+    assert runs_triton_core("triton") and not runs_triton_core("auto") and not runs_triton_core("naive")
     before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert linear_core("triton") is sparsek_attention_core_naive
-    finally:
-        torch.use_deterministic_algorithms(before)
+    for mode in (False, True):
+        torch.use_deterministic_algorithms(mode)
+        try:
+            assert linear_core("triton") is not sparsek_attention_core_naive
+            assert linear_core("auto") is sparsek_attention_core_naive
+        finally:
+            torch.use_deterministic_algorithms(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

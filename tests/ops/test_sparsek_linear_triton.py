@@ -197,18 +197,22 @@ def test_unsupported_shapes_and_float64_run_the_naive_core():
     assert_close(got, want, "o dq dk dv du dphi".split(), tol=0)
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic backward"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic algorithms"])
 def test_model_steps_with_the_triton_core(monkeypatch, deterministic):
-    """A tiny sparsek+linear+sw model: loss and gradients with backend triton equal backend naive's, with the atomic
-    backward and with the one without atomics (linear_triton.DETERMINISTIC; train.deterministic still runs the naive
-    core until the GPU test, linear.runs_triton_core): two chunks, two launches."""
-    from longtrain.ops.sparsek_attention import linear_triton
-
-    monkeypatch.setattr(linear_triton, "DETERMINISTIC", deterministic)
+    """A tiny sparsek+linear+sw model: loss and gradients with backend triton equal backend naive's; under torch's
+    deterministic algorithms (train.deterministic) backend triton runs the Triton core, its backward without atomic
+    adds (linear.runs_triton_core): two chunks, two launches."""
     rec = launches(monkeypatch)
     torch.manual_seed(0)
     tokens = torch.randint(0, 61, (2, 40), device=DEV)
-    grads = [model_step(backend, tokens) for backend in ("naive", "triton")]
+    grads = []
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        for backend in ("naive", "triton"):
+            grads.append(model_step(backend, tokens))
+    finally:
+        torch.use_deterministic_algorithms(before)
     assert rec.atomic == [not deterministic] * 2
     assert grads[1][0] == pytest.approx(grads[0][0].item(), rel=1e-5)
     assert_close(grads[1], grads[0], ["loss"] + [f"grad {i}" for i in range(len(grads[0]) - 1)], tol=1e-4)

@@ -219,22 +219,22 @@ def _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache: SparseKLinearC
     return phq, phk, num, den
 
 
-def runs_triton_core(backend: str, deterministic: bool) -> bool:
-    """Whether attention.backend `backend` runs linear_triton.py's core: "triton" does, except under torch's
-    deterministic algorithms (train.deterministic), since its backward sums the keys' gradients with atomic adds,
-    whose order changes from run to run (fit's summary says so). Its backward without atomics (linear_triton's
-    DETERMINISTIC, bitwise repeatable) is tested on the CPU only; deterministic runs take it once
-    tests/gpu/test_linear_gpu.py has run it on a GPU (issue 38). auto and naive run the naive core. The Triton core
-    follows it on an H100 (tests/gpu/test_linear_gpu.py) and its op is ~8x faster there (linear_core_ab.py, 4 x 4096
-    tokens, D = 64: 10.18 against 81.64 ms forward + backward); auto moves to it once every path that reads auto (fit,
-    eval, generate's prefill) has been re-run with it on a GPU, as a default that changes must be."""
-    return backend == "triton" and not deterministic
+def runs_triton_core(backend: str) -> bool:
+    """Whether attention.backend `backend` runs linear_triton.py's core: "triton" does, under torch's deterministic
+    algorithms (train.deterministic) too, whose backward then sums the keys' gradients without atomic adds, in a fixed
+    order, bit for bit the same every run (linear_triton.deterministic_backward). That backward passed its GPU test on
+    an H100 in float32 and bfloat16 (tests/gpu/test_linear_gpu.py -k without_atomics, torch 2.11, Triton 3.6, tree
+    ffc8342; issue 38); until then deterministic runs took the naive core. auto and naive run the naive core. The
+    Triton core follows it on an H100 (tests/gpu/test_linear_gpu.py) and its op is ~8x faster there (linear_core_ab.py,
+    4 x 4096 tokens, D = 64: 10.18 against 81.64 ms forward + backward); auto moves to it once every path that reads
+    auto (fit, eval, generate's prefill) has been re-run with it on a GPU, as a default that changes must be."""
+    return backend == "triton"
 
 
 def linear_core(backend: str):
     """The SparseK+Linear core `backend` names (runs_triton_core): linear_triton.py's kernels (they warn and run
     the naive core where they cannot) or the naive core."""
-    if not runs_triton_core(backend, torch.are_deterministic_algorithms_enabled()):
+    if not runs_triton_core(backend):
         return sparsek_attention_core_naive
     from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton
 

@@ -25,11 +25,11 @@ core counts the selected keys; the tests compare). Kernels:
                    dw_ij = dO_i.(v_j - o_i) / den_i it writes the query-side gradients (q, phi(q), tau, num,
                    den) and adds the key-side ones (k, v, phi(k), u) with atomic adds into float32 buffers:
                    keys are shared between blocks through the pool and between the query heads of a KV head;
-  _key_sum_kernel  the deterministic backward (DETERMINISTIC, or torch's deterministic algorithms when the core
-                   runs under them; train.deterministic still takes the naive core until this backward has run on
-                   a GPU, linear.runs_triton_core): _bwd_kernel (ATOMIC off) stores each program's key-side gradients
-                   in a float32 scratch row per (query tile, head, slot of its block's key list), each written
-                   once, and this kernel sums them per ext row and KV head in a fixed order (the row's slots in
+  _key_sum_kernel  the deterministic backward (DETERMINISTIC, or torch's deterministic algorithms, which
+                   train.deterministic sets; tests/gpu/test_linear_gpu.py runs it on an H100, issue 38):
+                   _bwd_kernel (ATOMIC off) stores each program's key-side gradients in a float32 scratch
+                   row per (query tile, head, slot of its block's key list), each written once, and this
+                   kernel sums them per ext row and KV head in a fixed order (the row's slots in
                    ascending order, from a stable sort of their ext rows; then tiles and heads in order): bit for
                    bit the same every run, whatever the scheduling. Slabs of whole blocks keep the scratch under
                    SCRATCH_BYTES (scratch_tiles).
@@ -468,7 +468,7 @@ def linear_fwd(
 
 def deterministic_backward() -> bool:
     """Whether linear_bwd sums the key-side gradients without atomic adds: DETERMINISTIC, or torch's deterministic
-    algorithms (train.deterministic, once linear.runs_triton_core lets such runs take this core)."""
+    algorithms (train.deterministic, whose runs take this core: linear.runs_triton_core)."""
     return DETERMINISTIC or torch.are_deterministic_algorithms_enabled()
 
 
