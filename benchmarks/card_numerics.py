@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from longtrain.device import machine, machine_words  # noqa: E402
 from longtrain.model.model import LM, LMConfig  # noqa: E402
 from longtrain.train.recipe import load_recipe  # noqa: E402
 
@@ -123,16 +124,16 @@ def main() -> None:
     m = recipe.model
     attn = sdpa_case(2 if a.small else t.batch_docs, m.heads, 16 if a.small else t.chunk_size, m.d_model // m.heads,
                      device)
+    rec = machine(torch.device(device))  # what a checkpoint records: device model, torch, CUDA, Triton
     result = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
+        "device": rec["device"] if device == "cuda" else "cpu",
+        "machine": rec,
         "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         "recipe": a.recipe, "sets": a.sets, "products": rows, "sdpa": attn,
     }
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "card_numerics.json").write_text(json.dumps(result, indent=1))
-    print(f"{result['device']}, torch {result['torch']}, CUDA {result['cuda']}, {tokens} tokens a step")
+    print(f"{machine_words(rec)}, {tokens} tokens a step")
     print("| in → out | product | rel err, bf16 reduction on | off | same bits | same kernels | kernel (on) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
