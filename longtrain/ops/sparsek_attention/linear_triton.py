@@ -532,8 +532,9 @@ def linear_bwd(q, k_ext, v_ext, u, pos, phq, phk, keys, q_pos, theta_u, theta_po
         t1 = min(t0 + slab, tiles)
         _bwd_kernel[(t1 - t0, B * H)](scratch_ptr=scratch, tile0=t0, ATOMIC=False, **kernel_args)
         b0, b1 = t0 // per_block, triton.cdiv(t1, per_block)
-        ks = keys[:, b0:b1].long()  # [B, slab blocks, Kb]
-        dest = torch.where(ks >= 0, rows + ks, B * N).flatten()  # B N: no key (sorted last, never visited)
+        dest = keys[:, b0:b1].long()  # [B, slab blocks, Kb]: each entry's key slot, then its ext row (one buffer
+        # less alive through the sort: what memory.linear_triton_scratch_bytes counts, 3 int64 an entry)
+        dest = torch.where(dest >= 0, rows + dest, B * N).flatten()  # B N: no key (sorted last, never visited)
         dest, order = torch.sort(dest, stable=True)  # a stable sort: one result, whatever the algorithm
         start = torch.searchsorted(dest, ext_rows)
         _key_sum_kernel[(B * N, Hkv)](
