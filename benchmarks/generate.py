@@ -6,7 +6,7 @@
 A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with SparseK+SW (k = w =
 512), a sliding window of 1024 (the same KV budget) and full attention (where it fits).
 
-  single   one prompt (random tokens) of 4k, 64k and 1M tokens, prefilled in chunks of 8192, then NEW
+  single   one prompt (random tokens) of 4k, 64k and 1M tokens, prefilled in longtrain's chunks (65,536 tokens here), then NEW
            tokens decoded greedily, the sampled token fed back on the device (no host round trip):
              - graph: `longtrain.generate.Decoder`, the whole step (every layer, the sampler, the
                cache written back, the token fed back) replayed as one CUDA graph;
@@ -54,6 +54,7 @@ from rich.console import Console
 
 from longtrain.generate import Decoder, prefill
 from longtrain.model import LM, LMConfig
+from longtrain.model.chunks import prefill_chunk_size
 
 FULL = dict(vocab_size=8192, layers=12, d_model=768, heads=12, style="gpt2")
 FULL_ATTN = [("sparsek+sw", dict(attention="sparsek+sw", topk=512, window=512)),
@@ -147,6 +148,13 @@ def timed_prefill(model: LM, prompts, *, chunk: int, dev: torch.device, warm_wit
     return cache, logits, time.perf_counter() - t0
 
 
+def chunk_for(model: LM, rows: int, chunk: int | None) -> int:
+    """--chunk, else the chunk longtrain's prefill reads for `rows` prompts on the model's device."""
+    cfg = model.cfg
+    return chunk or prefill_chunk_size(None, 0, rows=rows, d_model=cfg.d_model, attention=cfg.attention,
+                                       device_type=model.embed.weight.device.type)
+
+
 def warm_prefix(prompt: torch.Tensor, chunk: int) -> torch.Tensor:
     """The prompt's first chunks that hold every chunk shape its prefill meets: a chunk from the empty cache, one
     from a filled cache and the last partial one (min(n, 2 chunks + n mod chunk) tokens; a 1M prompt's 128 chunks
@@ -162,6 +170,7 @@ def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev
         return row | {"skipped": f"full attention's O(n^2) prefill of {n_prompt:,} tokens is beyond this benchmark"}
     prompt = single_prompt(model, n_prompt)
     row["allocated_at_start_bytes"] = _fresh(dev)
+    row["prefill_chunk"] = chunk = chunk_for(model, 1, chunk)
     cache, logits, row["prefill_s"] = timed_prefill(model, prompt, chunk=chunk, dev=dev, warm_with=warm_prefix(prompt, chunk))
     row["prefill_tokens_per_s"] = n_prompt / row["prefill_s"]
     graph = dev.type == "cuda" and name != "full"
@@ -186,7 +195,9 @@ def run_batched(model: LM, name: str, rows: int, n_prompt: int, *, chunk: int, n
     prompts = batched_prompts(model, rows, n_prompt)
     lengths = [len(p) for p in prompts]
     row = {"kind": "batched", "attention": name, "rows": rows, "prompt_tokens": sum(lengths),
-           "prompt_lengths": [min(lengths), max(lengths)], "allocated_at_start_bytes": _fresh(dev)}
+           "prompt_lengths": [min(lengths), max(lengths)], "allocated_at_start_bytes": _fresh(dev),
+           "prefill_chunk": chunk_for(model, rows, chunk)}
+    chunk = row["prefill_chunk"]
     # warmed: the ragged rows' shapes are new to the kernels (the single rows ran one row)
     cache, logits, row["prefill_s"] = timed_prefill(model, prompts, chunk=chunk, dev=dev, warm_with=prompts)
     row["prefill_tokens_per_s"] = sum(lengths) / row["prefill_s"]
@@ -335,7 +346,8 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="a tiny model and short prompts on the CPU (checks the script)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens decoded per row (default 256; --small 8)")
     ap.add_argument("--prompts", type=str, default=None, help="comma-separated single-row prompt lengths")
-    ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 8192; --small 512)")
+    ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: longtrain's for the rows and device, "
+                    "model.chunks.prefill_chunk_size; --small 512)")
     ap.add_argument("--attentions", type=str, default=None, help="comma-separated subset of sparsek+sw,sw,full")
     ap.add_argument("--batch", type=int, default=None, help="rows decoded together (default 64; --small 4; 0: none)")
     ap.add_argument("--batch-prompt", type=int, default=None, help="longest batched prompt (default 4096; --small 64)")
@@ -363,7 +375,7 @@ def main() -> None:
     if args.attentions:
         attns = [(n, kw) for n, kw in attns if n in args.attentions.split(",")]
     new = args.new_tokens or (8 if small else 256)
-    chunk = args.chunk or (512 if small else 8192)
+    chunk = args.chunk or (512 if small else None)
     batch = args.batch if args.batch is not None else (4 if small else 64)
     batch_prompt = args.batch_prompt or (64 if small else 4096)
     check_prompt = args.check_prompt if args.check_prompt is not None else (512 if small else 65536)

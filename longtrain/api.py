@@ -28,7 +28,7 @@ from longtrain.generate import (
     pad_prompts,
     read_prompts,
 )
-from longtrain.model.chunks import resolve_chunk_size
+from longtrain.model.chunks import prefill_chunk_size, resolve_chunk_size
 
 
 def load(checkpoint: str | Path, *, device: str = "auto", dtype: str | None = None) -> "Model":
@@ -55,6 +55,13 @@ class Model:
         self.device, self.dtype = device, dtype
         self.chunk_size = resolve_chunk_size(None, ckpt.recipe.train.chunk_size, prefill=True)
         self.last: Generation | None = None  # the last generate's timings and memory
+
+    def prefill_chunk(self, rows: int, requested: int | None = None) -> int:
+        """The chunk a prefill of `rows` prompts reads (model.chunks.prefill_chunk_size): `requested`, else longer
+        chunks on a GPU, where a prefill in short chunks is launch-bound."""
+        cfg = self.model.cfg
+        return prefill_chunk_size(requested, self.checkpoint.recipe.train.chunk_size, rows=rows, d_model=cfg.d_model,
+                                  attention=cfg.attention, device_type=torch.device(self.device).type)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -100,7 +107,7 @@ class Model:
         self.last = generate_batch(
             self.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=[stop] if isinstance(stop, str) else stop,
             eod_id=eod_id(self.tokenizer) if stop_at_end_of_document else None, tokenizer=self.tokenizer,
-            chunk_size=chunk_size or self.chunk_size, compile=compile, on_token=on_token, on_prefill=on_prefill,
+            chunk_size=self.prefill_chunk(len(ids), chunk_size), compile=compile, on_token=on_token, on_prefill=on_prefill,
         )
         return self.last.rows
 

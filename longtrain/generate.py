@@ -36,7 +36,7 @@ import torch
 
 from longtrain.model import LM, LMOutput, ModelCache
 from longtrain.model.attention_types import has_ring_layout
-from longtrain.model.chunks import PREFILL_CHUNK, ChunkReader, split_rows
+from longtrain.model.chunks import PREFILL_CHUNK, ChunkReader, prefill_chunk_size, split_rows
 from longtrain.ops.sparsek_attention.decode import position_hash
 
 STOP_REASONS = ("max_new_tokens", "end_of_document", "stop_text")
@@ -98,12 +98,15 @@ def prefill(
     model: LM,
     prompts: torch.Tensor | Sequence[Sequence[int]],  # ids [B, T], or B token lists of any lengths
     *,
-    chunk_size: int = PREFILL_CHUNK,
+    chunk_size: int | None = None,  # None: prefill_chunk_size's for these rows on this device
     cache: ModelCache | None = None,
     on_chunk: Callable[[int], None] | None = None,  # called with the tokens done so far (of the longest row)
 ) -> tuple[ModelCache, torch.Tensor]:
     """(cache after the prompts, logits [B, V] at each row's last prompt token): the prompts read in chunks."""
     ids, lengths = pad_prompts(prompts)
+    if chunk_size is None:
+        chunk_size = prefill_chunk_size(None, 0, rows=ids.shape[0], d_model=model.cfg.d_model, attention=model.cfg.attention,
+                                        device_type=model.embed.weight.device.type)
     last = None  # [B, d] the final hidden state at each row's last token
     for s, n, out in read_prompts(model, ids, lengths, chunk_size=chunk_size, cache=cache):
         if last is None:
@@ -461,7 +464,7 @@ def generate_batch(
     stop: Sequence[str] | Sequence[Sequence[str]] = (),  # stop texts (one list for all rows, or one per row)
     eod_id: int | None = None,  # a row stops after this token (None: never)
     tokenizer=None,  # needed for stop texts; with it every row's `text` is filled in
-    chunk_size: int = PREFILL_CHUNK,
+    chunk_size: int | None = None,  # the prefill's (None: prefill_chunk_size's)
     cuda_graph: bool | None = None,
     compile: bool = False,
     in_place: bool | None = None,  # Decoder's: the cache's ring layout (None: where measured faster)

@@ -31,7 +31,9 @@ def generate(
     seed: int = typer.Option(0, "--seed", help="seed of the sampling (each prompt draws as it would alone)"),
     stop: list[str] = typer.Option(None, "--stop",
         help="stop once the text holds this text (repeat for several); the text is cut before it"),
-    chunk_size: int = typer.Option(None, "--chunk-size", help="prefill chunk (default: 4096, or the recipe's train.chunk_size if larger)"),
+    chunk_size: int = typer.Option(None, "--chunk-size",
+        help="prefill chunk (default: the larger of 4096 and the recipe's train.chunk_size; on a GPU, longer chunks "
+             "where the KV cache has a fixed size: about 64M activations over the prompts)"),
     json_path: Path = typer.Option(None, "--json", help="write the texts and the timings as JSON here"),
     output: Path = typer.Option(None, "--output", help="several prompts: write the JSONL here (default: stdout)"),
     compile: bool = typer.Option(False, "--compile", help="torch.compile the decode step (CUDA: a slower start, faster steps)"),
@@ -142,7 +144,7 @@ def run_generate(
             which = "the prompt" if len(rows) == 1 else f"the prompt of {r['source']}"
             raise UsageError(f"{which} is empty: give some text to continue")
     cfg, ckpt = lm.model.cfg, lm.checkpoint
-    chunk = chunk_size or lm.chunk_size
+    chunk = lm.prefill_chunk(len(rows), chunk_size)
     n_tokens = [len(lm.encode(r["prompt"])) for r in rows]
     err.print(f"{ckpt.path} (step {ckpt.step}): {describe(cfg.attention, cfg.topk, cfg.window)}, {lm.dtype} on {lm.device}; "
               + (f"prompt {n_tokens[0]:,} tokens" if not several else f"{len(rows)} prompts, {sum(n_tokens):,} tokens"))

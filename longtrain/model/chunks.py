@@ -12,8 +12,9 @@ dead keys behind, so it is cut to the longest current document (read from the ho
 chunk, no device sync). A SparseK cache has a fixed size and is carried as it is.
 
 Chunk size: a reader reads in the chunks it is asked for, else the run's training chunk
-(`resolve_chunk_size`); generation's prefill reads at least PREFILL_CHUNK tokens at a time (speed only:
-chunked and unchunked reads give the same results, docs/DESIGN.md section 3).
+(`resolve_chunk_size`); generation's prefill reads at least PREFILL_CHUNK tokens at a time, and on a GPU a
+fixed-size cache's prefill reads much longer chunks (`prefill_chunk_size`). Speed only: chunked and unchunked
+reads give the same results (docs/DESIGN.md section 3).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from longtrain.data.stream import IGNORE, Chunk
 from longtrain.model.cache import ModelCache
 
 PREFILL_CHUNK = 4096  # a prompt's chunks at least this long: fewer, larger launches
+# A fixed-size cache's prefill on a GPU: a chunk holds about this many activation elements (tokens x d_model)
+# over all its rows. A prefill in chunks of 8192 is launch-bound: at 12 x 768 on an H100, 64k tokens in chunks of
+# 8192 keep the GPU busy ~1/3 of the time, and chunks of 65536 read 3.8x (SparseK+SW) to 7.7x (SW) more tokens/s
+# at ~2 GiB (benchmarks/README.md, issue 33). Full attention keeps PREFILL_CHUNK: its mask is L x T.
+PREFILL_GPU_ELEMENTS = 65536 * 1024
 
 
 def resolve_chunk_size(requested: int | None, trained: int, *, prefill: bool = False) -> int:
@@ -37,6 +43,18 @@ def resolve_chunk_size(requested: int | None, trained: int, *, prefill: bool = F
     if requested:  # None: not asked for
         return requested
     return max(PREFILL_CHUNK, trained) if prefill else trained
+
+
+def prefill_chunk_size(requested: int | None, trained: int, *, rows: int, d_model: int, attention: str,
+                       device_type: str) -> int:
+    """The chunk a prefill of `rows` prompts reads: `requested`, else at least resolve_chunk_size's, and on a GPU
+    for a fixed-size cache (every type but full attention) a power of two with about PREFILL_GPU_ELEMENTS
+    activations over the rows (65,536 tokens for one row at d_model 768 or 1024, 16,384 at 4096)."""
+    base = resolve_chunk_size(requested, trained, prefill=True)
+    if requested or device_type != "cuda" or attention == "full":
+        return base
+    tokens = PREFILL_GPU_ELEMENTS // max(d_model * max(rows, 1), 1)
+    return max(base, 1 << max(tokens.bit_length() - 1, 0))
 
 
 # One chunk (on the device) from a cache -> what the pass returns: anything with the next `.cache`

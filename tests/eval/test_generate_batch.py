@@ -218,3 +218,42 @@ def test_in_place_needs_a_ring_capable_attention():
     cache, _ = prefill(model, _prompts(), chunk_size=8)
     with pytest.raises(ValueError, match="in_place needs"):
         Decoder(model, cache, cuda_graph=False, in_place=True)
+
+
+def test_the_prefill_chunk_grows_on_a_gpu_for_a_fixed_size_cache_only():
+    """Longer prefill chunks where a prefill is launch-bound (a GPU) and the cache has a fixed size; full attention
+    (an L x T mask) and the CPU keep the floor; an asked-for chunk is always taken."""
+    from longtrain.model.chunks import PREFILL_CHUNK, prefill_chunk_size
+
+    gpu = dict(attention="sparsek+sw", device_type="cuda")
+    assert prefill_chunk_size(None, 2048, rows=1, d_model=768, **gpu) == 65536
+    assert prefill_chunk_size(None, 2048, rows=1, d_model=4096, **gpu) == 16384
+    assert prefill_chunk_size(None, 2048, rows=4, d_model=768, **gpu) == 16384
+    assert prefill_chunk_size(None, 2048, rows=64, d_model=768, **gpu) == PREFILL_CHUNK  # the floor
+    assert prefill_chunk_size(None, 8192, rows=64, d_model=768, **gpu) == 8192  # the training chunk, if longer
+    assert prefill_chunk_size(None, 2048, rows=1, d_model=768, attention="full", device_type="cuda") == PREFILL_CHUNK
+    assert prefill_chunk_size(None, 2048, rows=1, d_model=768, attention="sw", device_type="cpu") == PREFILL_CHUNK
+    assert prefill_chunk_size(300, 2048, rows=1, d_model=768, **gpu) == 300
+    for d in (64, 96, 768, 1000, 5120):  # a power of two, at least the floor
+        c = prefill_chunk_size(None, 0, rows=1, d_model=d, **gpu)
+        assert c >= PREFILL_CHUNK and c & (c - 1) == 0 and c * d <= 65536 * 1024
+
+
+def test_prefill_without_a_chunk_asks_prefill_chunk_size_for_its_rows(monkeypatch):
+    """prefill(chunk_size=None) reads in the chunks prefill_chunk_size gives for its rows, model and device."""
+    import longtrain.generate as gen
+
+    asked = {}
+
+    def fake(requested, trained, **kw):
+        asked.update(kw, requested=requested)
+        return 8
+
+    model, prompts = _model(CASES["sparsek+sw"]), _prompts()
+    monkeypatch.setattr(gen, "prefill_chunk_size", fake)
+    cache, logits = prefill(model, prompts)
+    assert asked == dict(requested=None, rows=4, d_model=SMALL["d_model"], attention="sparsek+sw", device_type="cpu")
+    ref_cache, ref_logits = prefill(model, prompts, chunk_size=8)
+    other_cache, other_logits = prefill(model, prompts, chunk_size=16)
+    assert torch.equal(logits, ref_logits) and torch.equal(cache.seen, ref_cache.seen)
+    assert torch.allclose(logits, other_logits)  # another chunk: the same result (float64), not the same path
