@@ -176,3 +176,19 @@ def test_generate_batch_decodes_several_rows_in_place_by_default_as_the_rebuilt_
     assert ring.extra["in_place"] and ring.extra["cuda_graph"] and not plain.extra["in_place"]
     assert [r.tokens for r in ring.rows] == [r.tokens for r in plain.rows]
     assert [len(r.tokens) for r in ring.rows] == [120, 90, 150]
+
+
+@pytest.mark.parametrize("kw", CASES[:2])
+@torch.no_grad()
+def test_the_default_long_prefill_chunks_give_the_short_chunks_cache(kw):
+    """prefill's default chunks on a GPU (prefill_chunk_size: 65,536 tokens at d_model 128 and 2 rows) against
+    chunks of 4096: the same selections (pool positions) and logits within float32 rounding."""
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=512, layers=2, d_model=128, heads=4, **kw)).cuda().eval()
+    tokens = torch.randint(0, 512, (2, 20_000))
+    long_cache, long_logits = prefill(model, tokens)
+    short_cache, short_logits = prefill(model, tokens, chunk_size=4096)
+    assert torch.equal(long_cache.seen, short_cache.seen)
+    assert (long_logits - short_logits).abs().max() < 1e-3
+    for x, y in zip(long_cache.layers, short_cache.layers):
+        assert torch.equal(x.attn.pool_pos.sort(1).values, y.attn.pool_pos.sort(1).values)
