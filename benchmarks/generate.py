@@ -17,7 +17,8 @@ A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with S
   modes    --modes in_place,rebuild: the graph decoding again with Decoder(in_place=True) (the ring layout,
            K/V written in place) or in_place=False (the cache rebuilt every step), and compiled with --compile;
            the other rows use Decoder's default (in place for several rows or a compiled step);
-  profile  torch.profiler over 20 decode steps (CUDA): eager after the shortest prompt and in the batch,
+  profile  --profile-prefill N: torch.profiler over the N-token prompt's prefill (wall against kernel time, launches);
+           always: torch.profiler over 20 decode steps (CUDA): eager after the shortest prompt and in the batch,
            and with --compile the compiled step's graph replays (the profiler names the kernels a graph
            launches); the kernels by device time per step and the launches per step (JSON only);
   inductor --inductor freezing=0[,combo_kernels=0,...]: torch._inductor.config for the compiled rows, over
@@ -164,7 +165,7 @@ def warm_prefix(prompt: torch.Tensor, chunk: int) -> torch.Tensor:
 
 
 def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev: torch.device, profile: bool = False,
-               modes: tuple[str, ...] = ()) -> dict:
+               modes: tuple[str, ...] = (), profile_prefill_at: int = 0) -> dict:
     row = {"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n_prompt}
     if name == "full" and n_prompt > FULL_ATTENTION_MAX:
         return row | {"skipped": f"full attention's O(n^2) prefill of {n_prompt:,} tokens is beyond this benchmark"}
@@ -173,6 +174,8 @@ def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev
     row["prefill_chunk"] = chunk = chunk_for(model, 1, chunk)
     cache, logits, row["prefill_s"] = timed_prefill(model, prompt, chunk=chunk, dev=dev, warm_with=warm_prefix(prompt, chunk))
     row["prefill_tokens_per_s"] = n_prompt / row["prefill_s"]
+    if profile_prefill_at == n_prompt and dev.type == "cuda":
+        row["prefill_profile"] = profile_prefill(model, prompt, chunk)
     graph = dev.type == "cuda" and name != "full"
     d = decode_rate(model, cache, logits, new, graph=graph)
     row |= {"decode_tokens": new, "decode_tokens_per_s": d["tokens_per_s"], "cuda_graph": d["graph"], "decode_setup_s": d["setup_s"]}
@@ -255,6 +258,27 @@ def _profile_steps(dec: Decoder, steps: int) -> dict:
             "launches_per_step": sum(e.count for e in kernels) / steps,
             "top": [{"kernel": e.key[:120], "us_per_step": e.self_device_time_total / steps, "per_step": e.count / steps}
                     for e in kernels[:25]]}
+
+
+@torch.no_grad()
+def profile_prefill(model: LM, prompt: torch.Tensor, chunk: int) -> dict:
+    """Where a (warm) prefill's time goes: torch.profiler over one prefill of `prompt` in chunks of `chunk`: the wall
+    time, the kernels' device time and count, the host time of the launches, the top kernels. Device time well
+    below the wall time: the prefill is launch-bound (issue 33: chunks of 8192 were)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        prefill(model, prompt, chunk_size=chunk)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    kernels = sorted((e for e in events if e.device_type.name == "CUDA"), key=lambda e: -e.self_device_time_total)
+    launch = [e for e in events if e.key == "cudaLaunchKernel"]
+    return {"chunk": chunk, "wall_ms": wall * 1e3, "device_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
+            "kernels": sum(e.count for e in kernels), "launch_host_ms": sum(e.self_cpu_time_total for e in launch) / 1e3,
+            "top": [{"kernel": e.key[:120], "ms": e.self_device_time_total / 1e3, "count": e.count} for e in kernels[:25]]}
 
 
 def add_modes(model: LM, row: dict, cache, logits: torch.Tensor, new: int, modes: tuple[str, ...], *, compile: bool) -> None:
@@ -358,6 +382,8 @@ def main() -> None:
         help="decode == forward check: prompt (default 65536; --small 512; 0: no check)")
     ap.add_argument("--check-tokens", type=int, default=None, help="decode == forward check: tokens (default 1000; --small 20)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new row after this many seconds")
+    ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
+                    help="torch.profiler over the single N-token prompt's prefill (CUDA; JSON only)")
     ap.add_argument("--inductor", default="", help="comma list KEY=VALUE of torch._inductor.config for the compiled "
                     "rows over Decoder's COMPILE_OPTIONS, e.g. freezing=0,combo_kernels=0 (Inductor's defaults)")
     args = ap.parse_args()
@@ -408,7 +434,8 @@ def main() -> None:
             console.print(json.dumps(report["check"]), highlight=False)
         for n in prompts:
             add({"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n, "skipped": "time budget"} if over_budget()
-                else run_single(model, name, n, chunk=chunk, new=new, dev=dev, profile=n == prompts[0], modes=modes))
+                else run_single(model, name, n, chunk=chunk, new=new, dev=dev, profile=n == prompts[0], modes=modes,
+                                profile_prefill_at=args.profile_prefill))
         if batch:
             add({"kind": "batched", "attention": name, "rows": batch, "skipped": "time budget"} if over_budget() else
                 run_batched(model, name, batch, batch_prompt, chunk=chunk, new=batch_new, dev=dev, modes=modes))

@@ -31,9 +31,9 @@ from longtrain.model.cache import ModelCache
 
 PREFILL_CHUNK = 4096  # a prompt's chunks at least this long: fewer, larger launches
 # A fixed-size cache's prefill on a GPU: a chunk holds about this many activation elements (tokens x d_model)
-# over all its rows. A prefill in chunks of 8192 is launch-bound: at 12 x 768 on an H100, 64k tokens in chunks of
-# 8192 keep the GPU busy ~1/3 of the time, and chunks of 65536 read 3.8x (SparseK+SW) to 7.7x (SW) more tokens/s
-# at ~2 GiB (benchmarks/README.md, issue 33). Full attention keeps PREFILL_CHUNK: its mask is L x T.
+# over all its rows. In chunks of 8192 a prefill is launch-bound: at 12 x 768 on an H100 its kernels ran at most
+# 35% of a 64k prefill's time (torch.profiler), and SparseK+SW read 0.08-0.11M tokens/s; in chunks of 65536,
+# 0.79-0.89M at 64k-1M, ~2 GiB (benchmarks/README.md, issue 33). Full attention keeps PREFILL_CHUNK: its mask is L x T.
 PREFILL_GPU_ELEMENTS = 65536 * 1024
 
 
