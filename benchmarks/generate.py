@@ -517,7 +517,7 @@ def _rate(r: dict, key: str) -> str:
     return f"{r[key]:,.1f}" if r.get(key) else "—"
 
 
-HEAD = ["kind", "attention", "rows", "prompt tokens", "prefill tok/s", "decode tok/s (graph)", "compiled", "eager",
+HEAD = ["kind", "attention", "rows", "prompt tokens", "prefill chunk", "prefill tok/s", "decode tok/s (graph)", "compiled", "eager",
         "peak MiB", "above start MiB", "KV entries / layer"]
 
 
@@ -527,7 +527,8 @@ def _cells(r: dict) -> list[str]:
     if "skipped" in r:
         return first + ["skipped: " + r["skipped"]] + [""] * (len(HEAD) - 5)
     return first + [
-        f"{r['prefill_tokens_per_s']:,.0f}", _rate(r, "decode_tokens_per_s"), _rate(r, "decode_tokens_per_s_compiled"),
+        f"{r['prefill_chunk']:,}" if r.get("prefill_chunk") else "", f"{r['prefill_tokens_per_s']:,.0f}",
+        _rate(r, "decode_tokens_per_s"), _rate(r, "decode_tokens_per_s_compiled"),
         _rate(r, "decode_tokens_per_s_eager"), f"{r['peak_memory_bytes'] / mib:,.0f}", f"{working_bytes(r) / mib:,.0f}",
         f"{r['kv_entries_per_layer']:,}",
     ]
@@ -535,7 +536,7 @@ def _cells(r: dict) -> list[str]:
 
 def markdown(report: dict) -> str:
     lines = [f"generation on {report['device']}, {report['dtype']}, commit {report['commit']}, {report['new_tokens']} new "
-             f"tokens per single row, prefill chunks of {report['prefill_chunk']}", "",
+             f"tokens per single row, prefill chunks: {report['prefill_chunk'] or 'longtrain default'}", "",
              "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in report["rows"]] + [""]
     for r in report["rows"]:
