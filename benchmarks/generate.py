@@ -53,9 +53,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from longtrain.generate import Decoder, prefill
+from longtrain.generate import Decoder, prefill, prefill_chunk_for
 from longtrain.model import LM, LMConfig
-from longtrain.model.chunks import prefill_chunk_size
 
 FULL = dict(vocab_size=8192, layers=12, d_model=768, heads=12, style="gpt2")
 FULL_ATTN = [("sparsek+sw", dict(attention="sparsek+sw", topk=512, window=512)),
@@ -149,13 +148,6 @@ def timed_prefill(model: LM, prompts, *, chunk: int, dev: torch.device, warm_wit
     return cache, logits, time.perf_counter() - t0
 
 
-def chunk_for(model: LM, rows: int, chunk: int | None) -> int:
-    """--chunk, else the chunk longtrain's prefill reads for `rows` prompts on the model's device."""
-    cfg = model.cfg
-    return chunk or prefill_chunk_size(None, 0, rows=rows, d_model=cfg.d_model, attention=cfg.attention,
-                                       device_type=model.embed.weight.device.type)
-
-
 def warm_prefix(prompt: torch.Tensor, chunk: int) -> torch.Tensor:
     """The prompt's first chunks that hold every chunk shape its prefill meets: a chunk from the empty cache, one
     from a filled cache and the last partial one (min(n, 2 chunks + n mod chunk) tokens; a 1M prompt's 128 chunks
@@ -171,7 +163,7 @@ def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev
         return row | {"skipped": f"full attention's O(n^2) prefill of {n_prompt:,} tokens is beyond this benchmark"}
     prompt = single_prompt(model, n_prompt)
     row["allocated_at_start_bytes"] = _fresh(dev)
-    row["prefill_chunk"] = chunk = chunk_for(model, 1, chunk)
+    row["prefill_chunk"] = chunk = prefill_chunk_for(model, 1, chunk)
     cache, logits, row["prefill_s"] = timed_prefill(model, prompt, chunk=chunk, dev=dev, warm_with=warm_prefix(prompt, chunk))
     row["prefill_tokens_per_s"] = n_prompt / row["prefill_s"]
     if profile_prefill_at == n_prompt and dev.type == "cuda":
@@ -199,7 +191,7 @@ def run_batched(model: LM, name: str, rows: int, n_prompt: int, *, chunk: int, n
     lengths = [len(p) for p in prompts]
     row = {"kind": "batched", "attention": name, "rows": rows, "prompt_tokens": sum(lengths),
            "prompt_lengths": [min(lengths), max(lengths)], "allocated_at_start_bytes": _fresh(dev),
-           "prefill_chunk": chunk_for(model, rows, chunk)}
+           "prefill_chunk": prefill_chunk_for(model, rows, chunk)}
     chunk = row["prefill_chunk"]
     # warmed: the ragged rows' shapes are new to the kernels (the single rows ran one row)
     cache, logits, row["prefill_s"] = timed_prefill(model, prompts, chunk=chunk, dev=dev, warm_with=prompts)

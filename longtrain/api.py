@@ -26,9 +26,10 @@ from longtrain.generate import (
     Sampling,
     generate_batch,
     pad_prompts,
+    prefill_chunk_for,
     read_prompts,
 )
-from longtrain.model.chunks import prefill_chunk_size, resolve_chunk_size
+from longtrain.model.chunks import resolve_chunk_size
 
 
 def load(checkpoint: str | Path, *, device: str = "auto", dtype: str | None = None) -> "Model":
@@ -59,9 +60,7 @@ class Model:
     def prefill_chunk(self, rows: int, requested: int | None = None) -> int:
         """The chunk a prefill of `rows` prompts reads (model.chunks.prefill_chunk_size): `requested`, else longer
         chunks on a GPU, where a prefill in short chunks is launch-bound."""
-        cfg = self.model.cfg
-        return prefill_chunk_size(requested, self.checkpoint.recipe.train.chunk_size, rows=rows, d_model=cfg.d_model,
-                                  attention=cfg.attention, device_type=torch.device(self.device).type)
+        return prefill_chunk_for(self.model, rows, requested, self.checkpoint.recipe.train.chunk_size)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

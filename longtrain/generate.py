@@ -93,6 +93,13 @@ def read_prompts(
         yield start, host.lengths, out
 
 
+def prefill_chunk_for(model: LM, rows: int, requested: int | None = None, trained: int = 0) -> int:
+    """The chunk a prefill of `rows` prompts reads with `model` on its device (model.chunks.prefill_chunk_size):
+    `requested`, else at least the training chunk `trained`, and longer on a GPU for a fixed-size cache."""
+    return prefill_chunk_size(requested, trained, rows=rows, d_model=model.cfg.d_model, attention=model.cfg.attention,
+                              device_type=model.embed.weight.device.type)
+
+
 @torch.no_grad()
 def prefill(
     model: LM,
@@ -104,9 +111,7 @@ def prefill(
 ) -> tuple[ModelCache, torch.Tensor]:
     """(cache after the prompts, logits [B, V] at each row's last prompt token): the prompts read in chunks."""
     ids, lengths = pad_prompts(prompts)
-    if chunk_size is None:
-        chunk_size = prefill_chunk_size(None, 0, rows=ids.shape[0], d_model=model.cfg.d_model, attention=model.cfg.attention,
-                                        device_type=model.embed.weight.device.type)
+    chunk_size = prefill_chunk_for(model, ids.shape[0], chunk_size)
     last = None  # [B, d] the final hidden state at each row's last token
     for s, n, out in read_prompts(model, ids, lengths, chunk_size=chunk_size, cache=cache):
         if last is None:

@@ -32,8 +32,8 @@ from longtrain.model.cache import ModelCache
 PREFILL_CHUNK = 4096  # a prompt's chunks at least this long: fewer, larger launches
 # A fixed-size cache's prefill on a GPU: a chunk holds about this many activation elements (tokens x d_model)
 # over all its rows. In chunks of 8192 a prefill is launch-bound: at 12 x 768 on an H100 its kernels ran at most
-# 35% of a 64k prefill's time (torch.profiler), and SparseK+SW read 0.08-0.11M tokens/s; in chunks of 65536,
-# 0.79-0.89M at 64k-1M, ~2 GiB (benchmarks/README.md, issue 33). Full attention keeps PREFILL_CHUNK: its mask is L x T.
+# 35% of a 64k prefill's time (a one-off torch.profiler run), and benchmarks/generate.py read 81.6k tokens/s at 64k
+# for SparseK+SW; in chunks of 65536, 0.79-0.89M at 64k-1M, ~2 GiB (benchmarks/README.md, issue 33).
 PREFILL_GPU_ELEMENTS = 65536 * 1024
 
 
@@ -51,7 +51,7 @@ def prefill_chunk_size(requested: int | None, trained: int, *, rows: int, d_mode
     for a fixed-size cache (every type but full attention) a power of two with about PREFILL_GPU_ELEMENTS
     activations over the rows (65,536 tokens for one row at d_model 768 or 1024, 16,384 at 4096)."""
     base = resolve_chunk_size(requested, trained, prefill=True)
-    if requested or device_type != "cuda" or attention == "full":
+    if requested or device_type != "cuda" or attention == "full":  # asked for, or not launch-bound / an L x T mask
         return base
     tokens = PREFILL_GPU_ELEMENTS // max(d_model * max(rows, 1), 1)
     return max(base, 1 << max(tokens.bit_length() - 1, 0))

@@ -181,7 +181,8 @@ def test_generate_batch_decodes_several_rows_in_place_by_default_as_the_rebuilt_
 @pytest.mark.parametrize("kw", CASES[:2])
 @torch.no_grad()
 def test_the_default_long_prefill_chunks_give_the_short_chunks_cache(kw):
-    """prefill's default chunks on a GPU (prefill_chunk_size: 65,536 tokens at d_model 128 and 2 rows) against
+    """prefill's default chunks on a GPU (prefill_chunk_size: 262,144 tokens at d_model 128 and 2 rows, so the whole
+    20k-token prompt in one chunk) against
     chunks of 4096: the same selections (pool positions) and logits within float32 rounding."""
     torch.manual_seed(0)
     model = LM(LMConfig(vocab_size=512, layers=2, d_model=128, heads=4, **kw)).cuda().eval()
