@@ -56,7 +56,10 @@ def test_rows_of_different_lengths_keep_the_cache_of_their_prompt_alone(name):
                     continue
             if key.split(".")[-1] in ("thr_u", "thr_saturated"):  # a set: its order is the scan's business
                 got, want = got.sort(-1).values, want.sort(-1).values
-            assert torch.equal(got, want), (r, key)
+            if want.is_floating_point():  # BLAS may round a 4-row and a 1-row product apart (seen: K, V, u
+                assert torch.allclose(got, want, atol=1e-12, rtol=1e-12), (r, key)  # by 1e-16 on an AMD EPYC)
+            else:  # positions, counts, flags: the row's own selection, exactly
+                assert torch.equal(got, want), (r, key)
 
 
 @pytest.mark.parametrize("name", ["sparsek+sw", "sw", "full", "llama gqa per-kv-head"])

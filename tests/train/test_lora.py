@@ -26,7 +26,9 @@ def test_merged_weights_give_the_adapter_models_logits():
     before = model(tokens).logits
     base = LM(cfg).double()
     base.load_state_dict(merge_lora(model.state_dict()))
-    assert torch.equal(base(tokens).logits, before)  # B = 0: the adapters start as a no-op
+    # B = 0: the adapters start as a no-op, to float64 rounding: on an AMD EPYC machine the two models' o_proj outputs
+    # differed by 1e-18 (MKL promises the same bits only for operands of the same memory alignment, unless CNR is set)
+    assert (base(tokens).logits - before).abs().max() <= 1e-13
     for name, p in model.named_parameters():
         if name.endswith(".lora.b"):
             p.normal_(0, 0.3)
