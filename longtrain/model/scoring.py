@@ -86,6 +86,23 @@ def importance_scores(
         else:
             r = x.to(torch.float64) @ weight.to(torch.float64).t()  # [B, L, G]
     r64 = torch.where(valid[..., None], r, 0.0)
+    scores = one_token_scores if one_token else prefix_scores
+    u, csum, csq = scores(r64, pos, valid, seen, score_sum, score_sumsq, timestep_norm=timestep_norm, eps_slope=eps_slope)
+    return u.to(sd), csum.detach(), csq.detach()
+
+
+def prefix_scores(
+    r64: torch.Tensor,  # [B, L, G] float64 raw scores x · w (0 where invalid)
+    pos: torch.Tensor,  # [B, L] int64
+    valid: torch.Tensor,  # [B, L] bool
+    seen: torch.Tensor,  # [B] int64
+    score_sum: torch.Tensor,  # [B, G] float64
+    score_sumsq: torch.Tensor,  # [B, G] float64
+    *,
+    timestep_norm: bool,
+    eps_slope: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """u [B, L, G] float64 from the raw scores and the carried totals, and the totals after the chunk [B, G]."""
     # Prefix sums that start from the carried totals: [carry, r_0, r_1, ...] -> drop the carry. One
     # cumsum for both, along the last (contiguous) dim: there CUDA scans in parallel (~0.01 ms at
     # 16k tokens), while a cumsum along dim 1 of [B, L, 2G] runs one thread per column through all
@@ -104,7 +121,24 @@ def importance_scores(
     else:
         n = r64
     u = n + eps_slope * pos.to(torch.float64)[..., None]
-    return u.to(sd), csum[:, -1].detach(), csq[:, -1].detach()
+    return u, csum[:, -1], csq[:, -1]
+
+
+def one_token_scores(r64, pos, valid, seen, score_sum, score_sumsq, *, timestep_norm: bool, eps_slope: float):
+    """prefix_scores for L = 1 (decoding), the same bits: the prefix sums are the carried totals plus this token's
+    term, the one float64 addition the chunk's cumsum makes, written without the cat, transpose and scan, so that
+    a compiled decode step computes the scorer in one kernel (a scan is a kernel of its own)."""
+    csum = score_sum.to(r64) + r64[:, 0]  # [B, G]
+    csq = score_sumsq.to(r64) + r64[:, 0] * r64[:, 0]
+    if timestep_norm:
+        count = (seen + valid[:, 0]).clamp(min=1).to(torch.float64)[:, None]  # [B, 1]
+        mean = csum / count
+        var = (csq / count - mean * mean).clamp(min=0.0)
+        n = torch.where(valid, (r64[:, 0] - mean) / torch.sqrt(var + TSN_EPS), 0.0)  # [B, G]
+    else:
+        n = r64[:, 0]
+    u = n + eps_slope * pos.to(torch.float64)  # [B, G]
+    return u[:, None], csum, csq
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from longtrain.model import LM, LMConfig, ModelCache, ThresholdOverflowWarning
-from longtrain.model.scoring import Scorer, mimic_score_weight
+from longtrain.model.scoring import Scorer, mimic_score_weight, one_token_scores, prefix_scores
 
 SMALL = dict(vocab_size=61, layers=2, d_model=32, heads=4)
 
@@ -149,6 +149,25 @@ def test_scores_stay_float32_under_bf16_autocast():
         u, _, _ = scorer(x, torch.arange(10).expand(2, 10), torch.ones(2, 10, dtype=torch.bool), torch.zeros(2, dtype=torch.long),
             zeros, zeros)
     assert u.dtype == torch.float32
+
+
+@pytest.mark.parametrize("timestep_norm", [True, False])
+def test_one_token_scores_are_the_chunk_scores_bits(timestep_norm):
+    """The decode step's scorer (no scan) gives a one-token chunk's u and totals bit for bit, padded rows too."""
+    g = torch.Generator().manual_seed(7)
+    B, G = 5, 3
+    r64 = torch.randn(B, 1, G, generator=g, dtype=torch.float64) * 3
+    valid = torch.tensor([[True], [False], [True], [True], [True]])
+    r64 = torch.where(valid[..., None], r64, 0.0)
+    seen = torch.tensor([0, 9, 1, 4_000_017, 333])
+    pos = seen[:, None].clone()
+    ssum = torch.randn(B, G, generator=g, dtype=torch.float64) * 50
+    ssq = ssum.square() / seen.clamp(min=1)[:, None] + torch.rand(B, G, generator=g, dtype=torch.float64) * 40
+    kw = dict(timestep_norm=timestep_norm, eps_slope=1e-3)
+    want = prefix_scores(r64, pos, valid, seen, ssum, ssq, **kw)
+    got = one_token_scores(r64, pos, valid, seen, ssum, ssq, **kw)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.equal(a, b)
 
 
 def test_mimic_init_is_wq_wk_transpose_ones_normalised():
