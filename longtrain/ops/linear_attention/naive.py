@@ -33,13 +33,16 @@ def causal_linear_attention_naive(
     state_kv: torch.Tensor,  # [B, Hkv, F, D] sum of phi_k v^T over the keys before the chunk
     state_k: torch.Tensor,  # [B, Hkv, F] sum of phi_k over them
     block: int = 64,
+    wide: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(num [B, L, H, D], den [B, L, H]) of causal linear attention continuing from the state (module doc), in
-    float32 at least."""
+    float32 at least. wide: summed in float64 and rounded once at the end, so that a position's sums do not depend
+    on where its chunk starts (the blocks and the carried state group the same terms otherwise)."""
     B, L, H, Fd = phq.shape
     Hkv, D = v.shape[2], v.shape[3]
     R = H // Hkv
-    cdt = torch.promote_types(phq.dtype, torch.float32)  # sums over the whole chunk: float32 at least
+    out_dtype = torch.promote_types(phq.dtype, torch.float32)  # sums over the whole chunk: float32 at least
+    cdt = torch.float64 if wide else out_dtype
     phq, phk, v = phq.to(cdt), phk.to(cdt), v.to(cdt)
     n = -(-L // block)
     pad = n * block - L
@@ -58,4 +61,4 @@ def causal_linear_attention_naive(
     num = num + torch.einsum("bnigrf,bngfd->bnigrd", q, start_kv)
     z = state_k[:, None, None].to(cdt) + k.reshape(B, n * block, Hkv, Fd).cumsum(1).view(B, n, block, Hkv, Fd)
     den = torch.einsum("bnigrf,bnigf->bnigr", q, z)  # [B, n, C, Hkv, R]
-    return num.reshape(B, n * block, H, D)[:, :L], den.reshape(B, n * block, H)[:, :L]
+    return num.reshape(B, n * block, H, D)[:, :L].to(out_dtype), den.reshape(B, n * block, H)[:, :L].to(out_dtype)

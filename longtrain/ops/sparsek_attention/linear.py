@@ -34,7 +34,7 @@ from longtrain.ops.sparsek_attention.op import ChunkSelection, _check, lay_out_k
 class SparseKLinearCache(SparseKCache):
     """A SparseKCache plus the linear state of the keys no query can select any more (module doc)."""
 
-    lin_kv: torch.Tensor | None = None  # [B, Hkv, F, D] sum of phi(k) v^T (float32, float64 for float64 keys)
+    lin_kv: torch.Tensor | None = None  # [B, Hkv, F, D] sum of phi(k) v^T (float64: state_dtype)
     lin_k: torch.Tensor | None = None  # [B, Hkv, F] sum of phi(k)
 
     def __post_init__(self):
@@ -62,8 +62,12 @@ class SparseKLinearCache(SparseKCache):
 
 
 def state_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-    """The linear state's dtype: float32 at least (a long sum), float64 for float64 keys."""
-    return torch.promote_types(kv_dtype, torch.float32)
+    """The linear state's dtype: float64 whatever the keys' (`kv_dtype`, kept for the signature). The state sums the
+    keys that left the pool, chunk by chunk, while one pass sums them as one prefix: float64 sums (of products that are
+    exact there for half-precision keys) agree to ~1e-16, far below float32's and bf16's rounding, so reading a
+    document in chunks gives the one pass's bits (causal_linear_attention_naive's `wide`). [B, Hkv, F, D] per layer
+    and row: 32 KiB at F = D = 64."""
+    return torch.float64
 
 
 def _linear_window(cache: SparseKLinearCache) -> int:
