@@ -9,7 +9,7 @@ For each row (model × chunk length; rows × chunk >= 16k tokens per step) it ru
 `python -m longtrain.cli fit RECIPE` in a subprocess with fit's defaults (on CUDA: compiled blocks and
 a CUDA graph per chunk), once per attention type (SparseK+SW k = w = 512,
 SW 1024, SparseK-only k = 1024; `--attentions` also takes sparsek+linear+sw k = w = 512 (its SparseK part on
-attention.backend auto's naive core; sparsek+linear+sw-triton: on the Triton one) and linear+sw 1024, whose MFU
+attention.backend auto's core: the Triton one on CUDA; sparsek+linear+sw-triton names it) and linear+sw 1024, whose MFU
 counts the softmax part only), and reads tokens/s over steps 5..N-1 and the peak memory from
 `metrics.jsonl`. The trainer reads the device back only at its log lines (logging.every = 5 here), so
 `elapsed_s` is exact at steps 5, 10, ...: the rate is taken between step 5 and the last step. Two
@@ -53,8 +53,8 @@ ATTENTIONS = {  # name -> recipe attention section
     "sw": {"type": "sw", "window": 1024},
     "sparsek": {"type": "sparsek", "topk": 1024},
     "sparsek+linear+sw": {"type": "sparsek+linear+sw", "topk": 512, "window": 512},  # issue 38 (fla-core on CUDA)
-    # the same on the Triton core (attention.backend auto runs the naive one: 21.9k against SparseK+SW's 184.8k
-    # tokens/s, 1 row, H200, 5622eef)
+    # the same with the Triton core named (auto takes it on CUDA since issue 38; before, auto ran the naive core:
+    # 21.9k against SparseK+SW's 184.8k tokens/s, 1 row, H200, 5622eef)
     "sparsek+linear+sw-triton": {"type": "sparsek+linear+sw", "topk": 512, "window": 512, "backend": "triton"},
     "linear+sw": {"type": "linear+sw", "window": 1024},
 }

@@ -165,7 +165,7 @@ def linear_core_is_naive(backend: str, head_dim: int, dtype: torch.dtype, device
     from longtrain.ops.sparsek_attention.linear import runs_triton_core
     from longtrain.ops.sparsek_attention.linear_triton import unsupported
 
-    if device_type == "cpu" or not runs_triton_core(backend):
+    if device_type == "cpu" or not runs_triton_core(backend, device_type):
         return True
     return unsupported(QUERY_BLOCK, head_dim, head_dim, dtype) is not None
 
@@ -261,7 +261,7 @@ def max_context_that_fits(recipe, *, budget: int, **kw) -> int | None:
 
 def advice(recipe, *, suggest_max_context: int | None = None, naive_linear_core: bool = False) -> str:
     """What to change when a run does not fit its device. naive_linear_core: the run is on a GPU and its attention
-    would run the naive core (linear_core_is_naive; a linear type's SparseK part on attention.backend auto), whose
+    would run the naive core (linear_core_is_naive: attention.backend naive, or a head dim the kernels do not take), whose
     kept scores are then most of the estimate."""
     cfg, att = recipe.train, recipe.attention
     tips = []

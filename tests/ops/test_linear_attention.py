@@ -197,18 +197,30 @@ def test_bad_arguments_are_named():
 def test_deterministic_algorithms_keep_the_triton_core():
     """train.deterministic must repeat a run bit for bit: the Triton core's backward then sums the keys' gradients
     without atomic adds (tests/ops/test_sparsek_linear_triton.py; on an H100, tests/gpu/test_linear_gpu.py), so
-    backend triton keeps it; it took the naive core there until that backward had run on a GPU. auto and naive run
-    the naive core either way."""
+    backend triton keeps it; it took the naive core there until that backward had run on a GPU. auto runs the kernels
+    on CUDA where they take the call (not float64, not an odd head dim) and the naive core on the CPU; naive never."""
     from longtrain.ops.sparsek_attention.linear import linear_core, runs_triton_core
     from longtrain.ops.sparsek_attention.naive import sparsek_attention_core_naive
 
-    assert runs_triton_core("triton") and not runs_triton_core("auto") and not runs_triton_core("naive")
+    assert runs_triton_core("triton", "cpu") and runs_triton_core("triton", "cuda")
+    assert runs_triton_core("auto", "cuda") and not runs_triton_core("auto", "cpu")
+    assert not runs_triton_core("naive", "cuda") and not runs_triton_core("naive", "cpu")
+
+    class OnCuda:  # the core picked for a call on CUDA (its device and shape is all linear_core reads)
+        def __init__(self, d, dtype):
+            self.device, self.shape, self.dtype = torch.device("cuda"), (1, 8, 2, d), dtype
+
+    q = torch.zeros(1, 8, 2, 16)
     before = torch.are_deterministic_algorithms_enabled()
     for mode in (False, True):
         torch.use_deterministic_algorithms(mode)
         try:
-            assert linear_core("triton") is not sparsek_attention_core_naive
-            assert linear_core("auto") is sparsek_attention_core_naive
+            assert linear_core("triton", q, 16, torch.float32) is not sparsek_attention_core_naive
+            assert linear_core("auto", q, 16, torch.float32) is sparsek_attention_core_naive  # the CPU
+            assert linear_core("naive", q, 16, torch.float32) is sparsek_attention_core_naive
+            assert linear_core("auto", OnCuda(16, torch.bfloat16), 16, torch.float32) is not sparsek_attention_core_naive
+            assert linear_core("auto", OnCuda(16, torch.float64), 16, torch.float64) is sparsek_attention_core_naive
+            assert linear_core("auto", OnCuda(12, torch.bfloat16), 12, torch.float32) is sparsek_attention_core_naive
         finally:
             torch.use_deterministic_algorithms(before)
 

@@ -54,7 +54,8 @@ def test_a_deterministic_run_adds_the_linear_triton_cores_scratch():
     scratch = memory.linear_triton_scratch_bytes(t.batch_docs, t.chunk_size, m.heads, 64 + 64 + 63, D)
     assert 0 < scratch <= linear_triton.SCRATCH_BYTES * 1.01
     assert abs(det - fast - memory.FRAGMENTATION * scratch) <= 1
-    assert estimate("attention.backend=auto", "train.deterministic=true")[1] == estimate("attention.backend=auto")[1]  # naive core: none
+    assert estimate("attention.backend=naive", "train.deterministic=true")[1] == estimate("attention.backend=naive")[1]  # none
+    assert estimate("attention.backend=auto", "train.deterministic=true")[1] == det  # auto runs the Triton core on CUDA
 
 
 def test_activation_checkpointing_keeps_one_blocks_activations_and_each_blocks_input():

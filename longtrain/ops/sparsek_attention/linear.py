@@ -223,25 +223,27 @@ def _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache: SparseKLinearC
     return phq, phk, num, den
 
 
-def runs_triton_core(backend: str) -> bool:
-    """Whether attention.backend `backend` runs linear_triton.py's core: "triton" does, under torch's deterministic
-    algorithms (train.deterministic) too, whose backward then sums the keys' gradients without atomic adds, in a fixed
-    order, bit for bit the same every run (linear_triton.deterministic_backward). That backward passed its GPU test on
-    an H100 in float32 and bfloat16 (tests/gpu/test_linear_gpu.py -k without_atomics, torch 2.11, Triton 3.6, tree
-    ffc8342; issue 38); until then deterministic runs took the naive core. auto and naive run the naive core. The
-    Triton core follows it on an H100 (tests/gpu/test_linear_gpu.py) and its op is ~8x faster there (linear_core_ab.py,
-    4 x 4096 tokens, D = 64: 10.18 against 81.64 ms forward + backward); auto moves to it once every path that reads
-    auto (fit, eval, generate's prefill) has been re-run with it on a GPU, as a default that changes must be."""
-    return backend == "triton"
+def runs_triton_core(backend: str, device_type: str) -> bool:
+    """Whether attention.backend `backend` runs linear_triton.py's core on a `device_type` device: "triton" does
+    (on the CPU under TRITON_INTERPRET), auto does on CUDA, naive never. Under torch's deterministic algorithms
+    (train.deterministic) the core's backward sums the keys' gradients without atomic adds, in a fixed order, bit
+    for bit the same every run (linear_triton.deterministic_backward; tests/gpu/test_linear_gpu.py -k
+    without_atomics). The core follows the naive one on the GPU (tests/gpu/test_linear_gpu.py) and its op is ~8x
+    faster there (linear_core_ab.py, H100, 4 x 4096 tokens, D = 64: 10.18 against 81.64 ms forward + backward).
+    auto took the naive core until fit, eval and generate's prefill had run on it on a GPU (issue 38)."""
+    return backend == "triton" or (backend == "auto" and device_type == "cuda")
 
 
-def linear_core(backend: str):
-    """The SparseK+Linear core `backend` names (runs_triton_core): linear_triton.py's kernels (they warn and run
-    the naive core where they cannot) or the naive core."""
-    if not runs_triton_core(backend):
+def linear_core(backend: str, q: torch.Tensor, phi_dim: int, score_dtype: torch.dtype, block: int = 64):
+    """The SparseK+Linear core for `backend` (runs_triton_core) and the call's queries q [B, L, H, D]: linear_triton.py's
+    kernels or the naive core. auto takes the kernels only where they take the call (linear_triton.unsupported:
+    float64, odd head dims); "triton" asks for them, and they warn and run the naive core where they cannot."""
+    if not runs_triton_core(backend, q.device.type):
         return sparsek_attention_core_naive
-    from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton
+    from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton, unsupported
 
+    if backend == "auto" and unsupported(block, q.shape[-1], phi_dim, q.dtype, score_dtype) is not None:
+        return sparsek_attention_core_naive
     return sparsek_linear_attention_core_triton
 
 
@@ -272,7 +274,7 @@ def sparsek_linear_attention_chunk(
     sel = select(keys, cache, window=window, block=block, scan=scan)
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
     phq, phk, num, den = _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache, window, linear_backend)
-    o = linear_core(backend)(
+    o = linear_core(backend, q, phq.shape[-1], keys.u.dtype, block)(
         q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool,
         topk=keys.topk, window=window, tail_slots=keys.tail_slots, variant=variant, scale=scale, block=block,
         linear=LinearTerms(phq, phk, num, den),
