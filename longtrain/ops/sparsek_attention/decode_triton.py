@@ -273,15 +273,17 @@ def ring_write_triton(cache, slot: torch.Tensor | None, leaving: torch.Tensor, c
 
 
 @triton.jit
-def _online_softmax(m, l, acc, s, v):
-    """One block of an online softmax: logits s [RB, BN] (-inf: masked) over values v [BN, DB] into the
-    running max m and sum l [RB] and the output acc [RB, DB] (a row masked so far keeps m = -inf)."""
+def _online_softmax(m, l, acc, s, gate, v, PREC: tl.constexpr):
+    """One block of an online softmax: logits s [RB, BN] (-inf: masked) over values v [BN, DB] weighted by the keys'
+    gates [BN] into the running max m and sum l [RB] and the output acc [RB, DB] (a row masked so far keeps
+    m = -inf). The weighted sum is a matrix product (a broadcast-and-sum over [RB, BN, DB] kept an H100 at
+    ~1.2 TB/s of K/V reads at 64 rows)."""
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_safe)
     p = tl.exp(s - m_safe[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p * gate[None, :], v, input_precision=PREC, out_dtype=acc.dtype)
     return m_new, l, acc
 
 
@@ -295,13 +297,16 @@ def attend_kernel(
     K, Wt, Hkv, H, K_PER, T_PER,  # pool and tail slots per split
     R: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, BN: tl.constexpr,
     GATED: tl.constexpr, SOFT_KV: tl.constexpr, SELF_OK: tl.constexpr, CDT: tl.constexpr,
-    SPLIT: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr, TAIL_RING: tl.constexpr,
+    SPLIT: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr, TAIL_RING: tl.constexpr, PREC: tl.constexpr,
 ):
     """One program per (row, KV head, split): its R query heads against its split's share of the pool and of
     the tail (the last split also takes the token itself), read where the cache keeps them (no concatenated
     copy), an online softmax in CDT, the pool's gate on the values. One split writes o; several write their
     partial softmax for combine_kernel (one row has only Hkv programs: without splits each walks ~1k keys
-    alone, ~50 us per layer on an H200)."""
+    alone, ~50 us per layer on an H200). The R query heads are padded to RB >= 16 rows, so that q k^T and p v
+    are tensor-core products in CDT at PREC: tf32 for half-precision caches (exact for q and the keys and values,
+    which are bf16 or fp16 values; p keeps 10 bits), ieee for float32 and float64 (no rounding). In CDT rather
+    than in bf16: Triton's interpreter (CI) multiplies bf16 tiles wrongly (Triton 3.9)."""
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2)
@@ -310,7 +315,8 @@ def attend_kernel(
     d = tl.arange(0, DB)
     rm = r < R
     dm = d < D
-    q = tl.load(Q + (b * H + g * R + r)[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0).to(CDT)
+    q = tl.load(Q + (b * H + g * R + r)[:, None] * D + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+    q = q.to(CDT)  # [RB, DB]
     m = tl.full([RB], float("-inf"), CDT)
     l = tl.zeros([RB], CDT)
     acc = tl.zeros([RB, DB], CDT)
@@ -330,18 +336,18 @@ def attend_kernel(
         ok = pos >= 0
         at = ((b * K + j) * Hkv + g)[:, None] * D + d[None, :]
         kv_mask = jm[:, None] & dm[None, :]
-        kk = tl.load(PK + at, mask=kv_mask, other=0.0).to(CDT)
-        vv = tl.load(PV + at, mask=kv_mask, other=0.0).to(CDT)
+        kk = tl.load(PK + at, mask=kv_mask, other=0.0).to(CDT)  # [BN, DB]
+        vv = tl.load(PV + at, mask=kv_mask, other=0.0)
         if GATED:
             u = tl.load(PU + b * K + j, mask=jm, other=0.0).to(tl.float64)
             gate = tl.where(ok, tl.minimum(tl.maximum(u - tau, 0.0), 1.0), 0.0).to(CDT)
         else:
             gate = tl.full([BN], 1.0, CDT)
-        s = tl.sum(q[:, None, :] * kk[None, :, :], axis=2) * scale  # [RB, BN]
+        s = tl.dot(q, tl.trans(kk), input_precision=PREC, out_dtype=CDT) * scale  # [RB, BN]
         if SOFT_KV:
             s = s * gate[None, :]
         s = tl.where(ok[None, :], s, float("-inf"))
-        m, l, acc = _online_softmax(m, l, acc, s, gate[:, None] * vv)
+        m, l, acc = _online_softmax(m, l, acc, s, gate, vv.to(CDT), PREC)
 
     # the tail: positions t - Wt .. t - 1 (those below 0 do not exist yet); slot j holds t - Wt + j, or in a
     # ring (TAIL_RING) position p sits in slot p mod Wt: slot j holds t - Wt + (j - t) mod Wt, which is >= 0
@@ -357,10 +363,10 @@ def attend_kernel(
         at = ((b * Wt + j) * Hkv + g)[:, None] * D + d[None, :]
         kv_mask = jm[:, None] & dm[None, :]
         kk = tl.load(TK + at, mask=kv_mask, other=0.0).to(CDT)
-        vv = tl.load(TV + at, mask=kv_mask, other=0.0).to(CDT)
-        s = tl.sum(q[:, None, :] * kk[None, :, :], axis=2) * scale
+        vv = tl.load(TV + at, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(kk), input_precision=PREC, out_dtype=CDT) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
-        m, l, acc = _online_softmax(m, l, acc, s, vv)
+        m, l, acc = _online_softmax(m, l, acc, s, tl.full([BN], 1.0, CDT), vv.to(CDT), PREC)
 
     # the token itself (in its own window when w > 0), in the last split
     if SELF_OK:
@@ -430,10 +436,13 @@ def attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, w
     o = torch.empty_like(q)
     f64 = q.dtype == torch.float64
     cdt = tl.float64 if f64 else tl.float32
-    RB, DB = triton.next_power_of_2(H // Hkv), triton.next_power_of_2(D)
+    # a tensor-core product's sides: at least 16 (query heads padded with masked rows, head dims with masked columns)
+    RB, DB = max(16, triton.next_power_of_2(H // Hkv)), max(16, triton.next_power_of_2(D))
     k_per, t_per = triton.cdiv(K, S), triton.cdiv(Wt, S)
-    # Keys per block: the split's share, at most what keeps the [RB, BN, DB] product at 8k elements, 16 to 128.
-    BN = block_n or max(16, min(128, 8192 // (RB * DB), triton.next_power_of_2(max(k_per, t_per, 1))))
+    # Keys per block: the split's share, 16 to 128, with at most 16 KB of each K and V tile as the cache stores them
+    # (the pipeline keeps a few of each in shared memory: D = 128 in float32 at 128 keys asked for 275 KB, over an H200's 227)
+    fit = 16384 // (DB * cache.pool_k.element_size())
+    BN = block_n or max(16, min(128, fit, triton.next_power_of_2(max(k_per, t_per, 1))))
     launch = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
     part_dtype = torch.float64 if f64 else torch.float32
     if S > 1:
@@ -452,7 +461,8 @@ def attend_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, *, w
         K=K, Wt=Wt, Hkv=Hkv, H=H, K_PER=k_per, T_PER=t_per,
         R=H // Hkv, RB=RB, D=D, DB=DB, BN=BN,
         GATED=K > 0 and variant != "straight_through", SOFT_KV=variant == "soft_kv", SELF_OK=window > 0, CDT=cdt,
-        SPLIT=S > 1, SCALE_IN_MEMORY=f64, TAIL_RING=tail_ring, **launch,
+        SPLIT=S > 1, SCALE_IN_MEMORY=f64, TAIL_RING=tail_ring,
+        PREC="ieee" if cache.pool_k.dtype in (torch.float32, torch.float64) else "tf32", **launch,
     )
     if S > 1:
         combine_kernel[(B * H,)](PART_M=part_m, PART_L=part_l, PART_ACC=part_acc, O=o, S=S, D=D,
