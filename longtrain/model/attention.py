@@ -180,7 +180,7 @@ class Attention(nn.Module):
         elif self.phi_weight is not None:
             o, attn_cache, sel = sparsek_linear_attention_chunk(
                 qf, kf, vf, uf, self.phi_weight, cache.attn, variant=cfg.variant, lengths=lf, backend=cfg.backend,
-                scan=cfg.scan,
+                scan=cfg.scan, align=align,
             )
         elif decode:
             o, attn_cache, sel = sparsek_attention_decode(

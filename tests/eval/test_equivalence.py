@@ -241,3 +241,20 @@ def test_bf16_on_the_cpu_is_chunk_invariant_where_the_gemm_is_not():
     report = verify_model(model, tokens, [61], dtype="bfloat16", max_logit_diff=0.5, min_agreement=0.999)
     run = report.runs[0]
     assert run.max_abs_logit_diff == 0.0 and run.selection_agreement == 1.0, run
+
+
+def test_the_linear_triton_core_is_bitwise_at_a_chunk_that_starts_inside_a_tile():
+    """Issue 38: without gradients the linear op lays the core's query tiles at absolute positions (aligned.py, with
+    phi(q), num, den and phi(k) laid out as q and k), so the Triton core (here under the interpreter) gives the
+    unchunked bf16 logits at chunks of 93; before, its tiles started at each chunk and the logits moved by a bf16
+    step (0.0078, as an H200 showed at chunks of 3,001)."""
+    pytest.importorskip("triton")
+    from longtrain.eval.equivalence import verify as verify_model
+
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=512, layers=2, d_model=64, heads=2, style="gpt2", attention="sparsek+linear+sw",
+                        topk=16, window=16, backend="triton"))
+    doc = torch.randint(0, 512, (600,))
+    report = verify_model(model, doc, [93], dtype="bfloat16", max_logit_diff=0.5, min_agreement=0.999)
+    (run,) = report.runs
+    assert run.max_abs_logit_diff == 0.0 and run.worst_agreement == 1.0, run

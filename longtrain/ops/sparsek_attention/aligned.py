@@ -84,11 +84,15 @@ def pool_at(block_pool, u_ext, pos_ext, c, *, topk, window, block):
 
 
 @torch.no_grad()
-def aligned_inputs(q, keys, scan, tau, tile_pool, *, window, tile, block):
-    """The core's inputs for tiles at absolute positions, and a function that cuts its output back.
+def aligned_inputs(q, keys, scan, tau, tile_pool, *, window, tile, block, query_terms=(), key_terms=()):
+    """The core's inputs for tiles at absolute positions, a function that cuts its output back, and the
+    extra per-query and per-key tensors laid out the same way.
 
     q [B, L, H, D]; keys: the chunk's ExtendedKeys [pool][tail][chunk]; scan: its ScanResult (pools at
-    every `block` queries); tau [B, L]; tile_pool: the cache's (tile_pool_pos, tile_pool_at), or None."""
+    every `block` queries); tau [B, L]; tile_pool: the cache's (tile_pool_pos, tile_pool_at), or None.
+    query_terms: tensors [B, L, ...] with a row per query (the linear types' phi(q), num, den): laid out as q,
+    0 on dummy and padding rows; key_terms: tensors [B, N, ...] with a row per extended key (phi(k)): laid
+    out as k, 0 on stand-in and ghost keys. Returns (inputs, cut_back, query_terms + key_terms laid out)."""
     k_ext, v_ext, u_ext, pos_ext, seen, lengths = keys.k, keys.v, keys.u, keys.pos, keys.seen, keys.lengths
     B, L = q.shape[:2]
     N, dev = u_ext.shape[1], q.device
@@ -159,8 +163,12 @@ def aligned_inputs(q, keys, scan, tau, tile_pool, *, window, tile, block):
         """The chunk's rows [B, L, ...] of the padded output."""
         return o_p[rows, r[:, None] + torch.arange(L, device=dev)[None]]
 
+    def key_rows(x: torch.Tensor) -> torch.Tensor:  # [B, N, ...] -> [B, K + Wt + Lp + K, ...], as k_p
+        return torch.cat([x[:, :K], _take(x, src, ok, 0.0), x.new_zeros(B, K, *x.shape[2:])], 1)
+
     inputs = (q_p, k_p, v_p, u_p, pos_p, qpos_p, thu_p, thp_p, tau_p, snap)
-    return inputs, cut_back
+    terms = tuple(_take(x, c, real, 0.0) for x in query_terms) + tuple(key_rows(x) for x in key_terms)
+    return inputs, cut_back, terms
 
 
 @torch.no_grad()

@@ -27,7 +27,8 @@ from longtrain.ops.selection.chunk import carried
 from longtrain.ops.sparsek_attention.cache import SparseKCache
 from longtrain.ops.sparsek_attention.decode import sparsek_attention_decode
 from longtrain.ops.sparsek_attention.naive import LinearTerms, sparsek_attention_core_naive
-from longtrain.ops.sparsek_attention.op import ChunkSelection, _check, lay_out_keys, next_cache
+from longtrain.ops.sparsek_attention.aligned import aligned_inputs
+from longtrain.ops.sparsek_attention.op import ChunkSelection, _check, _differentiable, lay_out_keys, next_cache
 
 
 @dataclass
@@ -262,24 +263,36 @@ def sparsek_linear_attention_chunk(
     block: int = 64,
     scan: str = "auto",
     backend: str = "auto",
+    align: bool | None = None,
 ) -> tuple[torch.Tensor, SparseKLinearCache, ChunkSelection]:
     """SparseK+Linear+SW of one chunk continuing from `cache`: (o [B, L, H, D], next cache, selection).
 
     backend: the core of the SparseK part ("triton": linear_triton.py's kernels, "naive" and auto: the
     reference; linear_core says why);
-    linear_backend picks the causal linear attention (ops/linear_attention: fla on CUDA when installed)."""
+    linear_backend picks the causal linear attention (ops/linear_attention: fla on CUDA when installed);
+    align: without gradients, the core's query tiles at absolute positions, as sparsek_attention_chunk's (aligned.py,
+    with phi(q), num, den and phi(k) laid out as q and k): a chunk that starts inside a tile rounds as the
+    unchunked pass does. None: always; False: never."""
     _check(q, k, v, u, variant, backend, scan)
     window = _linear_window(cache)
     keys = lay_out_keys(cache, k, v, u, lengths)
     sel = select(keys, cache, window=window, block=block, scan=scan)
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
     phq, phk, num, den = _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache, window, linear_backend)
-    o = linear_core(backend, q, phq.shape[-1], keys.u.dtype, block)(
-        q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool,
-        topk=keys.topk, window=window, tail_slots=keys.tail_slots, variant=variant, scale=scale, block=block,
-        linear=LinearTerms(phq, phk, num, den),
-    ).to(q.dtype)
-    base = next_cache(cache, keys, sel)
+    core = linear_core(backend, q, phq.shape[-1], keys.u.dtype, block)
+    args = (q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool)
+    terms = (phq, num, den, phk)
+    # the linear cores' query tile is the op's block (aligned.query_tile's for the naive core)
+    aligned = align is not False and not _differentiable(q, keys.k, keys.v, keys.u)
+    if aligned:
+        args, cut_back, terms = aligned_inputs(q, keys, sel, tau, (cache.tile_pool_pos, cache.tile_pool_at),
+                                               window=window, tile=block, block=block, query_terms=terms[:3],
+                                               key_terms=terms[3:])
+    o = core(*args, topk=keys.topk, window=window, tail_slots=keys.tail_slots, variant=variant, scale=scale, block=block,
+             linear=LinearTerms(terms[0], terms[3], terms[1], terms[2]))
+    o = (cut_back(o) if aligned else o).to(q.dtype)
+    # without gradients the pool at the last tile start too (what the next chunk's aligned layout reads)
+    base = next_cache(cache, keys, sel, window=window, tile=None if _differentiable(q, k, v, u) else block, block=block)
     with torch.no_grad():  # keys in neither the new pool nor the new tail can never be selected again
         rows = carried(keys, sel)
         B, N = keys.pos.shape

@@ -128,7 +128,7 @@ def attend(q: torch.Tensor, keys: ExtendedKeys, scan: ScanResult, tau: torch.Ten
     args = (q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, scan.theta_u, scan.theta_pos, tau, scan.block_pool)
     aligned = align is not False and not _differentiable(q, keys.k, keys.v, keys.u)
     if aligned:
-        args, cut_back = aligned_inputs(q, keys, scan, tau, tile_pool, window=window, tile=query_tile(name, block),
+        args, cut_back, _ = aligned_inputs(q, keys, scan, tau, tile_pool, window=window, tile=query_tile(name, block),
                                         block=block)
     o = core(*args, topk=keys.topk, window=window, tail_slots=keys.tail_slots, variant=variant, scale=scale,
              block=block)
