@@ -35,7 +35,7 @@ from longtrain.ops.sparsek_attention.op import ChunkSelection, _check, _differen
 class SparseKLinearCache(SparseKCache):
     """A SparseKCache plus the linear state of the keys no query can select any more (module doc)."""
 
-    lin_kv: torch.Tensor | None = None  # [B, Hkv, F, D] sum of phi(k) v^T (float64: state_dtype)
+    lin_kv: torch.Tensor | None = None  # [B, Hkv, F, D] sum of phi(k) v^T (STATE_DTYPE)
     lin_k: torch.Tensor | None = None  # [B, Hkv, F] sum of phi(k)
 
     def __post_init__(self):
@@ -51,9 +51,9 @@ class SparseKLinearCache(SparseKCache):
         base = SparseKCache.empty(batch, topk, window, kv_heads, head_dim, dtype=dtype, score_dtype=score_dtype,
                                   device=device, cap=cap)
         F = features or head_dim
-        sdt = state_dtype(dtype)
-        return cls(**base.tensors(), window=window, lin_kv=torch.zeros(batch, kv_heads, F, head_dim, dtype=sdt, device=device),
-                   lin_k=torch.zeros(batch, kv_heads, F, dtype=sdt, device=device))
+        return cls(**base.tensors(), window=window,
+                   lin_kv=torch.zeros(batch, kv_heads, F, head_dim, dtype=STATE_DTYPE, device=device),
+                   lin_k=torch.zeros(batch, kv_heads, F, dtype=STATE_DTYPE, device=device))
 
     def reset_rows(self, mask: torch.Tensor) -> SparseKLinearCache:
         base = SparseKCache(**{f.name: getattr(self, f.name) for f in fields(SparseKCache)}).reset_rows(mask)
@@ -62,13 +62,11 @@ class SparseKLinearCache(SparseKCache):
                                   lin_k=torch.where(m[:, None, None], 0, self.lin_k))
 
 
-def state_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-    """The linear state's dtype: float64 whatever the keys' (`kv_dtype`, kept for the signature). The state sums the
-    keys that left the pool, chunk by chunk, while one pass sums them as one prefix: float64 sums (of products that are
-    exact there for half-precision keys) agree to ~1e-16, far below float32's and bf16's rounding, so reading a
-    document in chunks gives the one pass's bits (causal_linear_attention_naive's `wide`). [B, Hkv, F, D] per layer
-    and row: 32 KiB at F = D = 64."""
-    return torch.float64
+# The linear state's dtype, whatever the keys': it sums the keys that left the pool chunk by chunk, where one pass sums
+# them as one prefix; float64 sums (of products exact there for half-precision keys) agree to ~1e-16, far below
+# float32's and bf16's rounding, so a document read in chunks gets the one pass's bits (causal_linear_attention_naive's
+# `wide`). [B, Hkv, F, D] per layer and row: 32 KiB at F = D = 64.
+STATE_DTYPE = torch.float64
 
 
 def _linear_window(cache: SparseKLinearCache) -> int:
@@ -281,18 +279,19 @@ def sparsek_linear_attention_chunk(
     phq, phk, num, den = _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache, window, linear_backend)
     core = linear_core(backend, q, phq.shape[-1], keys.u.dtype, block)
     args = (q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool)
-    terms = (phq, num, den, phk)
-    # the linear cores' query tile is the op's block (aligned.query_tile's for the naive core)
-    aligned = align is not False and not _differentiable(q, keys.k, keys.v, keys.u)
-    if aligned:
-        args, cut_back, terms = aligned_inputs(q, keys, sel, tau, (cache.tile_pool_pos, cache.tile_pool_at),
-                                               window=window, tile=block, block=block, query_terms=terms[:3],
-                                               key_terms=terms[3:])
+    linear = LinearTerms(phq, phk, num, den)
+    training = _differentiable(q, k, v, u)
+    aligned = align is not False and not training
+    if aligned:  # the linear cores' query tile is the op's block
+        args, cut_back, (a_phq, a_num, a_den, a_phk) = aligned_inputs(
+            q, keys, sel, tau, (cache.tile_pool_pos, cache.tile_pool_at), window=window, tile=block, block=block,
+            query_terms=(phq, num, den), key_terms=(phk,))
+        linear = LinearTerms(a_phq, a_phk, a_num, a_den)
     o = core(*args, topk=keys.topk, window=window, tail_slots=keys.tail_slots, variant=variant, scale=scale, block=block,
-             linear=LinearTerms(terms[0], terms[3], terms[1], terms[2]))
+             linear=linear)
     o = (cut_back(o) if aligned else o).to(q.dtype)
     # without gradients the pool at the last tile start too (what the next chunk's aligned layout reads)
-    base = next_cache(cache, keys, sel, window=window, tile=None if _differentiable(q, k, v, u) else block, block=block)
+    base = next_cache(cache, keys, sel, window=window, tile=None if training else block, block=block)
     with torch.no_grad():  # keys in neither the new pool nor the new tail can never be selected again
         rows = carried(keys, sel)
         B, N = keys.pos.shape
@@ -383,4 +382,4 @@ def sparsek_linear_attention_decode(
 
 
 __all__ = ["SparseKLinearCache", "sparsek_linear_attention", "sparsek_linear_attention_chunk",
-           "sparsek_linear_attention_decode", "state_dtype"]
+           "sparsek_linear_attention_decode", "STATE_DTYPE"]
