@@ -113,14 +113,8 @@ def prefix_scores(
     terms = torch.cat([r64, r64 * r64], -1).transpose(1, 2)  # [B, 2G, L]
     both = torch.cat([carry, terms], -1).cumsum(-1)[..., 1:].transpose(1, 2)  # [B, L, 2G]
     csum, csq = both.split(r64.shape[-1], -1)  # [B, L, G] each
-    if timestep_norm:
-        count = (seen[:, None] + valid.cumsum(1)).clamp(min=1).to(torch.float64)[..., None]  # [B, L, 1]
-        mean = csum / count
-        var = (csq / count - mean * mean).clamp(min=0.0)
-        n = torch.where(valid[..., None], (r64 - mean) / torch.sqrt(var + TSN_EPS), 0.0)
-    else:
-        n = r64
-    u = n + eps_slope * pos.to(torch.float64)[..., None]
+    count = (seen[:, None] + valid.cumsum(1)).clamp(min=1).to(torch.float64)[..., None]  # [B, L, 1]
+    u = _normalized(r64, csum, csq, count, pos, valid, timestep_norm=timestep_norm, eps_slope=eps_slope)
     return u, csum[:, -1], csq[:, -1]
 
 
@@ -128,17 +122,23 @@ def one_token_scores(r64, pos, valid, seen, score_sum, score_sumsq, *, timestep_
     """prefix_scores for L = 1 (decoding), the same bits: the prefix sums are the carried totals plus this token's
     term, the one float64 addition the chunk's cumsum makes, written without the cat, transpose and scan, so that
     a compiled decode step computes the scorer in one kernel (a scan is a kernel of its own)."""
-    csum = score_sum.to(r64) + r64[:, 0]  # [B, G]
-    csq = score_sumsq.to(r64) + r64[:, 0] * r64[:, 0]
+    csum = (score_sum.to(r64) + r64[:, 0])[:, None]  # [B, 1, G]
+    csq = (score_sumsq.to(r64) + r64[:, 0] * r64[:, 0])[:, None]
+    count = (seen + valid[:, 0]).clamp(min=1).to(torch.float64)[:, None, None]  # [B, 1, 1]
+    u = _normalized(r64, csum, csq, count, pos, valid, timestep_norm=timestep_norm, eps_slope=eps_slope)
+    return u, csum[:, 0], csq[:, 0]
+
+
+def _normalized(r64, csum, csq, count, pos, valid, *, timestep_norm: bool, eps_slope: float) -> torch.Tensor:
+    """u [B, L, G]: TimestepNorm of the raw scores r64 by the prefix sums csum, csq [B, L, G] over count [B, L, 1]
+    tokens, plus the position slope."""
     if timestep_norm:
-        count = (seen + valid[:, 0]).clamp(min=1).to(torch.float64)[:, None]  # [B, 1]
         mean = csum / count
         var = (csq / count - mean * mean).clamp(min=0.0)
-        n = torch.where(valid, (r64[:, 0] - mean) / torch.sqrt(var + TSN_EPS), 0.0)  # [B, G]
+        n = torch.where(valid[..., None], (r64 - mean) / torch.sqrt(var + TSN_EPS), 0.0)
     else:
-        n = r64[:, 0]
-    u = n + eps_slope * pos.to(torch.float64)  # [B, G]
-    return u[:, None], csum, csq
+        n = r64
+    return n + eps_slope * pos.to(torch.float64)[..., None]
 
 
 @torch.no_grad()

@@ -311,7 +311,8 @@ def sparsek_linear_attention(q, k, v, u, phi_weight, *, topk: int, window: int, 
     cache = SparseKLinearCache.empty(q.shape[0], topk, window, k.shape[2], k.shape[3], dtype=k.dtype,
                                      score_dtype=u.dtype, device=q.device, features=phi_weight.shape[-1])
     o, _, _ = sparsek_linear_attention_chunk(q, k, v, u, phi_weight, cache, variant=variant, scale=scale,
-                                             linear_backend=linear_backend, scan=scan, block=block, backend=backend)
+                                             linear_backend=linear_backend, scan=scan, block=block, backend=backend,
+                                             align=False)  # position 0 is a tile edge
     return o
 
 
