@@ -83,6 +83,9 @@ def common_sets(a: argparse.Namespace) -> list[str]:
         f"train.steps={a.steps or s['steps']}", "train.lr=1.0e-3", "train.warmup_steps=100",
         "train.weight_decay=0.1", "train.valid_every=250", "train.valid_docs=4", "train.valid_tokens=32768",
         "checkpoint.every=250", "checkpoint.keep=1", "logging.every=50", "logging.progress=false",
+        # fit's default slope, which every study before 2026-12-01 ran: a model name means the same runs whatever
+        # the base recipe ships (gutenberg-sparsek has 3e-3 since); a variant's @attention.eps_slope=... overrides it
+        "attention.eps_slope=1.0e-3",
         # A seed is one run, not one of many: on 2026-11-26 two H100 sessions ran the same SW seed 2 apart from
         # step 50 (perplexity 65.22 and 65.08) while seeds 0 and 1 repeated exactly (benchmarks/README.md)
         "train.deterministic=true",

@@ -47,6 +47,8 @@ def test_two_models_train_evaluate_and_summarise(tmp_path):
     assert (out / "books-gap.png").stat().st_size > 10_000
     recipe = (out / "runs" / f"{LIN}-s0" / "recipe.yaml").read_text()
     assert "eps_slope: 0.003" in recipe  # the variant's setting
+    # a plain model name keeps fit's default slope, whatever the base recipe (gutenberg-sparsek) ships
+    assert "eps_slope: 0.001" in (out / "runs" / "sparsek-s0" / "recipe.yaml").read_text()
     assert "deterministic: true" in recipe  # every run of a seed study repeats
     assert sorted(p.name for p in out.glob("curve-*.json")) == [f"curve-{LIN}-s0.json", "curve-sparsek-s0.json",
                                                             "curve-sparsek-s1.json", "curve-sw-s0.json"]
