@@ -50,3 +50,16 @@ def test_load_generate_and_score(runs):
         lm.generate(["the", ""])
     with pytest.raises(UsageError, match="top_p must be in"):
         lm.generate("the", top_p=0.0)
+
+
+def test_the_readmes_python_example_runs(runs, capsys):
+    """README's five lines, as a user pastes them, on a tiny trained run in place of runs/quickstart."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("```python\nfrom longtrain import load\n", 1)[1].split("```", 1)[0]
+    assert "runs/quickstart" in block
+    exec("from longtrain import load\n" + block.replace("runs/quickstart", str(runs["sparsek"])), {})
+    printed = capsys.readouterr().out
+    assert any(line.endswith(("max_new_tokens", "stop_text", "end_of_document")) for line in printed.splitlines()), printed
+    assert "tensor([" in printed  # the first text's per-token losses
