@@ -32,7 +32,12 @@ A model name may carry recipe settings after `@`: a variant with its own runs an
         --run sparsek@attention.eps_slope=3e-3:0,1,2 --run sparsek@attention.eps_slope=1e-4:0,1,2 --part all
 
 Parts: `train` (stops at --budget-s with checkpoints; the same command resumes), `eval`, `summary`
-(OUT/books.md with each model's steps and training tokens/s, OUT/books-gap.png), `all` (the three in a row).
+(OUT/books.md with each model's steps and training tokens/s, OUT/books-gap.png, OUT/books_study.json with what they
+came from), `all` (the three in a row). A same-seed SW run repeats to the digit on another tree, so a study may take
+its baseline from a stored one instead of training it again (deterministic runs of the same seeds, books and size):
+
+    python benchmarks/books_study.py ... --size small --run sparsek+linear:0,1,2 --part all \
+        --baseline benchmarks/books_study-small-h200.json:sw     # H200, tree 5235619: SW 256, seeds 0-2
 RUNS may live outside OUT (the runs' checkpoints need not come back from a device call; the summary needs only OUT).
 """
 
@@ -150,12 +155,47 @@ def evaluate(a: argparse.Namespace) -> None:
             (a.out / f"train-{name}.json").write_text(json.dumps({k: t[k] for k in ("steps", "tokens", "tokens_per_s")}))
 
 
+def run_model(checkpoint: str) -> str:
+    """RUNS/<model>-s<seed>/checkpoints/step-... -> model"""
+    return Path(checkpoint).parent.parent.name.rsplit("-s", 1)[0]
+
+
+def add_baselines(a: argparse.Namespace, res: list[dict]) -> list[str]:
+    """--baseline FILE:MODEL,...: a stored study's (OUT/books_study.json of another run) evaluations, steps, tokens/s
+    and validation curves of those models, as if they had run here: a same-seed SW run repeats to the digit on
+    another tree (benchmarks/README.md, 2026-12-01), so a study need not train its baseline again. Returns the
+    table's note on where they came from."""
+    notes, here = [], {run_model(r["checkpoint"]) for r in res}
+    for spec in a.baseline:
+        path, _, models = spec.rpartition(":")
+        if not path:
+            raise SystemExit(f"--baseline {spec}: FILE:MODEL[,MODEL], e.g. benchmarks/books_study-small-h200.json:sw")
+        stored = json.loads(Path(path).read_text())
+        if (stored["size"], stored["docs"], stored["tokens"]) != (a.size, a.docs, a.tokens):
+            raise SystemExit(f"--baseline {path}: size {stored['size']}, {stored['docs']} books x {stored['tokens']} "
+                             f"tokens, not this study's {a.size}, {a.docs} x {a.tokens}")
+        for model in models.split(","):
+            if model in here:
+                raise SystemExit(f"--baseline {spec}: {model} also ran in this study; drop one of them")
+            rows = [r for r in stored["eval"] if run_model(r["checkpoint"]) == model]
+            if not rows:
+                raise SystemExit(f"--baseline {spec}: {path} has no {model} (it has "
+                                 f"{sorted({run_model(r['checkpoint']) for r in stored['eval']})})")
+            res.extend(rows)
+            for name in (Path(r["checkpoint"]).parent.parent.name for r in rows):
+                (a.out / f"train-{name}.json").write_text(json.dumps(stored["train"][name]))
+                (a.out / f"curve-{name}.json").write_text(json.dumps(stored["valid_loss_curves"][name]))
+            notes.append(f"{model}: from {path} ({stored.get('device', '?')}, tree {stored.get('tree', '?')}), "
+                         "not trained in this study (its tokens/s, and so a time ratio against it, are from that run)")
+    return notes
+
+
 def summary(a: argparse.Namespace) -> None:
     res = json.loads((a.out / "books-eval.json").read_text())["results"]
+    notes = add_baselines(a, res)
     by_model: dict[str, list[dict]] = {}
     for r in res:
-        name = Path(r["checkpoint"]).parent.parent.name  # RUNS/<model>-s<seed>/checkpoints/step-...
-        by_model.setdefault(name.rsplit("-s", 1)[0], []).append(r)
+        by_model.setdefault(run_model(r["checkpoint"]), []).append(r)
     buckets = [(b["start"], b["end"]) for b in res[0]["ppl"]["buckets"]]
     k = lambda n: f"{n // 1024}k" if n >= 1024 else str(n)  # noqa: E731
     stats: dict[str, dict] = {}
@@ -187,10 +227,23 @@ def summary(a: argparse.Namespace) -> None:
     text = (f"Perplexity by position on {a.docs} validation books × their first {a.tokens:,} tokens ({a.size}), "
             "mean over seeds (lowest–highest); steps reached per seed and training tokens/s (mean over seeds, all "
             "runs side by side). Rows `A − B`: A's perplexity minus B's (> 0: B is ahead), ✓ where every B seed beats "
-            "every A seed, and B's training time per token relative to A's.\n\n" + "\n".join(lines) + "\n")
+            "every A seed, and B's training time per token relative to A's.\n\n" + "\n".join(lines) + "\n"
+            + "".join(f"\n{n}\n" for n in notes))
     (a.out / "books.md").write_text(text)
+    store(a, res)
     print(text)
     plot_gap(a, sorted(by_model))
+
+
+def store(a: argparse.Namespace, res: list[dict]) -> None:
+    """OUT/books_study.json: everything the table and the picture came from, for --baseline of a later study
+    (add "device" and "tree" by hand when keeping it in benchmarks/)."""
+    names = sorted({Path(r["checkpoint"]).parent.parent.name for r in res})
+    read = lambda f: json.loads(f.read_text()) if f.is_file() else None  # noqa: E731
+    (a.out / "books_study.json").write_text(json.dumps({
+        "size": a.size, "docs": a.docs, "tokens": a.tokens, "runs": a.run, "sets": a.sets, "baseline": a.baseline,
+        "eval": res, "train": {n: read(a.out / f"train-{n}.json") for n in names},
+        "valid_loss_curves": {n: read(a.out / f"curve-{n}.json") for n in names}}, indent=1))
 
 
 def gap_pairs(models: list[str]) -> list[tuple[str, str]]:
@@ -279,6 +332,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=540.0, help="train: stop (with checkpoints) after this many seconds")
     ap.add_argument("--docs", type=int, default=12, help="eval: validation books")
     ap.add_argument("--tokens", type=int, default=65536, help="eval: tokens per book")
+    ap.add_argument("--baseline", action="append", default=[], metavar="FILE:MODEL[,MODEL]",
+                    help="summary: take these models' results from a stored study (OUT/books_study.json of another "
+                         "run, e.g. benchmarks/books_study-small-h200.json:sw) instead of training them again")
     a = ap.parse_args()
     a.runs = a.runs or a.out / "runs"
     a.out.mkdir(parents=True, exist_ok=True)

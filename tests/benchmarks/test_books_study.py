@@ -53,6 +53,27 @@ def test_two_models_train_evaluate_and_summarise(tmp_path):
     assert sorted(p.name for p in out.glob("curve-*.json")) == [f"curve-{LIN}-s0.json", "curve-sparsek-s0.json",
                                                             "curve-sparsek-s1.json", "curve-sw-s0.json"]
 
+    # A later study takes SW from this one's books_study.json instead of training it again
+    out2 = tmp_path / "out2"
+    cmd2 = [sys.executable, str(ROOT / "benchmarks" / "books_study.py"), "--train", str(train), "--valid", str(valid),
+            "--out", str(out2), "--run", "sparsek-192-64:0", "--steps", "4", "--docs", "2", "--tokens", "1024"]
+    for s in TOY:
+        cmd2 += ["--set", s]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([*cmd2, "--part", "all", "--baseline", f"{out / 'books_study.json'}:sw"], capture_output=True,
+                         text=True, cwd=ROOT, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    table2 = (out2 / "books.md").read_text()
+    rows2 = {line.split("|")[1].strip(): line for line in table2.splitlines() if line.startswith("| ")}
+    assert rows2["sw"].split("|")[5:] == rows["sw"].split("|")[5:]  # the stored perplexities, unchanged
+    assert "sw − sparsek-192-64" in rows2 and "not trained in this study" in table2
+    assert not (out2 / "runs" / "sw-s0").exists() and (out2 / "curve-sw-s0.json").is_file()
+    for bad, why in ((f"{out / 'books_study.json'}:full", "has no full"), (f"{out / 'books_study.json'}:sparsek-192-64",
+                                                                            "also ran in this study")):
+        res = subprocess.run([*cmd2, "--part", "summary", "--baseline", bad], capture_output=True, text=True, cwd=ROOT,
+                             env=env, timeout=600)
+        assert res.returncode != 0 and why in res.stderr, res.stderr[-2000:]
+
 
 def test_model_variants_get_their_own_runs_settings_and_rows():
     """`--run MODEL@KEY=VALUE:SEEDS`: a run per seed named after the variant, its settings after the model's, and a
