@@ -4,7 +4,8 @@ A chunked pass computes the model's linear layers on chunk-sized row counts, the
 whole document; if the library picks kernels whose per-row sums differ by row count, the two passes
 differ by a rounding step there, which a deep bf16 model carries into its selections. Prints, per
 shape of the gutenberg-sparsek model and per dtype, the fraction of outputs that differ between one
-matmul over 1M rows and the same rows in chunks.
+matmul over 1M rows and the same rows in chunks, and (decode: one token a step, issue 33) the first 512 rows
+one at a time and 64 at a time.
 """
 
 import torch
@@ -23,6 +24,9 @@ def main():
             for c in (4096, 3001, 1000, 777):
                 part = torch.cat([torch.nn.functional.linear(x[s : s + c], w) for s in range(0, M, c)])
                 cells.append(f"{c}: {(part != whole).float().mean().item():.2e}")
+            for c in (64, 1):  # a decode step's row counts, on the first 512 rows
+                part = torch.cat([torch.nn.functional.linear(x[s : s + c], w) for s in range(0, 512, c)])
+                cells.append(f"{c}: {(part != whole[:512]).float().mean().item():.2e}")
             print(f"{str(dtype):15} [{M}, {k}] x [{k}, {n}]  differing outputs  " + ", ".join(cells), flush=True)
             del x, whole
 
