@@ -155,9 +155,14 @@ def evaluate(a: argparse.Namespace) -> None:
             (a.out / f"train-{name}.json").write_text(json.dumps({k: t[k] for k in ("steps", "tokens", "tokens_per_s")}))
 
 
+def run_name(checkpoint: str) -> str:
+    """RUNS/<model>-s<seed>/checkpoints/step-... -> <model>-s<seed>"""
+    return Path(checkpoint).parent.parent.name
+
+
 def run_model(checkpoint: str) -> str:
     """RUNS/<model>-s<seed>/checkpoints/step-... -> model"""
-    return Path(checkpoint).parent.parent.name.rsplit("-s", 1)[0]
+    return run_name(checkpoint).rsplit("-s", 1)[0]
 
 
 def add_baselines(a: argparse.Namespace, res: list[dict]) -> list[str]:
@@ -182,7 +187,7 @@ def add_baselines(a: argparse.Namespace, res: list[dict]) -> list[str]:
                 raise SystemExit(f"--baseline {spec}: {path} has no {model} (it has "
                                  f"{sorted({run_model(r['checkpoint']) for r in stored['eval']})})")
             res.extend(rows)
-            for name in (Path(r["checkpoint"]).parent.parent.name for r in rows):
+            for name in (run_name(r["checkpoint"]) for r in rows):
                 (a.out / f"train-{name}.json").write_text(json.dumps(stored["train"][name]))
                 (a.out / f"curve-{name}.json").write_text(json.dumps(stored["valid_loss_curves"][name]))
             notes.append(f"{model}: from {path} ({stored.get('device', '?')}, tree {stored.get('tree', '?')}), "
@@ -238,7 +243,7 @@ def summary(a: argparse.Namespace) -> None:
 def store(a: argparse.Namespace, res: list[dict]) -> None:
     """OUT/books_study.json: everything the table and the picture came from, for --baseline of a later study
     (add "device" and "tree" by hand when keeping it in benchmarks/)."""
-    names = sorted({Path(r["checkpoint"]).parent.parent.name for r in res})
+    names = sorted({run_name(r["checkpoint"]) for r in res})
     read = lambda f: json.loads(f.read_text()) if f.is_file() else None  # noqa: E731
     (a.out / "books_study.json").write_text(json.dumps({
         "size": a.size, "docs": a.docs, "tokens": a.tokens, "runs": a.run, "sets": a.sets, "baseline": a.baseline,
@@ -261,7 +266,7 @@ def gap_pairs(models: list[str]) -> list[tuple[str, str]]:
 
 def train_speed(out: Path, runs: list[dict]) -> tuple[str, float | None]:
     """Steps reached per seed ("2500/2500/2412") and the mean training tokens/s, from OUT/train-<run>.json."""
-    files = [out / f"train-{Path(r['checkpoint']).parent.parent.name}.json" for r in runs]
+    files = [out / f"train-{run_name(r['checkpoint'])}.json" for r in runs]
     train = [json.loads(f.read_text()) for f in files if f.is_file()]
     rates = [t["tokens_per_s"] for t in train if t["tokens_per_s"]]
     return "/".join(str(t["steps"]) for t in train) or "?", statistics.mean(rates) if rates else None
