@@ -160,14 +160,12 @@ def naive_core_bytes_per_score(heads: int, kv_heads: int, head_dim: int, variant
 
 
 def linear_core_is_naive(backend: str, head_dim: int, dtype: torch.dtype, device_type: str) -> bool:
-    """Whether the linear types' SparseK part runs on the naive core: on the CPU, where linear.runs_triton_core
-    says so for `backend`, or where the Triton kernels do not take the head dim or dtype (phi keeps the head dim)."""
-    from longtrain.ops.sparsek_attention.linear import runs_triton_core
-    from longtrain.ops.sparsek_attention.linear_triton import unsupported
+    """Whether the linear types' SparseK part runs on the naive core: on the CPU, or where linear.triton_kernels_run
+    says the kernels do not run for `backend`, the head dim or dtype (phi keeps the head dim)."""
+    from longtrain.ops.sparsek_attention.linear import triton_kernels_run
 
-    if device_type == "cpu" or not runs_triton_core(backend, device_type):
-        return True
-    return unsupported(QUERY_BLOCK, head_dim, head_dim, dtype) is not None
+    return device_type == "cpu" or not triton_kernels_run(backend, device_type, block=QUERY_BLOCK, head_dim=head_dim,
+                                                          phi_dim=head_dim, dtype=dtype)
 
 
 def linear_triton_scratch_bytes(B: int, L: int, H: int, scored: int, D: int) -> int:

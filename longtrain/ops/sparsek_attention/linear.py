@@ -233,17 +233,27 @@ def runs_triton_core(backend: str, device_type: str) -> bool:
     return backend == "triton" or (backend == "auto" and device_type == "cuda")
 
 
-def linear_core(backend: str, q: torch.Tensor, phi_dim: int, score_dtype: torch.dtype, block: int = 64):
-    """The SparseK+Linear core for `backend` (runs_triton_core) and the call's queries q [B, L, H, D]: linear_triton.py's
-    kernels or the naive core. auto takes the kernels only where they take the call (linear_triton.unsupported:
-    float64, odd head dims); "triton" asks for them, and they warn and run the naive core where they cannot."""
-    if not runs_triton_core(backend, q.device.type):
-        return sparsek_attention_core_naive
-    from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton, unsupported
+def triton_kernels_run(backend: str, device_type: str, *, block: int, head_dim: int, phi_dim: int, dtype: torch.dtype,
+                       score_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether a call runs linear_triton.py's kernels: `backend` takes them on this device (runs_triton_core) and they
+    take the call's block, dims and dtypes (linear_triton.unsupported: not float64, power-of-two dims)."""
+    if not runs_triton_core(backend, device_type):
+        return False
+    from longtrain.ops.sparsek_attention.linear_triton import unsupported
 
-    if backend == "auto" and unsupported(block, q.shape[-1], phi_dim, q.dtype, score_dtype) is not None:
-        return sparsek_attention_core_naive
-    return sparsek_linear_attention_core_triton
+    return unsupported(block, head_dim, phi_dim, dtype, score_dtype) is None
+
+
+def linear_core(backend: str, q: torch.Tensor, phi_dim: int, score_dtype: torch.dtype, block: int = 64):
+    """The SparseK+Linear core for `backend` and the call's queries q [B, L, H, D]: linear_triton.py's kernels where
+    they run (triton_kernels_run), else the naive core; "triton" always asks for the kernels, which warn and run the
+    naive core where they cannot."""
+    if backend == "triton" or triton_kernels_run(backend, q.device.type, block=block, head_dim=q.shape[-1],
+                                                 phi_dim=phi_dim, dtype=q.dtype, score_dtype=score_dtype):
+        from longtrain.ops.sparsek_attention.linear_triton import sparsek_linear_attention_core_triton
+
+        return sparsek_linear_attention_core_triton
+    return sparsek_attention_core_naive
 
 
 def sparsek_linear_attention_chunk(
