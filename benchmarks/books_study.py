@@ -33,8 +33,9 @@ A model name may carry recipe settings after `@`: a variant with its own runs an
 
 Parts: `train` (stops at --budget-s with checkpoints; the same command resumes), `eval`, `summary`
 (OUT/books.md with each model's steps and training tokens/s, OUT/books-gap.png, OUT/books_study.json with what they
-came from), `all` (the three in a row). A same-seed SW run repeats to the digit on another tree, so a study may take
-its baseline from a stored one instead of training it again (deterministic runs of the same seeds, books and size):
+came from), `all` (the three in a row). A same-seed SW run repeats to the digit on another tree of the same card kind
+(seed 0 of SW 1024 read 47.93 on an H100 at bac8281, 48.72 on an H200 at a558fec), so a study may take its baseline from
+a stored one instead of training it again (deterministic runs of the same seeds, books, size and card kind):
 
     python benchmarks/books_study.py ... --size small --run sparsek+linear:0,1,2 --part all \
         --baseline benchmarks/books_study-small-h200.json:sw     # H200, tree 5235619: SW 256, seeds 0-2
@@ -168,7 +169,8 @@ def run_model(checkpoint: str) -> str:
 def add_baselines(a: argparse.Namespace, res: list[dict]) -> list[str]:
     """--baseline FILE:MODEL,...: a stored study's (OUT/books_study.json of another run) evaluations, steps, tokens/s
     and validation curves of those models, as if they had run here: a same-seed SW run repeats to the digit on
-    another tree (benchmarks/README.md, 2026-12-01), so a study need not train its baseline again. Returns the
+    another tree of the same card kind (benchmarks/README.md, 2026-12-01; an H100's run did not repeat on an H200, 2026-12-02), so a study
+    on that kind need not train its baseline again. Returns the
     table's note on where they came from."""
     notes, here = [], {run_model(r["checkpoint"]) for r in res}
     for spec in a.baseline:
