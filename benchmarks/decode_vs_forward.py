@@ -8,6 +8,7 @@ modules finish (a block after its parts), so the first line is the first module 
 
     python benchmarks/decode_vs_forward.py --out OUT --dtype bfloat16                  # CPU: 1,024 + 200 tokens
     python benchmarks/decode_vs_forward.py --out OUT --dtype bfloat16 --device cuda --prompt 65536 --tokens 1000
+    python benchmarks/decode_vs_forward.py ... --exact     # the exact decoder (one-token chunks): nothing differs
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from longtrain.generate import prefill
 from longtrain.model import LM, LMConfig
 
 
-def compare(model: LM, ids: torch.Tensor, n_prompt: int, chunk: int) -> dict:
-    """ids [1, n_prompt + n]: per-layer selection differences, max |Δ logit| and per-module differing positions."""
+def compare(model: LM, ids: torch.Tensor, n_prompt: int, chunk: int, exact: bool = False) -> dict:
+    """ids [1, n_prompt + n]: per-layer selection differences, max |Δ logit| and per-module differing positions
+    (exact: each token read as a one-token chunk of the forward, the Decoder's exact mode, instead of the decode step)."""
     n = ids.shape[1] - n_prompt
     names = {m: name for name, m in model.named_modules() if name}
     outputs: dict[str, list[torch.Tensor]] = {}
@@ -43,7 +45,8 @@ def compare(model: LM, ids: torch.Tensor, n_prompt: int, chunk: int) -> dict:
             outputs.clear()
             step_cache, differ, worst = cache, [0] * len(ref.selections), 0.0
             for t in range(n):
-                out = model.decode(ids[:, n_prompt + t], step_cache, selections=True)
+                token = ids[:, n_prompt + t]
+                out = model(token[:, None], cache=step_cache) if exact else model.decode(token, step_cache, selections=True)
                 step_cache = out.cache
                 worst = max(worst, float((out.logits[0, 0].float() - ref.logits[0, t].float()).abs().max()))
                 for layer, (sel, want) in enumerate(zip(out.selections, ref.selections)):
@@ -75,16 +78,19 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens, prefilled in --chunk chunks")
     ap.add_argument("--tokens", type=int, default=200, help="tokens decoded and compared")
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--exact", action="store_true", help="decode as one-token chunks of the forward (Decoder's exact)")
     a = ap.parse_args()
     torch.manual_seed(0)
     cfg = LMConfig(vocab_size=2048, layers=a.layers, d_model=a.d_model, heads=a.heads, style="llama",
                    attention="sparsek+sw", topk=a.topk, window=a.window)
     model = LM(cfg).to(device=a.device, dtype=getattr(torch, a.dtype)).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, a.prompt + a.tokens), generator=torch.Generator().manual_seed(7))
-    res = {"dtype": a.dtype, "device": a.device, "prompt": a.prompt, **compare(model, ids.to(a.device), a.prompt, a.chunk)}
+    res = {"dtype": a.dtype, "device": a.device, "prompt": a.prompt, "exact": a.exact,
+           **compare(model, ids.to(a.device), a.prompt, a.chunk, a.exact)}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "decode_vs_forward.json").write_text(json.dumps(res, indent=1))
-    print(f"{a.dtype} on {a.device}, {a.tokens} tokens after {a.prompt}: selections differ per layer "
+    print(f"{a.dtype} on {a.device}, {a.tokens} tokens after {a.prompt}{' (exact)' if a.exact else ''}: "
+          "selections differ per layer "
           f"{res['selections_differ_per_layer']}, max |Δ logit| {res['max_abs_logit_diff']:.3g}")
     for name, count in res["differing_positions_per_module"].items():
         if count:

@@ -16,7 +16,8 @@ A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with S
            lengths: the ragged prefill), decoded together; tokens/s over all rows;
   modes    --modes in_place,rebuild: the graph decoding again with Decoder(in_place=True) (the ring layout,
            K/V written in place) or in_place=False (the cache rebuilt every step), and compiled with --compile;
-           the other rows use Decoder's default (in place for several rows or a compiled step);
+           the other rows use Decoder's default (in place for several rows or a compiled step); --modes exact:
+           Decoder(exact=True), each token a one-token chunk of the forward (eager; its logits bitwise the forward's);
   profile  --profile-prefill N: torch.profiler over the N-token prompt's prefill (wall against kernel time, launches);
            always: torch.profiler over 20 decode steps (CUDA): eager after the shortest prompt and in the batch,
            and with --compile the compiled step's graph replays (the profiler names the kernels a graph
@@ -61,7 +62,8 @@ FULL_ATTN = [("sparsek+sw", dict(attention="sparsek+sw", topk=512, window=512)),
              ("sw", dict(attention="sw", window=1024)),
              ("full", dict(attention="full"))]
 FULL_PROMPTS = (4096, 65536, 1 << 20)
-MODES = {"in_place": {"in_place": True}, "rebuild": {"in_place": False}}  # --modes: Decoder keyword arguments
+# --modes: Decoder keyword arguments; exact: one-token chunks of the forward (bitwise its logits; eager, not compiled)
+MODES = {"in_place": {"in_place": True}, "rebuild": {"in_place": False}, "exact": {"exact": True}}
 SMALL = dict(vocab_size=512, layers=2, d_model=64, heads=4, style="gpt2")
 SMALL_ATTN = [("sparsek+sw", dict(attention="sparsek+sw", topk=16, window=16)),
               ("sw", dict(attention="sw", window=32)),
@@ -279,6 +281,8 @@ def add_modes(model: LM, row: dict, cache, logits: torch.Tensor, new: int, modes
     for mode in modes:
         if row["attention"] not in ("sparsek+sw", "sw"):  # full attention's cache has no ring layout
             continue
+        if compile and mode == "exact":  # the exact decoder runs eagerly: its rate is the uncompiled row's
+            continue
         key = f"{'compiled_' if compile else ''}{mode}"
         try:
             c = decode_rate(model, cache, logits, new, graph=True, compile=compile, profile=compile and "profile" in row,
@@ -311,8 +315,10 @@ def add_compiled(model: LM, row: dict, *, chunk: int, new: int, batch_prompt: in
 
 
 @torch.no_grad()
-def decode_equals_forward(model: LM, n_prompt: int, n_tokens: int, *, chunk: int, dev: torch.device) -> dict:
-    """The same n_tokens after an n_prompt-token prompt: one chunk through the forward against token-by-token decoding."""
+def decode_equals_forward(model: LM, n_prompt: int, n_tokens: int, *, chunk: int, dev: torch.device,
+                          exact: bool = False) -> dict:
+    """The same n_tokens after an n_prompt-token prompt: one chunk through the forward against token-by-token decoding
+    (exact: each token as a one-token chunk of the forward, Decoder's exact mode; else the decode step)."""
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, model.cfg.vocab_size, (1, n_prompt + n_tokens), generator=g)
     _fresh(dev)
@@ -324,7 +330,8 @@ def decode_equals_forward(model: LM, n_prompt: int, n_tokens: int, *, chunk: int
     worst, argmax_same = 0.0, 0
     step_cache = cache
     for t in range(n_tokens):
-        out = model.decode(ids[:, n_prompt + t].to(dev), step_cache, selections=True)
+        token = ids[:, n_prompt + t].to(dev)
+        out = model(token[:, None], cache=step_cache) if exact else model.decode(token, step_cache, selections=True)
         step_cache = out.cache
         lg = out.logits[0, 0].float()
         worst = max(worst, float((lg - ref_logits[t]).abs().max()))
@@ -332,7 +339,8 @@ def decode_equals_forward(model: LM, n_prompt: int, n_tokens: int, *, chunk: int
         for layer, sel in enumerate(out.selections):
             if sel is not None and not torch.equal(sel.fingerprint[0, 0], ref_fp[layer][t]):
                 differ[layer] += 1
-    return {"kind": "check", "prompt_tokens": n_prompt, "tokens": n_tokens, "dtype": str(model.embed.weight.dtype),
+    return {"kind": "check", "exact": exact, "prompt_tokens": n_prompt, "tokens": n_tokens,
+            "dtype": str(model.embed.weight.dtype),
             "positions_with_other_selection_per_layer": differ, "selections_identical": not any(differ),
             "max_abs_logit_diff": worst, "argmax_agreement": argmax_same / n_tokens,
             "overflowed": step_cache.overflowed()}
@@ -369,7 +377,7 @@ def main() -> None:
     ap.add_argument("--batch-prompt", type=int, default=None, help="longest batched prompt (default 4096; --small 64)")
     ap.add_argument("--compile", action="store_true", help="also time the step through torch.compile (CUDA)")
     ap.add_argument("--modes", default="", help="comma list of Decoder modes also timed (graph; compiled with --compile): "
-                    "in_place, rebuild")
+                    "in_place, rebuild, exact")
     ap.add_argument("--check-prompt", type=int, default=None,
         help="decode == forward check: prompt (default 65536; --small 512; 0: no check)")
     ap.add_argument("--check-tokens", type=int, default=None, help="decode == forward check: tokens (default 1000; --small 20)")
@@ -424,6 +432,9 @@ def main() -> None:
         if check_prompt and name == "sparsek+sw" and not over_budget():
             report["check"] = decode_equals_forward(model, check_prompt, check_tokens, chunk=chunk, dev=dev)
             console.print(json.dumps(report["check"]), highlight=False)
+            report["check_exact"] = decode_equals_forward(model, check_prompt, check_tokens, chunk=chunk, dev=dev,
+                                                          exact=True)
+            console.print(json.dumps(report["check_exact"]), highlight=False)
         for n in prompts:
             add({"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n, "skipped": "time budget"} if over_budget()
                 else run_single(model, name, n, chunk=chunk, new=new, dev=dev, profile=n == prompts[0], modes=modes,
@@ -544,12 +555,13 @@ def markdown(report: dict) -> str:
     if c:
         lines.append(f"\nSparseK+SW peak above start {c['prompts'][0]:,} vs {c['prompts'][1]:,} tokens: ratio {c['ratio']:.4f} "
                      f"(within 5%: {'yes' if c['within_5_percent'] else 'no'})")
-    k = report.get("check")
-    if k:
-        lines.append(f"\ndecode == chunked forward ({k['dtype']}, {k['tokens']} tokens after {k['prompt_tokens']:,}): "
-                     f"selections identical: {k['selections_identical']} (positions differing per layer "
-                     f"{k['positions_with_other_selection_per_layer']}), max |Δ logit| {k['max_abs_logit_diff']:.3g}, "
-                     f"argmax agreement {k['argmax_agreement']:.4f}")
+    for key, step in (("check", "decode step"), ("check_exact", "exact decoding (one-token chunks)")):
+        k = report.get(key)
+        if k:
+            lines.append(f"\n{step} == chunked forward ({k['dtype']}, {k['tokens']} tokens after {k['prompt_tokens']:,}): "
+                         f"selections identical: {k['selections_identical']} (positions differing per layer "
+                         f"{k['positions_with_other_selection_per_layer']}), max |Δ logit| {k['max_abs_logit_diff']:.3g}, "
+                         f"argmax agreement {k['argmax_agreement']:.4f}")
     return "\n".join(lines) + "\n"
 
 

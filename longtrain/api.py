@@ -79,13 +79,16 @@ class Model:
         stop_at_end_of_document: bool = True,
         chunk_size: int | None = None,
         compile: bool = False,
+        exact: bool = False,  # every step through the chunked forward: the logits of one pass over the text, bitwise
         on_token: Callable[[int, int], None] | None = None,  # (row, token) as tokens come
         on_prefill: Callable[[int], None] | None = None,
     ) -> list[Completion]:
         """One Completion (text, tokens, stopped, prompt_tokens) per prompt, the prompts decoded together.
 
         Greedy by default (temperature 0). A row stops at its max_new_tokens, at the end-of-document
-        token, or once its text holds a stop text (its `text` is cut before it).
+        token, or once its text holds a stop text (its `text` is cut before it). exact: each token read as a
+        one-token chunk (Decoder's exact), so in bf16 the logits equal one forward pass over prompt and output bit for
+        bit; slower than the default step, which rounds its attention apart in bf16.
         """
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         ids = [self.encode(t) for t in texts]
@@ -106,7 +109,8 @@ class Model:
         self.last = generate_batch(
             self.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=[stop] if isinstance(stop, str) else stop,
             eod_id=eod_id(self.tokenizer) if stop_at_end_of_document else None, tokenizer=self.tokenizer,
-            chunk_size=self.prefill_chunk(len(ids), chunk_size), compile=compile, on_token=on_token, on_prefill=on_prefill,
+            chunk_size=self.prefill_chunk(len(ids), chunk_size), compile=compile, exact=exact, on_token=on_token,
+            on_prefill=on_prefill,
         )
         return self.last.rows
 

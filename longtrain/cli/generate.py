@@ -37,6 +37,9 @@ def generate(
     json_path: Path = typer.Option(None, "--json", help="write the texts and the timings as JSON here"),
     output: Path = typer.Option(None, "--output", help="several prompts: write the JSONL here (default: stdout)"),
     compile: bool = typer.Option(False, "--compile", help="torch.compile the decode step (CUDA: a slower start, faster steps)"),
+    exact: bool = typer.Option(False, "--exact",
+        help="read each new token as a one-token chunk: in bf16 the logits of one forward pass over prompt and "
+             "output, bit for bit (slower; the default step rounds its attention apart)"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     dtype: str = typer.Option(None, "--dtype", help="float32 | bfloat16 | float64 (default: float32 on cpu, bfloat16 on cuda)"),
 ) -> None:
@@ -49,8 +52,8 @@ def generate(
     run_generate(
         checkpoint=checkpoint, prompt=prompt, prompt_files=prompt_file or [], prompts=prompts,
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop or [],
-        chunk_size=chunk_size, json_path=json_path, output=output, compile=compile, device=device, dtype=dtype,
-        console=make_console(), err=make_console(stderr=True),
+        chunk_size=chunk_size, json_path=json_path, output=output, compile=compile, exact=exact, device=device,
+        dtype=dtype, console=make_console(), err=make_console(stderr=True),
     )
 
 
@@ -110,6 +113,7 @@ def run_generate(
     *, checkpoint: str, prompt: str | None, prompt_files: list[Path], prompts: Path | None, max_new_tokens: int,
     temperature: float, top_k: int, top_p: float, seed: int, stop: list[str], chunk_size: int | None,
     json_path: Path | None, output: Path | None, compile: bool, device: str, dtype: str | None, console, err,
+    exact: bool = False,
 ):
     """Everything behind `longtrain generate`: the text or JSONL on `console` (stdout), the rest on `err` (stderr)."""
     from longtrain.generate import Sampling
@@ -118,6 +122,8 @@ def run_generate(
         raise UsageError(f"--max-new-tokens must be at least 1; got {max_new_tokens}")
     for name, problem in Sampling(temperature=temperature, top_k=top_k, top_p=top_p).problems():
         raise UsageError(problem, arg=name)
+    if exact and compile:
+        raise UsageError("--exact steps the chunked forward eagerly; drop --compile (or --exact)")
     if chunk_size is not None and chunk_size < 1:
         raise UsageError(f"--chunk-size must be at least 1; got {chunk_size}")
     for flag, path in (("--json", json_path), ("--output", output)):
@@ -163,7 +169,7 @@ def run_generate(
         completions = lm.generate(
             [r["prompt"] for r in rows], max_new_tokens=[r.get("max_new_tokens", max_new_tokens) for r in rows],
             sampling=settings, stop=[r.get("stop", stop) for r in rows], chunk_size=chunk, compile=compile,
-            on_token=on_token, on_prefill=on_prefill,
+            exact=exact, on_token=on_token, on_prefill=on_prefill,
         )
     result = lm.last
     if several:
@@ -210,7 +216,7 @@ def to_json(result, rows: list[dict], lm, settings: list, chunk: int, several: b
         "decode": {"tokens": result.new_tokens, "steps": result.decode_steps, "seconds": result.decode_seconds,
                    "tokens_per_s": result.decode_tokens_per_s, "cuda_graph": result.extra.get("cuda_graph", False),
                    "compiled": result.extra.get("compiled", False), "in_place": result.extra.get("in_place", False),
-                   "cuda_graph_capture_seconds": result.capture_seconds},
+                   "exact": result.extra.get("exact", False), "cuda_graph_capture_seconds": result.capture_seconds},
         "peak_memory_bytes": result.peak_memory_bytes,
         "kv_cache": {"entries_per_layer": result.kv_entries_per_layer, "bytes": result.cache_bytes, "grows": result.cache_grows},
         "overflowed": result.extra.get("overflowed", False),

@@ -33,3 +33,10 @@ def test_in_bf16_the_attention_output_is_what_rounds_apart_first():
     res = decode_vs_forward.compare(model(torch.bfloat16), IDS, 128, 32)
     differing = [name for name, n in res["differing_positions_per_module"].items() if n]
     assert differing and differing[0] == "blocks.0.attn.o_proj", differing[:3]
+
+
+def test_exact_decoding_rounds_nowhere_apart_in_bf16():
+    res = decode_vs_forward.compare(model(torch.bfloat16), IDS, 128, 32, exact=True)
+    assert res["selections_differ_per_layer"] == [0, 0] and res["max_abs_logit_diff"] == 0
+    assert not any(res["differing_positions_per_module"].values())
+    assert "blocks.0.attn.o_proj" in res["differing_positions_per_module"]  # the modules were compared

@@ -40,3 +40,17 @@ def test_the_warm_prefix_holds_every_chunk_shape_of_the_prompt_and_no_more():
         prefix = warm_prefix(torch.arange(n)[None], chunk)
         assert prefix.shape == (1, expected), n
         assert torch.equal(prefix[0], torch.arange(expected))  # the prompt's own first tokens
+
+
+def test_the_exact_check_finds_decoding_equal_to_the_forward_in_bf16():
+    import torch
+    from generate import decode_equals_forward
+
+    from longtrain.model import LM, LMConfig
+
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=300, layers=2, d_model=32, heads=2, style="llama", attention="sparsek+sw", topk=8,
+                        window=8)).to(torch.bfloat16).eval()
+    res = decode_equals_forward(model, 100, 24, chunk=32, dev=torch.device("cpu"), exact=True)
+    assert res["exact"] and res["selections_identical"] and res["max_abs_logit_diff"] == 0
+    assert res["argmax_agreement"] == 1.0

@@ -193,3 +193,20 @@ def test_the_default_long_prefill_chunks_give_the_short_chunks_cache(kw):
     assert (long_logits - short_logits).abs().max() < 1e-3
     for x, y in zip(long_cache.layers, short_cache.layers):
         assert torch.equal(x.attn.pool_pos.sort(1).values, y.attn.pool_pos.sort(1).values)
+
+
+@pytest.mark.parametrize("kw", [CASES[0], CASES[2], dict(attention="sparsek+linear+sw", topk=32, window=32)])
+@pytest.mark.parametrize("n_prompt", [1100, 1037])  # a prompt ending on a 64-token tile and one inside it
+@torch.no_grad()
+def test_exact_decoding_gives_the_forward_passes_bf16_logits_bit_for_bit(kw, n_prompt):
+    """Decoder(exact=True) on CUDA in bf16 (the device scan, the chunk op's Triton kernels on a one-token chunk):
+    every step's logits are those of one forward pass over the same tokens, bit for bit."""
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=512, layers=3, d_model=128, heads=4, **{"style": "llama", **kw})
+    model = LM(cfg).cuda().bfloat16().eval()
+    tokens = torch.randint(0, 512, (1, n_prompt + 150), device="cuda")
+    cache, _ = prefill(model, tokens[:, :n_prompt], chunk_size=256)
+    ref = model(tokens[:, n_prompt:], cache=cache)
+    exact = Decoder(model, cache, exact=True)
+    for t in range(150):
+        assert torch.equal(exact.step(tokens[:, n_prompt + t]), ref.logits[:, t]), t
