@@ -131,4 +131,5 @@ class Model:
             logits = self.model.head(out.hidden).float()  # [B, L, V]
             target = nxt[:, s : s + L].to(logits.device)
             losses[:, s : s + L] = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(-1, L).cpu()
+            del out, logits  # freed before the next chunk runs
         return [losses[r, : int(lengths[r]) - 1].clone() for r in range(len(texts))]

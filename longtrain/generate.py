@@ -64,7 +64,6 @@ def pad_prompts(prompts: torch.Tensor | Sequence[Sequence[int]]) -> tuple[torch.
     return ids, lengths
 
 
-@torch.no_grad()
 def read_prompts(
     model: LM,
     ids: torch.Tensor,  # [B, T] int64 on the host (pad_prompts)
@@ -87,10 +86,12 @@ def read_prompts(
         full = bool((host.lengths == L).all())  # every row reads the whole chunk: no mask needed
 
         def forward(c, cache, full=full):
-            return model.hidden(c.tokens, cache=cache, lengths=None if full else c.lengths)
+            with torch.no_grad():  # here, not on the generator: torch's generator wrapper keeps the last output alive
+                return model.hidden(c.tokens, cache=cache, lengths=None if full else c.lengths)
 
         _, out = reader.read(host, forward)
         yield start, host.lengths, out
+        del out  # the chunk's hidden states [B, L, d] and selections, freed before the next chunk runs
 
 
 def prefill_chunk_for(model: LM, rows: int, requested: int | None = None, trained: int = 0) -> int:
@@ -114,15 +115,17 @@ def prefill(
     chunk_size = prefill_chunk_for(model, ids.shape[0], chunk_size)
     last = None  # [B, d] the final hidden state at each row's last token
     for s, n, out in read_prompts(model, ids, lengths, chunk_size=chunk_size, cache=cache):
+        cache = out.cache
         if last is None:
             last = out.hidden.new_empty(ids.shape[0], out.hidden.shape[-1])
         ends = ((lengths > s) & (lengths <= s + n.max())).nonzero()[:, 0]  # rows whose prompt ends in this chunk
         if len(ends):
             idx = ends.to(last.device)
             last[idx] = out.hidden[idx, (lengths[ends] - s - 1).to(last.device)]
+        del out  # only its cache goes on: a long prompt's peak holds one chunk's activations, not two
         if on_chunk is not None:
             on_chunk(s + int(n.max()))
-    return out.cache, model.head(last)
+    return cache, model.head(last)
 
 
 # ----------------------------------------------------------------------------- sampling
