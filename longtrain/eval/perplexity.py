@@ -101,6 +101,8 @@ def perplexity_by_position(
             logits = logits if logits.dtype == torch.float64 else logits.float()
             nll = F.cross_entropy(logits, torch.from_numpy(targets[b][keep[b]]).to(dev), reduction="none")
             acc.add(pos[b][keep[b]], nll.double().cpu().numpy())
+            del logits, nll  # a row's [C, V] logits: gone before the next row's, and before the next chunk
+        del out  # the chunk's hidden states, freed before the next chunk runs
         if progress is not None:
             progress.advance(int(keep.sum()))
     result = acc.result()

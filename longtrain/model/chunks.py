@@ -134,6 +134,7 @@ class ChunkReader:
         for host in chunks:
             chunk, out = self.read(host, forward)
             yield host, chunk, out
+            del chunk, out  # freed before the next chunk runs (the caller drops its own references)
 
     @staticmethod
     def carry(cache: ModelCache, host: Chunk) -> ModelCache:
