@@ -188,7 +188,7 @@ def run_generate(
         ("end of document" if completions[0].stopped == "end_of_document" else
          "a stop text" if completions[0].stopped == "stop_text" else f"{len(completions[0].tokens)} tokens")
     err.print(
-        f"stopped: {stopped}; prefill {result.prompt_tokens:,} tokens at {result.prefill_tokens_per_s:,.0f} tokens/s, "
+        f"stopped: {stopped}; prefill {result.prompt_tokens:,} tokens at {_rate(result.prefill_tokens_per_s)} tokens/s, "
         f"decode {result.new_tokens:,} tokens at {result.decode_tokens_per_s:,.1f} tokens/s"
         + (f" ({len(rows)} rows together)" if several else "") + "; "
         f"peak memory {result.peak_memory_bytes / mib:,.0f} MiB ({'GPU tensors' if lm.device == 'cuda' else 'resident'}); "
@@ -199,6 +199,11 @@ def run_generate(
     if json_path is not None:
         json_path.write_text(json.dumps(to_json(result, rows, lm, settings, chunk, several), indent=1))
     return result
+
+
+def _rate(per_s: float) -> str:
+    """tokens/s as a person reads it: 862,226 or 7.3 (a short prompt's first prefill pays one-time set-up)."""
+    return f"{per_s:,.0f}" if per_s >= 100 else f"{per_s:.1f}"
 
 
 def row_json(index: int, row: dict, c) -> dict:
