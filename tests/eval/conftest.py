@@ -66,3 +66,24 @@ def runs(tmp_path_factory, corpus, tokenizer) -> dict[str, Path]:
 def token_cache(tmp_path_factory, monkeypatch):
     """One token cache for the session's tests, never the user's."""
     monkeypatch.setenv("LONGTRAIN_CACHE", str(tmp_path_factory.getbasetemp() / "token-cache"))
+
+
+@pytest.fixture
+def earlier_chunks_alive(monkeypatch):
+    """watch(model) -> a list that gets, at every `model.hidden` call, how many earlier calls' hidden states are
+    still alive: all 0 when a chunked reader frees each chunk's activations before the next chunk runs."""
+    import weakref
+
+    def watch(model) -> list[int]:
+        hidden, alive_at_call, previous = model.hidden, [], []
+
+        def watched(*args, **kwargs):
+            alive_at_call.append(sum(r() is not None for r in previous))
+            out = hidden(*args, **kwargs)
+            previous.append(weakref.ref(out.hidden))
+            return out
+
+        monkeypatch.setattr(model, "hidden", watched)
+        return alive_at_call
+
+    return watch

@@ -262,23 +262,12 @@ def test_prefill_without_a_chunk_asks_prefill_chunk_size_for_its_rows(monkeypatc
     assert torch.allclose(logits, other_logits)  # another chunk: the same result (float64), not the same path
 
 
-def test_a_long_prefill_holds_one_chunks_activations_at_a_time(monkeypatch):
+def test_a_long_prefill_holds_one_chunks_activations_at_a_time(earlier_chunks_alive):
     """When a chunk runs, the last chunk's hidden states [B, L, d] are gone (prefill and read_prompts drop them),
     so a long prompt's peak memory is one chunk's, as a prompt of one chunk's; the logits stay the same."""
-    import weakref
-
     model = _model(CASES["sparsek+sw"], torch.float32)
     prompt = [torch.randint(0, SMALL["vocab_size"], (70,), generator=torch.Generator().manual_seed(3)).tolist()]
     want_cache, want = prefill(model, prompt, chunk_size=16)
-    hidden, alive_at_call = model.hidden, []
-    previous: list[weakref.ref] = []
-
-    def watched(*args, **kwargs):
-        alive_at_call.append(sum(r() is not None for r in previous))
-        out = hidden(*args, **kwargs)
-        previous.append(weakref.ref(out.hidden))
-        return out
-
-    monkeypatch.setattr(model, "hidden", watched)
+    alive_at_call = earlier_chunks_alive(model)
     cache, got = prefill(model, prompt, chunk_size=16)
     assert alive_at_call == [0] * 5 and torch.equal(got, want) and torch.equal(cache.seen, want_cache.seen)

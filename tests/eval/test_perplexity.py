@@ -67,23 +67,13 @@ def test_the_chunked_stream_equals_one_pass_per_document(max_tokens):
     assert res["documents"] == 4 and res["chunk_size"] == 200 and len(res["buckets"]) == 2
 
 
-def test_a_chunk_runs_with_no_earlier_chunks_activations_alive(monkeypatch):
+def test_a_chunk_runs_with_no_earlier_chunks_activations_alive(earlier_chunks_alive):
     """The reader and the loop drop each chunk's hidden states before the next chunk runs: the peak memory of a
     long evaluation is one chunk's."""
-    import weakref
-
     torch.manual_seed(0)
     model = LM(LMConfig(vocab_size=50, layers=2, d_model=32, heads=2, attention="sparsek+sw", topk=8, window=8)).eval()
     tokens = torch.randint(0, 50, (900,), dtype=torch.int32).numpy()
     docs = TokenDocs(tokens, np.array([0]), np.array([900]), np.arange(1))
-    hidden, alive_at_call, previous = model.hidden, [], []
-
-    def watched(*args, **kwargs):
-        alive_at_call.append(sum(r() is not None for r in previous))
-        out = hidden(*args, **kwargs)
-        previous.append(weakref.ref(out.hidden))
-        return out
-
-    monkeypatch.setattr(model, "hidden", watched)
+    alive_at_call = earlier_chunks_alive(model)
     res = perplexity_by_position(model, docs, chunk_size=200, rows=1)
     assert res["tokens"] == 899 and alive_at_call == [0] * 5
