@@ -252,7 +252,7 @@ class Decoder:
     tokens, for the fixed-size caches (SparseK, SW, the linear types; full attention's SDPA rounds a one-query chunk
     apart; in float32 MKL and cuBLAS round one-row products apart). The fast step computes its query's attention in
     float32 (more precise, not the same bits: a near-tie can then select another key). Eager, no graph, no compile,
-    no ring layout: slower (7.3 tokens/s against the graph's 545 at 12 x 768 on an H200).
+    no ring layout: far slower (benchmarks/README.md, issue 33), a way to check, not to serve.
     """
 
     def __init__(self, model: LM, cache: ModelCache, *, sampling: Sampling | Sequence[Sampling] | None = None,

@@ -112,8 +112,8 @@ def gather_prompts(prompt: str | None, prompt_files: list[Path], prompts: Path |
 def run_generate(
     *, checkpoint: str, prompt: str | None, prompt_files: list[Path], prompts: Path | None, max_new_tokens: int,
     temperature: float, top_k: int, top_p: float, seed: int, stop: list[str], chunk_size: int | None,
-    json_path: Path | None, output: Path | None, compile: bool, device: str, dtype: str | None, console, err,
-    exact: bool = False,
+    json_path: Path | None, output: Path | None, compile: bool, exact: bool, device: str, dtype: str | None, console,
+    err,
 ):
     """Everything behind `longtrain generate`: the text or JSONL on `console` (stdout), the rest on `err` (stderr)."""
     from longtrain.generate import Sampling
