@@ -79,7 +79,7 @@ class Model:
         stop_at_end_of_document: bool = True,
         chunk_size: int | None = None,
         compile: bool = False,
-        exact: bool = False,  # every step through the chunked forward: the logits of one pass over the text, bitwise
+        exact: bool = False,  # every step through the chunked forward's attention and selection (slower)
         on_token: Callable[[int, int], None] | None = None,  # (row, token) as tokens come
         on_prefill: Callable[[int], None] | None = None,
     ) -> list[Completion]:

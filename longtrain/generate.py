@@ -248,9 +248,11 @@ class Decoder:
     another order). None (the default): `in_place_by_default`.
 
     exact: each step reads its token as a one-token chunk of the chunked forward (the selection scan and the chunk
-    op's kernels), so in bf16 the logits and selections are bit for bit those of one forward pass over the same
-    tokens, for the fixed-size caches (SparseK, SW, the linear types; full attention's SDPA rounds a one-query chunk
-    apart; in float32 MKL and cuBLAS round one-row products apart). The fast step computes its query's attention in
+    op's kernels), so the attention and selection are the forward's own, and in bf16 the logits are bit for bit those of
+    one forward pass over the same tokens where the linear layers' one-row products round as the chunk's rows do:
+    measured at 4 x 128 on an H200 (all 1,000 tokens after 64k), not at 12 x 768, where cuBLAS's one-row product of
+    the MLP's down projection rounds apart (benchmarks/README.md, issue 33); full attention's SDPA rounds a one-query
+    chunk apart, and in float32 MKL and cuBLAS round one-row products apart. The fast step computes its query's attention in
     float32 (more precise, not the same bits: a near-tie can then select another key). Eager, no graph, no compile,
     no ring layout: far slower (benchmarks/README.md, issue 33), a way to check, not to serve.
     """
@@ -488,7 +490,7 @@ def generate_batch(
     cuda_graph: bool | None = None,
     compile: bool = False,
     in_place: bool | None = None,  # Decoder's: the cache's ring layout (None: where measured faster)
-    exact: bool = False,  # Decoder's: every step through the chunked forward (bitwise its logits; slower)
+    exact: bool = False,  # Decoder's: every step through the chunked forward (its attention and selection; slower)
     sync_every: int | None = None,  # steps between reads of the tokens (default: 1 on the CPU, 8 on CUDA)
     on_token: Callable[[int, int], None] | None = None,  # (row, token) as the tokens are read back
     on_prefill: Callable[[int], None] | None = None,
