@@ -248,12 +248,10 @@ class Decoder:
     another order). None (the default): `in_place_by_default`.
 
     exact: each step reads its token as a one-token chunk of the chunked forward (the selection scan and the chunk
-    op's kernels), so the attention and selection are the forward's own, and in bf16 the logits are bit for bit those of
-    one forward pass over the same tokens where the linear layers' one-row products round as the chunk's rows do:
-    measured at 4 x 128 on an H200 (all 1,000 tokens after 64k), not at 12 x 768, where cuBLAS's one-row product of
-    the MLP's down projection rounds apart (benchmarks/README.md, issue 33); full attention's SDPA rounds a one-query
-    chunk apart, and in float32 MKL and cuBLAS round one-row products apart. The fast step computes its query's attention in
-    float32 (more precise, not the same bits: a near-tie can then select another key). Eager, no graph, no compile,
+    op's kernels), so the attention and selection are the forward's own; the logits are its bits only where one-row
+    matrix products round as a chunk's rows do (bf16: at 4 x 128, not at 12 x 768 on an H200; docs/VERBS.md). The
+    fast step computes its query's attention in float32 (more precise, not the same bits: a near-tie can then select
+    another key). Eager, no graph, no compile,
     no ring layout: far slower (benchmarks/README.md, issue 33), a way to check, not to serve.
     """
 
