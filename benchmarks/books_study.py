@@ -18,8 +18,8 @@ Sizes (the paper's from-scratch comparison: the same KV budget k + w per query):
              (the chunk's length, 16x the budget: a ceiling, not a same-budget baseline)
     medium   12 x 768 llama (~110M parameters), chunks of 4096 x 4 rows, 6,100 steps (100M tokens);
              sparsek: k = w = 512; sw: w = 1024; full: the last 4096 keys
-Models `sparsek-K-W` set the split of the same budget (k = K, w = W); `sparsek+linear` is SparseK+Linear+SW
-(k = w = budget / 2, every other key through linear attention) and `linear` Linear+SW (w = budget), the paper's
+Models `sparsek-K-W` set the split of the same budget (k = K, w = W); `sparsek+linear[-K-W]` is SparseK+Linear+SW
+(k = w = budget / 2 unless split, every other key through linear attention) and `linear` Linear+SW (w = budget), the paper's
 appendix comparison (`pip install 'longtrain[linear]'` for fla's kernels on a GPU):
 
     python benchmarks/books_study.py ... --size small --run sparsek+linear:0,1,2 --run sparsek:0,1,2 \
@@ -67,17 +67,16 @@ def attention_sets(model: str, budget: int) -> list[str]:
         return ["attention.type=full", "attention.topk=0", "attention.window=0", "attention.max_context=4096"]
     if model == "linear":
         return ["attention.type=linear+sw", "attention.topk=0", f"attention.window={budget}"]
-    if model == "sparsek+linear":
-        return ["attention.type=sparsek+linear+sw", f"attention.topk={budget // 2}", f"attention.window={budget // 2}"]
-    if model == "sparsek":
-        k, w = budget // 2, budget // 2
-    elif model.startswith("sparsek-"):
-        k, w = (int(x) for x in model.split("-")[1:3])
+    base, _, split = model.partition("-")
+    if base not in ("sparsek", "sparsek+linear"):
+        raise SystemExit(f"unknown model {model}: sparsek, sw, full, sparsek-K-W, sparsek+linear[-K-W] or linear")
+    k, w = budget // 2, budget // 2
+    if split:
+        k, w = (int(x) for x in split.split("-"))
         if k + w != budget:
             raise SystemExit(f"{model}: k + w = {k + w}, not the size's budget {budget}")
-    else:
-        raise SystemExit(f"unknown model {model}: sparsek, sw, full, sparsek-K-W, sparsek+linear or linear")
-    return ["attention.type=sparsek+sw", f"attention.topk={k}", f"attention.window={w}"]
+    kind = "sparsek+linear+sw" if base == "sparsek+linear" else "sparsek+sw"
+    return [f"attention.type={kind}", f"attention.topk={k}", f"attention.window={w}"]
 
 
 def common_sets(a: argparse.Namespace) -> list[str]:
@@ -254,15 +253,17 @@ def store(a: argparse.Namespace, res: list[dict]) -> None:
 
 
 def gap_pairs(models: list[str]) -> list[tuple[str, str]]:
-    """(base, model) rows of the table: every SparseK+SW model (variants and k : w splits too) against SW, every
-    SparseK+Linear+SW one against SparseK+SW."""
+    """(base, model) rows of the table: every SparseK+SW model (variants and k : w splits too) and Linear+SW against
+    SW, every SparseK+Linear+SW one against its SparseK+SW twin (the same split and settings, else the same split)
+    and SW."""
     pairs = []
     for m in models:
         base = split_model(m)[0]
-        if base == "sparsek" or base.startswith("sparsek-"):
+        if base == "sparsek" or base.startswith("sparsek-") or base == "linear":
             pairs.append(("sw", m))
-        elif base == "sparsek+linear":
-            pairs.append(("sparsek", m))
+        elif base.startswith("sparsek+linear"):
+            twin = m.replace("sparsek+linear", "sparsek", 1)
+            pairs += [(twin if twin in models else base.replace("sparsek+linear", "sparsek", 1), m), ("sw", m)]
     return pairs
 
 

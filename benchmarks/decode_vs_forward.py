@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from longtrain.generate import prefill
+from longtrain.generate import exact_step, prefill
 from longtrain.model import LM, LMConfig
 
 
@@ -46,7 +46,7 @@ def compare(model: LM, ids: torch.Tensor, n_prompt: int, chunk: int, exact: bool
             step_cache, differ, worst = cache, [0] * len(ref.selections), 0.0
             for t in range(n):
                 token = ids[:, n_prompt + t]
-                out = model(token[:, None], cache=step_cache) if exact else model.decode(token, step_cache, selections=True)
+                out = exact_step(model, token, step_cache) if exact else model.decode(token, step_cache, selections=True)
                 step_cache = out.cache
                 worst = max(worst, float((out.logits[0, 0].float() - ref.logits[0, t].float()).abs().max()))
                 for layer, (sel, want) in enumerate(zip(out.selections, ref.selections)):

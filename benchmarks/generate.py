@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from longtrain.generate import Decoder, prefill, prefill_chunk_for
+from longtrain.generate import Decoder, exact_step, prefill, prefill_chunk_for
 from longtrain.model import LM, LMConfig
 
 FULL = dict(vocab_size=8192, layers=12, d_model=768, heads=12, style="gpt2")
@@ -331,7 +331,7 @@ def decode_equals_forward(model: LM, n_prompt: int, n_tokens: int, *, chunk: int
     step_cache = cache
     for t in range(n_tokens):
         token = ids[:, n_prompt + t].to(dev)
-        out = model(token[:, None], cache=step_cache) if exact else model.decode(token, step_cache, selections=True)
+        out = exact_step(model, token, step_cache) if exact else model.decode(token, step_cache, selections=True)
         step_cache = out.cache
         lg = out.logits[0, 0].float()
         worst = max(worst, float((lg - ref_logits[t]).abs().max()))

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from longtrain.model import LM, LMOutput, ModelCache
+from longtrain.model.attention import rows_padded
 from longtrain.model.attention_types import has_ring_layout
 from longtrain.model.chunks import PREFILL_CHUNK, ChunkReader, prefill_chunk_size, split_rows
 from longtrain.ops.sparsek_attention.decode import position_hash
@@ -227,6 +228,13 @@ def in_place_by_default(attention: str, device_type: str) -> bool:
 COMPILE_OPTIONS = {"freezing": True, "combo_kernels": True}
 
 
+def exact_step(model: LM, tokens: torch.Tensor, cache: ModelCache, **kw) -> LMOutput:
+    """tokens [B] read as a one-token chunk of the chunked forward (Decoder's exact step): its attention, selection
+    and, through rows_padded, its matrix products' rows (a GEMM's bits can depend on its row count)."""
+    with rows_padded():
+        return model(tokens[:, None], cache=cache, **kw)
+
+
 class Decoder:
     """Decodes one token per row per step from a prefilled cache, sampling on the device.
 
@@ -310,7 +318,7 @@ class Decoder:
 
     def _decode_and_sample(self, tokens: torch.Tensor, cache: ModelCache, steps: torch.Tensor):
         """One step, functional: (next cache, logits [B, V], sampled tokens [B])."""
-        out = self.model(tokens[:, None], cache=cache) if self.exact else self.model.decode(tokens, cache)
+        out = exact_step(self.model, tokens, cache) if self.exact else self.model.decode(tokens, cache)
         logits = out.logits[:, 0]
         return out.cache, logits, self.sampler(logits, steps)
 

@@ -4,6 +4,7 @@ builds the blocks from them)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,8 +32,27 @@ if TYPE_CHECKING:
     from longtrain.model.model import LMConfig
 
 
+EXACT_ROWS = 1024  # rows_padded's default: a count whose products round as a chunk's rows do (cuBLAS and MKL, measured)
+_padded_rows = 0  # products with fewer rows than this run padded with zero rows (0: off); set by rows_padded
+
+
+@contextlib.contextmanager
+def rows_padded(rows: int = EXACT_ROWS):
+    """Inside: every chunk_invariant_linear of fewer rows than `rows` (without gradients) computes them as the first
+    rows of a `rows`-row product. A GEMM's kernel, and so a row's bits, can depend on the row count: cuBLAS's one-row
+    bf16 product at 12 x 768's MLP down projection rounds apart from the same row in a chunk, MKL's float32 gemv too.
+    The exact decoder's one-token steps run inside it; the fast decoder does not (it would cost a chunk's GEMMs)."""
+    global _padded_rows
+    before, _padded_rows = _padded_rows, rows
+    try:
+        yield
+    finally:
+        _padded_rows = before
+
+
 def chunk_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear (the plain reference), but on the CPU in bf16/fp16 without gradients summed in float64.
+    """F.linear (the plain reference), but on the CPU in bf16/fp16 without gradients summed in float64, and inside
+    rows_padded with few rows as rows of a larger product.
 
     The CPU's half-precision GEMMs (oneDNN, AMX) pick their blocking and accumulation order by the row
     count and threads, so a row's product depended on the chunk it came in (quickstart at chunks of 61:
@@ -40,6 +60,15 @@ def chunk_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     2^45 times finer than bf16's, so rounding them to the compute dtype gives a row the same bits in any
     chunk (H100s' bf16 GEMMs already do). Training (gradients) keeps the fast kernels.
     """
+    rows = x.numel() // x.shape[-1]
+    if rows < _padded_rows and not torch.is_grad_enabled():
+        flat = x.reshape(rows, x.shape[-1])  # [rows, K]
+        padded = torch.cat([flat, flat.new_zeros(_padded_rows - rows, flat.shape[1])])  # [_padded_rows, K]
+        return _linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    return _linear(x, weight, bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
     if x.device.type != "cpu" or torch.is_grad_enabled() or dtype not in (torch.bfloat16, torch.float16):
         return F.linear(x, weight, bias)

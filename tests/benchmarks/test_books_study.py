@@ -95,8 +95,13 @@ def test_model_variants_get_their_own_runs_settings_and_rows():
     assert books_study.model_sets(model, 256) == ["attention.type=sparsek+sw", "attention.topk=128",
                                                   "attention.window=128", "attention.eps_slope=3e-3",
                                                   "train.score_distill=0.1"]
-    assert books_study.gap_pairs(["sw", "sparsek", model, "sparsek-64-192", "sparsek+linear@x=1", "linear", "full"]) == [
-        ("sw", "sparsek"), ("sw", model), ("sw", "sparsek-64-192"), ("sparsek", "sparsek+linear@x=1")]
+    assert books_study.gap_pairs(["sw", "sparsek", model, "sparsek-64-192", "sparsek+linear@x=1", "linear", "full",
+                                  "sparsek+linear-192-64@x=1"]) == [
+        ("sw", "sparsek"), ("sw", model), ("sw", "sparsek-64-192"), ("sparsek", "sparsek+linear@x=1"),
+        ("sw", "sparsek+linear@x=1"), ("sw", "linear"), ("sparsek-192-64", "sparsek+linear-192-64@x=1"),
+        ("sw", "sparsek+linear-192-64@x=1")]
+    assert books_study.model_sets("sparsek+linear-192-64", 256) == [
+        "attention.type=sparsek+linear+sw", "attention.topk=192", "attention.window=64"]
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         books_study.runs_of(argparse.Namespace(size="small", run=["sparsek@eps:0"]))
     with pytest.raises(SystemExit, match="unknown model"):

@@ -295,6 +295,30 @@ def test_cpu_half_precision_linear_gives_a_row_the_same_bits_in_any_chunk(thread
         torch.set_num_threads(before)
 
 
+def test_rows_padded_runs_few_rows_as_the_first_rows_of_a_padded_product():
+    """Issue 33: the exact decoder's one-row products inside rows_padded are the first rows of a product of
+    `rows` rows (zeros below), any leading shape; outside it, and with gradients, the plain product."""
+    from longtrain.model.attention import chunk_invariant_linear as linear, rows_padded
+
+    torch.manual_seed(0)
+    w, b = torch.randn(24, 40), torch.randn(24)  # [N, K]
+    x = torch.randn(2, 3, 40)  # [B, T, K]: 6 rows
+    padded = torch.cat([x.reshape(6, 40), torch.zeros(58, 40)])  # [64, K]
+    with torch.no_grad():
+        want = torch.nn.functional.linear(padded, w, b)[:6].reshape(2, 3, 24)
+        with rows_padded(64):
+            got = linear(x, w, b)
+            assert linear(torch.randn(70, 40), w, b).shape == (70, 24)  # 70 rows: not padded, nothing cut
+        assert torch.equal(got, want) and got.shape == (2, 3, 24)
+        assert torch.equal(linear(x, w, b), torch.nn.functional.linear(x, w, b))  # off outside
+    with rows_padded(64):
+        xg, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y = linear(xg, w, b)  # gradients: F.linear itself (no padding in the graph)
+        y.sum().backward()
+        torch.nn.functional.linear(xf, w, b).sum().backward()
+        assert torch.equal(y, torch.nn.functional.linear(x, w, b)) and torch.equal(xg.grad, xf.grad)
+
+
 AC_CASES = [
     ("sparsek+sw", dict(attention="sparsek+sw", topk=6, window=8), 60, 23),
     ("full", dict(attention="full"), 70, 31),
