@@ -71,3 +71,21 @@ def test_scans_keep_each_key_in_one_slot(lengths):
                 if e >= 0:
                     assert slot_of.setdefault(e, s) == s  # never moves
         assert len(slot_of) > K  # keys did leave and enter: slots were reused
+
+
+def test_the_next_state_holds_none_of_the_scans_chunk_sized_buffer():
+    """Issue 33: the device scan hands back its outputs as views of one buffer (ScanResult.clone); the next state
+    copies the threshold state out, so a cache does not keep the chunk's per-query outputs and block pools alive
+    (a long prefill's peak held a second chunk's worth of them per layer)."""
+    u = torch.from_numpy(np.random.default_rng(0).normal(size=(2, 600)))
+    state = SelectionState.empty(2, 16, 8, score_dtype=u.dtype, cap=256)
+    keys = lay_out_scores(state, u)
+    scan = scan_chunk_host(keys, state, window=8, block=16).clone()  # one buffer, as the device scan returns
+    buffer = scan.fingerprint.untyped_storage().data_ptr()
+    assert scan.threshold.thr_u.untyped_storage().data_ptr() == buffer  # the views the state used to keep
+    nxt = next_state(state, keys, scan)
+    for name, t in nxt.tensors().items():
+        assert t.untyped_storage().data_ptr() != buffer, name
+        assert t.untyped_storage().nbytes() < scan.fingerprint.untyped_storage().nbytes(), name
+    for name, t in scan.threshold.tensors().items():
+        assert torch.equal(getattr(nxt, name), t), name

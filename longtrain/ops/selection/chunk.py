@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from longtrain.ops.selection.state import ExtendedScores, ScanResult, SelectionState, ThresholdState
+from longtrain.ops.selection.state import (
+    ExtendedScores,
+    ScanResult,
+    SelectionState,
+    ThresholdState,
+    move_together,
+)
 
 SCANS = ("auto", "host", "device")
 
@@ -99,10 +105,15 @@ def next_state(state: SelectionState, keys: ExtendedScores, scan: ScanResult, ro
                ) -> SelectionState:
     """The state after the chunk (detached; scores in the state's dtype); `rows`: carried(keys, scan)."""
     c = carried(keys, scan) if rows is None else rows
+    # Copied: the device scan returns its outputs as views of one buffer (ScanResult.clone), so a view kept here
+    # would hold the chunk-sized rest of it (per-query fingerprints, block pools) for as long as the cache lives:
+    # a long prefill's peak held two chunks' worth per layer (issue 33).
+    threshold = scan.threshold.tensors()
+    threshold = dict(zip(threshold, move_together(list(threshold.values()), scan.theta_u.device, copy=True)))
     return SelectionState(
         pool_u=torch.where(c.pool_ok, keys.u[c.rows, c.pool], -float("inf")).to(state.pool_u.dtype),
         pool_pos=torch.where(c.pool_ok, keys.pos[c.rows, c.pool], -1),
         tail_u=keys.u[c.rows, c.tail].to(state.tail_u.dtype),
         seen=keys.seen + keys.lengths,
-        **scan.threshold.tensors(),
+        **threshold,
     )
