@@ -256,8 +256,9 @@ class Decoder:
     another order). None (the default): `in_place_by_default`.
 
     exact: each step reads its token as a one-token chunk of the chunked forward (the selection scan and the chunk
-    op's kernels), so the attention and selection are the forward's own; the logits are its bits only where one-row
-    matrix products round as a chunk's rows do (bf16: at 4 x 128, not at 12 x 768 on an H200; docs/VERBS.md). The
+    op's kernels; its products as rows of 1,024, rows_padded), so the attention and selection are the forward's own;
+    the logits are its bits where the forward's products round as 1,024 rows do (the CPU, 4 x 128 on an H200; not
+    768 wide there against a short forward: docs/VERBS.md). The
     fast step computes its query's attention in float32 (more precise, not the same bits: a near-tie can then select
     another key). Eager, no graph, no compile,
     no ring layout: far slower (benchmarks/README.md, issue 33), a way to check, not to serve.

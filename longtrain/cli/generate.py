@@ -38,8 +38,8 @@ def generate(
     output: Path = typer.Option(None, "--output", help="several prompts: write the JSONL here (default: stdout)"),
     compile: bool = typer.Option(False, "--compile", help="torch.compile the decode step (CUDA: a slower start, faster steps)"),
     exact: bool = typer.Option(False, "--exact",
-        help="read each new token as a one-token chunk of the forward: its attention and selection, in bf16 bit "
-             "for bit where one-row matrix products round as a chunk's do (slower; docs/VERBS.md)"),
+        help="read each new token as a one-token chunk of the forward: its attention and selection, bit for bit "
+             "where the forward's matrix products round as the padded step's do (slower; docs/VERBS.md)"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     dtype: str = typer.Option(None, "--dtype", help="float32 | bfloat16 | float64 (default: float32 on cpu, bfloat16 on cuda)"),
 ) -> None:

@@ -1,0 +1,24 @@
+"""benchmarks/linear_mass.py (issue 38): the linear part's share of a SparseK+Linear+SW query's denominator."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from longtrain.model import LM, LMConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import linear_mass  # noqa: E402
+
+
+def test_the_linear_share_at_init_is_most_of_the_denominator_and_grows_with_position():
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=97, layers=2, d_model=64, heads=4, kv_heads=2, style="llama",
+                        attention="sparsek+linear+sw", topk=8, window=8)).eval()
+    ids = torch.randint(0, 97, (1, 1100), generator=torch.Generator().manual_seed(1))
+    rows = linear_mass.shares(model, ids, every=16)
+    assert [r["layer"] for r in rows] == [0, 1]
+    for r in rows:
+        assert 0.5 < r["0-256"] < r["256-1024"] < r["1024-2048"] < 1
+    assert torch.equal(model(ids[:, :50]).logits, model(ids[:, :50]).logits)  # the spies are gone
+    assert all("spy" not in repr(b.attn.attend) for b in model.blocks)
