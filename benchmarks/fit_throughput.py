@@ -355,11 +355,15 @@ def main() -> None:
 def print_table(results: dict, variants: list[str] = ()) -> None:
     gib = 2**30
     cols = ["sparsek+sw", "sw", "sparsek", "bare", "sdpa"]
+    # the other attentions measured (the linear types): a column each, and its time per token against SparseK+SW's
+    extra = [a for a in ATTENTIONS if a not in cols and any(a in row for row in results["rows"])]
+    cols += extra
     sets = f", every fit with {' '.join(results['overrides'])}" if results.get("overrides") else ""
     print(f"\ntokens/s (MFU, peak GiB, trainer's estimate GiB) on {results['device']} at {results['commit']}, "
           f"steps 5..{results['steps']}{sets}")
-    print("| model | chunk × rows | variant | " + " | ".join(cols) + " | SK+SW / SW | SW / bare | SK+SW / SDPA |")
-    print("|---" * (len(cols) + 6) + "|")
+    print("| model | chunk × rows | variant | " + " | ".join(cols) + " | SK+SW / SW | SW / bare | SK+SW / SDPA |"
+          + "".join(f" {a} time / SK+SW |" for a in extra))
+    print("|---" * (len(cols) + 6 + len(extra)) + "|")
     for row in results["rows"]:
         for variant in [None, *variants]:
             key = lambda c: c if variant is None or c in ("bare", "sdpa") else f"{c} [{variant}]"  # noqa: E731
@@ -376,7 +380,8 @@ def print_table(results: dict, variants: list[str] = ()) -> None:
             t = lambda c: (row.get(key(c)) or {}).get("tokens_per_s")  # noqa: E731
             ratio = lambda a, b: f"{t(a) / t(b):.2f}" if t(a) and t(b) else "—"  # noqa: E731
             print(f"| {row['model']} | {row['chunk']} × {row['rows']} | {variant or 'base'} | " + " | ".join(cells)
-                  + f" | {ratio('sparsek+sw', 'sw')} | {ratio('sw', 'bare')} | {ratio('sparsek+sw', 'sdpa')} |")
+                  + f" | {ratio('sparsek+sw', 'sw')} | {ratio('sw', 'bare')} | {ratio('sparsek+sw', 'sdpa')} |"
+                  + "".join(f" {ratio('sparsek+sw', a)} |" for a in extra))
     for f in results["flat"]:
         print(f"memory flat, {f['attention']}: peak at 16k {f['peak_at_16k']}, at {f['last_position']:,} {f['peak_at_end']}, "
               f"ratio {f['ratio']}")
