@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from longtrain.model.model import LMConfig
 
 
-EXACT_ROWS = 1024  # rows_padded's default: a count whose products round as a chunk's rows do (cuBLAS and MKL, measured)
+EXACT_ROWS = 1024  # rows_padded's default: rows as many as a long chunk's (MKL: any forward's bits; cuBLAS: not short ones)
 _padded_rows = 0  # products with fewer rows than this run padded with zero rows (0: off); set by rows_padded
 
 
