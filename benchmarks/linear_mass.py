@@ -27,9 +27,8 @@ BUCKETS = [(0, 256), (256, 1024), (1024, 2048), (2048, 4096), (4096, 1 << 30)]
 def shares(model: LM, ids: torch.Tensor, every: int = 32) -> list[dict]:
     """Per layer: the median linear share of the denominator by query position bucket (queries every `every`)."""
     cfg, rec = model.cfg, []
-    originals = [b.attn.attend for b in model.blocks]
-    for block, attend in zip(model.blocks, originals):
-        def spy(x, q, k, v, *args, _attend=attend, _attn=block.attn, **kw):
+    for block in model.blocks:
+        def spy(x, q, k, v, *args, _attend=block.attn.attend, _attn=block.attn, **kw):
             rec.append((q.detach(), k.detach(), _attn.phi_weight.detach()))
             return _attend(x, q, k, v, *args, **kw)
         block.attn.attend = spy
@@ -37,8 +36,8 @@ def shares(model: LM, ids: torch.Tensor, every: int = 32) -> list[dict]:
         with torch.no_grad():
             model(ids)
     finally:
-        for block, attend in zip(model.blocks, originals):
-            block.attn.attend = attend
+        for block in model.blocks:
+            del block.attn.attend  # the instance's spy: the class's method again
     k_sel, w = cfg.topk, cfg.window
     out = []
     for layer, (q, k, phi_w) in enumerate(rec):

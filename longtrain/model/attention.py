@@ -60,8 +60,8 @@ def chunk_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     2^45 times finer than bf16's, so rounding them to the compute dtype gives a row the same bits in any
     chunk (H100s' bf16 GEMMs already do). Training (gradients) keeps the fast kernels.
     """
-    rows = x.numel() // x.shape[-1]
-    if rows < _padded_rows and not torch.is_grad_enabled():
+    rows = x.numel() // x.shape[-1] if _padded_rows else 0  # off (0): no shape arithmetic for compile to trace
+    if rows and rows < _padded_rows and not torch.is_grad_enabled():
         flat = x.reshape(rows, x.shape[-1])  # [rows, K]
         padded = torch.cat([flat, flat.new_zeros(_padded_rows - rows, flat.shape[1])])  # [_padded_rows, K]
         return _linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])

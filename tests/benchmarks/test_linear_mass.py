@@ -20,5 +20,4 @@ def test_the_linear_share_at_init_is_most_of_the_denominator_and_grows_with_posi
     assert [r["layer"] for r in rows] == [0, 1]
     for r in rows:
         assert 0.5 < r["0-256"] < r["256-1024"] < r["1024-2048"] < 1
-    assert torch.equal(model(ids[:, :50]).logits, model(ids[:, :50]).logits)  # the spies are gone
-    assert all("spy" not in repr(b.attn.attend) for b in model.blocks)
+    assert all("attend" not in vars(b.attn) for b in model.blocks)  # the spies are gone: the class's method again
