@@ -7,6 +7,7 @@ position: the share below is the linear part's fraction of each query's denomina
 softmax mass taken (the window plus the best k older keys by q.k, every older key counted as linear).
 
     python benchmarks/linear_mass.py --out OUT                      # random init at books_study's small size
+    python benchmarks/linear_mass.py --out OUT --linear-norm mean   # the same with attention.linear_norm mean
     python benchmarks/linear_mass.py --out OUT --checkpoint RUN     # a trained run (its last checkpoint), a book
 """
 
@@ -20,6 +21,7 @@ import torch
 
 from longtrain.model import LM, LMConfig
 from longtrain.ops.linear_attention import feature_map
+from longtrain.ops.sparsek_attention.linear import query_scale
 
 BUCKETS = [(0, 256), (256, 1024), (1024, 2048), (2048, 4096), (4096, 1 << 30)]
 
@@ -45,6 +47,8 @@ def shares(model: LM, ids: torch.Tensor, every: int = 32) -> list[dict]:
         T, H, D = q.shape
         R = H // k.shape[1]
         phq = feature_map(q[None], phi_w.double())[0]  # [T, H, F]
+        scale = query_scale(torch.arange(T)[None], w, cfg.linear_norm, phq.dtype)  # [1, T] (mean) or None
+        phq = phq if scale is None else phq * scale[0, :, None, None]
         phk = feature_map(k[None], phi_w.double())[0].repeat_interleave(R, 1)  # [T, H, F]
         k = k.repeat_interleave(R, 1)  # [T, H, D]
         prefix = torch.cat([torch.zeros(1, H, phk.shape[-1], dtype=phk.dtype), phk.cumsum(0)])  # [T + 1, H, F]
@@ -66,6 +70,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, help="a run folder or checkpoint (default: random init)")
     ap.add_argument("--text", type=Path, help="with --checkpoint: a book to read (default: random tokens)")
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--linear-norm", choices=["sum", "mean"], default="sum", help="without --checkpoint: the model's")
     a = ap.parse_args()
     ids = None
     if a.checkpoint:
@@ -77,10 +82,12 @@ def main() -> None:
     else:  # books_study's small size with gutenberg-sparsek's split
         torch.manual_seed(0)
         model = LM(LMConfig(vocab_size=16384, layers=8, d_model=512, heads=8, style="llama",
-                            attention="sparsek+linear+sw", topk=192, window=64)).eval()
+                            attention="sparsek+linear+sw", topk=192, window=64,
+                            linear_norm=a.linear_norm)).eval()
     if ids is None:
         ids = torch.randint(0, model.cfg.vocab_size, (1, a.tokens), generator=torch.Generator().manual_seed(0))
-    res = {"checkpoint": str(a.checkpoint) if a.checkpoint else None, "topk": model.cfg.topk,
+    res = {"checkpoint": str(a.checkpoint) if a.checkpoint else None, "linear_norm": model.cfg.linear_norm,
+           "topk": model.cfg.topk,
            "window": model.cfg.window, "tokens": a.tokens, "layers": shares(model, ids)}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "linear_mass.json").write_text(json.dumps(res, indent=1))

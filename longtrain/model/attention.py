@@ -203,13 +203,13 @@ class Attention(nn.Module):
         if self.phi_weight is not None and decode:
             o, attn_cache, sel = sparsek_linear_attention_decode(
                 qf[:, 0], kf[:, 0], vf[:, 0], uf[:, 0], self.phi_weight, cache.attn, variant=cfg.variant,
-                with_selection=with_selection,
+                with_selection=with_selection, linear_norm=cfg.linear_norm,
             )
             o = o[:, None]
         elif self.phi_weight is not None:
             o, attn_cache, sel = sparsek_linear_attention_chunk(
                 qf, kf, vf, uf, self.phi_weight, cache.attn, variant=cfg.variant, lengths=lf, backend=cfg.backend,
-                scan=cfg.scan, align=align,
+                scan=cfg.scan, align=align, linear_norm=cfg.linear_norm,
             )
         elif decode:
             o, attn_cache, sel = sparsek_attention_decode(

@@ -43,11 +43,16 @@ def has_ring_layout(type: str) -> bool:
     return type != "full" and not linear(type)
 
 
-def linear_problems(type: str, score_groups: str) -> list[str]:
-    """What the linear types cannot do: per-KV-head score groups (any backend runs them: naive or Triton core)."""
-    if not linear(type) or score_groups == "shared":
-        return []
-    return [f"attention type {type} has one score group; hint: set attention.score_groups shared"]
+def linear_problems(type: str, score_groups: str, linear_norm: str = "sum") -> list[str]:
+    """What the linear types cannot do: per-KV-head score groups (any backend runs them: naive or Triton core);
+    and linear_norm mean on a type with no linear part (sum, the default, changes nothing there)."""
+    problems = []
+    if linear(type) and score_groups != "shared":
+        problems.append(f"attention type {type} has one score group; hint: set attention.score_groups shared")
+    if not linear(type) and linear_norm != "sum":
+        problems.append(f"attention.linear_norm {linear_norm} weighs a linear part, which type {type} has not; "
+                        "hint: remove linear_norm, or use type sparsek+linear+sw or linear+sw")
+    return problems
 
 
 def size_problems(type: str, topk: int | None, window: int | None) -> list[str]:

@@ -77,6 +77,7 @@ class LMConfig:
     timestep_norm: bool = True
     eps_slope: float = 1e-3
     score_init: Literal["random", "mimic"] = "random"
+    linear_norm: Literal["sum", "mean"] = "sum"  # linear types: the linear sums as the paper's, or over their key count
     threshold_cap: int | None = None
     backend: str = "auto"
     scan: str = "auto"
@@ -100,7 +101,7 @@ class LMConfig:
         problems = size_problems(self.attention, self.topk, self.window) + scaling_problems(self.rope_scaling)
         if self.max_context is not None and (self.attention != "full" or self.max_context < 1):
             problems.append(f"max_context ({self.max_context}) caps full attention's cache: it needs attention full and a value >= 1")
-        problems += linear_problems(self.attention, self.score_groups)
+        problems += linear_problems(self.attention, self.score_groups, self.linear_norm)
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -121,6 +122,7 @@ class LMConfig:
             topk=attention.topk or 0, window=attention.window or 0, variant=attention.variant,
             score_groups=attention.score_groups, timestep_norm=attention.timestep_norm,
             eps_slope=attention.eps_slope, score_init=attention.score_init,
+            linear_norm=getattr(attention, "linear_norm", "sum"),
             threshold_cap=attention.threshold_cap, backend=attention.backend, scan=attention.scan,
             max_context=getattr(attention, "max_context", None),
         )

@@ -155,6 +155,11 @@ class AttentionConfig(_Section):
     score_init: Literal["random", "mimic"] = Field(
         "random", description="init of the scoring vector: random, or mimic attention (W_Q W_Kᵀ 1)"
     )
+    linear_norm: Literal["sum", "mean"] = Field(
+        "sum", description="linear types: the linear part's sums over the keys beyond each query's window as "
+        "the paper writes them (sum: their weight grows with the position and outweighs the softmax keys "
+        "within a few thousand tokens) or divided by their count (mean: one averaged key's weight at every position)"
+    )
     threshold_cap: int | None = Field(
         None, ge=1, description="cap on the SparseK threshold state per row; null picks the default"
     )
@@ -176,7 +181,7 @@ class AttentionConfig(_Section):
         # The used sizes are required and positive; the unused ones must be absent or 0 and
         # become 0, so the model always reads two ints.
         problems = size_problems(self.type, self.topk, self.window)
-        problems += linear_problems(self.type, self.score_groups)
+        problems += linear_problems(self.type, self.score_groups, self.linear_norm)
         if self.max_context is not None and self.type != "full":
             problems.append(
                 f"attention.max_context caps full attention's growing cache; type {self.type} has a fixed-size "

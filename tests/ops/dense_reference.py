@@ -57,12 +57,14 @@ def dense_gates(u, *, topk, window, variant="hard_k_soft_v"):
     return attend, torch.stack(gate_rows)
 
 
-def dense_sparsek_linear_attention(q, k, v, u, phi_weight, *, topk, window, variant="hard_k_soft_v", scale=None):
+def dense_sparsek_linear_attention(q, k, v, u, phi_weight, *, topk, window, variant="hard_k_soft_v", scale=None,
+                                   linear_norm="sum"):
     """The paper's SparseK+Linear+SW formula (Appendix B.1) over the whole T x T causal matrix:
 
-    o_i = sum_{j<=i} (g_ij e^{s_ij} + (1 - g_ij) phi(q_i).phi(k_j)) v_j / sum_{j<=i} (same without v_j)
+    o_i = sum_{j<=i} (g_ij e^{s_ij} + c_i (1 - g_ij) phi(q_i).phi(k_j)) v_j / sum_{j<=i} (same without v_j)
 
-    with g = m on S_i, 1 on W_i, 0 elsewhere, phi(x) = elu(x W_h) + 1 (no stabiliser: small inputs only)."""
+    with g = m on S_i, 1 on W_i, 0 elsewhere, phi(x) = elu(x W_h) + 1 (no stabiliser: small inputs only);
+    c_i = 1 (linear_norm sum, the paper's) or 1 / max(1, i - w + 1), one over the keys beyond the window (mean)."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     R = H // Hkv
@@ -73,6 +75,8 @@ def dense_sparsek_linear_attention(q, k, v, u, phi_weight, *, topk, window, vari
     vv = v.repeat_interleave(R, dim=2)
     logits = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(R, 2)) * scale  # [B, H, T, T]
     lin = torch.einsum("bihf,bjhf->bhij", phq, phk)  # [B, H, T, T]
+    if linear_norm == "mean":
+        lin = lin / (torch.arange(T) - window + 1).clamp(min=1).to(lin.dtype)[:, None]  # row i over its count
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     out = []
     for b in range(B):

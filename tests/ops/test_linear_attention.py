@@ -234,3 +234,48 @@ def test_the_chunk_ops_query_features_are_feature_map_bitwise(dtype):
     w = torch.randn(2, 8, 5)  # [Hkv, D, F]
     got = _QueryFeatures.apply(q, w)
     assert got.is_contiguous() and torch.equal(got, feature_map(q, w))
+
+
+@pytest.mark.parametrize("T,k,w,H,Hkv,variant", [CASES[0], CASES[1], CASES[4]])
+def test_mean_norm_equals_the_dense_formula(T, k, w, H, Hkv, variant):
+    """linear_norm mean: each query's linear sums over its count of keys beyond the window, forward and backward."""
+    args = inputs(T, H, Hkv)
+    a1 = [x.clone().requires_grad_() for x in args]
+    a2 = [x.clone().requires_grad_() for x in args]
+    o1 = sparsek_linear_attention(*a1, topk=k, window=w, variant=variant, linear_norm="mean")
+    o2 = dense_sparsek_linear_attention(*a2, topk=k, window=w, variant=variant, linear_norm="mean")
+    assert torch.allclose(o1, o2, atol=1e-12, rtol=0)
+    assert (o1 - sparsek_linear_attention(*args, topk=k, window=w, variant=variant)).abs().max() > 1e-3  # not sum's
+    g = torch.randn_like(o1)
+    (o1 * g).sum().backward()
+    (o2 * g).sum().backward()
+    for x, y, name in zip(a1, a2, ["q", "k", "v", "u", "phi"]):
+        want = torch.zeros_like(x) if y.grad is None else y.grad
+        assert torch.allclose(x.grad, want, atol=1e-10, rtol=0), name
+
+
+@pytest.mark.parametrize("k,w", [(6, 5), (0, 4)])
+def test_mean_norm_chunked_equals_unchunked_and_decode_equals_forward(k, w):
+    T, chunk, prefix = 61, 13, 40
+    q, kk, v, u, phi = inputs(T, 4, 2)
+    whole = sparsek_linear_attention(q, kk, v, u, phi, topk=k, window=w, linear_norm="mean")
+    cache = SparseKLinearCache.empty(2, k, w, 2, 8, dtype=torch.float64, score_dtype=torch.float64)
+    outs = []
+    for s in range(0, prefix, chunk):
+        sl = slice(s, min(s + chunk, prefix))
+        o, cache, _ = sparsek_linear_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], phi, cache,
+                                                     linear_norm="mean")
+        outs.append(o)
+    for t in range(prefix, T):
+        o, cache, _ = sparsek_linear_attention_decode(q[:, t], kk[:, t], v[:, t], u[:, t], phi, cache, linear_norm="mean")
+        outs.append(o[:, None])
+    assert torch.allclose(torch.cat(outs, 1), whole, atol=1e-12, rtol=0)
+
+
+def test_mean_norm_gradcheck_and_bad_names():
+    args = [x.requires_grad_() for x in inputs(11, 2, 1, D=3, B=1, u_scale=0.4)]
+    assert torch.autograd.gradcheck(
+        lambda *a: sparsek_linear_attention(*a, topk=3, window=2, block=4, linear_norm="mean"), args, fast_mode=True)
+    with pytest.raises(ValueError, match="linear_norm must be one of"):
+        sparsek_linear_attention(*inputs(8, 2, 1), topk=2, window=2, linear_norm="avg")
+

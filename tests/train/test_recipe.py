@@ -134,6 +134,13 @@ def test_linear_types_refuse_what_they_cannot_run(tmp_path):
     assert (r.attention.type, r.attention.topk, r.attention.window) == ("linear+sw", 0, 8)
     msg = error_of(path, ["attention.type=sparsek+linear+sw", "attention.score_groups=per_kv_head"])
     assert "attention.score_groups shared" in msg
+    # linear_norm weighs a linear part: on a type without one it is named, with the fix
+    msg = error_of(path, ["attention.linear_norm=mean"])
+    assert "linear_norm mean" in msg and "sparsek+linear+sw" in msg
+    r = load_recipe(path, ["attention.type=sparsek+linear+sw", "attention.linear_norm=mean"])
+    assert r.attention.linear_norm == "mean"
+    from longtrain.model import LMConfig
+    assert LMConfig.from_recipe(r.model, r.attention, 64).linear_norm == "mean"
     # issue 38: the Triton core has a linear part
     assert load_recipe(path, ["attention.type=sparsek+linear+sw", "attention.backend=triton"]).attention.backend == "triton"
 

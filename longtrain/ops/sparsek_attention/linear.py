@@ -201,7 +201,30 @@ class _LaggedValues(torch.autograd.Function):
         return torch.nn.functional.pad(g[:, ctx.skip:], (0, 0, 0, 0, 0, ctx.skip)), None, None, None
 
 
-def _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache: SparseKLinearCache, window: int, backend: str):
+# How the linear part weighs the keys beyond a query's window (attention.linear_norm):
+#   sum:  as the paper writes it, phi(q_i) . sum_j (1 - g_ij) phi(k_j) v_j^T. Every key beyond the window adds about
+#         F (phi ~ 1 per feature at init) against e^{q.k} ~ 1 for a softmax key, so the linear part's share of the
+#         denominator grows with the position: 97.5% at 0-256 and 99.8% at 2k-4k at init (benchmarks/linear_mass.py);
+#   mean: the same sums divided by their key count, max(1, p_i - w + 1): the linear part weighs as one key of the
+#         sums' average phi(k) (~F at init) at every position, so a 64k-token document starts as SparseK+SW plus a
+#         summary of what left the window, not as linear attention over the whole prefix.
+# Both scale phi(q_i) alone (everything linear is linear in it), by a factor of the query's position: chunked ==
+# unchunked and decode == forward hold as for sum.
+LINEAR_NORMS = ("sum", "mean")
+
+
+def query_scale(q_pos: torch.Tensor, window: int, norm: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """The factor [B, L] of phi(q) at query positions q_pos [B, L] (-1: padding) under `norm`; None for sum."""
+    if norm not in LINEAR_NORMS:
+        raise ValueError(f"linear_norm must be one of {LINEAR_NORMS}; got {norm!r}")
+    if norm == "sum":
+        return None
+    count = (q_pos - window + 1).clamp(min=1)  # keys at positions <= p_i - w
+    return count.to(torch.float64).reciprocal().to(dtype)  # rounded once from float64: the same bits in any chunking
+
+
+def _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache: SparseKLinearCache, window: int, backend: str,
+                                linear_norm: str = "sum"):
     """(phq [B, L, H, F], phk [B, N, Hkv, F], num [B, L, H, D], den [B, L, H]): phi of the queries and the extended
     keys, and phi(q_i) . the sums over the causal keys outside query i's window
     (positions <= p_i - w), so the window's keys (gate 1, no linear part) are never added and then taken
@@ -214,6 +237,9 @@ def _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache: SparseKLinearC
     K = keys.topk
     lag = window - keys.tail_slots
     phq = _QueryFeatures.apply(q, phi_weight)  # [B, L, H, F]
+    s = query_scale(keys.q_pos, window, linear_norm, phq.dtype)  # [B, L] or None
+    if s is not None:
+        phq = phq * s[:, :, None, None]
     # the pool's values are the cache's, which carry no gradient
     phk, phk_lag, start_kv, start_k = _KeyFeatures.apply(k, phi_weight, keys.k.detach(), keys.pos >= 0,
                                                          keys.v[:, :K].detach(), cache.lin_kv, cache.lin_k, lag)
@@ -272,12 +298,15 @@ def sparsek_linear_attention_chunk(
     scan: str = "auto",
     backend: str = "auto",
     align: bool | None = None,
+    linear_norm: str = "sum",
 ) -> tuple[torch.Tensor, SparseKLinearCache, ChunkSelection]:
     """SparseK+Linear+SW of one chunk continuing from `cache`: (o [B, L, H, D], next cache, selection).
 
     backend: the core of the SparseK part ("triton": linear_triton.py's kernels, "naive" and auto: the
     reference; linear_core says why);
     linear_backend picks the causal linear attention (ops/linear_attention: fla on CUDA when installed);
+    linear_norm: the linear part's sums as the paper writes them ("sum") or divided by their key count ("mean";
+    LINEAR_NORMS says why);
     align: without gradients, the core's query tiles at absolute positions, as sparsek_attention_chunk's (aligned.py,
     with phi(q), num, den and phi(k) laid out as q and k): a chunk that starts inside a tile rounds as the
     unchunked pass does. None: always; False: never."""
@@ -286,7 +315,8 @@ def sparsek_linear_attention_chunk(
     keys = lay_out_keys(cache, k, v, u, lengths)
     sel = select(keys, cache, window=window, block=block, scan=scan)
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
-    phq, phk, num, den = _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache, window, linear_backend)
+    phq, phk, num, den = _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache, window, linear_backend,
+                                                     linear_norm)
     core = linear_core(backend, q, phq.shape[-1], keys.u.dtype, block)
     args = (q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool)
     linear = LinearTerms(phq, phk, num, den)
@@ -316,13 +346,13 @@ def sparsek_linear_attention_chunk(
 
 def sparsek_linear_attention(q, k, v, u, phi_weight, *, topk: int, window: int, variant: str = "hard_k_soft_v",
                              scale: float | None = None, linear_backend: str = "auto", scan: str = "auto",
-                             block: int = 64, backend: str = "auto") -> torch.Tensor:
+                             block: int = 64, backend: str = "auto", linear_norm: str = "sum") -> torch.Tensor:
     """SparseK+Linear+SW over whole sequences (positions 0..T-1): o [B, T, H, D] (topk = 0: Linear+SW)."""
     cache = SparseKLinearCache.empty(q.shape[0], topk, window, k.shape[2], k.shape[3], dtype=k.dtype,
                                      score_dtype=u.dtype, device=q.device, features=phi_weight.shape[-1])
     o, _, _ = sparsek_linear_attention_chunk(q, k, v, u, phi_weight, cache, variant=variant, scale=scale,
                                              linear_backend=linear_backend, scan=scan, block=block, backend=backend,
-                                             align=False)  # position 0 is a tile edge
+                                             align=False, linear_norm=linear_norm)  # position 0 is a tile edge
     return o
 
 
@@ -338,6 +368,7 @@ def sparsek_linear_attention_decode(
     scale: float | None = None,
     with_selection: bool = False,
     backend: str = "auto",
+    linear_norm: str = "sum",
 ) -> tuple[torch.Tensor, SparseKLinearCache, ChunkSelection | None]:
     """One token per row at position cache.seen: (o [B, H, D], next cache, selection); equals the chunk op on
     one token, the options as sparsek_attention_decode's. The query sees [pool][tail][itself] (every key there
@@ -372,7 +403,9 @@ def sparsek_linear_attention_decode(
         logits = logits * gate[:, None, None]
     logits = logits.masked_fill(~ok[:, None, None], -torch.inf)
     M = logits.amax(-1, keepdim=True).clamp(min=0)
-    phq = feature_map(q[:, None], phi_weight)[:, 0].to(cdt).view(B, Hkv, H // Hkv, -1)  # [B, Hkv, R, F]
+    phq = feature_map(q[:, None], phi_weight)[:, 0]  # [B, H, F]
+    s = query_scale(t[:, None], window, linear_norm, phq.dtype)  # [B, 1]: as the chunk op scales it, bit for bit
+    phq = (phq if s is None else phq * s[:, :, None]).to(cdt).view(B, Hkv, H // Hkv, -1)  # [B, Hkv, R, F]
     phk = _phi_keys(keys, pos, phi_weight).to(cdt)  # [B, N, Hkv, F]
     lin_w = torch.einsum("bgrf,bngf->bgrn", phq, phk)
     g = gate[:, None, None]
@@ -392,5 +425,5 @@ def sparsek_linear_attention_decode(
     return o, nxt, sel
 
 
-__all__ = ["SparseKLinearCache", "sparsek_linear_attention", "sparsek_linear_attention_chunk",
+__all__ = ["LINEAR_NORMS", "SparseKLinearCache", "query_scale", "sparsek_linear_attention", "sparsek_linear_attention_chunk",
            "sparsek_linear_attention_decode", "STATE_DTYPE"]
