@@ -19,8 +19,10 @@ Sizes (the paper's from-scratch comparison: the same KV budget k + w per query):
     medium   12 x 768 llama (~110M parameters), chunks of 4096 x 4 rows, 6,100 steps (100M tokens);
              sparsek: k = w = 512; sw: w = 1024; full: the last 4096 keys
 Models `sparsek-K-W` set the split of the same budget (k = K, w = W); `sparsek+linear[-K-W]` is SparseK+Linear+SW
-(k = w = budget / 2 unless split, every other key through linear attention) and `linear` Linear+SW (w = budget), the paper's
-appendix comparison (`pip install 'longtrain[linear]'` for fla's kernels on a GPU):
+(k = w = budget / 2 unless split, every other key through linear attention; `attention.linear_norm` mean, the default
+since 2026-12-02: add `@attention.linear_norm=sum` for the paper's formula, which the stored
+books_study-small-linear-h200.json's rows ran) and `linear` Linear+SW (w = budget), the paper's appendix comparison
+(`pip install 'longtrain[linear]'` for fla's kernels on a GPU):
 
     python benchmarks/books_study.py ... --size small --run sparsek+linear:0,1,2 --run sparsek:0,1,2 \
         --run linear:0,1,2 --run sw:0,1,2 --part all

@@ -43,6 +43,12 @@ def has_ring_layout(type: str) -> bool:
     return type != "full" and not linear(type)
 
 
+def default_linear_norm(type: str) -> str:
+    """attention.linear_norm when unset: mean for the linear types (small books, 3 seeds: perplexity 64.59 against
+    sum's 79.38), sum, which changes nothing, for the others."""
+    return "mean" if linear(type) else "sum"
+
+
 def linear_problems(type: str, score_groups: str, linear_norm: str = "sum") -> list[str]:
     """What the linear types cannot do: per-KV-head score groups (any backend runs them: naive or Triton core);
     and linear_norm mean on a type with no linear part (sum, the default, changes nothing there)."""

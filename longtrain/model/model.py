@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from longtrain.model.attention import Attention, Linear, chunk_invariant_linear, full_attention_bias
-from longtrain.model.attention_types import AttentionType, linear_problems, selects, size_problems
+from longtrain.model.attention_types import AttentionType, default_linear_norm, linear_problems, selects, size_problems
 from longtrain.model.cache import LayerCache, ModelCache
 from longtrain.model.loss import linear_cross_entropy, loss_slice
 from longtrain.model.rope import rope_angles, scaling_problems
@@ -77,7 +77,7 @@ class LMConfig:
     timestep_norm: bool = True
     eps_slope: float = 1e-3
     score_init: Literal["random", "mimic"] = "random"
-    linear_norm: Literal["sum", "mean"] = "sum"  # linear types: the linear sums as the paper's, or over their key count
+    linear_norm: Literal["sum", "mean"] | None = None  # the linear sums as the paper's or over their count; None: the type's
     threshold_cap: int | None = None
     backend: str = "auto"
     scan: str = "auto"
@@ -101,6 +101,7 @@ class LMConfig:
         problems = size_problems(self.attention, self.topk, self.window) + scaling_problems(self.rope_scaling)
         if self.max_context is not None and (self.attention != "full" or self.max_context < 1):
             problems.append(f"max_context ({self.max_context}) caps full attention's cache: it needs attention full and a value >= 1")
+        self.linear_norm = self.linear_norm or default_linear_norm(self.attention)
         problems += linear_problems(self.attention, self.score_groups, self.linear_norm)
         if problems:
             raise ValueError("; ".join(problems))
@@ -122,7 +123,7 @@ class LMConfig:
             topk=attention.topk or 0, window=attention.window or 0, variant=attention.variant,
             score_groups=attention.score_groups, timestep_norm=attention.timestep_norm,
             eps_slope=attention.eps_slope, score_init=attention.score_init,
-            linear_norm=getattr(attention, "linear_norm", "sum"),
+            linear_norm=getattr(attention, "linear_norm", None),
             threshold_cap=attention.threshold_cap, backend=attention.backend, scan=attention.scan,
             max_context=getattr(attention, "max_context", None),
         )

@@ -14,7 +14,7 @@ import linear_mass  # noqa: E402
 def test_the_linear_share_at_init_is_most_of_the_denominator_and_grows_with_position():
     torch.manual_seed(0)
     model = LM(LMConfig(vocab_size=97, layers=2, d_model=64, heads=4, kv_heads=2, style="llama",
-                        attention="sparsek+linear+sw", topk=8, window=8)).eval()
+                        attention="sparsek+linear+sw", topk=8, window=8, linear_norm="sum")).eval()
     ids = torch.randint(0, 97, (1, 1100), generator=torch.Generator().manual_seed(1))
     rows = linear_mass.shares(model, ids, every=16)
     assert [r["layer"] for r in rows] == [0, 1]

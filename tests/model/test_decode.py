@@ -15,7 +15,7 @@ CASES = [
     ("soft_kv, no tsn", dict(attention="sparsek+sw", topk=4, window=3, variant="soft_kv", timestep_norm=False)),
     ("sparsek+linear+sw", dict(attention="sparsek+linear+sw", topk=6, window=5)),
     ("linear+sw llama gqa", dict(style="llama", kv_heads=2, attention="linear+sw", window=4)),
-    ("sparsek+linear+sw mean", dict(attention="sparsek+linear+sw", topk=6, window=5, linear_norm="mean")),
+    ("sparsek+linear+sw sum", dict(attention="sparsek+linear+sw", topk=6, window=5, linear_norm="sum")),
 ]
 
 

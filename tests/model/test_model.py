@@ -25,7 +25,7 @@ CASES = [
         150, 40),
     ("sparsek+linear+sw", dict(attention="sparsek+linear+sw", topk=6, window=8), 150, 37),
     ("linear+sw llama gqa", dict(style="llama", kv_heads=2, attention="linear+sw", window=9), 120, 50),
-    ("sparsek+linear+sw mean", dict(attention="sparsek+linear+sw", topk=6, window=8, linear_norm="mean"), 150, 37),
+    ("sparsek+linear+sw sum", dict(attention="sparsek+linear+sw", topk=6, window=8, linear_norm="sum"), 150, 37),
 ]
 
 

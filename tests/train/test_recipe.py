@@ -137,10 +137,12 @@ def test_linear_types_refuse_what_they_cannot_run(tmp_path):
     # linear_norm weighs a linear part: on a type without one it is named, with the fix
     msg = error_of(path, ["attention.linear_norm=mean"])
     assert "linear_norm mean" in msg and "sparsek+linear+sw" in msg
-    r = load_recipe(path, ["attention.type=sparsek+linear+sw", "attention.linear_norm=mean"])
-    assert r.attention.linear_norm == "mean"
+    r = load_recipe(path, ["attention.type=sparsek+linear+sw"])
+    assert r.attention.linear_norm == "mean"  # the default of the linear types
     from longtrain.model import LMConfig
     assert LMConfig.from_recipe(r.model, r.attention, 64).linear_norm == "mean"
+    assert load_recipe(path, ["attention.type=linear+sw", "attention.topk=0", "attention.linear_norm=sum"]).attention.linear_norm == "sum"
+    assert load_recipe(path).attention.linear_norm == "sum"  # no linear part: sum changes nothing
     # issue 38: the Triton core has a linear part
     assert load_recipe(path, ["attention.type=sparsek+linear+sw", "attention.backend=triton"]).attention.backend == "triton"
 
@@ -217,3 +219,30 @@ def test_recipe_description_is_the_first_comment_line(tmp_path):
     assert recipe_description(write(tmp_path, "# r: a small test recipe\n" + MINIMAL)) == "a small test recipe"
     assert recipe_description(write(tmp_path, "# just words\n" + MINIMAL)) == "just words"
     assert recipe_description(write(tmp_path, MINIMAL)) == ""
+
+
+def test_a_run_saved_before_linear_norm_keeps_the_sum_it_trained_with_and_its_hashes(tmp_path):
+    """attention.linear_norm came later with mean as the linear types' default: a resolved recipe of a run saved
+    before it (no linear_norm key) computed sum, so it loads as sum and its attention hash is the one it saved."""
+    import yaml
+
+    from longtrain.train.recipe import recipe_hash, recipe_to_yaml
+
+    for type_, sets in (("sparsek+linear+sw", []), ("sparsek+sw", [])):
+        new = load_recipe(write(tmp_path, MINIMAL), [f"attention.type={type_}", "attention.linear_norm=sum", *sets])
+        text = recipe_to_yaml(new)
+        old = yaml.safe_load(text)
+        del old["attention"]["linear_norm"]
+        saved = tmp_path / f"saved-{type_}.yaml"
+        saved.write_text(text.splitlines(keepends=True)[0] + yaml.safe_dump(old, sort_keys=False))
+        back = load_recipe(saved)
+        assert back.attention.linear_norm == "sum"
+        assert recipe_hash(back, ("attention",)) == recipe_hash(new, ("attention",))
+        dump = new.model_dump(mode="json", include={"attention"})
+        assert "linear_norm" in dump["attention"]  # saved from now on
+    # a recipe a user writes (no header) takes the type's default
+    user = load_recipe(write(tmp_path, MINIMAL), ["attention.type=sparsek+linear+sw"])
+    assert user.attention.linear_norm == "mean"
+    mean_hash = recipe_hash(user, ("attention",))
+    assert mean_hash != recipe_hash(load_recipe(write(tmp_path, MINIMAL), ["attention.type=sparsek+linear+sw",
+                                                                          "attention.linear_norm=sum"]), ("attention",))
