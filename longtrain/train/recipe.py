@@ -501,19 +501,26 @@ def recipe_to_yaml(recipe: Recipe) -> str:
     return RESOLVED_HEADER + body
 
 
-def _fill_fields_added_later(raw: dict[str, Any], path: Path) -> None:
-    """A run's saved (resolved) recipe holds every field of its day: a field missing there was added later, and the
-    run computed what the code did before it. attention.linear_norm: the linear types summed (its "sum"), where a new
-    recipe's default is mean; a checkpoint saved before must load and resume as it trained."""
-    att = raw.get("attention")
-    if isinstance(att, dict) and "linear_norm" not in att and path.read_text().startswith(RESOLVED_HEADER):
-        att["linear_norm"] = "sum"
-
-
-_MODEL_FIELDS_ADDED_LATER = {
-    "intermediate_size": None, "norm_eps": 1e-5, "tied_embeddings": None, "rotary_pct": 1.0, "parallel_residual": None,
-    "rope_scaling": None, "qkv_bias": None,
+# Fields added after runs were saved, by section, with the value that means what the code computed before them. The
+# hash leaves a field out at that value, so runs saved before it still resume; a saved recipe without it gets that
+# value (attention.linear_norm: the linear types summed before it, where a new recipe's default is mean).
+_FIELDS_ADDED_LATER = {
+    "model": {"intermediate_size": None, "norm_eps": 1e-5, "tied_embeddings": None, "rotary_pct": 1.0,
+              "parallel_residual": None, "rope_scaling": None, "qkv_bias": None},
+    "tokenizer": {"eod_token": None},
+    "attention": {"linear_norm": "sum"},
 }
+
+
+def _fill_fields_added_later(raw: dict[str, Any], path: Path) -> None:
+    """A run's saved (resolved) recipe holds every field of its day: one missing there was added later, and the run
+    computed what the code did before it (_FIELDS_ADDED_LATER), so it loads and resumes as it trained."""
+    if not path.read_text().startswith(RESOLVED_HEADER):
+        return
+    for section, added in _FIELDS_ADDED_LATER.items():
+        if isinstance(raw.get(section), dict):
+            for key, before in added.items():
+                raw[section].setdefault(key, before)
 
 
 def recipe_hash(recipe: Recipe, sections: Iterable[str] = ("model", "attention", "tokenizer")) -> str:
@@ -524,16 +531,13 @@ def recipe_hash(recipe: Recipe, sections: Iterable[str] = ("model", "attention",
     too: it is what a full-attention run that ran out of memory resumes with.
     """
     dump = recipe.model_dump(mode="json", include=set(sections))
-    for key, default in _MODEL_FIELDS_ADDED_LATER.items():  # so runs saved before them still resume
-        if key in dump.get("model", {}) and dump["model"][key] == default:
-            dump["model"].pop(key)
-    if dump.get("tokenizer", {}).get("eod_token", 0) is None:  # added later: runs saved before it still resume
-        dump["tokenizer"].pop("eod_token")
+    for section, added in _FIELDS_ADDED_LATER.items():  # so runs saved before them still resume
+        for key, before in added.items():
+            if key in dump.get(section, {}) and dump[section][key] == before:
+                dump[section].pop(key)
     dump.get("attention", {}).pop("backend", None)
     dump.get("attention", {}).pop("scan", None)
     dump.get("attention", {}).pop("max_context", None)  # a memory cap the user may change on resume
-    if dump.get("attention", {}).get("linear_norm") == "sum":  # added later, sum was what runs before it computed
-        dump["attention"].pop("linear_norm")
     canonical = json.dumps(dump, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
