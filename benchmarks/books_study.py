@@ -18,6 +18,8 @@ Sizes (the paper's from-scratch comparison: the same KV budget k + w per query):
              (the chunk's length, 16x the budget: a ceiling, not a same-budget baseline)
     medium   12 x 768 llama (~110M parameters), chunks of 4096 x 4 rows, 6,100 steps (100M tokens);
              sparsek: k = w = 512; sw: w = 1024; full: the last 4096 keys
+`--kv-budget N` sets another budget at either size (the paper's 256 at medium: `--size medium --kv-budget 256
+--run sparsek-192-64@attention.eps_slope=3e-3:0,1 --run sw:0,1`).
 Models `sparsek-K-W` set the split of the same budget (k = K, w = W); `sparsek+linear[-K-W]` is SparseK+Linear+SW
 (k = w = budget / 2 unless split, every other key through linear attention; `attention.linear_norm` mean, the default
 since 2026-12-02: add `@attention.linear_norm=sum` for the paper's formula, which the stored
@@ -76,7 +78,7 @@ def attention_sets(model: str, budget: int) -> list[str]:
     if split:
         k, w = (int(x) for x in split.split("-"))
         if k + w != budget:
-            raise SystemExit(f"{model}: k + w = {k + w}, not the size's budget {budget}")
+            raise SystemExit(f"{model}: k + w = {k + w}, not the KV budget {budget} (--kv-budget, else the size's)")
     kind = "sparsek+linear+sw" if base == "sparsek+linear" else "sparsek+sw"
     return [f"attention.type={kind}", f"attention.topk={k}", f"attention.window={w}"]
 
@@ -100,13 +102,18 @@ def common_sets(a: argparse.Namespace) -> list[str]:
     ]
 
 
+def kv_budget(a: argparse.Namespace) -> int:
+    """Keys per query (k + w) of every same-budget model: --kv-budget, else the size's."""
+    return a.kv_budget or SIZES[a.size]["budget"]
+
+
 def runs_of(a: argparse.Namespace) -> dict[str, tuple[str, int]]:
     """run name -> (model, seed), from --run MODEL:SEED,SEED,... (MODEL may carry @KEY=VALUE settings)"""
     out = {}
     for spec in a.run:
         model, _, seeds = spec.rpartition(":") if ":" in spec else (spec, "", "0")
         base, settings = split_model(model)
-        attention_sets(base, SIZES[a.size]["budget"])  # an unknown name fails before anything runs
+        attention_sets(base, kv_budget(a))  # an unknown name fails before anything runs
         if bad := [x for x in settings if "=" not in x]:
             raise SystemExit(f"{spec}: settings after @ are KEY=VALUE, got {bad}")
         for seed in (int(x) for x in (seeds or "0").split(",")):
@@ -135,7 +142,7 @@ def train(a: argparse.Namespace) -> None:
         raise SystemExit(prep.stdout + prep.stderr)
     procs = {}
     for name, (model, seed) in runs_of(a).items():
-        sets = [*common, *model_sets(model, SIZES[a.size]["budget"]), f"train.seed={seed}"]
+        sets = [*common, *model_sets(model, kv_budget(a)), f"train.seed={seed}"]
         procs[name] = start_fit("gutenberg-sparsek", a.runs / name, sets, a.out / f"fit-{name}.log")
     if stopped := wait_all(procs, a.budget_s):
         raise SystemExit(f"stopped at the budget: {stopped}; run the same command again to resume them")
@@ -179,9 +186,12 @@ def add_baselines(a: argparse.Namespace, res: list[dict]) -> list[str]:
         if not path:
             raise SystemExit(f"--baseline {spec}: FILE:MODEL[,MODEL], e.g. benchmarks/books_study-small-h200.json:sw")
         stored = json.loads(Path(path).read_text())
-        if (stored["size"], stored["docs"], stored["tokens"]) != (a.size, a.docs, a.tokens):
-            raise SystemExit(f"--baseline {path}: size {stored['size']}, {stored['docs']} books x {stored['tokens']} "
-                             f"tokens, not this study's {a.size}, {a.docs} x {a.tokens}")
+        # a study stored before --kv-budget ran at its size's budget
+        theirs = (stored["size"], stored.get("kv_budget", SIZES[stored["size"]]["budget"]), stored["docs"],
+                  stored["tokens"])
+        if theirs != (a.size, kv_budget(a), a.docs, a.tokens):
+            raise SystemExit(f"--baseline {path}: size {theirs[0]} at {theirs[1]} keys, {theirs[2]} books x {theirs[3]} "
+                             f"tokens, not this study's {a.size} at {kv_budget(a)} keys, {a.docs} x {a.tokens}")
         for model in models.split(","):
             if model in here:
                 raise SystemExit(f"--baseline {spec}: {model} also ran in this study; drop one of them")
@@ -232,7 +242,8 @@ def summary(a: argparse.Namespace) -> None:
             (_, tb), (_, tn) = speed[base], speed[new]
             time = f"{tb / tn:.2f}× time" if tb and tn else ""  # the new model's training time per token
             lines.append(f"| {base} − {new} | | | {time} | " + " | ".join(marks) + " |")
-    text = (f"Perplexity by position on {a.docs} validation books × their first {a.tokens:,} tokens ({a.size}), "
+    text = (f"Perplexity by position on {a.docs} validation books × their first {a.tokens:,} tokens ({a.size}, "
+            f"KV budget {kv_budget(a):,} keys), "
             "mean over seeds (lowest–highest); steps reached per seed and training tokens/s (mean over seeds, all "
             "runs side by side). Rows `A − B`: A's perplexity minus B's (> 0: B is ahead), ✓ where every B seed beats "
             "every A seed, and B's training time per token relative to A's.\n\n" + "\n".join(lines) + "\n"
@@ -249,7 +260,8 @@ def store(a: argparse.Namespace, res: list[dict]) -> None:
     names = sorted({run_name(r["checkpoint"]) for r in res})
     read = lambda f: json.loads(f.read_text()) if f.is_file() else None  # noqa: E731
     (a.out / "books_study.json").write_text(json.dumps({
-        "size": a.size, "docs": a.docs, "tokens": a.tokens, "runs": a.run, "sets": a.sets, "baseline": a.baseline,
+        "size": a.size, "kv_budget": kv_budget(a), "docs": a.docs, "tokens": a.tokens, "runs": a.run, "sets": a.sets,
+        "baseline": a.baseline,
         "eval": res, "train": {n: read(a.out / f"train-{n}.json") for n in names},
         "valid_loss_curves": {n: read(a.out / f"curve-{n}.json") for n in names}}, indent=1))
 
@@ -321,7 +333,8 @@ def plot_gap(a: argparse.Namespace, models: list[str]) -> None:
     right.legend(fontsize=7)
     for ax in (left, right):
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{a.size}: validation loss against tokens trained, and the gap to the same-budget window", fontsize=10)
+    fig.suptitle(f"{a.size}, {kv_budget(a):,} keys: validation loss against tokens trained, and the gap to the "
+                 "same-budget window", fontsize=10)
     fig.tight_layout()
     fig.savefig(a.out / "books-gap.png", dpi=120)
 
@@ -337,6 +350,8 @@ def main() -> None:
                     help="MODEL:SEED,SEED (repeatable): sparsek, sw, full, sparsek-K-W, sparsek+linear, linear; "
                          "MODEL@KEY=VALUE[@KEY=VALUE] a variant with its own row (sparsek@attention.eps_slope=3e-3)")
     ap.add_argument("--steps", type=int, help="steps per run (default: the size's)")
+    ap.add_argument("--kv-budget", type=int, help="keys per query k + w of sparsek, sw and linear "
+                    "(default: the size's, small 256, medium 1024; the paper's from-scratch setting is 256)")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="extra recipe override for every run")
     ap.add_argument("--part", choices=("train", "eval", "summary", "all"), required=True)
     ap.add_argument("--budget-s", type=float, default=540.0, help="train: stop (with checkpoints) after this many seconds")

@@ -68,10 +68,11 @@ def test_two_models_train_evaluate_and_summarise(tmp_path):
     assert rows2["sw"].split("|")[5:] == rows["sw"].split("|")[5:]  # the stored perplexities, unchanged
     assert "sw − sparsek-192-64" in rows2 and "not trained in this study" in table2
     assert not (out2 / "runs" / "sw-s0").exists() and (out2 / "curve-sw-s0.json").is_file()
-    for bad, why in ((f"{out / 'books_study.json'}:full", "has no full"), (f"{out / 'books_study.json'}:sparsek-192-64",
-                                                                            "also ran in this study")):
-        res = subprocess.run([*cmd2, "--part", "summary", "--baseline", bad], capture_output=True, text=True, cwd=ROOT,
-                             env=env, timeout=600)
+    stored = f"{out / 'books_study.json'}"
+    for bad, extra, why in ((f"{stored}:full", [], "has no full"), (f"{stored}:sparsek-192-64", [], "also ran in this study"),
+                            (f"{stored}:sw", ["--kv-budget", "128"], "at 256 keys")):  # another budget's baseline
+        res = subprocess.run([*cmd2, "--part", "summary", *extra, "--baseline", bad], capture_output=True, text=True,
+                             cwd=ROOT, env=env, timeout=600)
         assert res.returncode != 0 and why in res.stderr, res.stderr[-2000:]
 
 
@@ -85,7 +86,7 @@ def test_model_variants_get_their_own_runs_settings_and_rows():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import books_study
 
-    a = argparse.Namespace(size="small", run=["sw:0", "sparsek@attention.eps_slope=3e-3@train.score_distill=0.1:1,2"])
+    a = argparse.Namespace(size="small", kv_budget=None, run=["sw:0", "sparsek@attention.eps_slope=3e-3@train.score_distill=0.1:1,2"])
     runs = books_study.runs_of(a)
     assert runs == {"sw-s0": ("sw", 0), "sparsek@attention.eps_slope=3e-3@train.score_distill=0.1-s1": (
         "sparsek@attention.eps_slope=3e-3@train.score_distill=0.1", 1),
@@ -102,7 +103,12 @@ def test_model_variants_get_their_own_runs_settings_and_rows():
         ("sw", "sparsek+linear-192-64@x=1")]
     assert books_study.model_sets("sparsek+linear-192-64", 256) == [
         "attention.type=sparsek+linear+sw", "attention.topk=192", "attention.window=64"]
+    medium256 = argparse.Namespace(size="medium", kv_budget=256, run=["sw:0"])  # --kv-budget over the size's 1,024
+    assert books_study.model_sets("sw", books_study.kv_budget(medium256))[-1] == "attention.window=256"
+    assert books_study.kv_budget(argparse.Namespace(size="medium", kv_budget=None)) == 1024
+    with pytest.raises(SystemExit, match="not the KV budget 256"):
+        books_study.runs_of(argparse.Namespace(size="medium", kv_budget=256, run=["sparsek-768-256:0"]))
     with pytest.raises(SystemExit, match="KEY=VALUE"):
-        books_study.runs_of(argparse.Namespace(size="small", run=["sparsek@eps:0"]))
+        books_study.runs_of(argparse.Namespace(size="small", kv_budget=None, run=["sparsek@eps:0"]))
     with pytest.raises(SystemExit, match="unknown model"):
-        books_study.runs_of(argparse.Namespace(size="small", run=["sparse@attention.eps_slope=1:0"]))
+        books_study.runs_of(argparse.Namespace(size="small", kv_budget=None, run=["sparse@attention.eps_slope=1:0"]))
