@@ -143,7 +143,7 @@ def train(a: argparse.Namespace) -> None:
     procs = {}
     for name, (model, seed) in runs_of(a).items():
         sets = [*common, *model_sets(model, kv_budget(a)), f"train.seed={seed}"]
-        procs[name] = start_fit("gutenberg-sparsek", a.runs / name, sets, a.out / f"fit-{name}.log")
+        procs[name] = start_fit("gutenberg-sparsek", a.runs / name, sets, out_file(a.out, "fit", name, "log"))
     if stopped := wait_all(procs, a.budget_s):
         raise SystemExit(f"stopped at the budget: {stopped}; run the same command again to resume them")
 
@@ -159,9 +159,20 @@ def evaluate(a: argparse.Namespace) -> None:
         metrics = a.runs / name / METRICS_FILE
         if metrics.is_file():
             curve = [(r["tokens"], r["valid_loss"]) for r in read_metrics(metrics) if "valid_loss" in r]
-            (a.out / f"curve-{name}.json").write_text(json.dumps(curve))
+            out_file(a.out, "curve", name).write_text(json.dumps(curve))
             t = training_summary(a.runs / name)
-            (a.out / f"train-{name}.json").write_text(json.dumps({k: t[k] for k in ("steps", "tokens", "tokens_per_s")}))
+            out_file(a.out, "train", name).write_text(json.dumps({k: t[k] for k in ("steps", "tokens", "tokens_per_s")}))
+
+
+def file_stem(name: str) -> str:
+    """A run or model name as a plain file name: variants carry '@', '=' and '+', which shells, globs and some
+    copy tools (the device tool returns no such name) take badly; the run folders keep the names."""
+    return name.replace("@", "__").replace("=", "-").replace("+", "_")
+
+
+def out_file(out: Path, kind: str, name: str, ext: str = "json") -> Path:
+    """OUT/<kind>-<run>.<ext>: a run's log, validation curve or training summary."""
+    return out / f"{kind}-{file_stem(name)}.{ext}"
 
 
 def run_name(checkpoint: str) -> str:
@@ -201,8 +212,8 @@ def add_baselines(a: argparse.Namespace, res: list[dict]) -> list[str]:
                                  f"{sorted({run_model(r['checkpoint']) for r in stored['eval']})})")
             res.extend(rows)
             for name in (run_name(r["checkpoint"]) for r in rows):
-                (a.out / f"train-{name}.json").write_text(json.dumps(stored["train"][name]))
-                (a.out / f"curve-{name}.json").write_text(json.dumps(stored["valid_loss_curves"][name]))
+                out_file(a.out, "train", name).write_text(json.dumps(stored["train"][name]))
+                out_file(a.out, "curve", name).write_text(json.dumps(stored["valid_loss_curves"][name]))
             notes.append(f"{model}: from {path} ({stored.get('device', '?')}, tree {stored.get('tree', '?')}), "
                          "not trained in this study (its tokens/s, and so a time ratio against it, are from that run)")
     return notes
@@ -262,8 +273,8 @@ def store(a: argparse.Namespace, res: list[dict]) -> None:
     (a.out / "books_study.json").write_text(json.dumps({
         "size": a.size, "kv_budget": kv_budget(a), "docs": a.docs, "tokens": a.tokens, "runs": a.run, "sets": a.sets,
         "baseline": a.baseline,
-        "eval": res, "train": {n: read(a.out / f"train-{n}.json") for n in names},
-        "valid_loss_curves": {n: read(a.out / f"curve-{n}.json") for n in names}}, indent=1))
+        "eval": res, "train": {n: read(out_file(a.out, "train", n)) for n in names},
+        "valid_loss_curves": {n: read(out_file(a.out, "curve", n)) for n in names}}, indent=1))
 
 
 def gap_pairs(models: list[str]) -> list[tuple[str, str]]:
@@ -283,7 +294,7 @@ def gap_pairs(models: list[str]) -> list[tuple[str, str]]:
 
 def train_speed(out: Path, runs: list[dict]) -> tuple[str, float | None]:
     """Steps reached per seed ("2500/2500/2412") and the mean training tokens/s, from OUT/train-<run>.json."""
-    files = [out / f"train-{run_name(r['checkpoint'])}.json" for r in runs]
+    files = [out_file(out, "train", run_name(r["checkpoint"])) for r in runs]
     train = [json.loads(f.read_text()) for f in files if f.is_file()]
     rates = [t["tokens_per_s"] for t in train if t["tokens_per_s"]]
     return "/".join(str(t["steps"]) for t in train) or "?", statistics.mean(rates) if rates else None
@@ -299,7 +310,7 @@ def plot_gap(a: argparse.Namespace, models: list[str]) -> None:
 
     curves: dict[str, list[list[tuple[int, float]]]] = {}
     for model in models:
-        for f in sorted(a.out.glob(f"curve-{model}-s*.json")):
+        for f in sorted(a.out.glob(f"curve-{file_stem(model)}-s*.json")):
             if curve := json.loads(f.read_text()):
                 curves.setdefault(model, []).append(curve)
 

@@ -50,8 +50,11 @@ def test_two_models_train_evaluate_and_summarise(tmp_path):
     # a plain model name keeps fit's default slope, whatever the base recipe (gutenberg-sparsek) ships
     assert "eps_slope: 0.001" in (out / "runs" / "sparsek-s0" / "recipe.yaml").read_text()
     assert "deterministic: true" in recipe  # every run of a seed study repeats
-    assert sorted(p.name for p in out.glob("curve-*.json")) == [f"curve-{LIN}-s0.json", "curve-sparsek-s0.json",
-                                                            "curve-sparsek-s1.json", "curve-sw-s0.json"]
+    lin_file = "sparsek_linear__attention.eps_slope-3e-3"  # OUT's file names: plain characters only
+    assert sorted(p.name for p in out.glob("curve-*.json")) == ["curve-sparsek-s0.json", "curve-sparsek-s1.json",
+                                                            f"curve-{lin_file}-s0.json", "curve-sw-s0.json"]
+    assert (out / f"fit-{lin_file}-s0.log").is_file() and (out / f"train-{lin_file}-s0.json").is_file()
+    assert not [p.name for p in out.iterdir() if set(p.name) - set("abcdefghijklmnopqrstuvwxyz0123456789-_.")]
 
     # A later study takes SW from this one's books_study.json instead of training it again
     out2 = tmp_path / "out2"
