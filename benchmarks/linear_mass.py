@@ -8,6 +8,7 @@ softmax mass taken (the window plus the best k older keys by q.k, every older ke
 
     python benchmarks/linear_mass.py --out OUT                      # random init at books_study's small size
     python benchmarks/linear_mass.py --out OUT --linear-norm mean   # the same with attention.linear_norm mean
+    python benchmarks/linear_mass.py --out OUT --linear-norm mean --linear-gain learned   # and a gain from 1/F
     python benchmarks/linear_mass.py --out OUT --checkpoint RUN     # a trained run (its last checkpoint), a book
 """
 
@@ -21,7 +22,7 @@ import torch
 
 from longtrain.model import LM, LMConfig
 from longtrain.ops.linear_attention import feature_map
-from longtrain.ops.sparsek_attention.linear import query_scale
+from longtrain.ops.sparsek_attention.linear import query_scale, scaled_query_features
 
 BUCKETS = [(0, 256), (256, 1024), (1024, 2048), (2048, 4096), (4096, 1 << 30)]
 
@@ -31,7 +32,8 @@ def shares(model: LM, ids: torch.Tensor, every: int = 32) -> list[dict]:
     cfg, rec = model.cfg, []
     for block in model.blocks:
         def spy(x, q, k, v, *args, _attend=block.attn.attend, _attn=block.attn, **kw):
-            rec.append((q.detach(), k.detach(), _attn.phi_weight.detach()))
+            gain = _attn.linear_gain()
+            rec.append((q.detach(), k.detach(), _attn.phi_weight.detach(), None if gain is None else gain.detach()))
             return _attend(x, q, k, v, *args, **kw)
         block.attn.attend = spy
     try:
@@ -42,13 +44,13 @@ def shares(model: LM, ids: torch.Tensor, every: int = 32) -> list[dict]:
             del block.attn.attend  # the instance's spy: the class's method again
     k_sel, w = cfg.topk, cfg.window
     out = []
-    for layer, (q, k, phi_w) in enumerate(rec):
+    for layer, (q, k, phi_w, gain) in enumerate(rec):
         q, k = q[0].double(), k[0].double()  # [T, H, D], [T, Hkv, D]
         T, H, D = q.shape
         R = H // k.shape[1]
         phq = feature_map(q[None], phi_w.double())[0]  # [T, H, F]
-        scale = query_scale(torch.arange(T)[None], w, cfg.linear_norm, phq.dtype)  # [1, T] (mean) or None
-        phq = phq if scale is None else phq * scale[0, :, None, None]
+        scale = query_scale(torch.arange(T), w, cfg.linear_norm, phq.dtype)  # [T] (mean) or None
+        phq = scaled_query_features(phq, scale, None if gain is None else gain.double())  # as the chunk op scales it
         phk = feature_map(k[None], phi_w.double())[0].repeat_interleave(R, 1)  # [T, H, F]
         k = k.repeat_interleave(R, 1)  # [T, H, D]
         prefix = torch.cat([torch.zeros(1, H, phk.shape[-1], dtype=phk.dtype), phk.cumsum(0)])  # [T + 1, H, F]
@@ -71,6 +73,8 @@ def main() -> None:
     ap.add_argument("--text", type=Path, help="with --checkpoint: a book to read (default: random tokens)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--linear-norm", choices=["sum", "mean"], default="sum", help="without --checkpoint: the model's")
+    ap.add_argument("--linear-gain", choices=["fixed", "learned"], default="fixed",
+                    help="without --checkpoint: the model's (learned starts at 1/F)")
     a = ap.parse_args()
     ids = None
     if a.checkpoint:
@@ -83,10 +87,11 @@ def main() -> None:
         torch.manual_seed(0)
         model = LM(LMConfig(vocab_size=16384, layers=8, d_model=512, heads=8, style="llama",
                             attention="sparsek+linear+sw", topk=192, window=64,
-                            linear_norm=a.linear_norm)).eval()
+                            linear_norm=a.linear_norm, linear_gain=a.linear_gain)).eval()
     if ids is None:
         ids = torch.randint(0, model.cfg.vocab_size, (1, a.tokens), generator=torch.Generator().manual_seed(0))
     res = {"checkpoint": str(a.checkpoint) if a.checkpoint else None, "linear_norm": model.cfg.linear_norm,
+           "linear_gain": model.cfg.linear_gain,
            "topk": model.cfg.topk,
            "window": model.cfg.window, "tokens": a.tokens, "layers": shares(model, ids)}
     a.out.mkdir(parents=True, exist_ok=True)

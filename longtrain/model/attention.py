@@ -5,6 +5,7 @@ builds the blocks from them)."""
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -103,10 +104,18 @@ class Attention(nn.Module):
         self.scorer = Scorer(d, G, timestep_norm=cfg.timestep_norm, eps_slope=cfg.eps_slope) if G else None
         # Linear types: phi(x) = elu(x W_h) + 1, one D x D map per KV head (its query heads share it).
         self.phi_weight = nn.Parameter(torch.eye(D).repeat(Hkv, 1, 1)) if linear(cfg.attention) else None
+        # attention.linear_gain learned: log of a factor per query head on phi(q), from 1/F: phi ~ 1 per feature at
+        # init, so phi(q).phi(k) ~ F, and the linear part starts as one key of weight ~1, not F keys' worth
+        self.linear_log_gain = (nn.Parameter(torch.full((H,), -math.log(D))) if cfg.linear_gain == "learned"
+                                else None)
         # What the op is called with (sw is SparseK with k = 0); LMConfig holds 0 for an unused size.
         self.topk, self.window = cfg.topk, cfg.window
         self.distill_queries = 0  # > 0: compute score_distill_loss in training passes (LM.set_score_distill)
         self.distill_loss: torch.Tensor | None = None  # [] the last training pass's, read by LM.hidden
+
+    def linear_gain(self) -> torch.Tensor | None:
+        """The linear part's factor per query head [H] (attention.linear_gain learned), else None (1)."""
+        return None if self.linear_log_gain is None else self.linear_log_gain.exp()
 
     def empty_cache(self, batch: int, *, dtype, device) -> LayerCache:
         cfg = self.cfg
@@ -203,13 +212,13 @@ class Attention(nn.Module):
         if self.phi_weight is not None and decode:
             o, attn_cache, sel = sparsek_linear_attention_decode(
                 qf[:, 0], kf[:, 0], vf[:, 0], uf[:, 0], self.phi_weight, cache.attn, variant=cfg.variant,
-                with_selection=with_selection, linear_norm=cfg.linear_norm,
+                with_selection=with_selection, linear_norm=cfg.linear_norm, linear_gain=self.linear_gain(),
             )
             o = o[:, None]
         elif self.phi_weight is not None:
             o, attn_cache, sel = sparsek_linear_attention_chunk(
                 qf, kf, vf, uf, self.phi_weight, cache.attn, variant=cfg.variant, lengths=lf, backend=cfg.backend,
-                scan=cfg.scan, align=align, linear_norm=cfg.linear_norm,
+                scan=cfg.scan, align=align, linear_norm=cfg.linear_norm, linear_gain=self.linear_gain(),
             )
         elif decode:
             o, attn_cache, sel = sparsek_attention_decode(

@@ -49,15 +49,18 @@ def default_linear_norm(type: str) -> str:
     return "mean" if linear(type) else "sum"
 
 
-def linear_problems(type: str, score_groups: str, linear_norm: str = "sum") -> list[str]:
+def linear_problems(type: str, score_groups: str, linear_norm: str = "sum", linear_gain: str = "fixed") -> list[str]:
     """What the linear types cannot do: per-KV-head score groups (any backend runs them: naive or Triton core);
-    and linear_norm mean on a type with no linear part (sum, the default, changes nothing there)."""
+    and linear_norm mean or linear_gain learned on a type with no linear part (sum and fixed change nothing there)."""
     problems = []
     if linear(type) and score_groups != "shared":
         problems.append(f"attention type {type} has one score group; hint: set attention.score_groups shared")
     if not linear(type) and linear_norm != "sum":
         problems.append(f"attention.linear_norm {linear_norm} weighs a linear part, which type {type} has not; "
                         "hint: remove linear_norm, or use type sparsek+linear+sw or linear+sw")
+    if not linear(type) and linear_gain != "fixed":
+        problems.append(f"attention.linear_gain {linear_gain} scales a linear part, which type {type} has not; "
+                        "hint: remove linear_gain, or use type sparsek+linear+sw or linear+sw")
     return problems
 
 

@@ -17,6 +17,7 @@ chunk scan): the same results as a chunk of one token, for generation.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -78,6 +79,7 @@ class LMConfig:
     eps_slope: float = 1e-3
     score_init: Literal["random", "mimic"] = "random"
     linear_norm: Literal["sum", "mean"] | None = None  # the linear sums as the paper's or over their count; None: the type's
+    linear_gain: Literal["fixed", "learned"] = "fixed"  # the linear part times 1, or a learned factor per head
     threshold_cap: int | None = None
     backend: str = "auto"
     scan: str = "auto"
@@ -102,7 +104,7 @@ class LMConfig:
         if self.max_context is not None and (self.attention != "full" or self.max_context < 1):
             problems.append(f"max_context ({self.max_context}) caps full attention's cache: it needs attention full and a value >= 1")
         self.linear_norm = self.linear_norm or default_linear_norm(self.attention)
-        problems += linear_problems(self.attention, self.score_groups, self.linear_norm)
+        problems += linear_problems(self.attention, self.score_groups, self.linear_norm, self.linear_gain)
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -123,7 +125,7 @@ class LMConfig:
             topk=attention.topk or 0, window=attention.window or 0, variant=attention.variant,
             score_groups=attention.score_groups, timestep_norm=attention.timestep_norm,
             eps_slope=attention.eps_slope, score_init=attention.score_init,
-            linear_norm=getattr(attention, "linear_norm", None),
+            linear_norm=getattr(attention, "linear_norm", None), linear_gain=getattr(attention, "linear_gain", "fixed"),
             threshold_cap=attention.threshold_cap, backend=attention.backend, scan=attention.scan,
             max_context=getattr(attention, "max_context", None),
         )
@@ -280,6 +282,8 @@ class LM(nn.Module):
                 blk.attn.scorer.reset_parameters()
             if blk.attn.phi_weight is not None:  # phi starts as elu(x) + 1 (Katharopoulos et al.)
                 blk.attn.phi_weight.copy_(torch.eye(self.cfg.head_dim).expand_as(blk.attn.phi_weight))
+            if blk.attn.linear_log_gain is not None:  # from 1/F (Attention says why)
+                blk.attn.linear_log_gain.fill_(-math.log(self.cfg.head_dim))
         if self.cfg.score_init == "mimic":
             self.init_scores_mimic_()
 

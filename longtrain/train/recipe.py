@@ -161,6 +161,11 @@ class AttentionConfig(_Section):
         "within a few thousand tokens) or divided by their count (mean: one averaged key's weight at every "
         "position; 14.8 perplexity better on small books). null: mean for the linear types, sum (no linear part) otherwise"
     )
+    linear_gain: Literal["fixed", "learned"] = Field(
+        "fixed", description="linear types: the linear part as linear_norm gives it (fixed) or times a learned "
+        "factor per head (learned), which starts at 1/F (F: phi's features), one key's weight where mean alone "
+        "starts at about F keys' (16-33% of the denominator at init)"
+    )
     threshold_cap: int | None = Field(
         None, ge=1, description="cap on the SparseK threshold state per row; null picks the default"
     )
@@ -183,7 +188,7 @@ class AttentionConfig(_Section):
         # become 0, so the model always reads two ints.
         problems = size_problems(self.type, self.topk, self.window)
         self.linear_norm = self.linear_norm or default_linear_norm(self.type)
-        problems += linear_problems(self.type, self.score_groups, self.linear_norm)
+        problems += linear_problems(self.type, self.score_groups, self.linear_norm, self.linear_gain)
         if self.max_context is not None and self.type != "full":
             problems.append(
                 f"attention.max_context caps full attention's growing cache; type {self.type} has a fixed-size "
@@ -508,7 +513,7 @@ _FIELDS_ADDED_LATER = {
     "model": {"intermediate_size": None, "norm_eps": 1e-5, "tied_embeddings": None, "rotary_pct": 1.0,
               "parallel_residual": None, "rope_scaling": None, "qkv_bias": None},
     "tokenizer": {"eod_token": None},
-    "attention": {"linear_norm": "sum"},
+    "attention": {"linear_norm": "sum", "linear_gain": "fixed"},
 }
 
 

@@ -26,6 +26,7 @@ CASES = [
     ("sparsek+linear+sw", dict(attention="sparsek+linear+sw", topk=6, window=8), 150, 37),
     ("linear+sw llama gqa", dict(style="llama", kv_heads=2, attention="linear+sw", window=9), 120, 50),
     ("sparsek+linear+sw sum", dict(attention="sparsek+linear+sw", topk=6, window=8, linear_norm="sum"), 150, 37),
+    ("linear+sw learned gain", dict(attention="linear+sw", window=9, linear_gain="learned"), 120, 50),
 ]
 
 
@@ -358,3 +359,26 @@ def test_activation_checkpointing_changes_no_output_and_no_gradient(name, kw, T,
         with torch.no_grad():
             whole = make(**kw)(tokens[:, :T], targets=tokens[:, 1 : T + 1]).loss_sum
         assert abs(float(whole) - float(ac.sum())) <= 1e-9 * abs(float(whole))
+
+
+def test_learned_linear_gain_starts_at_one_over_F_learns_and_is_not_decayed():
+    """attention.linear_gain learned: one log-gain per query head, from -log F (one key's weight at init), with a
+    gradient from the loss, outside weight decay; a type without a linear part refuses it with the fix."""
+    import math
+
+    from longtrain.train.optim import build_optimizer
+    from longtrain.train.recipe import TrainConfig
+
+    model = LM(LMConfig(**{**SMALL, "attention": "sparsek+linear+sw", "topk": 6, "window": 5, "linear_gain": "learned"}))
+    gains = [blk.attn.linear_log_gain for blk in model.blocks]
+    H, D = model.cfg.heads, model.cfg.head_dim
+    assert all(g.shape == (H,) and torch.equal(g, torch.full((H,), -math.log(D))) for g in gains)
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 40))
+    model(tokens, targets=tokens).loss_sum.backward()
+    assert all(g.grad is not None and g.grad.abs().min() > 0 for g in gains)
+    decayed = {id(p) for grp in build_optimizer(model, TrainConfig(steps=10)).param_groups if grp["weight_decay"] for p in grp["params"]}
+    assert not decayed & {id(g) for g in gains}
+    model.reset_parameters()  # as a meta-device build materialises it
+    assert torch.equal(gains[0], torch.full((H,), -math.log(D)))
+    with pytest.raises(ValueError, match="linear_gain learned scales a linear part"):
+        LMConfig(**{**SMALL, "attention": "sparsek+sw", "topk": 4, "window": 4, "linear_gain": "learned"})

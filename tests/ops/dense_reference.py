@@ -58,13 +58,14 @@ def dense_gates(u, *, topk, window, variant="hard_k_soft_v"):
 
 
 def dense_sparsek_linear_attention(q, k, v, u, phi_weight, *, topk, window, variant="hard_k_soft_v", scale=None,
-                                   linear_norm="sum"):
+                                   linear_norm="sum", linear_gain=None):
     """The paper's SparseK+Linear+SW formula (Appendix B.1) over the whole T x T causal matrix:
 
-    o_i = sum_{j<=i} (g_ij e^{s_ij} + c_i (1 - g_ij) phi(q_i).phi(k_j)) v_j / sum_{j<=i} (same without v_j)
+    o_i = sum_{j<=i} (g_ij e^{s_ij} + a_h c_i (1 - g_ij) phi(q_i).phi(k_j)) v_j / sum_{j<=i} (same without v_j)
 
     with g = m on S_i, 1 on W_i, 0 elsewhere, phi(x) = elu(x W_h) + 1 (no stabiliser: small inputs only);
-    c_i = 1 (linear_norm sum, the paper's) or 1 / max(1, i - w + 1), one over the keys beyond the window (mean)."""
+    c_i = 1 (linear_norm sum, the paper's) or 1 / max(1, i - w + 1), one over the keys beyond the window (mean);
+    a_h = linear_gain[h] (head h's learned gain, attention.linear_gain learned) or 1."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     R = H // Hkv
@@ -77,6 +78,8 @@ def dense_sparsek_linear_attention(q, k, v, u, phi_weight, *, topk, window, vari
     lin = torch.einsum("bihf,bjhf->bhij", phq, phk)  # [B, H, T, T]
     if linear_norm == "mean":
         lin = lin / (torch.arange(T) - window + 1).clamp(min=1).to(lin.dtype)[:, None]  # row i over its count
+    if linear_gain is not None:
+        lin = lin * linear_gain[:, None, None]  # head h's
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     out = []
     for b in range(B):

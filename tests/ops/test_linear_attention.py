@@ -279,3 +279,58 @@ def test_mean_norm_gradcheck_and_bad_names():
     with pytest.raises(ValueError, match="linear_norm must be one of"):
         sparsek_linear_attention(*inputs(8, 2, 1), topk=2, window=2, linear_norm="avg")
 
+
+
+def gain_of(H, dtype=torch.float64):
+    """A per-head linear gain away from 1 (attention.linear_gain learned), different per head."""
+    return 0.05 + torch.rand(H, dtype=dtype)
+
+
+@pytest.mark.parametrize("norm", ["sum", "mean"])
+@pytest.mark.parametrize("T,k,w,H,Hkv,variant", [CASES[0], CASES[1], CASES[3]])
+def test_linear_gain_equals_the_dense_formula_with_its_gradient(T, k, w, H, Hkv, variant, norm):
+    """linear_gain: head h's linear part times a_h, forward and every gradient, the gain's included."""
+    args = inputs(T, H, Hkv)
+    gain = gain_of(H)
+    a1 = [x.clone().requires_grad_() for x in (*args, gain)]
+    a2 = [x.clone().requires_grad_() for x in (*args, gain)]
+    o1 = sparsek_linear_attention(*a1[:5], topk=k, window=w, variant=variant, linear_norm=norm, linear_gain=a1[5])
+    o2 = dense_sparsek_linear_attention(*a2[:5], topk=k, window=w, variant=variant, linear_norm=norm,
+                                        linear_gain=a2[5])
+    assert torch.allclose(o1, o2, atol=1e-12, rtol=0)
+    ungained = sparsek_linear_attention(*args, topk=k, window=w, variant=variant, linear_norm=norm)
+    assert (o1 - ungained).abs().max() > 1e-3  # the gain changes the output
+    g = torch.randn_like(o1)
+    (o1 * g).sum().backward()
+    (o2 * g).sum().backward()
+    for x, y, name in zip(a1, a2, ["q", "k", "v", "u", "phi", "gain"]):
+        want = torch.zeros_like(x) if y.grad is None else y.grad
+        assert torch.allclose(x.grad, want, atol=1e-10, rtol=0), name
+    assert a1[5].grad.abs().min() > 0  # every head's gain learns
+
+
+@pytest.mark.parametrize("k,w", [(6, 5), (0, 4)])
+def test_linear_gain_chunked_equals_unchunked_and_decode_equals_forward(k, w):
+    T, chunk, prefix = 61, 13, 40
+    q, kk, v, u, phi = inputs(T, 4, 2)
+    gain = gain_of(4)
+    whole = sparsek_linear_attention(q, kk, v, u, phi, topk=k, window=w, linear_norm="mean", linear_gain=gain)
+    cache = SparseKLinearCache.empty(2, k, w, 2, 8, dtype=torch.float64, score_dtype=torch.float64)
+    outs = []
+    for s in range(0, prefix, chunk):
+        sl = slice(s, min(s + chunk, prefix))
+        o, cache, _ = sparsek_linear_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], phi, cache,
+                                                     linear_norm="mean", linear_gain=gain)
+        outs.append(o)
+    for t in range(prefix, T):
+        o, cache, _ = sparsek_linear_attention_decode(q[:, t], kk[:, t], v[:, t], u[:, t], phi, cache,
+                                                      linear_norm="mean", linear_gain=gain)
+        outs.append(o[:, None])
+    assert torch.allclose(torch.cat(outs, 1), whole, atol=1e-12, rtol=0)
+
+
+def test_linear_gain_gradcheck():
+    args = [x.requires_grad_() for x in inputs(11, 2, 1, D=3, B=1, u_scale=0.4)]
+    assert torch.autograd.gradcheck(
+        lambda *a: sparsek_linear_attention(*a[:5], topk=3, window=2, block=4, linear_norm="mean", linear_gain=a[5]),
+        [*args, gain_of(2).requires_grad_()], fast_mode=True)

@@ -143,6 +143,12 @@ def test_linear_types_refuse_what_they_cannot_run(tmp_path):
     assert LMConfig.from_recipe(r.model, r.attention, 64).linear_norm == "mean"
     assert load_recipe(path, ["attention.type=linear+sw", "attention.topk=0", "attention.linear_norm=sum"]).attention.linear_norm == "sum"
     assert load_recipe(path).attention.linear_norm == "sum"  # no linear part: sum changes nothing
+    # linear_gain learned scales a linear part: likewise; on a linear type it reaches the model's config
+    msg = error_of(path, ["attention.linear_gain=learned"])
+    assert "linear_gain learned" in msg and "remove linear_gain" in msg
+    r = load_recipe(path, ["attention.type=sparsek+linear+sw", "attention.linear_gain=learned"])
+    assert LMConfig.from_recipe(r.model, r.attention, 64).linear_gain == "learned"
+    assert load_recipe(path, ["attention.type=sparsek+linear+sw"]).attention.linear_gain == "fixed"
     # issue 38: the Triton core has a linear part
     assert load_recipe(path, ["attention.type=sparsek+linear+sw", "attention.backend=triton"]).attention.backend == "triton"
 
@@ -244,5 +250,14 @@ def test_a_run_saved_before_linear_norm_keeps_the_sum_it_trained_with_and_its_ha
     user = load_recipe(write(tmp_path, MINIMAL), ["attention.type=sparsek+linear+sw"])
     assert user.attention.linear_norm == "mean"
     mean_hash = recipe_hash(user, ("attention",))
+    # linear_gain came later still: a saved recipe without it is fixed (what the code computed), the hash unchanged
+    text = recipe_to_yaml(user)
+    old = yaml.safe_load(text)
+    del old["attention"]["linear_gain"]
+    saved = tmp_path / "saved-gain.yaml"
+    saved.write_text(text.splitlines(keepends=True)[0] + yaml.safe_dump(old, sort_keys=False))
+    assert load_recipe(saved).attention.linear_gain == "fixed" and recipe_hash(load_recipe(saved), ("attention",)) == mean_hash
+    learned = load_recipe(write(tmp_path, MINIMAL), ["attention.type=sparsek+linear+sw", "attention.linear_gain=learned"])
+    assert recipe_hash(learned, ("attention",)) != mean_hash  # another model: its checkpoints are not this one's
     assert mean_hash != recipe_hash(load_recipe(write(tmp_path, MINIMAL), ["attention.type=sparsek+linear+sw",
                                                                           "attention.linear_norm=sum"]), ("attention",))

@@ -223,8 +223,18 @@ def query_scale(q_pos: torch.Tensor, window: int, norm: str, dtype: torch.dtype)
     return count.to(torch.float64).reciprocal().to(dtype)  # rounded once from float64: the same bits in any chunking
 
 
+def scaled_query_features(phq: torch.Tensor, s: torch.Tensor | None, gain: torch.Tensor | None) -> torch.Tensor:
+    """phi(q) [..., H, F] times the position factor s [...] (query_scale) and the per-head gain [H]
+    (attention.linear_gain learned; None: 1), in this order in the chunk op and the decode step alike (the same bits)."""
+    if s is not None:
+        phq = phq * s[..., None, None]
+    if gain is not None:
+        phq = phq * gain.to(phq.dtype)[:, None]
+    return phq
+
+
 def _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache: SparseKLinearCache, window: int, backend: str,
-                                linear_norm: str = "sum"):
+                                linear_norm: str = "sum", linear_gain: torch.Tensor | None = None):
     """(phq [B, L, H, F], phk [B, N, Hkv, F], num [B, L, H, D], den [B, L, H]): phi of the queries and the extended
     keys, and phi(q_i) . the sums over the causal keys outside query i's window
     (positions <= p_i - w), so the window's keys (gate 1, no linear part) are never added and then taken
@@ -237,9 +247,7 @@ def _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache: SparseKLinearC
     K = keys.topk
     lag = window - keys.tail_slots
     phq = _QueryFeatures.apply(q, phi_weight)  # [B, L, H, F]
-    s = query_scale(keys.q_pos, window, linear_norm, phq.dtype)  # [B, L] or None
-    if s is not None:
-        phq = phq * s[:, :, None, None]
+    phq = scaled_query_features(phq, query_scale(keys.q_pos, window, linear_norm, phq.dtype), linear_gain)
     # the pool's values are the cache's, which carry no gradient
     phk, phk_lag, start_kv, start_k = _KeyFeatures.apply(k, phi_weight, keys.k.detach(), keys.pos >= 0,
                                                          keys.v[:, :K].detach(), cache.lin_kv, cache.lin_k, lag)
@@ -299,6 +307,7 @@ def sparsek_linear_attention_chunk(
     backend: str = "auto",
     align: bool | None = None,
     linear_norm: str = "sum",
+    linear_gain: torch.Tensor | None = None,  # [H] > 0
 ) -> tuple[torch.Tensor, SparseKLinearCache, ChunkSelection]:
     """SparseK+Linear+SW of one chunk continuing from `cache`: (o [B, L, H, D], next cache, selection).
 
@@ -307,6 +316,7 @@ def sparsek_linear_attention_chunk(
     linear_backend picks the causal linear attention (ops/linear_attention: fla on CUDA when installed);
     linear_norm: the linear part's sums as the paper writes them ("sum") or divided by their key count ("mean";
     LINEAR_NORMS says why);
+    linear_gain: a factor [H] per query head on the linear part (phi(q)), the model's learned one; None: 1;
     align: without gradients, the core's query tiles at absolute positions, as sparsek_attention_chunk's (aligned.py,
     with phi(q), num, den and phi(k) laid out as q and k): a chunk that starts inside a tile rounds as the
     unchunked pass does. None: always; False: never."""
@@ -316,7 +326,7 @@ def sparsek_linear_attention_chunk(
     sel = select(keys, cache, window=window, block=block, scan=scan)
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
     phq, phk, num, den = _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache, window, linear_backend,
-                                                     linear_norm)
+                                                     linear_norm, linear_gain)
     core = linear_core(backend, q, phq.shape[-1], keys.u.dtype, block)
     args = (q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool)
     linear = LinearTerms(phq, phk, num, den)
@@ -346,13 +356,15 @@ def sparsek_linear_attention_chunk(
 
 def sparsek_linear_attention(q, k, v, u, phi_weight, *, topk: int, window: int, variant: str = "hard_k_soft_v",
                              scale: float | None = None, linear_backend: str = "auto", scan: str = "auto",
-                             block: int = 64, backend: str = "auto", linear_norm: str = "sum") -> torch.Tensor:
+                             block: int = 64, backend: str = "auto", linear_norm: str = "sum",
+                             linear_gain: torch.Tensor | None = None) -> torch.Tensor:
     """SparseK+Linear+SW over whole sequences (positions 0..T-1): o [B, T, H, D] (topk = 0: Linear+SW)."""
     cache = SparseKLinearCache.empty(q.shape[0], topk, window, k.shape[2], k.shape[3], dtype=k.dtype,
                                      score_dtype=u.dtype, device=q.device, features=phi_weight.shape[-1])
     o, _, _ = sparsek_linear_attention_chunk(q, k, v, u, phi_weight, cache, variant=variant, scale=scale,
                                              linear_backend=linear_backend, scan=scan, block=block, backend=backend,
-                                             align=False, linear_norm=linear_norm)  # position 0 is a tile edge
+                                             align=False, linear_norm=linear_norm,
+                                             linear_gain=linear_gain)  # position 0 is a tile edge
     return o
 
 
@@ -369,6 +381,7 @@ def sparsek_linear_attention_decode(
     with_selection: bool = False,
     backend: str = "auto",
     linear_norm: str = "sum",
+    linear_gain: torch.Tensor | None = None,  # [H] > 0
 ) -> tuple[torch.Tensor, SparseKLinearCache, ChunkSelection | None]:
     """One token per row at position cache.seen: (o [B, H, D], next cache, selection); equals the chunk op on
     one token, the options as sparsek_attention_decode's. The query sees [pool][tail][itself] (every key there
@@ -404,8 +417,8 @@ def sparsek_linear_attention_decode(
     logits = logits.masked_fill(~ok[:, None, None], -torch.inf)
     M = logits.amax(-1, keepdim=True).clamp(min=0)
     phq = feature_map(q[:, None], phi_weight)[:, 0]  # [B, H, F]
-    s = query_scale(t[:, None], window, linear_norm, phq.dtype)  # [B, 1]: as the chunk op scales it, bit for bit
-    phq = (phq if s is None else phq * s[:, :, None]).to(cdt).view(B, Hkv, H // Hkv, -1)  # [B, Hkv, R, F]
+    s = query_scale(t, window, linear_norm, phq.dtype)  # [B]: as the chunk op scales it, bit for bit
+    phq = scaled_query_features(phq, s, linear_gain).to(cdt).view(B, Hkv, H // Hkv, -1)  # [B, Hkv, R, F]
     phk = _phi_keys(keys, pos, phi_weight).to(cdt)  # [B, N, Hkv, F]
     lin_w = torch.einsum("bgrf,bngf->bgrn", phq, phk)
     g = gate[:, None, None]
@@ -425,5 +438,5 @@ def sparsek_linear_attention_decode(
     return o, nxt, sel
 
 
-__all__ = ["LINEAR_NORMS", "SparseKLinearCache", "query_scale", "sparsek_linear_attention", "sparsek_linear_attention_chunk",
+__all__ = ["LINEAR_NORMS", "SparseKLinearCache", "query_scale", "scaled_query_features", "sparsek_linear_attention", "sparsek_linear_attention_chunk",
            "sparsek_linear_attention_decode", "STATE_DTYPE"]
