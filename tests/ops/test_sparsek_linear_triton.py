@@ -399,3 +399,24 @@ def test_deterministic_backward_repeats_bit_for_bit_without_atomic_adds(monkeypa
     atomic = run_chunks("triton", args, [20, 17], **kw)
     assert rec.atomic[4:] == [True] * 2 and count[0] > 0
     assert_close(first, atomic, "o dq dk dv du dphi".split())
+
+
+def test_a_learned_linear_gain_gets_the_naive_cores_gradient_through_the_triton_core():
+    """attention.linear_gain scales phi(q) before the cores: the Triton core's phi(q) gradient carries it."""
+    torch.manual_seed(5)
+    args = inputs(2, 37, 4, 2, 16)
+    res = {}
+    for backend in ("triton", "naive"):
+        gain = torch.linspace(0.02, 0.9, 4, device=DEV).requires_grad_()
+        a = [x.clone().requires_grad_() for x in args]
+        cache = SparseKLinearCache.empty(2, 5, 4, 2, 16, device=DEV)
+        outs = []
+        for sl in (slice(0, 20), slice(20, 37)):
+            o, cache, _ = sparsek_linear_attention_chunk(*(x[:, sl] for x in a[:4]), a[4], cache, backend=backend,
+                                                         block=16, linear_norm="mean", linear_gain=gain)
+            outs.append(o)
+        o = torch.cat(outs, 1)
+        (o * torch.sin(torch.arange(o.numel(), device=DEV, dtype=torch.float32)).reshape(o.shape)).sum().backward()
+        res[backend] = [o.detach(), *(x.grad for x in a), gain.grad]
+    assert res["triton"][-1].abs().min() > 0
+    assert_close(res["triton"], res["naive"], ["o", "q", "k", "v", "u", "phi", "gain"])
