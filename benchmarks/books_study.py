@@ -279,15 +279,17 @@ def store(a: argparse.Namespace, res: list[dict]) -> None:
 
 def gap_pairs(models: list[str]) -> list[tuple[str, str]]:
     """(base, model) rows of the table: every SparseK+SW model (variants and k : w splits too) and Linear+SW against
-    SW, every SparseK+Linear+SW one against its SparseK+SW twin (the same split and settings, else the same split)
-    and SW."""
+    SW, every SparseK+Linear+SW one against its SparseK+SW twin (the same split and settings but the linear part's,
+    else the same split) and SW."""
     pairs = []
     for m in models:
         base = split_model(m)[0]
         if base == "sparsek" or base.startswith("sparsek-") or base == "linear":
             pairs.append(("sw", m))
         elif base.startswith("sparsek+linear"):
-            twin = m.replace("sparsek+linear", "sparsek", 1)
+            # the twin keeps the split and the settings a SparseK+SW model has (attention.linear_* are the linear part's)
+            settings = [x for x in split_model(m)[1] if not x.startswith("attention.linear_")]
+            twin = "@".join([base.replace("sparsek+linear", "sparsek", 1), *settings])
             pairs += [(twin if twin in models else base.replace("sparsek+linear", "sparsek", 1), m), ("sw", m)]
     return pairs
 

@@ -104,6 +104,9 @@ def test_model_variants_get_their_own_runs_settings_and_rows():
         ("sw", "sparsek"), ("sw", model), ("sw", "sparsek-64-192"), ("sparsek", "sparsek+linear@x=1"),
         ("sw", "sparsek+linear@x=1"), ("sw", "linear"), ("sparsek-192-64", "sparsek+linear-192-64@x=1"),
         ("sw", "sparsek+linear-192-64@x=1")]
+    gained = "sparsek+linear-192-64@attention.eps_slope=3e-3@attention.linear_gain=learned"  # a linear-only setting
+    assert books_study.gap_pairs(["sw", "sparsek-192-64@attention.eps_slope=3e-3", gained])[1:] == [
+        ("sparsek-192-64@attention.eps_slope=3e-3", gained), ("sw", gained)]
     assert books_study.model_sets("sparsek+linear-192-64", 256) == [
         "attention.type=sparsek+linear+sw", "attention.topk=192", "attention.window=64"]
     medium256 = argparse.Namespace(size="medium", kv_budget=256, run=["sw:0"])  # --kv-budget over the size's 1,024
