@@ -438,5 +438,13 @@ def sparsek_linear_attention_decode(
     return o, nxt, sel
 
 
-__all__ = ["LINEAR_NORMS", "SparseKLinearCache", "query_scale", "scaled_query_features", "sparsek_linear_attention", "sparsek_linear_attention_chunk",
-           "sparsek_linear_attention_decode", "STATE_DTYPE"]
+__all__ = [
+    "LINEAR_NORMS",
+    "SparseKLinearCache",
+    "query_scale",
+    "scaled_query_features",
+    "sparsek_linear_attention",
+    "sparsek_linear_attention_chunk",
+    "sparsek_linear_attention_decode",
+    "STATE_DTYPE",
+]
