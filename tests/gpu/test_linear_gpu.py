@@ -36,11 +36,11 @@ def test_fla_equals_the_reference(L, H, Hkv, dtype, tol):
         assert rel(x.grad, y.grad) < tol, name
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_chunked_model_follows_one_pass_on_the_gpu(autocast):
+@pytest.mark.parametrize("autocast,gain", [(False, "fixed"), (True, "fixed"), (True, "learned")])
+def test_chunked_model_follows_one_pass_on_the_gpu(autocast, gain):
     torch.manual_seed(0)
     model = LM(LMConfig(vocab_size=512, layers=2, d_model=128, heads=4, attention="sparsek+linear+sw", topk=64,
-                        window=64)).cuda()
+                        window=64, linear_gain=gain)).cuda()
     tokens = torch.randint(0, 512, (2, 1500), device="cuda")
     with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
         ref = model(tokens).logits.float()
@@ -56,16 +56,19 @@ def test_chunked_model_follows_one_pass_on_the_gpu(autocast):
         loss = model(tokens[:, :512]).logits.float().logsumexp(-1).mean()
     loss.backward()
     assert torch.isfinite(model.blocks[0].attn.phi_weight.grad).all()
+    if gain == "learned":
+        assert torch.isfinite(model.blocks[0].attn.linear_log_gain.grad).all()
 
 
+@pytest.mark.parametrize("gain", ["fixed", "learned"])
 @torch.no_grad()
-def test_decoding_follows_the_forward_on_the_gpu():
+def test_decoding_follows_the_forward_on_the_gpu(gain):
     """Token-by-token decoding (a CUDA graph where it captures, else eager) follows the chunk op, float32."""
     from longtrain.generate import Decoder, prefill
 
     torch.manual_seed(0)
     model = LM(LMConfig(vocab_size=512, layers=2, d_model=128, heads=4, attention="sparsek+linear+sw", topk=32,
-                        window=32)).cuda().eval()
+                        window=32, linear_gain=gain)).cuda().eval()
     tokens = torch.randint(0, 512, (2, 400), device="cuda")
     cache, _ = prefill(model, tokens[:, :300], chunk_size=128)
     decoder, ref_cache = Decoder(model, cache), cache
