@@ -37,12 +37,17 @@ A model name may carry recipe settings after `@`: a variant with its own runs an
 
 Parts: `train` (stops at --budget-s with checkpoints; the same command resumes), `eval`, `summary`
 (OUT/books.md with each model's steps and training tokens/s, OUT/books-gap.png, OUT/books_study.json with what they
-came from), `all` (the three in a row). A same-seed SW run repeats to the digit on another tree of the same card kind
-(seed 0 of SW 1024 read 47.93 on an H100 at bac8281, 48.72 on an H200 at a558fec), so a study may take its baseline from
-a stored one instead of training it again (deterministic runs of the same seeds, books, size and card kind):
+came from), `all` (the three in a row). A study may take models from a stored one instead of training them again
+(the same books, size, budget and card kind: seed 0 of SW 1024 read 47.93 on an H100, 48.72 on an H200), and may add
+seeds to a stored model, which is how a study too long for one session's device time is split over sessions:
 
     python benchmarks/books_study.py ... --size small --run sparsek+linear:0,1,2 --part all \
         --baseline benchmarks/books_study-small-h200.json:sw     # H200, tree 5235619: SW 256, seeds 0-2
+    python benchmarks/books_study.py ... --size medium --kv-budget 256 --run sw:2 --part all \
+        --baseline benchmarks/books_study-medium-256-h200.json:sw  # SW's seeds 0, 1 stored, seed 2 trained here
+
+A stored run is a seed of its own, not the run again: deterministic runs repeated to the digit between two H200 trees
+and across machines of one session, but not between two H200 sessions (2026-12-03, benchmarks/README.md).
 RUNS may live outside OUT (the runs' checkpoints need not come back from a device call; the summary needs only OUT).
 """
 
@@ -56,6 +61,8 @@ import sys
 from pathlib import Path
 
 from side_by_side import ROOT, fit_command, start_fit, training_summary, wait_all
+
+sys.path.insert(0, str(ROOT))  # the eval part reads the runs' metrics with longtrain's reader, installed or not
 
 SIZES = {
     "small": {"layers": 8, "d_model": 512, "heads": 8, "steps": 2500, "budget": 256},
@@ -187,11 +194,12 @@ def run_model(checkpoint: str) -> str:
 
 def add_baselines(a: argparse.Namespace, res: list[dict]) -> list[str]:
     """--baseline FILE:MODEL,...: a stored study's (OUT/books_study.json of another run) evaluations, steps, tokens/s
-    and validation curves of those models, as if they had run here: a same-seed SW run repeats to the digit on
-    another tree of the same card kind (benchmarks/README.md, 2026-12-01; an H100's run did not repeat on an H200, 2026-12-02), so a study
-    on that kind need not train its baseline again. Returns the
-    table's note on where they came from."""
-    notes, here = [], {run_model(r["checkpoint"]) for r in res}
+    and validation curves of those models, as if they had run here, beside this study's own seeds of them. A same-seed
+    SW run repeated to the digit on another tree of the same card kind (benchmarks/README.md, 2026-12-01), but not on
+    an H100 against an H200 (2026-12-02) nor between two H200 sessions (2026-12-03): take a baseline from the same
+    card kind, and count a stored run as a seed of its own, not as the same run again. Returns the table's notes on
+    where they came from."""
+    notes, here = [], {run_name(r["checkpoint"]) for r in res}
     for spec in a.baseline:
         path, _, models = spec.rpartition(":")
         if not path:
@@ -204,18 +212,24 @@ def add_baselines(a: argparse.Namespace, res: list[dict]) -> list[str]:
             raise SystemExit(f"--baseline {path}: size {theirs[0]} at {theirs[1]} keys, {theirs[2]} books x {theirs[3]} "
                              f"tokens, not this study's {a.size} at {kv_budget(a)} keys, {a.docs} x {a.tokens}")
         for model in models.split(","):
-            if model in here:
-                raise SystemExit(f"--baseline {spec}: {model} also ran in this study; drop one of them")
             rows = [r for r in stored["eval"] if run_model(r["checkpoint"]) == model]
             if not rows:
                 raise SystemExit(f"--baseline {spec}: {path} has no {model} (it has "
                                  f"{sorted({run_model(r['checkpoint']) for r in stored['eval']})})")
+            names = [run_name(r["checkpoint"]) for r in rows]
+            # other seeds of a model that also runs here join its row (a study split over sessions); the same seed twice
+            # would count one run as two
+            if twice := sorted(set(names) & here):
+                raise SystemExit(f"--baseline {spec}: {', '.join(twice)} also ran in this study; drop that seed from "
+                                 "--run or from the baseline")
             res.extend(rows)
-            for name in (run_name(r["checkpoint"]) for r in rows):
+            for name in names:
                 out_file(a.out, "train", name).write_text(json.dumps(stored["train"][name]))
                 out_file(a.out, "curve", name).write_text(json.dumps(stored["valid_loss_curves"][name]))
-            notes.append(f"{model}: from {path} ({stored.get('device', '?')}, tree {stored.get('tree', '?')}), "
-                         "not trained in this study (its tokens/s, and so a time ratio against it, are from that run)")
+            seeds = ", ".join(name.rsplit("-s", 1)[1] for name in names)
+            notes.append(f"{model} (seed{'s' * (len(names) > 1)} {seeds}): from {path} ({stored.get('device', '?')}, "
+                         f"tree {stored.get('tree', '?')}), not trained in this study (its tokens/s, and so a time "
+                         "ratio against it, are from that run)")
     return notes
 
 
@@ -333,9 +347,9 @@ def plot_gap(a: argparse.Namespace, models: list[str]) -> None:
             pairs = [(i, j) for i in range(len(x)) for j in range(len(xs)) if abs(xs[j] - x[i]) <= 0.01 * x[i]]
             px = [x[i] for i, _ in pairs]
             right.plot(px, [sw_mean[j] - mean[i] for i, j in pairs], marker="o", ms=3, color=line.get_color(), label=model)
-            if model == "sparsek":  # beyond the spread: SparseK+SW's worst seed against SW's best
+            if len(runs) > 1 and len(curves["sw"]) > 1:  # beyond the spread: the model's worst seed against SW's best
                 right.fill_between(px, [sw_lo[j] - hi[i] for i, j in pairs], [sw_hi[j] - lo[i] for i, j in pairs],
-                                   alpha=0.15, color=line.get_color(), label="sparsek: worst to best seed pair")
+                                   alpha=0.12, color=line.get_color(), label=f"{model}: worst to best seed pair")
     left.set_xlabel("tokens trained (M)")
     left.set_ylabel("validation loss (4 books x 32k tokens)")
     left.set_ylim(top=min(left.get_ylim()[1], 5.2))

@@ -72,7 +72,7 @@ def test_two_models_train_evaluate_and_summarise(tmp_path):
     assert "sw − sparsek-192-64" in rows2 and "not trained in this study" in table2
     assert not (out2 / "runs" / "sw-s0").exists() and (out2 / "curve-sw-s0.json").is_file()
     stored = f"{out / 'books_study.json'}"
-    for bad, extra, why in ((f"{stored}:full", [], "has no full"), (f"{stored}:sparsek-192-64", [], "also ran in this study"),
+    for bad, extra, why in ((f"{stored}:full", [], "has no full"), (f"{stored}:sparsek-192-64", [], "has no sparsek-192-64"),
                             (f"{stored}:sw", ["--kv-budget", "128"], "at 256 keys")):  # another budget's baseline
         res = subprocess.run([*cmd2, "--part", "summary", *extra, "--baseline", bad], capture_output=True, text=True,
                              cwd=ROOT, env=env, timeout=600)
@@ -118,3 +118,34 @@ def test_model_variants_get_their_own_runs_settings_and_rows():
         books_study.runs_of(argparse.Namespace(size="small", kv_budget=None, run=["sparsek@eps:0"]))
     with pytest.raises(SystemExit, match="unknown model"):
         books_study.runs_of(argparse.Namespace(size="small", kv_budget=None, run=["sparse@attention.eps_slope=1:0"]))
+
+
+def test_a_baseline_adds_other_seeds_of_a_model_and_refuses_the_same_seed_twice(tmp_path):
+    """A study split over sessions: the stored seeds of a model join this study's other seeds of it in one row (one
+    run each); a stored seed that also ran here is refused, not counted twice."""
+    import argparse
+    import json
+
+    import pytest
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import books_study
+
+    def result(name: str, ppl: float) -> dict:
+        return {"checkpoint": f"/runs/{name}/checkpoints/step-00000004",
+                "ppl": {"ppl": ppl, "buckets": [{"start": 0, "end": 1024, "ppl": ppl}]}}
+
+    stored = tmp_path / "stored.json"
+    stored.write_text(json.dumps({
+        "size": "medium", "kv_budget": 256, "docs": 12, "tokens": 65536, "device": "H200", "tree": "abc1234",
+        "eval": [result("sw-s0", 47.0), result("sw-s1", 46.0)],
+        "train": {n: {"steps": 4, "tokens": 100, "tokens_per_s": 1.0} for n in ("sw-s0", "sw-s1")},
+        "valid_loss_curves": {n: [[100, 4.0]] for n in ("sw-s0", "sw-s1")}}))
+    a = argparse.Namespace(baseline=[f"{stored}:sw"], size="medium", kv_budget=256, docs=12, tokens=65536, out=tmp_path)
+    res = [result("sw-s2", 45.0)]
+    notes = books_study.add_baselines(a, res)
+    assert sorted(books_study.run_name(r["checkpoint"]) for r in res) == ["sw-s0", "sw-s1", "sw-s2"]
+    assert "seeds 0, 1" in notes[0] and "abc1234" in notes[0]
+    assert (tmp_path / "curve-sw-s1.json").is_file() and (tmp_path / "train-sw-s0.json").is_file()
+    with pytest.raises(SystemExit, match="sw-s1 also ran in this study"):
+        books_study.add_baselines(a, [result("sw-s1", 45.0)])
