@@ -49,6 +49,7 @@ seeds to a stored model, which is how a study too long for one session's device 
 A stored run is a seed of its own, not the run again: deterministic runs repeated to the digit between two H200 trees
 and across machines of one session, but not between two H200 sessions (2026-12-03, benchmarks/README.md).
 RUNS may live outside OUT (the runs' checkpoints need not come back from a device call; the summary needs only OUT).
+On a lent GPU machine without datasets or pydantic, `. benchmarks/device_setup.sh` first (it says what to carry).
 """
 
 from __future__ import annotations

@@ -1,0 +1,20 @@
+# Source at the start of a command on a lent GPU machine that lacks longtrain's pure-Python needs (datasets,
+# pydantic): `. benchmarks/device_setup.sh && python benchmarks/books_study.py --train /tmp/books/gutenberg/train ...`.
+# Installs the wheels carried in .whl/ into /tmp/site and unpacks a carried .dev/books.tar.xz (a tar of the
+# gutenberg folder) into /tmp/books, once per machine (a warm machine keeps both between calls), and puts the repo
+# and /tmp/site on PYTHONPATH. Making the carried files, on the development machine (the repo's root):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl datasets pydantic pydantic_core \
+#     annotated-types typing-inspection dill multiprocess xxhash          # + fla-core einops for longtrain[linear]
+#   mkdir -p .dev && tar -C ../shared/data -cf - gutenberg | xz -6 -T2 > .dev/books.tar.xz
+# (.whl/ and .dev/ ignored by git; name both in the call's carry.)
+if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.installed || { echo "device_setup: the wheels in .whl did not install" >&2; return 9; }
+fi
+if [ -f .dev/books.tar.xz ] && [ ! -d /tmp/books/gutenberg/train ]; then
+  mkdir -p /tmp/books && tar -xJf .dev/books.tar.xz -C /tmp/books || { echo "device_setup: books did not unpack" >&2; return 8; }
+fi
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -c "import datasets, pydantic" || { echo "device_setup: datasets or pydantic missing (carry .whl)" >&2; return 7; }
+echo "device_setup: $(git rev-parse --short HEAD 2>/dev/null), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
