@@ -169,7 +169,18 @@ def evaluate(a: argparse.Namespace) -> None:
             curve = [(r["tokens"], r["valid_loss"]) for r in read_metrics(metrics) if "valid_loss" in r]
             out_file(a.out, "curve", name).write_text(json.dumps(curve))
             t = training_summary(a.runs / name)
-            out_file(a.out, "train", name).write_text(json.dumps({k: t[k] for k in ("steps", "tokens", "tokens_per_s")}))
+            out_file(a.out, "train", name).write_text(json.dumps({**{k: t[k] for k in ("steps", "tokens", "tokens_per_s")},
+                                                                  **provenance(a.runs / name)}))
+
+
+def provenance(run_dir: Path) -> dict:
+    """What a run's numbers came from, by its newest checkpoint: the token stream (the corpus fingerprint: books and
+    tokenizer), the recipe's hashes and the machine (card, torch, CUDA, Triton). Two same-seed runs that differ tell by
+    these which of the three changed."""
+    from longtrain.train.checkpoint.storage import read_meta, resolve_checkpoint
+
+    meta = read_meta(resolve_checkpoint(run_dir))
+    return {k: meta[k] for k in ("corpus", "hashes", "machine") if k in meta}
 
 
 def file_stem(name: str) -> str:
@@ -201,6 +212,8 @@ def add_baselines(a: argparse.Namespace, res: list[dict]) -> list[str]:
     card kind, and count a stored run as a seed of its own, not as the same run again. Returns the table's notes on
     where they came from."""
     notes, here = [], {run_name(r["checkpoint"]) for r in res}
+    ours = {json.loads(f.read_text()).get("corpus") for f in (out_file(a.out, "train", n) for n in here)
+            if f.is_file()} - {None}  # this study's token streams (provenance), before the stored runs' files join
     for spec in a.baseline:
         path, _, models = spec.rpartition(":")
         if not path:
@@ -231,6 +244,11 @@ def add_baselines(a: argparse.Namespace, res: list[dict]) -> list[str]:
             notes.append(f"{model} (seed{'s' * (len(names) > 1)} {seeds}): from {path} ({stored.get('device', '?')}, "
                          f"tree {stored.get('tree', '?')}), not trained in this study (its tokens/s, and so a time "
                          "ratio against it, are from that run)")
+            # runs of this study on another token stream than the stored ones (books or tokenizer changed): say so
+            theirs_c = {(stored["train"].get(n) or {}).get("corpus") for n in names} - {None}
+            if theirs_c and ours and theirs_c != ours:
+                notes.append(f"{model}: the stored runs read another token stream (corpus {', '.join(sorted(theirs_c))}) "
+                             f"than this study's ({', '.join(sorted(ours))}): other books or another tokenizer")
     return notes
 
 

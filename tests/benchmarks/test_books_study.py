@@ -54,6 +54,10 @@ def test_two_models_train_evaluate_and_summarise(tmp_path):
     assert sorted(p.name for p in out.glob("curve-*.json")) == ["curve-sparsek-s0.json", "curve-sparsek-s1.json",
                                                             f"curve-{lin_file}-s0.json", "curve-sw-s0.json"]
     assert (out / f"fit-{lin_file}-s0.log").is_file() and (out / f"train-{lin_file}-s0.json").is_file()
+    import json
+
+    made = json.loads((out / "train-sw-s0.json").read_text())  # what the numbers came from, by the checkpoint
+    assert len(made["corpus"]) == 32 and made["machine"]["device"].startswith("cpu") and "attention" in made["hashes"]
     assert not [p.name for p in out.iterdir() if set(p.name) - set("abcdefghijklmnopqrstuvwxyz0123456789-_.")]
 
     # A later study takes SW from this one's books_study.json instead of training it again
@@ -139,13 +143,17 @@ def test_a_baseline_adds_other_seeds_of_a_model_and_refuses_the_same_seed_twice(
     stored.write_text(json.dumps({
         "size": "medium", "kv_budget": 256, "docs": 12, "tokens": 65536, "device": "H200", "tree": "abc1234",
         "eval": [result("sw-s0", 47.0), result("sw-s1", 46.0)],
-        "train": {n: {"steps": 4, "tokens": 100, "tokens_per_s": 1.0} for n in ("sw-s0", "sw-s1")},
+        "train": {n: {"steps": 4, "tokens": 100, "tokens_per_s": 1.0, "corpus": "b" * 32} for n in ("sw-s0", "sw-s1")},
         "valid_loss_curves": {n: [[100, 4.0]] for n in ("sw-s0", "sw-s1")}}))
     a = argparse.Namespace(baseline=[f"{stored}:sw"], size="medium", kv_budget=256, docs=12, tokens=65536, out=tmp_path)
     res = [result("sw-s2", 45.0)]
+    (tmp_path / "train-sw-s2.json").write_text(json.dumps({"steps": 4, "corpus": "b" * 32}))  # the same token stream
     notes = books_study.add_baselines(a, res)
     assert sorted(books_study.run_name(r["checkpoint"]) for r in res) == ["sw-s0", "sw-s1", "sw-s2"]
-    assert "seeds 0, 1" in notes[0] and "abc1234" in notes[0]
+    assert len(notes) == 1 and "seeds 0, 1" in notes[0] and "abc1234" in notes[0]
+    (tmp_path / "train-sw-s2.json").write_text(json.dumps({"steps": 4, "corpus": "a" * 32}))  # other books or tokenizer
+    notes = books_study.add_baselines(a, [result("sw-s2", 45.0)])
+    assert "another token stream" in notes[1] and "a" * 32 in notes[1]
     assert (tmp_path / "curve-sw-s1.json").is_file() and (tmp_path / "train-sw-s0.json").is_file()
     with pytest.raises(SystemExit, match="sw-s1 also ran in this study"):
         books_study.add_baselines(a, [result("sw-s1", 45.0)])
