@@ -4,6 +4,18 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_token_cache(tmp_path_factory):
+    """The suite's corpora and tokenizers in a cache of its own (its subprocesses inherit it): running the tests
+    leaves the user's ~/.cache/longtrain as it was. A test that needs another cache still sets its own."""
+    if "LONGTRAIN_CACHE" in os.environ:  # the caller chose one
+        yield
+        return
+    os.environ["LONGTRAIN_CACHE"] = str(tmp_path_factory.mktemp("longtrain-cache"))
+    yield
+    del os.environ["LONGTRAIN_CACHE"]
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     # Fresh but reproducible random inputs per test; 2 cores on CI.
