@@ -119,6 +119,9 @@ def sliding_window_of(cfg) -> int | None:
 
 def family_of(config: dict[str, Any]) -> Family:
     kind = config.get("model_type")
+    if kind is None:  # a config.json of another tool, or not a model's
+        raise HFFormatError(f"config.json names no model_type: a Hugging Face model folder's config says which family "
+                            f"it is (supported: {', '.join(FAMILIES)})")
     if kind not in FAMILIES:
         raise HFFormatError(f"model_type {kind!r} is not supported (supported: {', '.join(FAMILIES)})")
     return FAMILIES[kind]

@@ -153,6 +153,8 @@ def test_unsupported_model_type_and_settings(folders, tmp_path):
     gpt2 = edited(dirs["llama"], tmp_path / "gpt2", model_type="gpt2")
     assert "model_type 'gpt2' is not supported (supported: llama, mistral, qwen2, gpt_neox)" in refused("import", gpt2, "--out",
         tmp_path / "r")
+    unnamed = edited(dirs["llama"], tmp_path / "unnamed", model_type=None)
+    assert "config.json names no model_type" in refused("import", unnamed, "--out", tmp_path / "r")
     scaled = edited(dirs["llama"], tmp_path / "scaled", rope_parameters={"rope_type": "linear", "rope_theta": 5000.0})
     assert "RoPE scaling 'linear' lacks its factor or original context" in refused("import", scaled, "--out", tmp_path / "r")
 
