@@ -61,9 +61,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from side_by_side import ROOT, fit_command, start_fit, training_summary, wait_all
-
-sys.path.insert(0, str(ROOT))  # the eval part reads the runs' metrics with longtrain's reader, installed or not
+from side_by_side import ROOT, fit_command, start_fit, training_summary, wait_all  # (puts ROOT on sys.path)
 
 SIZES = {
     "small": {"layers": 8, "d_model": 512, "heads": 8, "steps": 2500, "budget": 256},

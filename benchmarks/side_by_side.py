@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The studies read their runs with longtrain's own readers (training_summary, metrics) in this process, as the fits
+# they start do with `python -m longtrain.cli` in ROOT: installed or not (a lent GPU machine runs the checkout)
+sys.path.insert(0, str(ROOT))
 _placed: list[tuple[str, subprocess.Popen]] = []  # (GPU id, process) of each run start_fit placed on a GPU
 
 
