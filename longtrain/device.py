@@ -3,7 +3,9 @@ machine a run trained on (`machine`), which a checkpoint records."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
+import subprocess
 
 import torch
 
@@ -42,8 +44,11 @@ def train_device(choice: str) -> torch.device:
 
 # The parts of a machine that decide a run's rounding: train.deterministic repeats a run bit for bit where these
 # agree, not across them (the recall circuit of one seed formed on H100s and not on H200s: benchmarks/README.md).
-# The device count too: ranks sum their gradients in another order than one process does.
-NUMERICS_KEYS = ("device", "devices", "torch", "cuda", "triton")
+# The device count too: ranks sum their gradients in another order than one process does. A card's SM count
+# (cuBLAS's and Inductor's split choices read it) and the cuBLAS build, recorded since 2026-12-03, after same-seed
+# H200 runs of two sessions differed with the other keys equal; a record from before lacks them (not compared then).
+# The driver and the card's UUID are recorded, not compared (the kernels are compiled before the driver sees them).
+NUMERICS_KEYS = ("device", "devices", "torch", "cuda", "triton", "sms", "cublas")
 
 
 def machine(device: torch.device, world_size: int = 1) -> dict[str, str | int]:
@@ -56,12 +61,32 @@ def machine(device: torch.device, world_size: int = 1) -> dict[str, str | int]:
     }
     if device.type == "cuda":
         rec["cuda"] = str(torch.version.cuda)
+        rec.update(cuda_card(device))
     try:
         import triton
 
         rec["triton"] = triton.__version__
     except ImportError:
         pass
+    return rec
+
+
+def cuda_card(device: torch.device) -> dict[str, str | int]:
+    """The card beyond its name: SMs, compute capability, the cuBLAS build torch loads, the driver, and its UUID
+    (which physical card: two runs of one card kind that differ tell by it whether they ran on one)."""
+    props = torch.cuda.get_device_properties(device)
+    rec: dict[str, str | int] = {"sms": props.multi_processor_count, "capability": f"{props.major}.{props.minor}"}
+    cublas = [d.version for d in importlib.metadata.distributions() if (d.metadata["Name"] or "").startswith("nvidia-cublas")]
+    if cublas:  # a pip-installed CUDA torch loads cuBLAS from its nvidia-cublas wheel, which an image may pin apart
+        rec["cublas"] = cublas[0]
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(props.uuid)],
+                             capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            rec["driver"] = out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass  # no nvidia-smi here: the driver stays unrecorded
+    rec["uuid"] = str(props.uuid)
     return rec
 
 
@@ -72,12 +97,15 @@ def cpu_name() -> str:
 
 
 def machine_words(rec: dict) -> str:
-    """"NVIDIA H200 × 2, torch 2.11.0, CUDA 12.8, Triton 3.6.0" for a `machine` record."""
+    """"NVIDIA H200 × 2 (132 SMs), torch 2.11.0, CUDA 12.8, cuBLAS 12.8.4.1, Triton 3.6.0" for a `machine` record
+    (the parts it has: older records lack the SMs and cuBLAS)."""
     n = rec.get("devices", 1)
-    return (f"{rec.get('device', '?')}" + (f" × {n}" if n > 1 else "") + f", torch {rec.get('torch', '?')}"
-            + (f", CUDA {rec['cuda']}" if rec.get("cuda") else "") + (f", Triton {rec['triton']}" if rec.get("triton") else ""))
+    return (f"{rec.get('device', '?')}" + (f" × {n}" if n > 1 else "") + (f" ({rec['sms']} SMs)" if rec.get("sms") else "")
+            + f", torch {rec.get('torch', '?')}" + (f", CUDA {rec['cuda']}" if rec.get("cuda") else "")
+            + (f", cuBLAS {rec['cublas']}" if rec.get("cublas") else "") + (f", Triton {rec['triton']}" if rec.get("triton") else ""))
 
 
 def same_numerics(a: dict, b: dict) -> bool:
-    """Whether two `machine` records agree on everything that decides the rounding (NUMERICS_KEYS)."""
-    return all(a.get(k) == b.get(k) for k in NUMERICS_KEYS)
+    """Whether two `machine` records agree on everything that decides the rounding (NUMERICS_KEYS; a key that one of
+    them lacks, recorded only since a later release, is not compared)."""
+    return all(a.get(k) == b.get(k) for k in NUMERICS_KEYS if k in a and k in b)
