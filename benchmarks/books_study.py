@@ -252,6 +252,7 @@ def add_baselines(a: argparse.Namespace, res: list[dict]) -> list[str]:
 
 def summary(a: argparse.Namespace) -> None:
     res = json.loads((a.out / "books-eval.json").read_text())["results"]
+    own = {run_name(r["checkpoint"]) for r in res}  # trained in this study, side by side, before stored runs join
     notes = add_baselines(a, res)
     by_model: dict[str, list[dict]] = {}
     for r in res:
@@ -268,6 +269,8 @@ def summary(a: argparse.Namespace) -> None:
         stats[model] = {key: (statistics.mean(v), min(v), max(v)) for key, v in per.items() if v}
     cols = ["all", *buckets]
     speed = {m: train_speed(a.out, runs) for m, runs in by_model.items()}  # (steps per seed, mean tokens/s)
+    own_speed = {m: train_speed(a.out, mine) for m, runs in by_model.items()
+                 if (mine := [r for r in runs if run_name(r["checkpoint"]) in own])}
     head = ("| model | seeds | steps | tokens/s | "
             + " | ".join("all" if c == "all" else f"{k(c[0])}–{k(c[1])}" for c in cols) + " |")
     lines = [head, "|---|---|---|---|" + "---|" * len(cols)]
@@ -281,14 +284,15 @@ def summary(a: argparse.Namespace) -> None:
         if base in stats:  # ✓: beyond the spread, the new model's worst seed beats base's best
             marks = [f"{stats[base][c][0] - stats[new][c][0]:+.2f}{' ✓' if stats[new][c][2] < stats[base][c][1] else ''}"
                      for c in cols]
-            (_, tb), (_, tn) = speed[base], speed[new]
-            time = f"{tb / tn:.2f}× time" if tb and tn else ""  # the new model's training time per token
+            time = time_ratio(base, new, speed, own_speed)
             lines.append(f"| {base} − {new} | | | {time} | " + " | ".join(marks) + " |")
     text = (f"Perplexity by position on {a.docs} validation books × their first {a.tokens:,} tokens ({a.size}, "
             f"KV budget {kv_budget(a):,} keys), "
             "mean over seeds (lowest–highest); steps reached per seed and training tokens/s (mean over seeds, all "
             "runs side by side). Rows `A − B`: A's perplexity minus B's (> 0: B is ahead), ✓ where every B seed beats "
-            "every A seed, and B's training time per token relative to A's.\n\n" + "\n".join(lines) + "\n"
+            "every A seed, and B's training time per token relative to A's (from this study's own runs where both "
+            "have some; * where it takes stored runs, which ran beside other loads: not a same-run ratio).\n\n"
+            + "\n".join(lines) + "\n"
             + "".join(f"\n{n}\n" for n in notes))
     (a.out / "books.md").write_text(text)
     store(a, res)
@@ -323,6 +327,14 @@ def gap_pairs(models: list[str]) -> list[tuple[str, str]]:
             twin = "@".join([base.replace("sparsek+linear", "sparsek", 1), *settings])
             pairs += [(twin if twin in models else base.replace("sparsek+linear", "sparsek", 1), m), ("sw", m)]
     return pairs
+
+
+def time_ratio(base: str, new: str, speed: dict, own_speed: dict) -> str:
+    """The new model's training time per token relative to base's, as a table cell: from this study's own runs where
+    both models have some (side by side on one card, the same load), else from all their runs, marked *."""
+    same_run = base in own_speed and new in own_speed
+    (_, tb), (_, tn) = (own_speed if same_run else speed)[base], (own_speed if same_run else speed)[new]
+    return f"{tb / tn:.2f}× time{'' if same_run else '*'}" if tb and tn else ""
 
 
 def train_speed(out: Path, runs: list[dict]) -> tuple[str, float | None]:

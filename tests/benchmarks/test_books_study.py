@@ -157,3 +157,16 @@ def test_a_baseline_adds_other_seeds_of_a_model_and_refuses_the_same_seed_twice(
     assert (tmp_path / "curve-sw-s1.json").is_file() and (tmp_path / "train-sw-s0.json").is_file()
     with pytest.raises(SystemExit, match="sw-s1 also ran in this study"):
         books_study.add_baselines(a, [result("sw-s1", 45.0)])
+
+
+def test_the_time_ratio_takes_this_studys_own_runs_where_both_models_have_some():
+    """A stored seed trained beside other loads (or alone) says little about speed: the ratio is the same-run one
+    where both models trained here, and marked * where it has to take stored runs."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import books_study
+
+    speed = {"sw": ("6200/6200/6200", 250_000.0), "sparsek": ("6200/6200/6200", 125_000.0)}
+    own = {"sw": ("6200", 210_000.0), "sparsek": ("6200", 175_000.0)}
+    assert books_study.time_ratio("sw", "sparsek", speed, own) == "1.20× time"
+    assert books_study.time_ratio("sw", "sparsek", speed, {"sparsek": own["sparsek"]}) == "2.00× time*"
+    assert books_study.time_ratio("sw", "sparsek", {"sw": ("4", None), "sparsek": ("4", 1.0)}, {}) == ""
