@@ -79,15 +79,22 @@ def cuda_card(device: torch.device) -> dict[str, str | int]:
     cublas = [d.version for d in importlib.metadata.distributions() if (d.metadata["Name"] or "").startswith("nvidia-cublas")]
     if cublas:  # a pip-installed CUDA torch loads cuBLAS from its nvidia-cublas wheel, which an image may pin apart
         rec["cublas"] = cublas[0]
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(props.uuid)],
-                             capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            rec["driver"] = out.stdout.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError):
-        pass  # no nvidia-smi here: the driver stays unrecorded
+    if (driver := driver_version()) is not None:
+        rec["driver"] = driver
     rec["uuid"] = str(props.uuid)
     return rec
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version ("580.159.04") by nvidia-smi, or None where it is not found. One driver per host,
+    so no card is named (torch's UUID lacks the "GPU-" prefix nvidia-smi's -i needs: such a query came back empty)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.split()
+    return lines[0] if out.returncode == 0 and lines else None
 
 
 def cpu_name() -> str:

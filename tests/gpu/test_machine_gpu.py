@@ -2,6 +2,7 @@
 to tell two same-seed runs' machines apart."""
 
 import importlib.metadata
+import shutil
 
 import pytest
 import torch
@@ -18,5 +19,6 @@ def test_a_cuda_machine_record_names_the_cards_sms_cublas_and_uuid():
     assert rec["uuid"] == str(props.uuid) and rec["cuda"] == str(torch.version.cuda)
     has_cublas_wheel = any((d.metadata["Name"] or "").startswith("nvidia-cublas") for d in importlib.metadata.distributions())
     assert ("cublas" in rec) == has_cublas_wheel, rec
+    assert ("driver" in rec) == (shutil.which("nvidia-smi") is not None), rec  # 2026-12-03: an -i query missed it
     assert f"({props.multi_processor_count} SMs)" in machine_words(rec)
     assert same_numerics(rec, machine(torch.device("cuda")))

@@ -121,6 +121,20 @@ def test_machines_that_differ_only_in_sms_or_cublas_do_not_share_numerics_and_ol
     assert machine_words(old) == "NVIDIA H200, torch 2.11.0+cu130, CUDA 13.0, Triton 3.6.0"
 
 
+def test_the_driver_version_comes_from_nvidia_smi_and_is_none_without_it(tmp_path, monkeypatch):
+    from longtrain.device import driver_version
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 580.159.04\necho 580.159.04\n")  # one line per card, one driver
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert driver_version() == "580.159.04"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    assert driver_version() is None
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert driver_version() is None
+
+
 def test_resume_refuses_another_model_and_skips_a_corrupt_checkpoint(workspace):
     tmp, recipe = workspace
     path = recipe(steps=4, every=2)
