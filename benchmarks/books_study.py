@@ -333,7 +333,8 @@ def time_ratio(base: str, new: str, speed: dict, own_speed: dict) -> str:
     """The new model's training time per token relative to base's, as a table cell: from this study's own runs where
     both models have some (side by side on one card, the same load), else from all their runs, marked *."""
     same_run = base in own_speed and new in own_speed
-    (_, tb), (_, tn) = (own_speed if same_run else speed)[base], (own_speed if same_run else speed)[new]
+    use = own_speed if same_run else speed
+    (_, tb), (_, tn) = use[base], use[new]
     return f"{tb / tn:.2f}× time{'' if same_run else '*'}" if tb and tn else ""
 
 

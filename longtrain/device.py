@@ -3,6 +3,7 @@ machine a run trained on (`machine`), which a checkpoint records."""
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import platform
 import subprocess
@@ -74,7 +75,12 @@ def machine(device: torch.device, world_size: int = 1) -> dict[str, str | int]:
 def cuda_card(device: torch.device) -> dict[str, str | int]:
     """The card beyond its name: SMs, compute capability, the cuBLAS build torch loads, the driver, and its UUID
     (which physical card: two runs of one card kind that differ tell by it whether they ran on one)."""
-    props = torch.cuda.get_device_properties(device)
+    return dict(_cuda_card(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+@functools.cache  # every checkpoint records it: read the card, the wheels and nvidia-smi once per process
+def _cuda_card(index: int) -> dict[str, str | int]:
+    props = torch.cuda.get_device_properties(index)
     rec: dict[str, str | int] = {"sms": props.multi_processor_count, "capability": f"{props.major}.{props.minor}"}
     cublas = [d.version for d in importlib.metadata.distributions() if (d.metadata["Name"] or "").startswith("nvidia-cublas")]
     if cublas:  # a pip-installed CUDA torch loads cuBLAS from its nvidia-cublas wheel, which an image may pin apart

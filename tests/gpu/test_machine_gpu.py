@@ -22,3 +22,5 @@ def test_a_cuda_machine_record_names_the_cards_sms_cublas_and_uuid():
     assert ("driver" in rec) == (shutil.which("nvidia-smi") is not None), rec  # 2026-12-03: an -i query missed it
     assert f"({props.multi_processor_count} SMs)" in machine_words(rec)
     assert same_numerics(rec, machine(torch.device("cuda")))
+    rec["sms"] = -1  # the card is read once per process (functools.cache): a caller's record is its own copy
+    assert machine(torch.device("cuda"))["sms"] == props.multi_processor_count
