@@ -52,6 +52,19 @@ def train_device(choice: str) -> torch.device:
 NUMERICS_KEYS = ("device", "devices", "torch", "cuda", "triton", "sms", "cublas")
 
 
+def warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream CUDA-graph captures on `device` warm up on (the decoder's step, the trainer's chunk): one per card.
+
+    cuBLAS keeps a workspace per stream for the life of the process (32 MiB on Hopper; torch.cuda.empty_cache does not
+    free it), so a new stream for every capture kept 32 MiB more after each Decoder (up to torch's pool of 32 streams)."""
+    return _warmup_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _warmup_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)
+
+
 def machine(device: torch.device, world_size: int = 1) -> dict[str, str | int]:
     """What a run trains on: the device's model (a GPU's name, or the CPU's architecture), how many of them, and
     the versions of the software whose kernels compute its numbers."""

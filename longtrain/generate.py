@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longtrain.device import warmup_stream
 from longtrain.model import LM, LMOutput, ModelCache
 from longtrain.model.attention import rows_padded
 from longtrain.model.attention_types import has_ring_layout
@@ -353,7 +354,7 @@ class Decoder:
     def _capture(self) -> None:
         # The graph updates its cache in place: it gets its own copy, the caller's cache stays as it was.
         static = self._cache = self._cache.clone()
-        side = torch.cuda.Stream()
+        side = warmup_stream(self.tokens.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up off the capture (compiles; the step is functional: nothing changes,
             for _ in range(2):  # except, in_place, the K/V it writes: on a scratch copy then)

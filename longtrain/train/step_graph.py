@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from longtrain.device import warmup_stream
 from longtrain.model.cache import ModelCache
 
 
@@ -65,7 +66,7 @@ class ChunkGraph:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.grads = [p.grad for p in params]  # held: the graph writes into them
-        side = torch.cuda.Stream()
+        side = warmup_stream(self.inputs.tokens.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up off the capture (lazy initialisation, workspaces)
             warm = chunk_pass(self.inputs, self.cache)

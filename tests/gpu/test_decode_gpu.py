@@ -219,3 +219,27 @@ def test_exact_decoding_gives_the_forward_passes_bf16_logits_bit_for_bit(kw, n_p
     exact = Decoder(model, cache, exact=True)
     for t in range(n):
         assert torch.equal(exact.step(tokens[:, n_prompt + t]), ref.logits[:, t]), t
+
+
+@torch.no_grad()
+def test_decoders_one_after_another_keep_no_memory_behind():
+    """Each Decoder's capture warms up on the one side stream per card (longtrain.device.warmup_stream): a stream
+    of its own gave each one its own cuBLAS workspace (32 MiB on Hopper), kept for the life of the process."""
+    import gc
+
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=512, layers=2, d_model=128, heads=4, attention="sparsek+sw", topk=64, window=64))
+    model = model.cuda().eval()
+    cache, logits = prefill(model, torch.randint(0, 512, (1, 600), device="cuda"), chunk_size=256)
+    held = []
+    for _ in range(4):
+        dec = Decoder(model, cache, cuda_graph=True)
+        dec.start(logits)
+        for _ in range(3):
+            dec.advance()
+        torch.cuda.synchronize()
+        del dec
+        gc.collect()
+        torch.cuda.empty_cache()
+        held.append(torch.cuda.memory_allocated())
+    assert max(held[1:]) - held[0] < 2**20, held  # the first Decoder's workspaces are the only ones
