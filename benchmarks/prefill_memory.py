@@ -1,7 +1,7 @@
 """What a long prefill holds at its peak: the CUDA allocations alive then, by the code that made them (issue 33).
 
     PYTHONPATH=. python benchmarks/prefill_memory.py --out OUT_DIR [--prompts 65536,1048576] [--attentions sparsek+sw,sw]
-    PYTHONPATH=. python benchmarks/prefill_memory.py --out /tmp/pm --small   # a 2 x 128 model, short prompts: checks the script (still a GPU)
+    PYTHONPATH=. python benchmarks/prefill_memory.py --out /tmp/pm --small   # a 2 x 128 model, short prompts (a GPU still)
 
 generate.py's random 12 x 768 model (bf16, SparseK+SW k = w = 512 and SW 1024), one prompt per length prefilled in
 longtrain's chunks after an untimed warm-up of the same shapes (generate.py's warm_prefix). With the allocator's
