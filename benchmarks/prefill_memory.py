@@ -22,13 +22,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import FULL, FULL_ATTN, _fresh, single_prompt, warm_prefix  # noqa: E402
+from generate import FULL, FULL_ATTN, SMALL, SMALL_ATTN, SMALL_PROMPTS, _fresh, single_prompt, warm_prefix  # noqa: E402
 
 from longtrain.generate import prefill, prefill_chunk_for  # noqa: E402
 from longtrain.model import LM, LMConfig  # noqa: E402
-
-SMALL = dict(vocab_size=512, layers=2, d_model=128, heads=4, style="gpt2")
-SMALL_ATTN = [("sparsek+sw", dict(attention="sparsek+sw", topk=64, window=64)), ("sw", dict(attention="sparsek+sw", topk=0, window=128))]
 
 
 def where(frames: list[dict]) -> str:
@@ -76,11 +73,12 @@ def measure(model: LM, n: int, chunk: int, dev: torch.device) -> dict:
     torch.cuda.synchronize(dev)
     warm_peak = torch.cuda.max_memory_allocated(dev) - start
     torch.cuda.reset_peak_memory_stats(dev)
-    mark = len(torch.cuda.memory._snapshot()["device_traces"][dev.index or 0])
+    card = torch.cuda.current_device()
+    mark = len(torch.cuda.memory._snapshot()["device_traces"][card])
     cache, _ = prefill(model, prompt, chunk_size=chunk)
     torch.cuda.synchronize(dev)
     prefill_peak = torch.cuda.max_memory_allocated(dev) - start
-    events = torch.cuda.memory._snapshot()["device_traces"][dev.index or 0]
+    events = torch.cuda.memory._snapshot()["device_traces"][card]
     torch.cuda.memory._record_memory_history(enabled=None)
     _, live_all = alive_at_peak(events)
     _, live_prefill = alive_at_peak(events, mark)
@@ -112,16 +110,16 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--prompts", default="65536,1048576")
+    ap.add_argument("--prompts", help="prompt lengths (default 65536,1048576; --small: generate.py's small ones)")
     ap.add_argument("--attentions", default="sparsek+sw,sw")
-    ap.add_argument("--chunk", type=int, help="prefill chunk (default: prefill_chunk_for the device)")
+    ap.add_argument("--chunk", type=int, help="prefill chunk (default: prefill_chunk_for the device; --small: 512)")
     ap.add_argument("--small", action="store_true", help="a 2 x 128 model and short prompts: checks the script")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("prefill_memory.py reads the CUDA allocator's history: it needs a GPU")
     dev = torch.device("cuda")
     base, attns = (SMALL, SMALL_ATTN) if a.small else (FULL, FULL_ATTN)
-    prompts = (4096, 16384) if a.small and a.prompts == "65536,1048576" else tuple(int(p) for p in a.prompts.split(","))
+    prompts = tuple(int(p) for p in a.prompts.split(",")) if a.prompts else SMALL_PROMPTS if a.small else (65536, 1 << 20)
     a.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, kw in attns:
@@ -129,7 +127,7 @@ def main() -> None:
             continue
         torch.manual_seed(0)
         model = LM(LMConfig(**base, **kw)).to(dev, torch.bfloat16).eval()
-        chunk = prefill_chunk_for(model, 1, a.chunk)
+        chunk = prefill_chunk_for(model, 1, a.chunk or (512 if a.small else None))
         for n in prompts:
             rows.append({"attention": name, **measure(model, n, chunk, dev)})
             print(json.dumps({k: v for k, v in rows[-1].items() if not k.startswith("alive")}), flush=True)

@@ -3,10 +3,12 @@ machine a run trained on (`machine`), which a checkpoint records."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import platform
 import subprocess
+from collections.abc import Iterator
 
 import torch
 
@@ -52,17 +54,29 @@ def train_device(choice: str) -> torch.device:
 NUMERICS_KEYS = ("device", "devices", "torch", "cuda", "triton", "sms", "cublas")
 
 
-def warmup_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream CUDA-graph captures on `device` warm up on (the decoder's step, the trainer's chunk): one per card.
-
-    cuBLAS keeps a workspace per stream for the life of the process (32 MiB on Hopper; torch.cuda.empty_cache does not
-    free it), so a new stream for every capture kept 32 MiB more after each Decoder (up to torch's pool of 32 streams)."""
-    return _warmup_stream(device.index if device.index is not None else torch.cuda.current_device())
+@contextlib.contextmanager
+def warm_up_aside(device: torch.device) -> Iterator[None]:
+    """Run the block on the card's one warm-up stream, after the current stream's work and before its next: where a
+    CUDA-graph capture warms up (the decoder's step, the trainer's chunk). One stream per card, not one per capture:
+    cuBLAS keeps a workspace per stream for the life of the process (32 MiB on Hopper; torch.cuda.empty_cache does
+    not free it), so a new stream for every capture would keep 32 MiB more after each (up to torch's 32 pooled streams)."""
+    side = _warmup_stream(card_index(device))
+    side.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:  # also when the block fails (the decoder then steps eagerly, on the current stream)
+        torch.cuda.current_stream(device).wait_stream(side)
 
 
 @functools.cache
 def _warmup_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=index)
+
+
+def card_index(device: torch.device) -> int:
+    """The CUDA device's index ("cuda" alone: the current one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def machine(device: torch.device, world_size: int = 1) -> dict[str, str | int]:
@@ -88,7 +102,7 @@ def machine(device: torch.device, world_size: int = 1) -> dict[str, str | int]:
 def cuda_card(device: torch.device) -> dict[str, str | int]:
     """The card beyond its name: SMs, compute capability, the cuBLAS build torch loads, the driver, and its UUID
     (which physical card: two runs of one card kind that differ tell by it whether they ran on one)."""
-    return dict(_cuda_card(device.index if device.index is not None else torch.cuda.current_device()))
+    return dict(_cuda_card(card_index(device)))
 
 
 @functools.cache  # every checkpoint records it: read the card, the wheels and nvidia-smi once per process

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longtrain.device import warmup_stream
+from longtrain.device import warm_up_aside
 from longtrain.model import LM, LMOutput, ModelCache
 from longtrain.model.attention import rows_padded
 from longtrain.model.attention_types import has_ring_layout
@@ -354,12 +354,9 @@ class Decoder:
     def _capture(self) -> None:
         # The graph updates its cache in place: it gets its own copy, the caller's cache stays as it was.
         static = self._cache = self._cache.clone()
-        side = warmup_stream(self.tokens.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up off the capture (compiles; the step is functional: nothing changes,
+        with warm_up_aside(self.tokens.device):  # warm up off the capture (compiles; the step is functional: nothing changes,
             for _ in range(2):  # except, in_place, the K/V it writes: on a scratch copy then)
                 self._fn(self.tokens, static.clone() if self.in_place else static, self.steps)
-        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             nxt_cache, logits, nxt = self._fn(self.tokens, static, self.steps)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from longtrain.device import warmup_stream
+from longtrain.device import warm_up_aside
 from longtrain.model.cache import ModelCache
 
 
@@ -66,11 +66,8 @@ class ChunkGraph:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.grads = [p.grad for p in params]  # held: the graph writes into them
-        side = warmup_stream(self.inputs.tokens.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up off the capture (lazy initialisation, workspaces)
+        with warm_up_aside(self.inputs.tokens.device):  # warm up off the capture (lazy initialisation, workspaces)
             warm = chunk_pass(self.inputs, self.cache)
-        torch.cuda.current_stream().wait_stream(side)
         torch._foreach_zero_(self.grads)  # the warm-up's gradients: a capture starts a step, from zero
         # a fixed-size cache goes back into the graph's own; a growing one (full attention) comes out longer
         # than it went in, so the replays hand out their output buffers (valid until the next replay)

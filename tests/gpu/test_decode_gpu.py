@@ -223,8 +223,8 @@ def test_exact_decoding_gives_the_forward_passes_bf16_logits_bit_for_bit(kw, n_p
 
 @torch.no_grad()
 def test_decoders_one_after_another_keep_no_memory_behind():
-    """Each Decoder's capture warms up on the one side stream per card (longtrain.device.warmup_stream): a stream
-    of its own gave each one its own cuBLAS workspace (32 MiB on Hopper), kept for the life of the process."""
+    """Each Decoder's capture warms up on the one side stream per card (longtrain.device.warm_up_aside): a stream
+    of its own would give each one its own cuBLAS workspace (32 MiB on Hopper), kept for the life of the process."""
     import gc
 
     torch.manual_seed(0)
