@@ -23,8 +23,9 @@ Sizes (the paper's from-scratch comparison: the same KV budget k + w per query):
 Models `sparsek-K-W` set the split of the same budget (k = K, w = W); `sparsek+linear[-K-W]` is SparseK+Linear+SW
 (k = w = budget / 2 unless split, every other key through linear attention; `attention.linear_norm` mean, the default
 since 2026-12-02: add `@attention.linear_norm=sum` for the paper's formula, which the stored
-books_study-small-linear-h200.json's rows ran) and `linear` Linear+SW (w = budget), the paper's appendix comparison
-(`pip install 'longtrain[linear]'` for fla's kernels on a GPU):
+books_study-small-linear-h200.json's rows ran; `attention.linear_gain` learned, the default since 2026-12-04: stored
+rows that trained without it are named `@attention.linear_gain=fixed`, apart from that file's, which are sum and
+fixed) and `linear` Linear+SW (w = budget), the paper's appendix comparison (`pip install 'longtrain[linear]'` for fla's kernels on a GPU):
 
     python benchmarks/books_study.py ... --size small --run sparsek+linear:0,1,2 --run sparsek:0,1,2 \
         --run linear:0,1,2 --run sw:0,1,2 --part all

@@ -41,6 +41,7 @@ from longtrain.data import DataError
 from longtrain.data.tokenizer import EOD, EOD_CANDIDATES, eod_id, load_tokenizer
 from longtrain.interop.hf_families import Family, HFFormatError, family_of, model_section, split_qkv
 from longtrain.model import LM, LMConfig
+from longtrain.model.attention import initial_linear_log_gain
 from longtrain.model.attention_types import USES
 from longtrain.model.scoring import mimic_score_weight
 from longtrain.train.checkpoint import RECIPE_FILE, TOKENIZER_FILE, CheckpointManager, checkpoint_files
@@ -134,13 +135,13 @@ def convert(
     sources: dict[str, tuple[str, int | None]] = {}
     want: dict[str, tuple[int, ...]] = {}
     score_names: dict[str, str] = {}
-    phi_keys = []  # linear types: phi's head-wise maps, which no HF model has (they start as the identity)
+    phi_keys = []  # linear types: phi's head-wise maps and the linear gain, which no HF model has (they start as at init)
     for key, shape in expected.items():
         pattern, i = _layer_pattern(key)
         if key.endswith("scorer.weight"):
             score_names[key] = fam.score.format(i=i)
             continue
-        if key.endswith("phi_weight"):
+        if key.endswith(("phi_weight", "linear_log_gain")):
             phi_keys.append(key)
             continue
         proj = re.match(r"blocks\.\{i\}\.attn\.([qkv])_proj\.(weight|bias)$", pattern)
@@ -186,12 +187,14 @@ def convert(
     if score_names:
         state |= _scores(folder, cfg, state, score_names, score_init, seed, notes)
     if phi_keys:
-        state |= {k: torch.eye(expected[k][-1]).expand(expected[k]).clone() for k in phi_keys}
-        notes.append("linear attention: phi = elu(x W) + 1 with every W the identity (learned in fine-tuning)")
+        state |= {k: torch.eye(expected[k][-1]).expand(expected[k]).clone() for k in phi_keys if k.endswith("phi_weight")}
+        state |= {k: initial_linear_log_gain(expected[k][0], cfg.head_dim) for k in phi_keys if k.endswith("linear_log_gain")}
+        gain = ", its gain per head from 1/F" if cfg.linear_gain == "learned" else ""
+        notes.append(f"linear attention: phi = elu(x W) + 1 with every W the identity{gain} (learned in fine-tuning)")
     assert set(state) == set(expected), set(state) ^ set(expected)
     dtype = next(iter(folder.tensors.values()))[2]
     dtype = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(dtype, dtype)
-    params = sum(t.numel() for k, t in state.items() if not k.endswith(("scorer.weight", "phi_weight")))
+    params = sum(t.numel() for k, t in state.items() if not k.endswith(("scorer.weight", "phi_weight", "linear_log_gain")))
     notes.insert(0, f"{fam.model_type}: {cfg.layers} layers × {cfg.d_model}, {params / 1e6:.2f}M parameters ({dtype} -> float32)")
     return section, state, notes
 

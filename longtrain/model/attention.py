@@ -51,6 +51,11 @@ def rows_padded(rows: int = EXACT_ROWS):
         _padded_rows = before
 
 
+def initial_linear_log_gain(heads: int, features: int) -> torch.Tensor:
+    """[heads] log of the learned linear gain at init: -log F, one key's weight (Attention.__init__'s comment)."""
+    return torch.full((heads,), -math.log(features))
+
+
 def chunk_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear (the plain reference), but on the CPU in bf16/fp16 without gradients summed in float64, and inside
     rows_padded with few rows as rows of a larger product.
@@ -106,8 +111,7 @@ class Attention(nn.Module):
         self.phi_weight = nn.Parameter(torch.eye(D).repeat(Hkv, 1, 1)) if linear(cfg.attention) else None
         # attention.linear_gain learned: log of a factor per query head on phi(q), from 1/F: phi ~ 1 per feature at
         # init, so phi(q).phi(k) ~ F, and the linear part starts as one key of weight ~1, not F keys' worth
-        self.linear_log_gain = (nn.Parameter(torch.full((H,), -math.log(D))) if cfg.linear_gain == "learned"
-                                else None)
+        self.linear_log_gain = nn.Parameter(initial_linear_log_gain(H, D)) if cfg.linear_gain == "learned" else None
         # What the op is called with (sw is SparseK with k = 0); LMConfig holds 0 for an unused size.
         self.topk, self.window = cfg.topk, cfg.window
         self.distill_queries = 0  # > 0: compute score_distill_loss in training passes (LM.set_score_distill)

@@ -17,7 +17,6 @@ chunk scan): the same results as a chunk of one token, for generation.
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -27,8 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from longtrain.model.attention import Attention, Linear, chunk_invariant_linear, full_attention_bias
-from longtrain.model.attention_types import AttentionType, default_linear_norm, linear_problems, selects, size_problems
+from longtrain.model.attention import Attention, Linear, chunk_invariant_linear, full_attention_bias, initial_linear_log_gain
+from longtrain.model.attention_types import AttentionType, default_linear_gain, default_linear_norm, linear_problems, selects, size_problems
 from longtrain.model.cache import LayerCache, ModelCache
 from longtrain.model.loss import linear_cross_entropy, loss_slice
 from longtrain.model.rope import rope_angles, scaling_problems
@@ -79,7 +78,7 @@ class LMConfig:
     eps_slope: float = 1e-3
     score_init: Literal["random", "mimic"] = "random"
     linear_norm: Literal["sum", "mean"] | None = None  # the linear sums as the paper's or over their count; None: the type's
-    linear_gain: Literal["fixed", "learned"] = "fixed"  # the linear part times 1, or a learned factor per head
+    linear_gain: Literal["fixed", "learned"] | None = None  # the linear part times 1, or a learned factor per head; None: the type's
     threshold_cap: int | None = None
     backend: str = "auto"
     scan: str = "auto"
@@ -104,6 +103,7 @@ class LMConfig:
         if self.max_context is not None and (self.attention != "full" or self.max_context < 1):
             problems.append(f"max_context ({self.max_context}) caps full attention's cache: it needs attention full and a value >= 1")
         self.linear_norm = self.linear_norm or default_linear_norm(self.attention)
+        self.linear_gain = self.linear_gain or default_linear_gain(self.attention)
         problems += linear_problems(self.attention, self.score_groups, self.linear_norm, self.linear_gain)
         if problems:
             raise ValueError("; ".join(problems))
@@ -125,7 +125,7 @@ class LMConfig:
             topk=attention.topk or 0, window=attention.window or 0, variant=attention.variant,
             score_groups=attention.score_groups, timestep_norm=attention.timestep_norm,
             eps_slope=attention.eps_slope, score_init=attention.score_init,
-            linear_norm=getattr(attention, "linear_norm", None), linear_gain=getattr(attention, "linear_gain", "fixed"),
+            linear_norm=getattr(attention, "linear_norm", None), linear_gain=getattr(attention, "linear_gain", None),
             threshold_cap=attention.threshold_cap, backend=attention.backend, scan=attention.scan,
             max_context=getattr(attention, "max_context", None),
         )
@@ -283,7 +283,7 @@ class LM(nn.Module):
             if blk.attn.phi_weight is not None:  # phi starts as elu(x) + 1 (Katharopoulos et al.)
                 blk.attn.phi_weight.copy_(torch.eye(self.cfg.head_dim).expand_as(blk.attn.phi_weight))
             if blk.attn.linear_log_gain is not None:  # from 1/F (Attention says why)
-                blk.attn.linear_log_gain.fill_(-math.log(self.cfg.head_dim))
+                blk.attn.linear_log_gain.copy_(initial_linear_log_gain(self.cfg.heads, self.cfg.head_dim))
         if self.cfg.score_init == "mimic":
             self.init_scores_mimic_()
 

@@ -191,6 +191,9 @@ def test_import_into_a_linear_type_and_export_refuses_it(tmp_path):
     lt = loaded.model
     assert lt.cfg.attention == "sparsek+linear+sw"
     assert torch.equal(lt.blocks[0].attn.phi_weight[0], torch.eye(lt.cfg.head_dim))
+    # the linear types' default gain (learned) starts as a fresh model's: 1/F per head
+    assert lt.cfg.linear_gain == "learned"
+    assert torch.allclose(lt.blocks[0].attn.linear_gain(), torch.full((lt.cfg.heads,), 1 / lt.cfg.head_dim))
     assert torch.equal(lt.blocks[0].attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
     result = cli("export", tmp_path / "run", "--out", tmp_path / "out")
     assert result.exit_code != 0 and "linear attention" in result.output, result.output

@@ -26,7 +26,7 @@ CASES = [
     ("sparsek+linear+sw", dict(attention="sparsek+linear+sw", topk=6, window=8), 150, 37),
     ("linear+sw llama gqa", dict(style="llama", kv_heads=2, attention="linear+sw", window=9), 120, 50),
     ("sparsek+linear+sw sum", dict(attention="sparsek+linear+sw", topk=6, window=8, linear_norm="sum"), 150, 37),
-    ("linear+sw learned gain", dict(attention="linear+sw", window=9, linear_gain="learned"), 120, 50),
+    ("linear+sw fixed gain", dict(attention="linear+sw", window=9, linear_gain="fixed"), 120, 50),
 ]
 
 

@@ -148,7 +148,10 @@ def test_linear_types_refuse_what_they_cannot_run(tmp_path):
     assert "linear_gain learned" in msg and "remove linear_gain" in msg
     r = load_recipe(path, ["attention.type=sparsek+linear+sw", "attention.linear_gain=learned"])
     assert LMConfig.from_recipe(r.model, r.attention, 64).linear_gain == "learned"
-    assert load_recipe(path, ["attention.type=sparsek+linear+sw"]).attention.linear_gain == "fixed"
+    assert load_recipe(path, ["attention.type=sparsek+linear+sw"]).attention.linear_gain == "learned"  # their default
+    fixed = load_recipe(path, ["attention.type=linear+sw", "attention.topk=0", "attention.linear_gain=fixed"])
+    assert fixed.attention.linear_gain == "fixed"
+    assert load_recipe(path).attention.linear_gain == "fixed"  # no linear part: fixed changes nothing
     # issue 38: the Triton core has a linear part
     assert load_recipe(path, ["attention.type=sparsek+linear+sw", "attention.backend=triton"]).attention.backend == "triton"
 
@@ -246,18 +249,22 @@ def test_a_run_saved_before_linear_norm_keeps_the_sum_it_trained_with_and_its_ha
         assert recipe_hash(back, ("attention",)) == recipe_hash(new, ("attention",))
         dump = new.model_dump(mode="json", include={"attention"})
         assert "linear_norm" in dump["attention"]  # saved from now on
-    # a recipe a user writes (no header) takes the type's default
+    # a recipe a user writes (no header) takes the type's defaults: mean, and a learned gain
     user = load_recipe(write(tmp_path, MINIMAL), ["attention.type=sparsek+linear+sw"])
-    assert user.attention.linear_norm == "mean"
-    mean_hash = recipe_hash(user, ("attention",))
-    # linear_gain came later still: a saved recipe without it is fixed (what the code computed), the hash unchanged
-    text = recipe_to_yaml(user)
+    assert user.attention.linear_norm == "mean" and user.attention.linear_gain == "learned"
+    # linear_gain came later still, with learned as the linear types' default from 2026-12-04: a saved recipe without
+    # it trained with a fixed gain (what the code computed), so it loads as fixed with the hash it saved
+    fixed = load_recipe(write(tmp_path, MINIMAL), ["attention.type=sparsek+linear+sw", "attention.linear_gain=fixed"])
+    fixed_hash = recipe_hash(fixed, ("attention",))
+    text = recipe_to_yaml(fixed)
     old = yaml.safe_load(text)
     del old["attention"]["linear_gain"]
     saved = tmp_path / "saved-gain.yaml"
     saved.write_text(text.splitlines(keepends=True)[0] + yaml.safe_dump(old, sort_keys=False))
-    assert load_recipe(saved).attention.linear_gain == "fixed" and recipe_hash(load_recipe(saved), ("attention",)) == mean_hash
-    learned = load_recipe(write(tmp_path, MINIMAL), ["attention.type=sparsek+linear+sw", "attention.linear_gain=learned"])
-    assert recipe_hash(learned, ("attention",)) != mean_hash  # another model: its checkpoints are not this one's
-    assert mean_hash != recipe_hash(load_recipe(write(tmp_path, MINIMAL), ["attention.type=sparsek+linear+sw",
-                                                                          "attention.linear_norm=sum"]), ("attention",))
+    back = load_recipe(saved)
+    assert back.attention.linear_gain == "fixed" and recipe_hash(back, ("attention",)) == fixed_hash
+    assert "linear_gain" in yaml.safe_load(recipe_to_yaml(user))["attention"]  # saved from now on
+    assert recipe_hash(user, ("attention",)) != fixed_hash  # another model: its checkpoints are not this one's
+    assert fixed_hash != recipe_hash(load_recipe(write(tmp_path, MINIMAL), ["attention.type=sparsek+linear+sw",
+                                                                           "attention.linear_norm=sum",
+                                                                           "attention.linear_gain=fixed"]), ("attention",))
