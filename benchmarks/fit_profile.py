@@ -59,7 +59,10 @@ RANGES = {
     "lt.optimizer": "optimizer",
 }
 TORCH_RANGES = {"Optimizer.step#": "optimizer", "Optimizer.zero_grad#": "optimizer"}
-ATTENTION_KERNELS = re.compile(r"_fwd_kernel|_dq_kernel|_dkv_|_cut_kernel|_edge_reach|flash|fmha|efficient_attention|attention", re.I)
+ATTENTION_KERNELS = re.compile(r"_fwd_kernel|_dq_kernel|_dkv_|_cut_kernel|_edge_reach|flash|fmha|efficient_attention|attention"
+                               r"|^_bwd_kernel$|^_key_sum_kernel$", re.I)  # the last two: the linear types' core
+LINEAR_KERNELS = re.compile(r"^chunk_\w*kernel|^fused_recurrent")  # fla's causal linear sums (a graph replays them
+# unlaunched: without a range they are known by name)
 SCAN_KERNELS = re.compile(r"keys_kernel|ranked_kernel|breakpoints_kernel|queries_kernel|pool_flags|pool_scan|slot_pred|slot_jump"
                           r"|expand_pools|finish_kernel")
 MATMUL_KERNELS = re.compile(r"gemm|cutlass|sm90_|sm80_|xmma|cublas|matmul|nvjet|wgmma", re.I)
@@ -147,6 +150,8 @@ def innermost_group(evt) -> str | None:
 def kernel_group(name: str, launched_in: str | None) -> str:
     if COMM_KERNELS.search(name):
         return "communication"
+    if LINEAR_KERNELS.search(name) and launched_in in (None, "linear sums"):  # before the core's "_fwd_kernel"
+        return "linear sums"
     if ATTENTION_KERNELS.search(name) and launched_in in (None, "attention kernels", "cache updates"):
         return "attention kernels"
     if SCAN_KERNELS.search(name):
