@@ -377,24 +377,28 @@ def plot_gap(a: argparse.Namespace, models: list[str]) -> None:
             # Pair each validation with SW's at the same tokens (within 1%): runs may validate at other intervals.
             pairs = [(i, j) for i in range(len(x)) for j in range(len(xs)) if abs(xs[j] - x[i]) <= 0.01 * x[i]]
             px = [x[i] for i, _ in pairs]
-            right.plot(px, [sw_mean[j] - mean[i] for i, j in pairs], marker="o", ms=3, color=line.get_color(), label=model)
+            right.plot(px, [sw_mean[j] - mean[i] for i, j in pairs], marker="o", ms=3, color=line.get_color())
             if len(runs) > 1 and len(curves["sw"]) > 1:  # beyond the spread: the model's worst seed against SW's best
                 right.fill_between(px, [sw_lo[j] - hi[i] for i, j in pairs], [sw_hi[j] - lo[i] for i, j in pairs],
-                                   alpha=0.12, color=line.get_color(), label=f"{model}: worst to best seed pair")
+                                   alpha=0.12, color=line.get_color())
     left.set_xlabel("tokens trained (M)")
     left.set_ylabel("validation loss (4 books x 32k tokens)")
     left.set_ylim(top=min(left.get_ylim()[1], 5.2))
-    left.legend(fontsize=7)
+    left.set_title("mean over seeds; band: lowest to highest seed", fontsize=8)
     right.axhline(0, color="grey", lw=0.8)
     right.set_xlabel("tokens trained (M)")
     right.set_ylabel("SW's loss minus the model's (> 0: ahead of SW)")
-    right.legend(fontsize=7)
+    right.set_title("band: the model's worst seed against SW's best, and its best against SW's worst", fontsize=8)
     for ax in (left, right):
         ax.grid(alpha=0.3)
     fig.suptitle(f"{a.size}, {kv_budget(a):,} keys: validation loss against tokens trained, and the gap to the "
                  "same-budget window", fontsize=10)
     fig.tight_layout()
-    fig.savefig(a.out / "books-gap.png", dpi=120)
+    # one legend for both panels, under them: model names with their settings are long, and inside a panel they
+    # covered the curves (savefig's tight box takes the legend in)
+    fig.legend(*left.get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2, fontsize=7,
+               frameon=False)
+    fig.savefig(a.out / "books-gap.png", dpi=120, bbox_inches="tight")
 
 
 def main() -> None:
