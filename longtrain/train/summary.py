@@ -19,7 +19,7 @@ from longtrain.console import plural as _n
 from longtrain.errors import TrainingError
 from longtrain.device import machine, machine_words, same_numerics
 from longtrain.data.cache import disk_size
-from longtrain.model.attention_types import kv_entries
+from longtrain.model.attention_types import kv_entries, linear
 from longtrain.train import memory
 from longtrain.train.metrics import gib
 from longtrain.train.run_dir import set_aside
@@ -67,6 +67,14 @@ class FitResult:
         return 128 + self.stopped_by if self.stopped_by is not None else 0
 
 
+def linear_settings(att) -> str:
+    """', linear part mean, learned gain' for the linear types (the settings that decide what their linear part weighs),
+    '' for the others."""
+    if not linear(att.type):
+        return ""
+    return f", linear part {att.linear_norm}, {att.linear_gain} gain"
+
+
 def run_summary(t: Trainer) -> list[str]:
     """What is about to run: model, attention and KV budget, batch, data, resume point, notes."""
     r, cfg, att, model = t.recipe, t.cfg, t.recipe.attention, t.model
@@ -76,7 +84,8 @@ def run_summary(t: Trainer) -> list[str]:
         f"model: {r.model.style}, {r.model.layers} layers × {r.model.d_model}, "
         f"{model.num_params() / 1e6:.2f}M parameters, vocab {model.cfg.vocab_size}",
         *([t.lora_line] if t.lora_line else []),
-        f"attention: {att.type} (k={att.topk}, w={att.window}, {att.variant}){attention_origin(t)}; KV cache "
+        f"attention: {att.type} (k={att.topk}, w={att.window}, {att.variant}{linear_settings(att)}){attention_origin(t)}; "
+        "KV cache "
         + (f"{kv} entries per layer per row" if kv is not None else "grows with the document"),
         f"batch: {_n(cfg.batch_docs * t.ranks.world_size, 'document')} × {cfg.chunk_size} tokens × "
         f"{_n(cfg.grad_accum, 'chunk')} = {cfg.batch_docs * t.ranks.world_size * cfg.chunk_size * cfg.grad_accum:,} "
