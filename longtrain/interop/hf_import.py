@@ -135,14 +135,14 @@ def convert(
     sources: dict[str, tuple[str, int | None]] = {}
     want: dict[str, tuple[int, ...]] = {}
     score_names: dict[str, str] = {}
-    phi_keys = []  # linear types: phi's head-wise maps and the linear gain, which no HF model has (they start as at init)
+    linear_keys = []  # linear types: phi's head-wise maps and the linear gain, which no HF model has (they start as at init)
     for key, shape in expected.items():
         pattern, i = _layer_pattern(key)
         if key.endswith("scorer.weight"):
             score_names[key] = fam.score.format(i=i)
             continue
         if key.endswith(("phi_weight", "linear_log_gain")):
-            phi_keys.append(key)
+            linear_keys.append(key)
             continue
         proj = re.match(r"blocks\.\{i\}\.attn\.([qkv])_proj\.(weight|bias)$", pattern)
         if fam.fused_qkv and proj:
@@ -186,9 +186,9 @@ def convert(
     notes = []
     if score_names:
         state |= _scores(folder, cfg, state, score_names, score_init, seed, notes)
-    if phi_keys:
-        state |= {k: torch.eye(expected[k][-1]).expand(expected[k]).clone() for k in phi_keys if k.endswith("phi_weight")}
-        state |= {k: initial_linear_log_gain(expected[k][0], cfg.head_dim) for k in phi_keys if k.endswith("linear_log_gain")}
+    if linear_keys:
+        state |= {k: torch.eye(expected[k][-1]).expand(expected[k]).clone() for k in linear_keys if k.endswith("phi_weight")}
+        state |= {k: initial_linear_log_gain(expected[k][0], cfg.head_dim) for k in linear_keys if k.endswith("linear_log_gain")}
         gain = ", its gain per head from 1/F" if cfg.linear_gain == "learned" else ""
         notes.append(f"linear attention: phi = elu(x W) + 1 with every W the identity{gain} (learned in fine-tuning)")
     assert set(state) == set(expected), set(state) ^ set(expected)
