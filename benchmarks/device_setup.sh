@@ -12,8 +12,12 @@ if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && touch /tmp/site/.installed || { echo "device_setup: the wheels in .whl did not install" >&2; return 9; }
 fi
-if [ -f .dev/books.tar.xz ] && [ ! -d /tmp/books/gutenberg/train ]; then
-  mkdir -p /tmp/books && tar -xJf .dev/books.tar.xz -C /tmp/books || { echo "device_setup: books did not unpack" >&2; return 8; }
+# unpacked beside, then moved into place: an archive cut short (still being written when the call was made) must not
+# leave a partial /tmp/books that a later call would take for the whole corpus
+if [ -f .dev/books.tar.xz ] && [ ! -f /tmp/books/.unpacked ]; then
+  rm -rf /tmp/books /tmp/books.part && mkdir -p /tmp/books.part && tar -xJf .dev/books.tar.xz -C /tmp/books.part \
+    && touch /tmp/books.part/.unpacked && mv /tmp/books.part /tmp/books \
+    || { rm -rf /tmp/books.part; echo "device_setup: books did not unpack (the archive is cut short or damaged)" >&2; return 8; }
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import datasets, pydantic" || { echo "device_setup: datasets or pydantic missing (carry .whl)" >&2; return 7; }
