@@ -168,7 +168,8 @@ def evaluate(a: argparse.Namespace) -> None:
             curve = [(r["tokens"], r["valid_loss"]) for r in read_metrics(metrics) if "valid_loss" in r]
             out_file(a.out, "curve", name).write_text(json.dumps(curve))
             t = training_summary(a.runs / name)
-            out_file(a.out, "train", name).write_text(json.dumps({**{k: t[k] for k in ("steps", "tokens", "tokens_per_s")},
+            out_file(a.out, "train", name).write_text(json.dumps({**{k: t[k] for k in ("steps", "tokens", "tokens_per_s",
+                                                                                       "logged_tokens_per_s")},
                                                                   **provenance(a.runs / name)}))
 
 
@@ -269,9 +270,12 @@ def summary(a: argparse.Namespace) -> None:
         per["all"] = [r["ppl"]["ppl"] for r in runs]
         stats[model] = {key: (statistics.mean(v), min(v), max(v)) for key, v in per.items() if v}
     cols = ["all", *buckets]
-    speed = {m: train_speed(a.out, runs) for m, runs in by_model.items()}  # (steps per seed, mean tokens/s)
-    own_speed = {m: train_speed(a.out, mine) for m, runs in by_model.items()
+    key = rate_key(a.out, res)
+    speed = {m: train_speed(a.out, runs, key) for m, runs in by_model.items()}  # (steps per seed, mean tokens/s)
+    own_speed = {m: train_speed(a.out, mine, key) for m, runs in by_model.items()
                  if (mine := [r for r in runs if run_name(r["checkpoint"]) in own])}
+    measure = ("the median of each run's logged rate, compiles and resumes left out" if key == "logged_tokens_per_s"
+               else "tokens over training seconds, compiles and resumes included")
     head = ("| model | seeds | steps | tokens/s | "
             + " | ".join("all" if c == "all" else f"{k(c[0])}–{k(c[1])}" for c in cols) + " |")
     lines = [head, "|---|---|---|---|" + "---|" * len(cols)]
@@ -290,7 +294,7 @@ def summary(a: argparse.Namespace) -> None:
     text = (f"Perplexity by position on {a.docs} validation books × their first {a.tokens:,} tokens ({a.size}, "
             f"KV budget {kv_budget(a):,} keys), "
             "mean over seeds (lowest–highest); steps reached per seed and training tokens/s (mean over seeds, all "
-            "runs side by side). Rows `A − B`: A's perplexity minus B's (> 0: B is ahead), ✓ where every B seed beats "
+            f"runs side by side; {measure}). Rows `A − B`: A's perplexity minus B's (> 0: B is ahead), ✓ where every B seed beats "
             "every A seed, and B's training time per token relative to A's (from this study's own runs where both "
             "have some; * where it takes stored runs, which ran beside other loads: not a same-run ratio).\n\n"
             + "\n".join(lines) + "\n"
@@ -339,11 +343,23 @@ def time_ratio(base: str, new: str, speed: dict, own_speed: dict) -> str:
     return f"{tb / tn:.2f}× time{'' if same_run else '*'}" if tb and tn else ""
 
 
-def train_speed(out: Path, runs: list[dict]) -> tuple[str, float | None]:
-    """Steps reached per seed ("2500/2500/2412") and the mean training tokens/s, from OUT/train-<run>.json."""
+def train_files(out: Path, runs: list[dict]) -> list[dict]:
+    """OUT/train-<run>.json of each run that has one."""
     files = [out_file(out, "train", run_name(r["checkpoint"])) for r in runs]
-    train = [json.loads(f.read_text()) for f in files if f.is_file()]
-    rates = [t["tokens_per_s"] for t in train if t["tokens_per_s"]]
+    return [json.loads(f.read_text()) for f in files if f.is_file()]
+
+
+def rate_key(out: Path, runs: list[dict]) -> str:
+    """Which training tokens/s the table compares: the steady rate (side_by_side.training_summary) where every run has
+    one, else every run's tokens over its training seconds (stored runs before 2026-12-04 have only that; one measure
+    for all, so a time ratio never sets one against the other)."""
+    return "logged_tokens_per_s" if all(t.get("logged_tokens_per_s") for t in train_files(out, runs)) else "tokens_per_s"
+
+
+def train_speed(out: Path, runs: list[dict], key: str = "tokens_per_s") -> tuple[str, float | None]:
+    """Steps reached per seed ("2500/2500/2412") and the mean training tokens/s (`key`), from OUT/train-<run>.json."""
+    train = train_files(out, runs)
+    rates = [t[key] for t in train if t.get(key)]
     return "/".join(str(t["steps"]) for t in train) or "?", statistics.mean(rates) if rates else None
 
 

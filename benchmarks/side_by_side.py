@@ -6,6 +6,7 @@ them all."""
 
 from __future__ import annotations
 
+import statistics
 import os
 import signal
 import subprocess
@@ -117,7 +118,10 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def training_summary(run_dir: Path) -> dict:
-    """A run's steps, tokens, last losses, training seconds (the steps' own time, summed over resumes) and tokens/s."""
+    """A run's steps, tokens, last losses, training seconds (the steps' own time, summed over resumes) and tokens/s:
+    tokens over those seconds (compiles and warm-ups of every session included), and `logged_tokens_per_s`, the median
+    of the rate each step logged over the progress line's recent window (the steady rate: a session's first windows,
+    slowed by compiling, are a few of thousands)."""
     from longtrain.train.metrics import METRICS_FILE, read_metrics
 
     records = read_metrics(run_dir / METRICS_FILE)
@@ -125,9 +129,11 @@ def training_summary(run_dir: Path) -> dict:
     valid = [r for r in records if "valid_loss" in r]
     train_s = sum(r.get("step_s", 0.0) for r in records)
     sel = next((r["selection"] for r in reversed(records) if "selection" in r), None)
+    logged = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
     return {
         "steps": last["step"], "tokens": last["tokens"], "loss": last["loss"],
         "valid_loss": valid[-1]["valid_loss"] if valid else None,
         "train_s": round(train_s, 1), "tokens_per_s": round(last["tokens"] / train_s) if train_s else None,
+        "logged_tokens_per_s": round(statistics.median(logged)) if logged else None,
         "selection": sel,
     }

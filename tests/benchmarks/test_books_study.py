@@ -2,6 +2,7 @@
 processes): three models side by side, a seed each plus a second SparseK+SW seed, the table with the seed
 range, steps and tokens/s, the SW gap and the linear part's gap with its time ratio, the gap picture."""
 
+import json
 import os
 import random
 import subprocess
@@ -170,3 +171,21 @@ def test_the_time_ratio_takes_this_studys_own_runs_where_both_models_have_some()
     assert books_study.time_ratio("sw", "sparsek", speed, own) == "1.20× time"
     assert books_study.time_ratio("sw", "sparsek", speed, {"sparsek": own["sparsek"]}) == "2.00× time*"
     assert books_study.time_ratio("sw", "sparsek", {"sw": ("4", None), "sparsek": ("4", 1.0)}, {}) == ""
+
+
+def test_the_table_compares_one_measure_of_tokens_per_s(tmp_path):
+    """The steady rate where every run has one; else, as soon as one run (a stored one) lacks it, tokens over training
+    seconds for all, so that a time ratio never sets one measure against the other."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import books_study
+
+    def run(name, **train):
+        (tmp_path / f"train-{books_study.file_stem(name)}.json").write_text(json.dumps({"steps": 10, "tokens": 100, **train}))
+        return {"checkpoint": f"/r/{name}/checkpoints/step-00000010"}
+
+    new = [run("sw-s0", tokens_per_s=80.0, logged_tokens_per_s=100.0), run("sw-s1", tokens_per_s=90.0, logged_tokens_per_s=120.0)]
+    assert books_study.rate_key(tmp_path, new) == "logged_tokens_per_s"
+    assert books_study.train_speed(tmp_path, new, "logged_tokens_per_s") == ("10/10", 110.0)
+    stored = run("sparsek-s0", tokens_per_s=50.0)
+    assert books_study.rate_key(tmp_path, [*new, stored]) == "tokens_per_s"
+    assert books_study.train_speed(tmp_path, new) == ("10/10", 85.0)

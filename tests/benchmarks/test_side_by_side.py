@@ -140,3 +140,19 @@ def test_start_fit_puts_each_run_on_the_gpu_with_the_fewest_runs_going(tmp_path,
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
+
+
+def test_training_summary_gives_the_steady_rate_beside_the_one_with_compiles(tmp_path):
+    """tokens over the steps' seconds counts a session's compile (the first steps, and again after a resume); the
+    logged rate's median leaves those few steps out."""
+    import json
+
+    from side_by_side import training_summary
+
+    # 20 steps of 1,000 tokens: steps 1 and 11 (a resume) take 10 s, the others 0.1 s at a logged 10k tokens/s
+    records = [{"step": s, "tokens": 1000 * s, "loss": 1.0, "step_s": 10.0 if s in (1, 11) else 0.1,
+                "tokens_per_s": 100.0 if s in (1, 11) else 10_000.0} for s in range(1, 21)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    t = training_summary(tmp_path)
+    assert t["tokens_per_s"] == round(20_000 / 21.8)  # 917: the compiles weigh in
+    assert t["logged_tokens_per_s"] == 10_000
