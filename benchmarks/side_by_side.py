@@ -6,9 +6,9 @@ them all."""
 
 from __future__ import annotations
 
-import statistics
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
