@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from longtrain.model.attention_types import linear
 from longtrain.model.cache import FullKVCache, LayerCache
-from longtrain.model.rope import apply_rope
+from longtrain.model.rope import apply_rope, inverse_frequencies
 from longtrain.model.score_distill import score_distill_loss
 from longtrain.model.scoring import Scorer, score_dtype
 from longtrain.ops.sparsek_attention import (
@@ -112,6 +112,7 @@ class Attention(nn.Module):
         # attention.linear_gain learned: log of a factor per query head on phi(q), from 1/F: phi ~ 1 per feature at
         # init, so phi(q).phi(k) ~ F, and the linear part starts as one key of weight ~1, not F keys' worth
         self.linear_log_gain = nn.Parameter(initial_linear_log_gain(H, D)) if cfg.linear_gain == "learned" else None
+        self._phi_inv_freq: torch.Tensor | None = None  # attention.linear_rope unrotated: made once per device
         # What the op is called with (sw is SparseK with k = 0); LMConfig holds 0 for an unused size.
         self.topk, self.window = cfg.topk, cfg.window
         self.distill_queries = 0  # > 0: compute score_distill_loss in training passes (LM.set_score_distill)
@@ -120,6 +121,16 @@ class Attention(nn.Module):
     def linear_gain(self) -> torch.Tensor | None:
         """The linear part's factor per query head [H] (attention.linear_gain learned), else None (1)."""
         return None if self.linear_log_gain is None else self.linear_log_gain.exp()
+
+    def phi_inv_freq(self, device: torch.device) -> torch.Tensor | None:
+        """RoPE's inverse frequencies [R/2] float64 with which phi reads q and k rotated back (attention.linear_rope
+        unrotated; the op's phi_inv_freq), else None. Not a buffer: a model cast to bfloat16 would round them."""
+        cfg = self.cfg
+        if cfg.linear_rope != "unrotated":
+            return None
+        if self._phi_inv_freq is None or self._phi_inv_freq.device != device:
+            self._phi_inv_freq = inverse_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, device)[0]
+        return self._phi_inv_freq
 
     def empty_cache(self, batch: int, *, dtype, device) -> LayerCache:
         cfg = self.cfg
@@ -217,12 +228,14 @@ class Attention(nn.Module):
             o, attn_cache, sel = sparsek_linear_attention_decode(
                 qf[:, 0], kf[:, 0], vf[:, 0], uf[:, 0], self.phi_weight, cache.attn, variant=cfg.variant,
                 with_selection=with_selection, linear_norm=cfg.linear_norm, linear_gain=self.linear_gain(),
+                phi_inv_freq=self.phi_inv_freq(q.device),
             )
             o = o[:, None]
         elif self.phi_weight is not None:
             o, attn_cache, sel = sparsek_linear_attention_chunk(
                 qf, kf, vf, uf, self.phi_weight, cache.attn, variant=cfg.variant, lengths=lf, backend=cfg.backend,
                 scan=cfg.scan, align=align, linear_norm=cfg.linear_norm, linear_gain=self.linear_gain(),
+                phi_inv_freq=self.phi_inv_freq(q.device),
             )
         elif decode:
             o, attn_cache, sel = sparsek_attention_decode(

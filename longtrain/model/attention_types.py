@@ -56,9 +56,17 @@ def default_linear_gain(type: str) -> str:
     return "learned" if linear(type) else "fixed"
 
 
-def linear_problems(type: str, score_groups: str, linear_norm: str = "sum", linear_gain: str = "fixed") -> list[str]:
+def default_linear_rope(type: str) -> str:
+    """attention.linear_rope when unset: rotated (phi reads q and k after RoPE, as the cache holds the keys), for
+    every type; unrotated is measured against it on the small books (benchmarks/README.md)."""
+    return "rotated"
+
+
+def linear_problems(type: str, score_groups: str, linear_norm: str = "sum", linear_gain: str = "fixed",
+                    linear_rope: str = "rotated") -> list[str]:
     """What the linear types cannot do: per-KV-head score groups (any backend runs them: naive or Triton core);
-    and linear_norm mean or linear_gain learned on a type with no linear part (sum and fixed change nothing there)."""
+    and linear_norm mean, linear_gain learned or linear_rope unrotated on a type with no linear part (sum, fixed
+    and rotated change nothing there)."""
     problems = []
     if linear(type) and score_groups != "shared":
         problems.append(f"attention type {type} has one score group; hint: set attention.score_groups shared")
@@ -68,6 +76,9 @@ def linear_problems(type: str, score_groups: str, linear_norm: str = "sum", line
     if not linear(type) and linear_gain != "fixed":
         problems.append(f"attention.linear_gain {linear_gain} scales a linear part, which type {type} has not; "
                         "hint: remove linear_gain, or use type sparsek+linear+sw or linear+sw")
+    if not linear(type) and linear_rope != "rotated":
+        problems.append(f"attention.linear_rope {linear_rope} sets what a linear part's features read, which type {type} "
+                        "has not; hint: remove linear_rope, or use type sparsek+linear+sw or linear+sw")
     return problems
 
 

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from longtrain.model.attention import Attention, Linear, chunk_invariant_linear, full_attention_bias, initial_linear_log_gain
-from longtrain.model.attention_types import AttentionType, default_linear_gain, default_linear_norm, linear_problems, selects, size_problems
+from longtrain.model.attention_types import (AttentionType, default_linear_gain, default_linear_norm, default_linear_rope,
+                                             linear_problems, selects, size_problems)
 from longtrain.model.cache import LayerCache, ModelCache
 from longtrain.model.loss import linear_cross_entropy, loss_slice
 from longtrain.model.rope import rope_angles, scaling_problems
@@ -79,6 +80,7 @@ class LMConfig:
     score_init: Literal["random", "mimic"] = "random"
     linear_norm: Literal["sum", "mean"] | None = None  # the linear sums as the paper's or over their count; None: the type's
     linear_gain: Literal["fixed", "learned"] | None = None  # the linear part times 1, or a learned factor per head; None: the type's
+    linear_rope: Literal["rotated", "unrotated"] | None = None  # phi reads q, k after RoPE or rotated back; None: the type's
     threshold_cap: int | None = None
     backend: str = "auto"
     scan: str = "auto"
@@ -104,7 +106,8 @@ class LMConfig:
             problems.append(f"max_context ({self.max_context}) caps full attention's cache: it needs attention full and a value >= 1")
         self.linear_norm = self.linear_norm or default_linear_norm(self.attention)
         self.linear_gain = self.linear_gain or default_linear_gain(self.attention)
-        problems += linear_problems(self.attention, self.score_groups, self.linear_norm, self.linear_gain)
+        self.linear_rope = self.linear_rope or default_linear_rope(self.attention)
+        problems += linear_problems(self.attention, self.score_groups, self.linear_norm, self.linear_gain, self.linear_rope)
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -126,6 +129,7 @@ class LMConfig:
             score_groups=attention.score_groups, timestep_norm=attention.timestep_norm,
             eps_slope=attention.eps_slope, score_init=attention.score_init,
             linear_norm=getattr(attention, "linear_norm", None), linear_gain=getattr(attention, "linear_gain", None),
+            linear_rope=getattr(attention, "linear_rope", None),
             threshold_cap=attention.threshold_cap, backend=attention.backend, scan=attention.scan,
             max_context=getattr(attention, "max_context", None),
         )

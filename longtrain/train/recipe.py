@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from longtrain.data.config import DataConfig, TokenizerConfig
 from longtrain.errors import RecipeError  # noqa: F401  (raised here; defined with the others)
-from longtrain.model.attention_types import USES, AttentionType, default_linear_gain, default_linear_norm, linear_problems, size_problems
+from longtrain.model.attention_types import (USES, AttentionType, default_linear_gain, default_linear_norm, default_linear_rope,
+                                             linear_problems, size_problems)
 from longtrain.model.rope import scaling_problems
 from longtrain.train.recipe_errors import describe_error
 
@@ -167,6 +168,11 @@ class AttentionConfig(_Section):
         "starts at about F keys' (16-33% of the denominator at init; learned: 0.6 perplexity better on small "
         "books). null: learned for the linear types, fixed (no linear part) otherwise"
     )
+    linear_rope: Literal["rotated", "unrotated"] | None = Field(
+        None, description="linear types: phi reads the queries and keys after RoPE (rotated, as the cache holds "
+        "the keys) or rotated back to position 0 (unrotated: their content alone, so phi(q).phi(k) does not change "
+        "with where the two tokens are). null: rotated"
+    )
     threshold_cap: int | None = Field(
         None, ge=1, description="cap on the SparseK threshold state per row; null picks the default"
     )
@@ -190,7 +196,8 @@ class AttentionConfig(_Section):
         problems = size_problems(self.type, self.topk, self.window)
         self.linear_norm = self.linear_norm or default_linear_norm(self.type)
         self.linear_gain = self.linear_gain or default_linear_gain(self.type)
-        problems += linear_problems(self.type, self.score_groups, self.linear_norm, self.linear_gain)
+        self.linear_rope = self.linear_rope or default_linear_rope(self.type)
+        problems += linear_problems(self.type, self.score_groups, self.linear_norm, self.linear_gain, self.linear_rope)
         if self.max_context is not None and self.type != "full":
             problems.append(
                 f"attention.max_context caps full attention's growing cache; type {self.type} has a fixed-size "
@@ -511,12 +518,12 @@ def recipe_to_yaml(recipe: Recipe) -> str:
 # Fields added after runs were saved, by section, with the value that means what the code computed before them. The
 # hash leaves a field out at that value, so runs saved before it still resume; a saved recipe without it gets that
 # value (attention.linear_norm and linear_gain: the linear types summed with a fixed gain before them, where a new
-# recipe's defaults are mean and learned).
+# recipe's defaults are mean and learned; linear_rope: phi read the keys after RoPE).
 _FIELDS_ADDED_LATER = {
     "model": {"intermediate_size": None, "norm_eps": 1e-5, "tied_embeddings": None, "rotary_pct": 1.0,
               "parallel_residual": None, "rope_scaling": None, "qkv_bias": None},
     "tokenizer": {"eod_token": None},
-    "attention": {"linear_norm": "sum", "linear_gain": "fixed"},
+    "attention": {"linear_norm": "sum", "linear_gain": "fixed", "linear_rope": "rotated"},
 }
 
 

@@ -68,11 +68,12 @@ class FitResult:
 
 
 def linear_settings(att) -> str:
-    """', linear part mean, learned gain' for the linear types (the settings that decide what their linear part weighs),
-    '' for the others."""
+    """', linear part mean, learned gain, phi after RoPE' for the linear types (the settings that decide what their
+    linear part weighs), '' for the others."""
     if not linear(att.type):
         return ""
-    return f", linear part {att.linear_norm}, {att.linear_gain} gain"
+    phi = "phi after RoPE" if att.linear_rope == "rotated" else "phi without RoPE"
+    return f", linear part {att.linear_norm}, {att.linear_gain} gain, {phi}"
 
 
 def run_summary(t: Trainer) -> list[str]:

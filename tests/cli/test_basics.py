@@ -83,14 +83,15 @@ def test_python_warnings_print_like_the_other_messages(tmp_path):
 
 
 def test_fit_dry_run_names_what_the_linear_part_weighs(tmp_path):
-    """The run's attention line: a linear type's linear_norm and linear_gain (their defaults unless set), which decide
+    """The run's attention line: a linear type's linear_norm, linear_gain and linear_rope (their defaults unless set), which decide
     what its linear part adds; nothing more for a type without one."""
     base = ("fit", "quickstart", "--run-dir", str(tmp_path / "run"), "--dry-run")
     r = invoke(*base, "--set", "attention.type=linear+sw", "--set", "attention.topk=0")
     assert r.exit_code == 0, r.output
-    assert "attention: linear+sw (k=0, w=64, hard_k_soft_v, linear part mean, learned gain);" in r.output
-    r = invoke(*base, "--set", "attention.type=sparsek+linear+sw", "--set", "attention.linear_gain=fixed")
-    assert "attention: sparsek+linear+sw (k=64, w=64, hard_k_soft_v, linear part mean, fixed gain);" in r.output
+    assert "attention: linear+sw (k=0, w=64, hard_k_soft_v, linear part mean, learned gain, phi after RoPE);" in r.output
+    r = invoke(*base, "--set", "attention.type=sparsek+linear+sw", "--set", "attention.linear_gain=fixed",
+               "--set", "attention.linear_rope=unrotated")
+    assert "attention: sparsek+linear+sw (k=64, w=64, hard_k_soft_v, linear part mean, fixed gain, phi without RoPE);" in r.output
     r = invoke(*base)
     assert "attention: sparsek+sw (k=64, w=64, hard_k_soft_v);" in r.output
     assert not (tmp_path / "run").exists()  # a dry run writes nothing

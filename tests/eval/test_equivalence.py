@@ -182,9 +182,12 @@ def test_linear_types_pass_and_a_dropped_linear_state_fails(tmp_path, type_):
     assert json.loads(out.read_text())["runs"][0]["max_abs_logit_diff"] > 1e-9
 
 
-@pytest.mark.parametrize("type_,norm,gain", [("sparsek+linear+sw", "sum", "fixed"), ("linear+sw", "sum", "fixed"),
-                                            ("sparsek+linear+sw", "mean", "fixed"), ("sparsek+linear+sw", "mean", "learned")])
-def test_linear_types_are_bitwise_chunk_invariant_in_bfloat16(tmp_path, type_, norm, gain):
+@pytest.mark.parametrize("type_,norm,gain,rope", [("sparsek+linear+sw", "sum", "fixed", "rotated"),
+                                                 ("linear+sw", "sum", "fixed", "rotated"),
+                                                 ("sparsek+linear+sw", "mean", "fixed", "rotated"),
+                                                 ("sparsek+linear+sw", "mean", "learned", "rotated"),
+                                                 ("sparsek+linear+sw", "mean", "learned", "unrotated")])
+def test_linear_types_are_bitwise_chunk_invariant_in_bfloat16(tmp_path, type_, norm, gain, rope):
     """Issue 38: the linear sums beyond the window (the carried state, the pool's, the chunk's prefix) are float64
     without gradients, so a chunk boundary regroups them without changing a bit of what bf16 sees (in float32 sums
     a 4-layer model's selections agreed on 0.82 of the queries after the first boundary, on the CPU and an H200)."""
@@ -192,7 +195,8 @@ def test_linear_types_are_bitwise_chunk_invariant_in_bfloat16(tmp_path, type_, n
 
     sets = [o for o in SMALL_RECIPE if not o.startswith("model.layers")] + ["model.layers=2", f"attention.type={type_}",
                                                                           f"attention.linear_norm={norm}",
-                                                                          f"attention.linear_gain={gain}"]
+                                                                          f"attention.linear_gain={gain}",
+                                                                          f"attention.linear_rope={rope}"]
     if type_ == "linear+sw":
         sets = [o for o in sets if not o.startswith("attention.topk")] + ["attention.topk=0"]
     recipe = tmp_path / "linear.yaml"

@@ -17,6 +17,7 @@ CASES = [
     ("linear+sw llama gqa", dict(style="llama", kv_heads=2, attention="linear+sw", window=4)),
     ("sparsek+linear+sw sum", dict(attention="sparsek+linear+sw", topk=6, window=5, linear_norm="sum")),
     ("sparsek+linear+sw fixed gain", dict(attention="sparsek+linear+sw", topk=6, window=5, linear_gain="fixed")),
+    ("sparsek+linear+sw unrotated", dict(attention="sparsek+linear+sw", topk=6, window=5, linear_rope="unrotated")),
 ]
 
 

@@ -27,6 +27,9 @@ CASES = [
     ("linear+sw llama gqa", dict(style="llama", kv_heads=2, attention="linear+sw", window=9), 120, 50),
     ("sparsek+linear+sw sum", dict(attention="sparsek+linear+sw", topk=6, window=8, linear_norm="sum"), 150, 37),
     ("linear+sw fixed gain", dict(attention="linear+sw", window=9, linear_gain="fixed"), 120, 50),
+    ("sparsek+linear+sw unrotated", dict(attention="sparsek+linear+sw", topk=6, window=8, linear_rope="unrotated"), 150, 37),
+    ("linear+sw gptneox partial rotary unrotated", dict(style="gptneox", rotary_pct=0.5, intermediate_size=40,
+        attention="linear+sw", window=9, linear_rope="unrotated"), 120, 50),
 ]
 
 

@@ -58,21 +58,23 @@ def dense_gates(u, *, topk, window, variant="hard_k_soft_v"):
 
 
 def dense_sparsek_linear_attention(q, k, v, u, phi_weight, *, topk, window, variant="hard_k_soft_v", scale=None,
-                                   linear_norm="sum", linear_gain=None):
+                                   linear_norm="sum", linear_gain=None, phi_q=None, phi_k=None):
     """The paper's SparseK+Linear+SW formula (Appendix B.1) over the whole T x T causal matrix:
 
     o_i = sum_{j<=i} (g_ij e^{s_ij} + a_h c_i (1 - g_ij) phi(q_i).phi(k_j)) v_j / sum_{j<=i} (same without v_j)
 
     with g = m on S_i, 1 on W_i, 0 elsewhere, phi(x) = elu(x W_h) + 1 (no stabiliser: small inputs only);
     c_i = 1 (linear_norm sum, the paper's) or 1 / max(1, i - w + 1), one over the keys beyond the window (mean);
-    a_h = linear_gain[h] (head h's learned gain, attention.linear_gain learned) or 1."""
+    a_h = linear_gain[h] (head h's learned gain, attention.linear_gain learned) or 1; phi reads phi_q and phi_k
+    where given (q and k as they were before RoPE: attention.linear_rope unrotated), else q and k."""
     B, T, H, D = q.shape
     Hkv = k.shape[2]
     R = H // Hkv
     scale = D**-0.5 if scale is None else scale
     w = phi_weight.repeat_interleave(R, 0)  # [H, D, F]
-    phq = torch.nn.functional.elu(torch.einsum("bthd,hdf->bthf", q, w)) + 1
-    phk = torch.nn.functional.elu(torch.einsum("bthd,hdf->bthf", k.repeat_interleave(R, 2), w)) + 1
+    phi_q, phi_k = q if phi_q is None else phi_q, k if phi_k is None else phi_k
+    phq = torch.nn.functional.elu(torch.einsum("bthd,hdf->bthf", phi_q, w)) + 1
+    phk = torch.nn.functional.elu(torch.einsum("bthd,hdf->bthf", phi_k.repeat_interleave(R, 2), w)) + 1
     vv = v.repeat_interleave(R, dim=2)
     logits = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(R, 2)) * scale  # [B, H, T, T]
     lin = torch.einsum("bihf,bjhf->bhij", phq, phk)  # [B, H, T, T]

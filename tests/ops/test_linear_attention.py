@@ -334,3 +334,77 @@ def test_linear_gain_gradcheck():
     assert torch.autograd.gradcheck(
         lambda *a: sparsek_linear_attention(*a[:5], topk=3, window=2, block=4, linear_norm="mean", linear_gain=a[5]),
         [*args, gain_of(2).requires_grad_()], fast_mode=True)
+
+
+def rope_pair(T, R, D, B=2, theta=100.0):
+    """RoPE's inverse frequencies [R/2] (a small base: every pair turns within T) and apply_rope at positions 0..T-1."""
+    from longtrain.model.rope import apply_rope, inverse_frequencies, rope_angles
+
+    inv_freq = inverse_frequencies(R, theta, None)[0]
+    cos, sin = rope_angles(torch.arange(T)[None].expand(B, T), R, theta)
+    return inv_freq, lambda x: apply_rope(x, cos, sin)
+
+
+@pytest.mark.parametrize("R", [8, 4])  # all dims rotated, and a partial rotary (rotary_pct 0.5)
+def test_rotated_back_undoes_rope(R):
+    from longtrain.ops.sparsek_attention.linear import rotated_back
+
+    T, D = 29, 8
+    inv_freq, rope = rope_pair(T, R, D)
+    x = torch.randn(2, T, 3, D, dtype=torch.float64)
+    pos = torch.arange(T)[None].expand(2, T)
+    assert torch.allclose(rotated_back(rope(x), pos, inv_freq), x, atol=1e-13, rtol=0)
+    assert rotated_back(x, pos, None) is x
+
+
+@pytest.mark.parametrize("T,k,w,H,Hkv,variant", [CASES[0], CASES[1], CASES[2]])
+def test_unrotated_features_equal_the_dense_formula_on_the_keys_before_rope_with_their_gradients(T, k, w, H, Hkv, variant):
+    """phi_inv_freq: the op's phi reads q and k rotated back, which is the dense formula with phi of the
+    projections before RoPE (attention.linear_rope unrotated); forward and every gradient, through RoPE."""
+    q0, k0, v, u, phi = inputs(T, H, Hkv)
+    inv_freq, rope = rope_pair(T, 8, 8)
+    gain = gain_of(H)
+    a1 = [x.clone().requires_grad_() for x in (q0, k0, v, u, phi)]
+    a2 = [x.clone().requires_grad_() for x in (q0, k0, v, u, phi)]
+    o1 = sparsek_linear_attention(rope(a1[0]), rope(a1[1]), *a1[2:], topk=k, window=w, variant=variant,
+                                  linear_norm="mean", linear_gain=gain, phi_inv_freq=inv_freq)
+    o2 = dense_sparsek_linear_attention(rope(a2[0]), rope(a2[1]), *a2[2:], topk=k, window=w, variant=variant,
+                                        linear_norm="mean", linear_gain=gain, phi_q=a2[0], phi_k=a2[1])
+    assert torch.allclose(o1, o2, atol=1e-12, rtol=0)
+    rotated = sparsek_linear_attention(rope(q0), rope(k0), v, u, phi, topk=k, window=w, variant=variant,
+                                       linear_norm="mean", linear_gain=gain)
+    assert (o1 - rotated).abs().max() > 1e-4  # what phi reads changes the output
+    g = torch.randn_like(o1)
+    (o1 * g).sum().backward()
+    (o2 * g).sum().backward()
+    for x, y, name in zip(a1, a2, ["q", "k", "v", "u", "phi"]):
+        want = torch.zeros_like(x) if y.grad is None else y.grad
+        assert torch.allclose(x.grad, want, atol=1e-10, rtol=0), name
+
+
+@pytest.mark.parametrize("k,w", [(6, 5), (0, 4)])
+def test_unrotated_features_chunked_equal_unchunked_and_decode_equals_forward(k, w):
+    T, chunk, prefix = 61, 13, 40
+    q, kk, v, u, phi = inputs(T, 4, 2)
+    inv_freq, rope = rope_pair(T, 8, 8)
+    q, kk = rope(q), rope(kk)
+    kw = dict(linear_norm="mean", linear_gain=gain_of(4), phi_inv_freq=inv_freq)
+    whole = sparsek_linear_attention(q, kk, v, u, phi, topk=k, window=w, **kw)
+    cache = SparseKLinearCache.empty(2, k, w, 2, 8, dtype=torch.float64, score_dtype=torch.float64)
+    outs = []
+    for s in range(0, prefix, chunk):
+        sl = slice(s, min(s + chunk, prefix))
+        o, cache, _ = sparsek_linear_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], phi, cache, **kw)
+        outs.append(o)
+    for t in range(prefix, T):
+        o, cache, _ = sparsek_linear_attention_decode(q[:, t], kk[:, t], v[:, t], u[:, t], phi, cache, **kw)
+        outs.append(o[:, None])
+    assert torch.allclose(torch.cat(outs, 1), whole, atol=1e-12, rtol=0)
+
+
+def test_unrotated_features_gradcheck():
+    args = [x.requires_grad_() for x in inputs(11, 2, 1, D=4, B=1, u_scale=0.4)]
+    inv_freq, _ = rope_pair(11, 4, 4, B=1)
+    assert torch.autograd.gradcheck(
+        lambda *a: sparsek_linear_attention(*a, topk=3, window=2, block=4, linear_norm="mean", phi_inv_freq=inv_freq),
+        args, fast_mode=True)

@@ -152,6 +152,12 @@ def test_linear_types_refuse_what_they_cannot_run(tmp_path):
     fixed = load_recipe(path, ["attention.type=linear+sw", "attention.topk=0", "attention.linear_gain=fixed"])
     assert fixed.attention.linear_gain == "fixed"
     assert load_recipe(path).attention.linear_gain == "fixed"  # no linear part: fixed changes nothing
+    # linear_rope unrotated changes what a linear part's phi reads: likewise
+    msg = error_of(path, ["attention.linear_rope=unrotated"])
+    assert "linear_rope unrotated" in msg and "remove linear_rope" in msg
+    r = load_recipe(path, ["attention.type=sparsek+linear+sw", "attention.linear_rope=unrotated"])
+    assert LMConfig.from_recipe(r.model, r.attention, 64).linear_rope == "unrotated"
+    assert load_recipe(path, ["attention.type=sparsek+linear+sw"]).attention.linear_rope == "rotated"
     # issue 38: the Triton core has a linear part
     assert load_recipe(path, ["attention.type=sparsek+linear+sw", "attention.backend=triton"]).attention.backend == "triton"
 
@@ -265,6 +271,15 @@ def test_a_run_saved_before_linear_norm_keeps_the_sum_it_trained_with_and_its_ha
     assert back.attention.linear_gain == "fixed" and recipe_hash(back, ("attention",)) == fixed_hash
     assert "linear_gain" in yaml.safe_load(recipe_to_yaml(user))["attention"]  # saved from now on
     assert recipe_hash(user, ("attention",)) != fixed_hash  # another model: its checkpoints are not this one's
+    # linear_rope came later again: a saved recipe without it read phi after RoPE, with the hash it saved
+    unrot = load_recipe(write(tmp_path, MINIMAL), ["attention.type=sparsek+linear+sw", "attention.linear_rope=unrotated"])
+    old = yaml.safe_load(recipe_to_yaml(user))
+    del old["attention"]["linear_rope"]
+    saved = tmp_path / "saved-rope.yaml"
+    saved.write_text(recipe_to_yaml(user).splitlines(keepends=True)[0] + yaml.safe_dump(old, sort_keys=False))
+    back = load_recipe(saved)
+    assert back.attention.linear_rope == "rotated" and recipe_hash(back, ("attention",)) == recipe_hash(user, ("attention",))
+    assert recipe_hash(unrot, ("attention",)) != recipe_hash(user, ("attention",))
     assert fixed_hash != recipe_hash(load_recipe(write(tmp_path, MINIMAL), ["attention.type=sparsek+linear+sw",
                                                                            "attention.linear_norm=sum",
                                                                            "attention.linear_gain=fixed"]), ("attention",))

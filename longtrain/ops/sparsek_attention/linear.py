@@ -11,8 +11,9 @@ The linear part of query i is phi(q_i) . sum_j (1 - g_ij) phi(k_j) v_j^T. Split 
     part of the selected keys back out, where g depends on the query (tau_i), so a pooled key cannot
     join the state before it is evicted. The window's keys (g = 1) never enter the linear sums.
 After the chunk, the extended keys in neither the new pool nor the new tail join the state.
-phi(x) = elu(head-wise linear(x)) + 1 reads the keys as the cache holds them (after RoPE), so the
-cache needs no second copy of the pool's and tail's keys.
+phi(x) = elu(head-wise linear(x)) + 1 reads the keys as the cache holds them (after RoPE), or, given RoPE's
+inverse frequencies (attention.linear_rope unrotated), those keys and the queries rotated back to position 0
+(rotated_back): either way the cache needs no second copy of the pool's and tail's keys.
 """
 
 from __future__ import annotations
@@ -81,6 +82,25 @@ def _linear_window(cache: SparseKLinearCache) -> int:
 def _phi_keys(k: torch.Tensor, pos: torch.Tensor, phi_weight: torch.Tensor) -> torch.Tensor:
     """phi of keys k [B, N, Hkv, D] at positions pos [B, N] (-1: none): [B, N, Hkv, F], 0 where there is no key."""
     return torch.where((pos >= 0)[:, :, None, None], feature_map(k, phi_weight), 0)
+
+
+def rotated_back(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor | None) -> torch.Tensor:
+    """x [B, N, h, D] (queries or keys after RoPE) rotated back by RoPE's angles at positions pos [B, N] (-1: none,
+    whose rows are masked or padding), with inv_freq [R/2] float64 the model's inverse frequencies (rotate-half
+    layout on the first R dims, as model/rope.py's apply_rope): what phi reads under attention.linear_rope
+    unrotated, the projection's content without its position. After RoPE the features phi(q_i).phi(k_j) would
+    depend on i and j themselves (elu does not commute with a rotation), so a sum over thousands of keys mixed
+    their content at every angle. Angles in float64 from the position alone: a token gets the same bits in any
+    chunking and in decoding. A yarn scaling's attention factor a stays in (a x): phi's map takes the constant.
+    inv_freq None: x as it is."""
+    if inv_freq is None:
+        return x
+    ang = pos.to(torch.float64)[..., None] * inv_freq.to(device=pos.device, dtype=torch.float64)  # [B, N, R/2]
+    c, s = ang.cos().to(x.dtype)[:, :, None], ang.sin().to(x.dtype)[:, :, None]  # [B, N, 1, R/2]
+    R = 2 * c.shape[-1]
+    x1, x2 = x[..., : R // 2], x[..., R // 2 : R]
+    back = [x1 * c + x2 * s, x2 * c - x1 * s]  # the transpose of apply_rope's rotation
+    return torch.cat(back if R == x.shape[-1] else [*back, x[..., R:]], dim=-1)
 
 
 def _add_state(state_kv, state_k, phk, v, keep) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,7 +254,8 @@ def scaled_query_features(phq: torch.Tensor, s: torch.Tensor | None, gain: torch
 
 
 def _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache: SparseKLinearCache, window: int, backend: str,
-                                linear_norm: str = "sum", linear_gain: torch.Tensor | None = None):
+                                linear_norm: str = "sum", linear_gain: torch.Tensor | None = None,
+                                phi_inv_freq: torch.Tensor | None = None):
     """(phq [B, L, H, F], phk [B, N, Hkv, F], num [B, L, H, D], den [B, L, H]): phi of the queries and the extended
     keys, and phi(q_i) . the sums over the causal keys outside query i's window
     (positions <= p_i - w), so the window's keys (gate 1, no linear part) are never added and then taken
@@ -246,11 +267,14 @@ def _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache: SparseKLinearC
     e <= i - lag, lag = w - (W-1); causal linear attention over that sequence shifted right by lag."""
     K = keys.topk
     lag = window - keys.tail_slots
-    phq = _QueryFeatures.apply(q, phi_weight)  # [B, L, H, F]
+    L = k.shape[1]
+    phq = _QueryFeatures.apply(rotated_back(q, keys.q_pos, phi_inv_freq), phi_weight)  # [B, L, H, F]
     phq = scaled_query_features(phq, query_scale(keys.q_pos, window, linear_norm, phq.dtype), linear_gain)
-    # the pool's values are the cache's, which carry no gradient
-    phk, phk_lag, start_kv, start_k = _KeyFeatures.apply(k, phi_weight, keys.k.detach(), keys.pos >= 0,
-                                                         keys.v[:, :K].detach(), cache.lin_kv, cache.lin_k, lag)
+    # the pool's values are the cache's, which carry no gradient; the chunk's keys are k_ext's last L rows
+    k_ext = rotated_back(keys.k.detach(), keys.pos, phi_inv_freq)
+    phk, phk_lag, start_kv, start_k = _KeyFeatures.apply(rotated_back(k, keys.pos[:, -L:], phi_inv_freq), phi_weight,
+                                                         k_ext, keys.pos >= 0, keys.v[:, :K].detach(), cache.lin_kv,
+                                                         cache.lin_k, lag)
     v_lag = _LaggedValues.apply(v, keys.v.detach(), K, lag)  # [B, L, Hkv, D]
     num, den = causal_linear_attention(phq, phk_lag, v_lag, start_kv, start_k, backend=backend)
     return phq, phk, num, den
@@ -308,6 +332,7 @@ def sparsek_linear_attention_chunk(
     align: bool | None = None,
     linear_norm: str = "sum",
     linear_gain: torch.Tensor | None = None,  # [H] > 0
+    phi_inv_freq: torch.Tensor | None = None,  # [R/2] float64 RoPE's inverse frequencies (rotated_back)
 ) -> tuple[torch.Tensor, SparseKLinearCache, ChunkSelection]:
     """SparseK+Linear+SW of one chunk continuing from `cache`: (o [B, L, H, D], next cache, selection).
 
@@ -317,6 +342,8 @@ def sparsek_linear_attention_chunk(
     linear_norm: the linear part's sums as the paper writes them ("sum") or divided by their key count ("mean";
     LINEAR_NORMS says why);
     linear_gain: a factor [H] per query head on the linear part (phi(q)), the model's learned one; None: 1;
+    phi_inv_freq: phi reads q and k rotated back to position 0 with these RoPE frequencies (rotated_back); None:
+    as given;
     align: without gradients, the core's query tiles at absolute positions, as sparsek_attention_chunk's (aligned.py,
     with phi(q), num, den and phi(k) laid out as q and k): a chunk that starts inside a tile rounds as the
     unchunked pass does. None: always; False: never."""
@@ -326,7 +353,7 @@ def sparsek_linear_attention_chunk(
     sel = select(keys, cache, window=window, block=block, scan=scan)
     tau = ThresholdFn.apply(u, sel.tau, sel.n_active, keys.lengths, window)
     phq, phk, num, den = _phi_and_beyond_window_sums(q, k, v, phi_weight, keys, cache, window, linear_backend,
-                                                     linear_norm, linear_gain)
+                                                     linear_norm, linear_gain, phi_inv_freq)
     core = linear_core(backend, q, phq.shape[-1], keys.u.dtype, block)
     args = (q, keys.k, keys.v, keys.u, keys.pos, keys.q_pos, sel.theta_u, sel.theta_pos, tau, sel.block_pool)
     linear = LinearTerms(phq, phk, num, den)
@@ -357,14 +384,15 @@ def sparsek_linear_attention_chunk(
 def sparsek_linear_attention(q, k, v, u, phi_weight, *, topk: int, window: int, variant: str = "hard_k_soft_v",
                              scale: float | None = None, linear_backend: str = "auto", scan: str = "auto",
                              block: int = 64, backend: str = "auto", linear_norm: str = "sum",
-                             linear_gain: torch.Tensor | None = None) -> torch.Tensor:
+                             linear_gain: torch.Tensor | None = None,
+                             phi_inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """SparseK+Linear+SW over whole sequences (positions 0..T-1): o [B, T, H, D] (topk = 0: Linear+SW)."""
     cache = SparseKLinearCache.empty(q.shape[0], topk, window, k.shape[2], k.shape[3], dtype=k.dtype,
                                      score_dtype=u.dtype, device=q.device, features=phi_weight.shape[-1])
     o, _, _ = sparsek_linear_attention_chunk(q, k, v, u, phi_weight, cache, variant=variant, scale=scale,
                                              linear_backend=linear_backend, scan=scan, block=block, backend=backend,
-                                             align=False, linear_norm=linear_norm,
-                                             linear_gain=linear_gain)  # position 0 is a tile edge
+                                             align=False, linear_norm=linear_norm, linear_gain=linear_gain,
+                                             phi_inv_freq=phi_inv_freq)  # position 0 is a tile edge
     return o
 
 
@@ -382,6 +410,7 @@ def sparsek_linear_attention_decode(
     backend: str = "auto",
     linear_norm: str = "sum",
     linear_gain: torch.Tensor | None = None,  # [H] > 0
+    phi_inv_freq: torch.Tensor | None = None,  # [R/2] float64 (rotated_back)
 ) -> tuple[torch.Tensor, SparseKLinearCache, ChunkSelection | None]:
     """One token per row at position cache.seen: (o [B, H, D], next cache, selection); equals the chunk op on
     one token, the options as sparsek_attention_decode's. The query sees [pool][tail][itself] (every key there
@@ -416,10 +445,10 @@ def sparsek_linear_attention_decode(
         logits = logits * gate[:, None, None]
     logits = logits.masked_fill(~ok[:, None, None], -torch.inf)
     M = logits.amax(-1, keepdim=True).clamp(min=0)
-    phq = feature_map(q[:, None], phi_weight)[:, 0]  # [B, H, F]
+    phq = feature_map(rotated_back(q[:, None], t[:, None], phi_inv_freq), phi_weight)[:, 0]  # [B, H, F]
     s = query_scale(t, window, linear_norm, phq.dtype)  # [B]: as the chunk op scales it, bit for bit
     phq = scaled_query_features(phq, s, linear_gain).to(cdt).view(B, Hkv, H // Hkv, -1)  # [B, Hkv, R, F]
-    phk = _phi_keys(keys, pos, phi_weight).to(cdt)  # [B, N, Hkv, F]
+    phk = _phi_keys(rotated_back(keys, pos, phi_inv_freq), pos, phi_weight).to(cdt)  # [B, N, Hkv, F]
     lin_w = torch.einsum("bgrf,bngf->bgrn", phq, phk)
     g = gate[:, None, None]
     w = torch.where(ok[:, None, None], g * torch.exp(logits - M) + torch.exp(-M) * (1 - g) * lin_w, 0)
@@ -442,6 +471,7 @@ __all__ = [
     "LINEAR_NORMS",
     "SparseKLinearCache",
     "query_scale",
+    "rotated_back",
     "scaled_query_features",
     "sparsek_linear_attention",
     "sparsek_linear_attention_chunk",
