@@ -171,7 +171,7 @@ class AttentionConfig(_Section):
     linear_rope: Literal["rotated", "unrotated"] | None = Field(
         None, description="linear types: phi reads the queries and keys after RoPE (rotated, as the cache holds "
         "the keys) or rotated back to position 0 (unrotated: their content alone, so phi(q).phi(k) does not change "
-        "with where the two tokens are). null: rotated"
+        "with where the two tokens are; level with rotated on small books). null: rotated"
     )
     threshold_cap: int | None = Field(
         None, ge=1, description="cap on the SparseK threshold state per row; null picks the default"
