@@ -30,6 +30,33 @@ def inputs(T, H, Hkv, D=8, B=2, dtype=torch.float64, u_scale=0.7):
     return (*sparsek_inputs(T, H, Hkv, D=D, B=B, dtype=dtype, u_scale=u_scale), phi)
 
 
+def assert_same_gradients(o1, o2, a1, a2, names):
+    """Backward of the same random cotangent through o1 (of inputs a1) and o2 (of a2): every input's gradient
+    agrees (an input o2 does not reach must get 0 from o1)."""
+    g = torch.randn_like(o1)
+    (o1 * g).sum().backward()
+    (o2 * g).sum().backward()
+    for x, y, name in zip(a1, a2, names):
+        want = torch.zeros_like(x) if y.grad is None else y.grad
+        assert torch.allclose(x.grad, want, atol=1e-10, rtol=0), name
+
+
+def streamed(q, kk, v, u, phi, *, k, w, chunk, prefix, **kw):
+    """o [B, T, H, D] of the chunk op over positions [0, prefix) in chunks of `chunk`, then the decode step one token
+    at a time to the end, continuing one cache (kw: the op's linear options)."""
+    B, T, Hkv, D = kk.shape
+    cache = SparseKLinearCache.empty(B, k, w, Hkv, D, dtype=q.dtype, score_dtype=u.dtype)
+    outs = []
+    for s in range(0, prefix, chunk):
+        sl = slice(s, min(s + chunk, prefix))
+        o, cache, _ = sparsek_linear_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], phi, cache, **kw)
+        outs.append(o)
+    for t in range(prefix, T):
+        o, cache, _ = sparsek_linear_attention_decode(q[:, t], kk[:, t], v[:, t], u[:, t], phi, cache, **kw)
+        outs.append(o[:, None])
+    return torch.cat(outs, 1)
+
+
 def test_causal_linear_equals_the_sum_over_every_key():
     B, L, H, Hkv, F, D = 2, 70, 4, 2, 5, 3
     phq, phk = torch.rand(B, L, H, F, dtype=torch.float64), torch.rand(B, L, Hkv, F, dtype=torch.float64)
@@ -246,12 +273,7 @@ def test_mean_norm_equals_the_dense_formula(T, k, w, H, Hkv, variant):
     o2 = dense_sparsek_linear_attention(*a2, topk=k, window=w, variant=variant, linear_norm="mean")
     assert torch.allclose(o1, o2, atol=1e-12, rtol=0)
     assert (o1 - sparsek_linear_attention(*args, topk=k, window=w, variant=variant)).abs().max() > 1e-3  # not sum's
-    g = torch.randn_like(o1)
-    (o1 * g).sum().backward()
-    (o2 * g).sum().backward()
-    for x, y, name in zip(a1, a2, ["q", "k", "v", "u", "phi"]):
-        want = torch.zeros_like(x) if y.grad is None else y.grad
-        assert torch.allclose(x.grad, want, atol=1e-10, rtol=0), name
+    assert_same_gradients(o1, o2, a1, a2, ["q", "k", "v", "u", "phi"])
 
 
 @pytest.mark.parametrize("k,w", [(6, 5), (0, 4)])
@@ -259,17 +281,8 @@ def test_mean_norm_chunked_equals_unchunked_and_decode_equals_forward(k, w):
     T, chunk, prefix = 61, 13, 40
     q, kk, v, u, phi = inputs(T, 4, 2)
     whole = sparsek_linear_attention(q, kk, v, u, phi, topk=k, window=w, linear_norm="mean")
-    cache = SparseKLinearCache.empty(2, k, w, 2, 8, dtype=torch.float64, score_dtype=torch.float64)
-    outs = []
-    for s in range(0, prefix, chunk):
-        sl = slice(s, min(s + chunk, prefix))
-        o, cache, _ = sparsek_linear_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], phi, cache,
-                                                     linear_norm="mean")
-        outs.append(o)
-    for t in range(prefix, T):
-        o, cache, _ = sparsek_linear_attention_decode(q[:, t], kk[:, t], v[:, t], u[:, t], phi, cache, linear_norm="mean")
-        outs.append(o[:, None])
-    assert torch.allclose(torch.cat(outs, 1), whole, atol=1e-12, rtol=0)
+    got = streamed(q, kk, v, u, phi, k=k, w=w, chunk=chunk, prefix=prefix, linear_norm="mean")
+    assert torch.allclose(got, whole, atol=1e-12, rtol=0)
 
 
 def test_mean_norm_gradcheck_and_bad_names():
@@ -300,12 +313,7 @@ def test_linear_gain_equals_the_dense_formula_with_its_gradient(T, k, w, H, Hkv,
     assert torch.allclose(o1, o2, atol=1e-12, rtol=0)
     ungained = sparsek_linear_attention(*args, topk=k, window=w, variant=variant, linear_norm=norm)
     assert (o1 - ungained).abs().max() > 1e-3  # the gain changes the output
-    g = torch.randn_like(o1)
-    (o1 * g).sum().backward()
-    (o2 * g).sum().backward()
-    for x, y, name in zip(a1, a2, ["q", "k", "v", "u", "phi", "gain"]):
-        want = torch.zeros_like(x) if y.grad is None else y.grad
-        assert torch.allclose(x.grad, want, atol=1e-10, rtol=0), name
+    assert_same_gradients(o1, o2, a1, a2, ["q", "k", "v", "u", "phi", "gain"])
     assert a1[5].grad.abs().min() > 0  # every head's gain learns
 
 
@@ -315,18 +323,8 @@ def test_linear_gain_chunked_equals_unchunked_and_decode_equals_forward(k, w):
     q, kk, v, u, phi = inputs(T, 4, 2)
     gain = gain_of(4)
     whole = sparsek_linear_attention(q, kk, v, u, phi, topk=k, window=w, linear_norm="mean", linear_gain=gain)
-    cache = SparseKLinearCache.empty(2, k, w, 2, 8, dtype=torch.float64, score_dtype=torch.float64)
-    outs = []
-    for s in range(0, prefix, chunk):
-        sl = slice(s, min(s + chunk, prefix))
-        o, cache, _ = sparsek_linear_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], phi, cache,
-                                                     linear_norm="mean", linear_gain=gain)
-        outs.append(o)
-    for t in range(prefix, T):
-        o, cache, _ = sparsek_linear_attention_decode(q[:, t], kk[:, t], v[:, t], u[:, t], phi, cache,
-                                                      linear_norm="mean", linear_gain=gain)
-        outs.append(o[:, None])
-    assert torch.allclose(torch.cat(outs, 1), whole, atol=1e-12, rtol=0)
+    got = streamed(q, kk, v, u, phi, k=k, w=w, chunk=chunk, prefix=prefix, linear_norm="mean", linear_gain=gain)
+    assert torch.allclose(got, whole, atol=1e-12, rtol=0)
 
 
 def test_linear_gain_gradcheck():
@@ -374,12 +372,7 @@ def test_unrotated_features_equal_the_dense_formula_on_the_keys_before_rope_with
     rotated = sparsek_linear_attention(rope(q0), rope(k0), v, u, phi, topk=k, window=w, variant=variant,
                                        linear_norm="mean", linear_gain=gain)
     assert (o1 - rotated).abs().max() > 1e-4  # what phi reads changes the output
-    g = torch.randn_like(o1)
-    (o1 * g).sum().backward()
-    (o2 * g).sum().backward()
-    for x, y, name in zip(a1, a2, ["q", "k", "v", "u", "phi"]):
-        want = torch.zeros_like(x) if y.grad is None else y.grad
-        assert torch.allclose(x.grad, want, atol=1e-10, rtol=0), name
+    assert_same_gradients(o1, o2, a1, a2, ["q", "k", "v", "u", "phi"])
 
 
 @pytest.mark.parametrize("k,w", [(6, 5), (0, 4)])
@@ -390,16 +383,7 @@ def test_unrotated_features_chunked_equal_unchunked_and_decode_equals_forward(k,
     q, kk = rope(q), rope(kk)
     kw = dict(linear_norm="mean", linear_gain=gain_of(4), phi_inv_freq=inv_freq)
     whole = sparsek_linear_attention(q, kk, v, u, phi, topk=k, window=w, **kw)
-    cache = SparseKLinearCache.empty(2, k, w, 2, 8, dtype=torch.float64, score_dtype=torch.float64)
-    outs = []
-    for s in range(0, prefix, chunk):
-        sl = slice(s, min(s + chunk, prefix))
-        o, cache, _ = sparsek_linear_attention_chunk(q[:, sl], kk[:, sl], v[:, sl], u[:, sl], phi, cache, **kw)
-        outs.append(o)
-    for t in range(prefix, T):
-        o, cache, _ = sparsek_linear_attention_decode(q[:, t], kk[:, t], v[:, t], u[:, t], phi, cache, **kw)
-        outs.append(o[:, None])
-    assert torch.allclose(torch.cat(outs, 1), whole, atol=1e-12, rtol=0)
+    assert torch.allclose(streamed(q, kk, v, u, phi, k=k, w=w, chunk=chunk, prefix=prefix, **kw), whole, atol=1e-12, rtol=0)
 
 
 def test_unrotated_features_gradcheck():
