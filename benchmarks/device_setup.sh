@@ -21,4 +21,11 @@ if [ -f .dev/books.tar.xz ] && [ ! -f /tmp/books/.unpacked ]; then
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 -c "import datasets, pydantic" || { echo "device_setup: datasets or pydantic missing (carry .whl)" >&2; return 7; }
-echo "device_setup: $(git rev-parse --short HEAD 2>/dev/null), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+# Which files these are: the copy's git HEAD can be stale (it read c15e825 for 62352b8's files on 2026-12-04), so the
+# tree id of the files themselves (a scratch index: the copy's own is left alone), which names a commit here with
+# `git log --format='%h %t' | grep <id>` (no commit: uncommitted changes were carried). Benchmarks record
+# LONGTRAIN_COMMIT; unset, it becomes this id.
+LONGTRAIN_TREE=$(GIT_INDEX_FILE=/tmp/longtrain-tree.index git add -A . 2>/dev/null \
+  && GIT_INDEX_FILE=/tmp/longtrain-tree.index git write-tree 2>/dev/null | cut -c1-7)
+export LONGTRAIN_TREE LONGTRAIN_COMMIT="${LONGTRAIN_COMMIT:-${LONGTRAIN_TREE:+tree $LONGTRAIN_TREE}}"
+echo "device_setup: files of tree ${LONGTRAIN_TREE:-unknown} (git HEAD here: $(git rev-parse --short HEAD 2>/dev/null)), $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
