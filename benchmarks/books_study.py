@@ -168,9 +168,25 @@ def evaluate(a: argparse.Namespace) -> None:
             curve = [(r["tokens"], r["valid_loss"]) for r in read_metrics(metrics) if "valid_loss" in r]
             out_file(a.out, "curve", name).write_text(json.dumps(curve))
             t = training_summary(a.runs / name)
+            gains = linear_gains(a.runs / name)
             out_file(a.out, "train", name).write_text(json.dumps({**{k: t[k] for k in ("steps", "tokens", "tokens_per_s",
                                                                                        "logged_tokens_per_s")},
-                                                                  **provenance(a.runs / name)}))
+                                                                  **provenance(a.runs / name),
+                                                                  **({"linear_gains": gains} if gains else {})}))
+
+
+def linear_gains(run_dir: Path) -> list[list[float]] | None:
+    """The learned linear gains of the newest checkpoint, [layer][query head], times F (phi's features): 1 is where
+    they start (one key's weight), near 0 a linear part training turned off. None: no learned gain."""
+    from safetensors import safe_open
+
+    from longtrain.train.checkpoint.storage import resolve_checkpoint
+
+    with safe_open(str(resolve_checkpoint(run_dir) / "model.safetensors"), "pt") as f:
+        names = {k.removesuffix("linear_log_gain"): k for k in f.keys() if k.endswith(".attn.linear_log_gain")}
+        layer = lambda prefix: int(prefix.split(".")[-3])  # noqa: E731  blocks.<i>.attn.
+        return [(f.get_tensor(names[p]).double().exp() * f.get_slice(p + "phi_weight").get_shape()[-1]).tolist()
+                for p in sorted(names, key=layer)] or None
 
 
 def provenance(run_dir: Path) -> dict:
@@ -285,6 +301,7 @@ def summary(a: argparse.Namespace) -> None:
         steps, tps = speed[model]
         lines.append(f"| {model} | {len(by_model[model])} | {steps} | {f'{tps:,.0f}' if tps else '?'} | "
                      + " | ".join(cells) + " |")
+    notes += gain_notes(a.out, by_model)
     for base, new in gap_pairs(list(stats)):  # the issues' questions (30, 38)
         if base in stats:  # ✓: beyond the spread, the new model's worst seed beats base's best
             marks = [f"{stats[base][c][0] - stats[new][c][0]:+.2f}{' ✓' if stats[new][c][2] < stats[base][c][1] else ''}"
@@ -315,6 +332,20 @@ def store(a: argparse.Namespace, res: list[dict]) -> None:
         "baseline": a.baseline,
         "eval": res, "train": {n: read(out_file(a.out, "train", n)) for n in names},
         "valid_loss_curves": {n: read(out_file(a.out, "curve", n)) for n in names}}, indent=1))
+
+
+def gain_notes(out: Path, by_model: dict[str, list[dict]]) -> list[str]:
+    """A line per model with learned linear gains (linear_gains, in its runs' train files): by layer, the mean over
+    its seeds and heads, and the lowest and highest head."""
+    notes = []
+    for model, runs in by_model.items():
+        gains = [g for f in train_files(out, runs) if f and (g := f.get("linear_gains"))]
+        if gains:
+            layers = [[x for g in gains for x in g[i]] for i in range(len(gains[0]))]  # every seed's heads, per layer
+            text = ", ".join(f"{statistics.mean(v):.2f} ({min(v):.2f}–{max(v):.2f})" for v in layers)
+            notes.append(f"{model}: learned linear gain × F by layer at the end (1: its start), mean over {len(gains)} "
+                         f"seed(s) and the heads (lowest–highest head): {text}")
+    return notes
 
 
 def gap_pairs(models: list[str]) -> list[tuple[str, str]]:

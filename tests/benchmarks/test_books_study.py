@@ -57,6 +57,10 @@ def test_two_models_train_evaluate_and_summarise(tmp_path):
     assert (out / f"fit-{lin_file}-s0.log").is_file() and (out / f"train-{lin_file}-s0.json").is_file()
     import json
 
+    gains = json.loads((out / f"train-{lin_file}-s0.json").read_text())["linear_gains"]  # [layer][head], x F
+    assert len(gains) == 1 and len(gains[0]) == 2 and all(g > 0 for g in gains[0]) and gains[0] != [1.0, 1.0]  # trained
+    assert f"{LIN}: learned linear gain × F by layer at the end" in table
+    assert "linear_gains" not in json.loads((out / "train-sw-s0.json").read_text())  # no linear part, no gains
     made = json.loads((out / "train-sw-s0.json").read_text())  # what the numbers came from, by the checkpoint
     assert len(made["corpus"]) == 32 and made["machine"]["device"].startswith("cpu") and "attention" in made["hashes"]
     assert not [p.name for p in out.iterdir() if set(p.name) - set("abcdefghijklmnopqrstuvwxyz0123456789-_.")]
