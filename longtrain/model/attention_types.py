@@ -71,15 +71,13 @@ def linear_problems(type: str, score_groups: str, linear_norm: str = "sum", line
     problems = []
     if linear(type) and score_groups != "shared":
         problems.append(f"attention type {type} has one score group; hint: set attention.score_groups shared")
-    if not linear(type) and linear_norm != "sum":
-        problems.append(f"attention.linear_norm {linear_norm} weighs a linear part, which type {type} has not; "
-                        "hint: remove linear_norm, or use type sparsek+linear+sw or linear+sw")
-    if not linear(type) and linear_gain != "fixed":
-        problems.append(f"attention.linear_gain {linear_gain} scales a linear part, which type {type} has not; "
-                        "hint: remove linear_gain, or use type sparsek+linear+sw or linear+sw")
-    if not linear(type) and linear_rope != "rotated":
-        problems.append(f"attention.linear_rope {linear_rope} sets what a linear part's features read, which type {type} "
-                        "has not; hint: remove linear_rope, or use type sparsek+linear+sw or linear+sw")
+    if not linear(type):  # each setting against the value that changes nothing without a linear part
+        for name, value, neutral, what in (("linear_norm", linear_norm, "sum", "weighs"),
+                                           ("linear_gain", linear_gain, "fixed", "scales"),
+                                           ("linear_rope", linear_rope, "rotated", "sets what phi reads of")):
+            if value != neutral:
+                problems.append(f"attention.{name} {value} {what} a linear part, which type {type} has not; "
+                                f"hint: remove {name}, or use type sparsek+linear+sw or linear+sw")
     return problems
 
 

@@ -27,6 +27,8 @@ import math
 
 import torch
 
+from longtrain.ops.rope import apply_rope  # noqa: F401  (the rotation is an op: the linear types' phi undoes it)
+
 ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
 # Keys of model.rope_scaling and their defaults (transformers' defaults); None: required or derived.
 ROPE_SCALING_DEFAULTS: dict[str, object] = {
@@ -125,10 +127,3 @@ def rope_angles(
     return ang.cos() * attention, ang.sin() * attention
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (GPT-NeoX / Llama layout) on the first R = 2·cos.shape[-1] dims of x [B, L, H, D]."""
-    c, s = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)  # [B, L, 1, R/2]
-    R = 2 * c.shape[-1]
-    x1, x2 = x[..., : R // 2], x[..., R // 2 : R]
-    rotated = [x1 * c - x2 * s, x2 * c + x1 * s]
-    return torch.cat(rotated if R == x.shape[-1] else [*rotated, x[..., R:]], dim=-1)  # partial: the rest passes

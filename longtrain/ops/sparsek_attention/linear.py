@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from longtrain.ops.linear_attention import causal_linear_attention, feature_map
+from longtrain.ops.rope import apply_rope
 from longtrain.ops.selection import ThresholdFn, select
 from longtrain.ops.selection.chunk import carried
 from longtrain.ops.sparsek_attention.cache import SparseKCache
@@ -96,11 +97,7 @@ def rotated_back(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor | No
     if inv_freq is None:
         return x
     ang = pos.to(torch.float64)[..., None] * inv_freq.to(device=pos.device, dtype=torch.float64)  # [B, N, R/2]
-    c, s = ang.cos().to(x.dtype)[:, :, None], ang.sin().to(x.dtype)[:, :, None]  # [B, N, 1, R/2]
-    R = 2 * c.shape[-1]
-    x1, x2 = x[..., : R // 2], x[..., R // 2 : R]
-    back = [x1 * c + x2 * s, x2 * c - x1 * s]  # the transpose of apply_rope's rotation
-    return torch.cat(back if R == x.shape[-1] else [*back, x[..., R:]], dim=-1)
+    return apply_rope(x, ang.cos(), -ang.sin())  # the rotation by -angle: its transpose
 
 
 def _add_state(state_kv, state_k, phk, v, keep) -> tuple[torch.Tensor, torch.Tensor]:
