@@ -18,6 +18,8 @@ A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with S
            K/V written in place) or in_place=False (the cache rebuilt every step), and compiled with --compile;
            the other rows use Decoder's default (in place for several rows or a compiled step); --modes exact:
            Decoder(exact=True), each token a one-token chunk of the forward (eager; its logits bitwise the forward's);
+           --modes floor: the step with its attention op replaced by elementwise work on the op's inputs
+           (attention_floor): the rest of the step's time, a floor; the step minus it is what the op costs;
   profile  --profile-prefill N: torch.profiler over the N-token prompt's prefill (wall against kernel time, launches);
            always: torch.profiler over 20 decode steps (CUDA): eager after the shortest prompt and in the batch,
            and with --compile the compiled step's graph replays (the profiler names the kernels a graph
@@ -49,6 +51,7 @@ import os
 import platform
 import subprocess
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -62,8 +65,9 @@ FULL_ATTN = [("sparsek+sw", dict(attention="sparsek+sw", topk=512, window=512)),
              ("sw", dict(attention="sw", window=1024)),
              ("full", dict(attention="full"))]
 FULL_PROMPTS = (4096, 65536, 1 << 20)
-# --modes: Decoder keyword arguments; exact: one-token chunks of the forward (bitwise its logits; eager, not compiled)
-MODES = {"in_place": {"in_place": True}, "rebuild": {"in_place": False}, "exact": {"exact": True}}
+# --modes: Decoder keyword arguments; exact: one-token chunks of the forward (bitwise its logits; eager, not compiled);
+# floor: Decoder's default with the attention op replaced (attention_floor: the step's cost without the op)
+MODES = {"in_place": {"in_place": True}, "rebuild": {"in_place": False}, "exact": {"exact": True}, "floor": {}}
 SMALL = dict(vocab_size=512, layers=2, d_model=64, heads=4, style="gpt2")
 SMALL_ATTN = [("sparsek+sw", dict(attention="sparsek+sw", topk=16, window=16)),
               ("sw", dict(attention="sw", window=32)),
@@ -275,6 +279,27 @@ def profile_prefill(model: LM, prompt: torch.Tensor, chunk: int) -> dict:
             "top": [{"kernel": e.key[:120], "ms": e.self_device_time_total / 1e3, "count": e.count} for e in kernels[:25]]}
 
 
+@contextmanager
+def attention_floor():
+    """Inside it, every decode step's attention op (the query against the cache, the admission, the cache's writes)
+    is a few elementwise operations on the op's inputs instead: o = q + k + v + u per head, the cache as it was.
+    What a step takes then is the rest of it (projections, norms, MLP, the scorer, the sampler, the launches): a
+    floor under the step's time, so the real step minus the floor is what the op costs. Its tokens are meaningless."""
+    from longtrain.model import attention
+
+    def floor(q, k, v, u, *rest, **_):  # q [B, H, D], k, v [B, Hkv, D], u [B]; the cache last
+        heads = q.shape[1] // k.shape[1]
+        o = q + (k + v).repeat_interleave(heads, dim=1) + u.to(q.dtype)[:, None, None]  # every input read
+        return o, rest[-1], None
+
+    saved = attention.sparsek_attention_decode, attention.sparsek_linear_attention_decode
+    attention.sparsek_attention_decode = attention.sparsek_linear_attention_decode = floor
+    try:
+        yield
+    finally:
+        attention.sparsek_attention_decode, attention.sparsek_linear_attention_decode = saved
+
+
 def add_modes(model: LM, row: dict, cache, logits: torch.Tensor, new: int, modes: tuple[str, ...], *, compile: bool) -> None:
     """The row's graph decoding again in each of `modes` (Decoder's in_place), compiled or not:
     row["decode_tokens_per_s[_compiled]_<mode>"], and with a profile where the row has one."""
@@ -285,8 +310,9 @@ def add_modes(model: LM, row: dict, cache, logits: torch.Tensor, new: int, modes
             continue
         key = f"{'compiled_' if compile else ''}{mode}"
         try:
-            c = decode_rate(model, cache, logits, new, graph=True, compile=compile, profile=compile and "profile" in row,
-                            **MODES[mode])
+            with attention_floor() if mode == "floor" else nullcontext():
+                c = decode_rate(model, cache, logits, new, graph=True, compile=compile,
+                                profile=compile and "profile" in row, **MODES[mode])
         except Exception as e:  # the row keeps its other numbers
             row[f"error_{key}"] = f"{type(e).__name__}: {e}"
             continue
@@ -377,7 +403,7 @@ def main() -> None:
     ap.add_argument("--batch-prompt", type=int, default=None, help="longest batched prompt (default 4096; --small 64)")
     ap.add_argument("--compile", action="store_true", help="also time the step through torch.compile (CUDA)")
     ap.add_argument("--modes", default="", help="comma list of Decoder modes also timed (graph; compiled with --compile): "
-                    "in_place, rebuild, exact")
+                    "in_place, rebuild, exact, floor (the step without its attention op)")
     ap.add_argument("--check-prompt", type=int, default=None,
         help="decode == forward check: prompt (default 65536; --small 512; 0: no check)")
     ap.add_argument("--check-tokens", type=int, default=None, help="decode == forward check: tokens (default 1000; --small 20)")
@@ -548,6 +574,12 @@ def markdown(report: dict) -> str:
         if other:
             lines.append(f"{r['kind']} {r['attention']}, {r['rows']} rows, other decoders (tokens/s): "
                          + ", ".join(f"{k} {v:,.1f}" for k, v in other.items()))
+        for step, floor in (("decode_tokens_per_s", "floor"), ("decode_tokens_per_s_compiled", "compiled_floor")):
+            if r.get(step) and other.get(floor):
+                us, us_floor = (r["rows"] / rate * 1e6 for rate in (r[step], other[floor]))
+                how = "compiled" if "compiled" in step else "graph" if r.get("cuda_graph") else "eager"
+                lines.append(f"{r['kind']} {r['attention']}, {r['rows']} rows, {how}: {us:,.1f} us a step, "
+                             f"{us_floor:,.1f} without the attention op, which takes {us - us_floor:,.1f}")
     for key, r in report.get("ratios", {}).items():
         lines.append(f"SparseK+SW / SW, {key}: decode {r['decode']:.2f}, prefill {r['prefill']:.2f}"
                      + (f", decode compiled {r['decode_compiled']:.2f}" if "decode_compiled" in r else ""))

@@ -54,3 +54,31 @@ def test_the_exact_check_finds_decoding_equal_to_the_forward_in_bf16():
     res = decode_equals_forward(model, 100, 24, chunk=32, dev=torch.device("cpu"), exact=True)
     assert res["exact"] and res["selections_identical"] and res["max_abs_logit_diff"] == 0
     assert res["argmax_agreement"] == 1.0
+
+
+def test_the_attention_floor_replaces_the_decode_op_and_only_inside_it():
+    import torch
+    from generate import attention_floor
+
+    from longtrain.model import LM, LMConfig
+    from longtrain.model import attention
+    from longtrain.generate import prefill
+
+    torch.manual_seed(0)
+    model = LM(LMConfig(vocab_size=300, layers=2, d_model=32, heads=4, kv_heads=2, style="llama", attention="sparsek+sw",
+                        topk=8, window=8)).eval()
+    cache, _ = prefill(model, torch.randint(0, 300, (1, 40)), chunk_size=16)
+    token = torch.tensor([5])
+    real = attention.sparsek_attention_decode
+    with torch.no_grad():
+        expected = model.decode(token, cache).logits
+        with attention_floor():
+            assert attention.sparsek_attention_decode is not real
+            out = model.decode(token, cache)
+        assert attention.sparsek_attention_decode is real  # restored
+        again = model.decode(token, cache).logits
+    assert out.logits.shape == expected.shape and torch.isfinite(out.logits).all()
+    assert not torch.equal(out.logits, expected)  # the op did not run: other logits
+    assert torch.equal(again, expected)
+    for before, after in zip(cache.layers, out.cache.layers):  # the floor leaves the attention cache as it was
+        assert after.attn is before.attn
