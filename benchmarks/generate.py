@@ -18,8 +18,8 @@ A 12 x 768 model (gpt2 style, 12 heads, vocab 8192, random weights, bf16) with S
            K/V written in place) or in_place=False (the cache rebuilt every step), and compiled with --compile;
            the other rows use Decoder's default (in place for several rows or a compiled step); --modes exact:
            Decoder(exact=True), each token a one-token chunk of the forward (eager; its logits bitwise the forward's);
-           --modes floor: the step with its attention op replaced by elementwise work on the op's inputs
-           (attention_floor): the rest of the step's time, a floor; the step minus it is what the op costs;
+           --modes floor: the step and the single rows' prefill with the attention op replaced by elementwise work
+           on the op's inputs (attention_floor): the rest of their time, a floor; minus it, what the op costs;
   profile  --profile-prefill N: torch.profiler over the N-token prompt's prefill (wall against kernel time, launches);
            always: torch.profiler over 20 decode steps (CUDA): eager after the shortest prompt and in the batch,
            and with --compile the compiled step's graph replays (the profiler names the kernels a graph
@@ -172,6 +172,10 @@ def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev
     row["prefill_chunk"] = chunk = prefill_chunk_for(model, 1, chunk)
     cache, logits, row["prefill_s"] = timed_prefill(model, prompt, chunk=chunk, dev=dev, warm_with=warm_prefix(prompt, chunk))
     row["prefill_tokens_per_s"] = n_prompt / row["prefill_s"]
+    if "floor" in modes and name != "full":  # the same prefill with the attention op replaced (attention_floor), warmed the same way
+        with attention_floor():
+            floor_s = timed_prefill(model, prompt, chunk=chunk, dev=dev, warm_with=warm_prefix(prompt, chunk))[2]
+        row["prefill_tokens_per_s_floor"] = n_prompt / floor_s
     if profile_prefill_at == n_prompt and dev.type == "cuda":
         row["prefill_profile"] = profile_prefill(model, prompt, chunk)
     graph = dev.type == "cuda" and name != "full"
@@ -279,25 +283,32 @@ def profile_prefill(model: LM, prompt: torch.Tensor, chunk: int) -> dict:
             "top": [{"kernel": e.key[:120], "ms": e.self_device_time_total / 1e3, "count": e.count} for e in kernels[:25]]}
 
 
+OPS = ("sparsek_attention_decode", "sparsek_linear_attention_decode", "sparsek_attention_chunk",
+       "sparsek_linear_attention_chunk")  # the attention ops the model calls (model/attention.py), which the floor replaces
+
+
 @contextmanager
 def attention_floor():
-    """Inside it, every decode step's attention op (the query against the cache, the admission, the cache's writes)
-    is a few elementwise operations on the op's inputs instead: o = q + k + v + u per head, the cache as it was.
-    What a step takes then is the rest of it (projections, norms, MLP, the scorer, the sampler, the launches): a
-    floor under the step's time, so the real step minus the floor is what the op costs. Its tokens are meaningless."""
+    """Inside it, the attention op of every decode step and prefill chunk (the query or chunk against the cache, the
+    selection, the cache's update) is a few elementwise operations on the op's inputs instead: o = q + k + v + u per
+    head, the cache as it was. What a step or a prefill takes then is the rest of it (projections, norms, MLP, the
+    scorer, the sampler, the launches): a floor under its time, so the real time minus the floor is what the op
+    costs. Its tokens are meaningless."""
     from longtrain.model import attention
 
-    def floor(q, k, v, u, *rest, **_):  # q [B, H, D], k, v [B, Hkv, D], u [B]; the cache last
-        heads = q.shape[1] // k.shape[1]
-        o = q + (k + v).repeat_interleave(heads, dim=1) + u.to(q.dtype)[:, None, None]  # every input read
+    def floor(q, k, v, u, *rest, **_):  # q [B, (L,) H, D], k, v [B, (L,) Hkv, D], u [B(, L)]; the cache last
+        heads = q.shape[-2] // k.shape[-2]
+        o = q + (k + v).repeat_interleave(heads, dim=-2) + u.to(q.dtype)[..., None, None]  # every input read
         return o, rest[-1], None
 
-    saved = attention.sparsek_attention_decode, attention.sparsek_linear_attention_decode
-    attention.sparsek_attention_decode = attention.sparsek_linear_attention_decode = floor
+    saved = {name: getattr(attention, name) for name in OPS}
+    for name in OPS:
+        setattr(attention, name, floor)
     try:
         yield
     finally:
-        attention.sparsek_attention_decode, attention.sparsek_linear_attention_decode = saved
+        for name, op in saved.items():
+            setattr(attention, name, op)
 
 
 def add_modes(model: LM, row: dict, cache, logits: torch.Tensor, new: int, modes: tuple[str, ...], *, compile: bool) -> None:
@@ -574,6 +585,10 @@ def markdown(report: dict) -> str:
         if other:
             lines.append(f"{r['kind']} {r['attention']}, {r['rows']} rows, other decoders (tokens/s): "
                          + ", ".join(f"{k} {v:,.1f}" for k, v in other.items()))
+        if r.get("prefill_tokens_per_s_floor"):
+            ms, ms_floor = (r["prompt_tokens"] / r[key] * 1e3 for key in ("prefill_tokens_per_s", "prefill_tokens_per_s_floor"))
+            lines.append(f"{r['kind']} {r['attention']}, {r['prompt_tokens']:,} tokens, prefill: {ms:,.1f} ms, "
+                         f"{ms_floor:,.1f} without the attention op, which takes {ms - ms_floor:,.1f}")
         for step, floor in (("decode_tokens_per_s", "floor"), ("decode_tokens_per_s_compiled", "compiled_floor")):
             if r.get(step) and other.get(floor):
                 us, us_floor = (r["rows"] / rate * 1e6 for rate in (r[step], other[floor]))

@@ -82,3 +82,7 @@ def test_the_attention_floor_replaces_the_decode_op_and_only_inside_it():
     assert torch.equal(again, expected)
     for before, after in zip(cache.layers, out.cache.layers):  # the floor leaves the attention cache as it was
         assert after.attn is before.attn
+    with torch.no_grad(), attention_floor():  # a prefill chunk's op too
+        floor_cache, floor_logits = prefill(model, torch.randint(0, 300, (2, 40)), chunk_size=16)
+    assert floor_logits.shape == (2, 300) and torch.isfinite(floor_logits).all()
+    assert all(la.attn.pool_pos.lt(0).all() for la in floor_cache.layers)  # nothing was selected into a pool
