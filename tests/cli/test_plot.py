@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import matplotlib.image
+import numpy as np
 
 from tests.train.tiny import cli
 
@@ -19,7 +20,10 @@ def test_plot_draws_several_runs_into_a_png(workspace, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     image = matplotlib.image.imread(out)
     assert image.shape[:2] == (540, 1440)  # 12 x 4.5 inches at 120 dpi: two panels
-    assert image[..., :3].std() > 0.05  # curves drawn, not a blank canvas
+    for rgb in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):  # each run's curve, in its colour (C0, C1), left panel
+        left = image[:, : image.shape[1] // 2, :3]
+        close = (abs(left - np.array(rgb) / 255).max(-1) < 0.08).sum()
+        assert close > 300, (rgb, close)  # a line across the panel, not the legend's swatch alone (~60 pixels)
     assert cli("plot", tmp / "lr-3e-3", "--x", "step", "--out", tmp_path / "steps.svg").exit_code == 0
 
 

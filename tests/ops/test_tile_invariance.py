@@ -74,8 +74,8 @@ CASES = [  # (B, T, H, Hkv, D, topk, window, schedule builder)
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_chunked_output_is_bitwise_the_unchunked_output(backend, dtype, case):
     B, T, H, Hkv, D, topk, window, schedule = CASES[case]
-    if backend == "triton" and case not in (0, 2):  # the interpreter is slow: the kernels on two cases
-        pytest.skip("naive only")
+    if backend == "triton" and DEV == "cpu" and dtype == torch.float32 and case not in (0, 2):
+        pytest.skip("the interpreter is slow: float32 kernels on cases 0 and 2 here (every case in float16, and on a GPU)")
     x = inputs(B, T, H, Hkv, D, dtype, seed=case)
     kw = dict(topk=topk, window=window, backend=backend)
     o_ref, fp_ref = run(x, [[T] * B], **kw)

@@ -128,12 +128,47 @@ def test_ragged_rows_and_poisoned_buffers(monkeypatch):
     assert_close(got, run_chunks("naive", args, [30], **kw))
 
 
-def test_backward_is_deterministic(monkeypatch):
-    monkeypatch.setattr(triton_core, "DETERMINISTIC", True)
+class PoolWalkLaunches:
+    """Wraps _dkv_pool_kernel (monkeypatched into triton_core) and records each launch's ATOMIC switch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.atomic = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*a, **kw):
+            self.atomic.append(kw["ATOMIC"])
+            return launch(*a, **kw)
+
+        return run
+
+
+@pytest.mark.parametrize("how", ["flag", "torch"])
+def test_backward_is_deterministic(monkeypatch, how):
+    """Under DETERMINISTIC or torch's deterministic algorithms the pool walk runs as one segment with plain stores (no
+    atomic adds: the interpreter runs atomics in order, so a repeat alone would not tell), repeats bit for bit and
+    gives the fast backward's gradients; with segments shorter than the walk the fast backward adds atomically."""
+    monkeypatch.setattr(triton_core, "POOL_SEGMENT", 1)  # several segments in the fast mode, even at this size
+    rec = PoolWalkLaunches(triton_core._dkv_pool_kernel)
+    monkeypatch.setattr(triton_core, "_dkv_pool_kernel", rec)
     args = inputs(1, 45, 2, 1, 16)
     kw = dict(topk=5, window=4, variant="hard_k_soft_v", block=16)
-    a, b = run_chunks("triton", args, [45], **kw), run_chunks("triton", args, [45], **kw)
+    fast = run_chunks("triton", args, [45], **kw)
+    assert rec.atomic and all(rec.atomic)
+    rec.atomic.clear()
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        if how == "flag":
+            monkeypatch.setattr(triton_core, "DETERMINISTIC", True)
+        else:
+            torch.use_deterministic_algorithms(True)
+        a, b = run_chunks("triton", args, [45], **kw), run_chunks("triton", args, [45], **kw)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert rec.atomic and not any(rec.atomic)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert_close(a, fast)
 
 
 def test_public_op_default_block():

@@ -13,12 +13,26 @@ def fit(tmp, path, name, *sets):
     return r.output, {m["step"]: m for m in read_metrics(tmp / name / "metrics.jsonl")}
 
 
-def test_deterministic_runs_repeat_every_logged_number_and_restore_torch_settings(workspace):
+def test_deterministic_runs_repeat_every_logged_number_and_restore_torch_settings(workspace, monkeypatch):
+    from longtrain.train.trainer import Trainer
+
     tmp, recipe = workspace
     path = recipe()
+    seen = []  # torch's deterministic mode as each training step saw it
+    step = Trainer.train_step
+
+    def spied(self):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", spied)
     out, a = fit(tmp, path, "a", "train.deterministic=true")
     assert "deterministic" in out
+    assert seen == [True] * 4  # on inside the run, every step
     assert not torch.are_deterministic_algorithms_enabled()  # the run's setting does not leak out of it
+    seen.clear()
+    fit(tmp, path, "plain")
+    assert seen == [False] * 4  # and off in a run that does not ask for it
     _, b = fit(tmp, path, "b", "train.deterministic=true")
     keys = ("loss", "grad_norm", "valid_loss")
     assert [[r.get(k) for k in keys] for r in a.values()] == [[r.get(k) for k in keys] for r in b.values()]
