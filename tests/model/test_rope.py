@@ -24,16 +24,40 @@ def test_recipe_ntk_from_target_length_is_the_papers_base_change():
     assert recipe_hash(plain) != recipe_hash(r)
 
 
-def test_scaling_reaches_the_model_and_chunking_keeps_it():
+# Every type, original_context 16 (linear has none); the dynamic one's NTK base is set by target_length 48.
+SCALINGS = {
+    "yarn": {"type": "yarn", "factor": 4.0, "original_context": 16},
+    "dynamic": {"type": "dynamic", "factor": 2.0, "original_context": 16, "target_length": 48},
+    "linear": {"type": "linear", "factor": 4.0},
+    "llama3": {"type": "llama3", "factor": 4.0, "original_context": 16},
+}
+ATTENTIONS = {"full": dict(attention="full"), "sparsek+sw": dict(attention="sparsek+sw", topk=8, window=8)}
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("kind", SCALINGS)
+@torch.no_grad()
+def test_scaling_reaches_the_model_and_chunking_keeps_it(kind, attention):
     torch.manual_seed(0)
-    scaling = {"type": "yarn", "factor": 4.0, "original_context": 16}
-    cfg = dict(vocab_size=50, layers=1, d_model=32, heads=2, style="llama", attention="full")
-    scaled, plain = LM(LMConfig(**cfg, rope_scaling=scaling)), LM(LMConfig(**cfg))
+    scaling = SCALINGS[kind]
+    cfg = dict(vocab_size=50, layers=1, d_model=32, heads=2, style="llama", **ATTENTIONS[attention])
+    scaled, plain = LM(LMConfig(**cfg, rope_scaling=scaling)).double().eval(), LM(LMConfig(**cfg)).double().eval()
     plain.load_state_dict(scaled.state_dict())
-    tokens = torch.randint(0, 50, (1, 40))
-    assert not torch.allclose(scaled(tokens).logits, plain(tokens).logits, atol=1e-4)
-    cos, sin = rope_angles(torch.arange(40)[None], 16, 10000.0, scaling)
-    assert torch.allclose(cos**2 + sin**2, torch.full_like(cos, (0.1 * torch.log(torch.tensor(4.0)).item() + 1) ** 2))
+    # 70 tokens in chunks of 13: chunks start at 13, 26, ..., 65, past original_context (16) and target_length (48).
+    T, chunk = 70, 13
+    tokens = torch.randint(0, 50, (1, T))
+    ref = scaled(tokens).logits
+    assert not torch.allclose(ref, plain(tokens).logits, atol=1e-4)
+    cache, parts = scaled.empty_cache(1, dtype=torch.float64), []
+    for s in range(0, T, chunk):
+        out = scaled(tokens[:, s : s + chunk], cache=cache)
+        cache = out.cache
+        parts.append(out.logits)
+    assert (torch.cat(parts, 1) - ref).abs().max() <= 1e-9
+    assert cache.seen.tolist() == [T]
+    if kind == "yarn":
+        cos, sin = rope_angles(torch.arange(40)[None], 16, 10000.0, scaling)
+        assert torch.allclose(cos**2 + sin**2, torch.full_like(cos, (0.1 * torch.log(torch.tensor(4.0)).item() + 1) ** 2))
 
 
 @pytest.mark.parametrize("sets,message", [

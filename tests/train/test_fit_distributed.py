@@ -141,15 +141,21 @@ def test_two_fsdp_ranks_train_as_one_process_through_a_kill_and_the_longtrain_sc
     assert loaded.step == STEPS and torch.equal(loaded.model.state_dict()["embed.weight"], weights(space, "fsdp")["embed.weight"])
 
 
-def test_a_rank_killed_mid_save_leaves_no_checkpoint_and_the_run_resumes_bitwise(space, ddp):
-    # rank 1 dies while writing checkpoint 8 (its part is written, rank 0 has not committed); torchrun stops rank 0
-    killed = torchrun_fit(space, "killed", extra_env={"LONGTRAIN_TEST_KILL_IN_SAVE": "8:1"})
-    assert killed.returncode != 0
+@pytest.fixture(scope="module")
+def killed_in_save(space):
+    """A 2 × 2 ddp run whose rank 1 died while writing checkpoint 8 (its part is written, rank 0 has not
+    committed; torchrun stops rank 0): the folder `killed-in-save` as it was left. No test writes to it:
+    each copies it to a folder of its own, so the tests that need it run alone and in any order."""
+    return torchrun_fit(space, "killed-in-save", extra_env={"LONGTRAIN_TEST_KILL_IN_SAVE": "8:1"})
+
+
+def test_a_rank_killed_mid_save_leaves_no_checkpoint_and_the_run_resumes_bitwise(space, ddp, killed_in_save):
+    assert killed_in_save.returncode != 0
+    shutil.copytree(space / "killed-in-save", space / "killed")
     ckpts = space / "killed/checkpoints"
     assert (ckpts / "step-00000004").is_dir() and not (ckpts / "step-00000008").exists()
     half = [p for p in ckpts.iterdir() if p.name.startswith(".tmp-step-00000008")]
     assert half and not (half[0] / "meta.json").exists()  # what was written never carries the final name
-    shutil.copytree(space / "killed", space / "regrouped")  # for the next test: its step 4, as it was
 
     resumed = ok(torchrun_fit(space, "killed"))  # --resume auto
     assert "resuming from" in resumed.stdout and "step-00000004" in resumed.stdout
@@ -161,10 +167,11 @@ def test_a_rank_killed_mid_save_leaves_no_checkpoint_and_the_run_resumes_bitwise
     assert not any(p.name.startswith(".tmp-") for p in ckpts.iterdir())  # the next save cleared the stale part
 
 
-def test_two_by_two_resumes_as_one_by_four_and_other_totals_are_refused(space, ddp):
+def test_two_by_two_resumes_as_one_by_four_and_other_totals_are_refused(space, ddp, killed_in_save):
+    assert killed_in_save.returncode != 0
     regrouped = space / "regrouped"
-    if not regrouped.is_dir():
-        pytest.skip("needs the killed run of the previous test")
+    shutil.copytree(space / "killed-in-save", regrouped)  # its step 4 (and the half-written step 8), as it was
+    assert (regrouped / "checkpoints/step-00000004").is_dir() and not (regrouped / "checkpoints/step-00000008").exists()
     refused = fit(space, "regrouped", "--set", "train.batch_docs=3")  # one process × 3 rows: 3 != 2 × 2
     assert refused.returncode == 1
     msg = refused.stderr
