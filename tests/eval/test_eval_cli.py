@@ -8,6 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from longtrain.cli import app
+from longtrain.eval import passkey
 from longtrain.data import TokenizerConfig, default_cache_dir, prepare_corpus
 from longtrain.eval.documents import eval_documents
 from longtrain.train.checkpoint.storage import CheckpointManager, load, validate
@@ -21,7 +22,38 @@ def evaluate(*args):
     return runner.invoke(app, ["eval", *args])
 
 
-def test_two_checkpoints_one_table_one_json_one_plot(runs, tmp_path):
+def _depth_of(tokenizer, prompt) -> float:
+    """The depth whose passkey prompt (same length, same key) is this prompt's tokens."""
+    depths = [d for d in passkey.DEPTHS if passkey.passkey_prompt(tokenizer, len(prompt.ids), d, prompt.key).ids == prompt.ids]
+    assert len(depths) == 1, depths  # the depths' prompts differ at this length (not at 256: no room for filler)
+    return depths[0]
+
+
+def _stub_answer(monkeypatch, knows, *, decode: bool = True) -> list[list[int]]:
+    """Stub passkey's `answer` (around the real one: with `decode`, the model still decodes): the true key where
+    knows(model, tokenizer, prompt), else a wrong number (the key and a 0). Returns each batch's prompt lengths."""
+    batches, real = [], passkey.answer
+
+    def stub(model, tokenizer, prompts, chunk_size):
+        batches.append([len(p.ids) for p in prompts])
+        texts = real(model, tokenizer, prompts, chunk_size) if decode else [""] * len(prompts)
+        assert len(texts) == len(prompts) and all(isinstance(t, str) for t in texts)
+        return [f" {p.key}. Remember" if knows(model, tokenizer, p) else f" {p.key}0 {t}" for p, t in zip(prompts, texts)]
+
+    monkeypatch.setattr(passkey, "answer", stub)
+    return batches
+
+
+def _expect(cells, lengths, trials, hit):
+    """Cells per (length, depth) in order; accuracy 1 where hit(length, depth), else 0."""
+    assert [(c["length"], c["depth"]) for c in cells] == [(n, d) for n in lengths for d in passkey.DEPTHS]
+    for c in cells:
+        h = hit(c["length"], c["depth"])
+        assert c["trials"] == trials and c["accuracy"] == (1.0 if h else 0.0) and c["correct"] == (trials if h else 0), c
+
+
+def test_two_checkpoints_one_table_one_json_one_plot(runs, tmp_path, monkeypatch):
+    batches = _stub_answer(monkeypatch, lambda model, tok, p: model.cfg.attention == "sparsek+sw")  # sw never knows
     out, png = tmp_path / "eval.json", tmp_path / "eval.png"
     res = evaluate(str(runs["sparsek"]), str(runs["sw"]), *FAST, "--json", str(out), "--plot", str(png))
     assert res.exit_code == 0, res.output
@@ -39,11 +71,24 @@ def test_two_checkpoints_one_table_one_json_one_plot(runs, tmp_path):
         for b in p["buckets"]:
             assert set(b) == {"start", "end", "tokens", "loss", "ppl"}
         assert [(c["length"], c["depth"]) for c in r["passkey"]] == [(256, d) for d in (0.0, 0.25, 0.5, 0.75, 1.0)]
-        for c in r["passkey"]:
-            assert c["trials"] == 1 and 0.0 <= c["accuracy"] <= 1.0
+    _expect(results[0]["passkey"], [256], 1, lambda n, d: True)
+    _expect(results[1]["passkey"], [256], 1, lambda n, d: False)
+    assert batches == [[256] * 5] * 2  # one batch of the five depths per checkpoint
+    table = " ".join(res.output.split())
+    assert "1.00 (depths 1.00 1.00 1.00 1.00 1.00)" in table and "0.00 (depths 0.00 0.00 0.00 0.00 0.00)" in table
     assert results[0]["ppl"]["tokens"] == results[1]["ppl"]["tokens"]  # the same documents for both
     assert results[0]["ppl"]["loss"] != results[1]["ppl"]["loss"]  # different models
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_passkey_grid_scores_each_depth_and_length_apart(runs, tmp_path, monkeypatch):
+    """Several lengths, trials spilling over a batch of ROWS prompts: each cell counts its own prompts."""
+    batches = _stub_answer(monkeypatch, lambda model, tok, p: _depth_of(tok, p) == 0.5, decode=False)
+    out = tmp_path / "passkey.json"
+    res = evaluate(str(runs["sw"]), "--task", "passkey", "--max-len", "1500", "--trials", "3", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    _expect(json.loads(out.read_text())["results"][0]["passkey"], [1024, 1500], 3, lambda n, d: d == 0.5)
+    assert batches == [[1024] * passkey.ROWS, [1024] * 7, [1500] * passkey.ROWS, [1500] * 7]
 
 
 def test_default_documents_are_the_runs_validation_split_from_fits_token_cache(runs, tmp_path):

@@ -155,13 +155,29 @@ def test_eval_task_scores_the_continuations(runs, tmp_path, monkeypatch, corpus)
     assert "KV budget (k + w)" in res.output and "›k+w" in res.output
 
 
-def test_eval_task_runs_the_model(runs, tmp_path):
+def test_eval_task_runs_the_model(runs, tmp_path, monkeypatch):
+    """The real model: the prediction is its greedy continuation of the prompt, scored by RULER's match."""
+    from longtrain.data.tokenizer import eod_id
+    from longtrain.generate import generate_batch
+    from longtrain.train.checkpoint import load_checkpoint
+
+    made = []
+    real = ruler_task.make_sample
+    monkeypatch.setattr(ruler_task, "make_sample", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     res = CliRunner().invoke(app, ["eval", str(runs["sw"]), "--task", "ruler:niah_single_1", "--max-len", "512",
-                                   "--trials", "1", "--json", str(out), "--plot", str(png)])
+                                   "--trials", "1", "--device", "cpu", "--json", str(out), "--plot", str(png)])
     assert res.exit_code == 0, res.output
     cell = json.loads(out.read_text())["results"][0]["ruler"]["cells"][0]
-    assert cell["samples"][0]["prompt_tokens"] <= 512 - 128 and isinstance(cell["samples"][0]["prediction"], str)
+    (s,) = made
+    got = cell["samples"][0]
+    assert got["prompt_tokens"] == len(s.ids) <= 512 - 128 and got["answers"] == s.answers and s.max_new_tokens == 128
+    ckpt = load_checkpoint(runs["sw"])  # float32 on the cpu, as the eval ran
+    want = generate_batch(ckpt.model, [s.ids], max_new_tokens=s.max_new_tokens, eod_id=eod_id(ckpt.tokenizer),
+                          tokenizer=ckpt.tokenizer).rows[0]
+    assert len(want.tokens) == s.max_new_tokens or want.stopped == "end_of_document"
+    assert isinstance(got["prediction"], str) and got["prediction"] == want.text
+    assert got["score"] == match_all(want.text, s.answers) and cell["score"] == 100 * got["score"]
     assert png.stat().st_size > 0
 
 
