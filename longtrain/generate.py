@@ -26,7 +26,6 @@ output length, so memory does not grow while generating; full attention keeps ev
 
 from __future__ import annotations
 
-import resource
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +39,7 @@ from longtrain.model.attention import rows_padded
 from longtrain.model.attention_types import has_ring_layout
 from longtrain.model.chunks import PREFILL_CHUNK, ChunkReader, prefill_chunk_size, split_rows
 from longtrain.ops.sparsek_attention.decode import position_hash
+from longtrain.train.metrics import peak_memory_bytes
 
 STOP_REASONS = ("max_new_tokens", "end_of_document", "stop_text")
 
@@ -436,12 +436,6 @@ class Generation:
         return self.new_tokens / max(self.decode_seconds, 1e-9)
 
 
-def peak_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -556,7 +550,7 @@ def generate_batch(
     ]
     return Generation(
         rows=done, prefill_seconds=t1 - t0, decode_seconds=t3 - t2, capture_seconds=t2 - t1, decode_steps=steps,
-        peak_memory_bytes=peak_memory(dev), kv_entries_per_layer=cache.kv_entries_per_layer,
+        peak_memory_bytes=peak_memory_bytes(dev), kv_entries_per_layer=cache.kv_entries_per_layer,
         cache_bytes=cache.nbytes(), cache_grows=decoder.cache_grows,
         extra={"overflowed": cache.overflowed(), "cuda_graph": decoder.graph is not None,
                "compiled": decoder.compiled, "in_place": decoder.in_place, "exact": decoder.exact,

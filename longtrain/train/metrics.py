@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import resource
+import sys
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from rich.console import Console, Group
 from rich.live import Live
@@ -153,11 +154,13 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
-    """Peak CUDA memory allocated by tensors on a GPU; resident memory of the process on the CPU."""
+    """The process's peak so far: CUDA memory allocated by tensors on a GPU, resident memory on the CPU (the OS's
+    high-water mark, ru_maxrss: never below what the process held at any moment, unlike its current size)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return psutil.Process().memory_info().rss
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 # ------------------------------------------------------------------ display

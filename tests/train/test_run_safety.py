@@ -17,7 +17,7 @@ from longtrain.data.cache import disk_size
 from longtrain.train.metrics import read_metrics
 from longtrain.train.run_dir import RunLock
 
-from .tiny import cli, cli_command, losses, snapshot
+from .tiny import cli, cli_command, logged_steps, losses, snapshot
 
 
 def test_a_refused_resume_leaves_the_run_dir_byte_identical(workspace):
@@ -52,6 +52,7 @@ def test_resuming_an_earlier_checkpoint_moves_the_later_ones_aside(workspace):
     [aside] = ckpts.glob("step-00000006.superseded-*")
     assert snapshot(aside) == later and len(list(ckpts.glob("step-00000004.superseded-*"))) == 1
     assert sorted(p.name for p in ckpts.iterdir() if "." not in p.name) == ["step-00000002", "step-00000003"]
+    assert logged_steps(tmp / "r") == [1, 2, 3]  # the first run's steps 3-6 dropped, step 3 logged once, anew
     r = cli("fit", path, "--run-dir", tmp / "r", "--set", "train.steps=3")  # auto now finds step 3, not the old 6
     assert "already finished at step 3" in r.output
 
@@ -78,7 +79,7 @@ def test_another_runs_checkpoint_is_refused_unless_forked_into_a_new_run(workspa
     assert r.exit_code == 0, r.output
     assert f"--fork: a new run from {other} (step 4): its metrics and checkpoints start at step 5" in r.output
     assert f"done: steps 5–6 (a new run forked from {other} at step 4)" in r.output
-    assert sorted(losses(tmp / "b")) == [5, 6]  # this run's metrics from the fork on, none of its old steps 1-2
+    assert logged_steps(tmp / "b") == [5, 6]  # this run's metrics from the fork on, none of its old steps 1-2
     assert sorted(p.name for p in (tmp / "b/checkpoints").iterdir()) == ["step-00000006"]
     [old_ckpts] = (tmp / "b").glob("checkpoints.replaced-*")
     [old_metrics] = (tmp / "b").glob("metrics.jsonl.replaced-*")
@@ -174,7 +175,7 @@ def test_resume_never_moves_the_previous_run_aside_and_says_where(workspace):
     assert str(aside) in r.output and str(old_metrics) in r.output
     assert snapshot(aside) == old
     assert [rec["step"] for rec in read_metrics(old_metrics)] == [1, 2, 3, 4]
-    assert sorted(losses(tmp / "r")) == [1, 2]
+    assert logged_steps(tmp / "r") == [1, 2]
     assert sorted(p.name for p in (tmp / "r/checkpoints").iterdir()) == ["step-00000002"]
     # The summary lists what was moved aside, and `longtrain clean` deletes exactly that.
     note = next(line for line in r.output.splitlines() if "moved aside by earlier runs" in line)
@@ -225,7 +226,7 @@ def test_a_busy_run_dir_is_refused_naming_its_holder_and_a_sigkilled_holder_leav
     assert (run / ".lock").is_file()  # left behind by the killed holder: information only
     r = cli("fit", path, "--run-dir", run, "--set", "train.steps=2")
     assert r.exit_code == 0, r.output
-    assert sorted(losses(run)) == [1, 2]
+    assert logged_steps(run) == [1, 2]
     assert not (run / ".lock").exists()
 
 

@@ -74,6 +74,11 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")}
 
 
+def logged_steps(run_dir: Path) -> list[int]:
+    """The steps of metrics.jsonl's step records in file order (a resumed run's repeats would show, unlike in losses)."""
+    return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` by relative path, with its bytes."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
