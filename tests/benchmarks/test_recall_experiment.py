@@ -167,6 +167,57 @@ def test_the_verdict_names_the_runs_that_miss_the_target_and_counts_the_rest():
     assert "stage 2 missed the target in sparsek-s3 (0.870)" in rx.missed_message(res, Path("OUT"))
 
 
+def test_circuit_recall_and_stage2_check_read_their_own_buckets_of_the_measurement(tmp_path, monkeypatch):
+    """The real circuit_recall and stage2_check, with the checkpoint and measure_recall replaced by known buckets:
+    circuit_recall is the trial-weighted mean of the buckets from max_distance // 2 on (formed at exactly
+    CIRCUIT_FORMED, not just under it); stage2_check the worst bucket from 16x to 32x the KV budget, whatever its
+    trials (kept at exactly TARGET_RECALL, retried just under it). Empty buckets never count."""
+    from types import SimpleNamespace
+
+    import longtrain.eval.recall as recall_mod
+    import longtrain.train.checkpoint as checkpoint_mod
+    import recall_experiment as rx
+
+    assert (rx.CIRCUIT_FORMED, rx.TARGET_RECALL) == (0.9, 0.95)  # the edges the buckets below sit on
+    ckpt = SimpleNamespace(recipe=SimpleNamespace(data=SimpleNamespace(recall=SimpleNamespace(max_distance=256, seed=7))),
+                           model=SimpleNamespace(cfg=SimpleNamespace(attention="sparsek+sw", topk=32, window=32)))  # KV 64
+    loads, calls, buckets = [], [], []
+    monkeypatch.setattr(checkpoint_mod, "load_checkpoint", lambda run_dir, device: loads.append((run_dir, device)) or ckpt)
+    monkeypatch.setattr(recall_mod, "measure_recall", lambda loaded, **settings: calls.append((loaded, settings)) or buckets)
+
+    def measured(*rows):  # (start, end, trials, accuracy)
+        buckets[:] = [{"start": a, "end": b, "trials": n, "accuracy": acc, "symbol_accuracy": acc and 0.5} for a, b, n, acc in rows]
+
+    def circuit(far_acc):  # far = 256 // 2 = 128
+        measured((32, 64, 50, 0.0), (64, 128, 50, 0.2),  # nearer than 128: left out (with them: 0.329)
+                 (128, 192, 30, 1.0), (192, 224, 0, None), (224, 257, 10, far_acc))  # from 128 on; the empty one skipped
+        return rx.circuit_recall(tmp_path / "circuit-s0", "cpu")
+
+    assert circuit(0.6) == 0.9  # (30 * 1.0 + 10 * 0.6) / 40; unweighted (1.0 + 0.6) / 2 = 0.8 would not form
+    assert rx.formed({"0": {"recall": circuit(0.6)}}, [0]) == [0]
+    assert circuit(0.59) == pytest.approx(0.8975) and rx.formed({"0": {"recall": circuit(0.59)}}, [0]) == []
+    assert loads[0] == (tmp_path / "circuit-s0", "cpu") and calls[0] == (ckpt, {"docs": 32})
+    measured((32, 64, 50, 1.0))
+    assert rx.circuit_recall(tmp_path / "circuit-s0", "cpu") == 0.0  # no far bucket: nothing recalled there
+
+    def stage2(edge_acc):  # 16x to 32x a KV budget of 64: 1024..2048
+        measured((512, 1024, 40, 0.1),  # before 16x: left out (the worst, if it counted)
+                 (1024, 1536, 40, 0.97), (1536, 1800, 0, None),  # from 16x on; the empty one skipped
+                 (1800, 2049, 8, edge_acc),  # to 32x inclusive: its few trials count as much as the 40 (min, not a mean)
+                 (2049, 4097, 40, 0.2))  # beyond 32x: left out
+        return rx.stage2_check(tmp_path / "runs" / "sparsek-s0", "cpu", [], docs=3)
+
+    assert stage2(0.95) == 0.95  # the trial-weighted mean (0.9667) or the 0.97 bucket alone would hide it
+    assert rx.settled({"checked": True, "recall": stage2(0.95), "attempt": 0}, retries=2)
+    assert stage2(0.9499) == 0.9499 and not rx.settled({"checked": True, "recall": stage2(0.9499), "attempt": 0}, retries=2)
+    rc = rx._standard_recall([])
+    assert calls[-1] == (ckpt, {"docs": 3, "doc_tokens": rc.doc_tokens, "facts": rc.facts, "min_distance": rc.min_distance,
+                                "max_distance": rc.max_distance, "seed": rx.CHECK_SEED + 7})  # documents the evaluation never reads
+    measured((512, 1024, 40, 0.1), (2049, 4097, 40, 0.2))
+    assert rx.stage2_check(tmp_path / "runs" / "sparsek-s0", "cpu", []) is None  # nothing from 16x to 32x to check
+    assert calls[-1][1]["docs"] == rx.CHECK_DOCS
+
+
 def test_the_whole_experiment_exits_non_zero_naming_a_stage_2_run_that_misses_the_target(tmp_path, monkeypatch):
     import recall_experiment as rx
 

@@ -116,7 +116,13 @@ def test_fit_with_scorer_first_warmup_then_resume_after_a_kill(imported, tmp_pat
     # Steps 1-2: only the scoring vectors moved (no update, no weight decay on the rest).
     assert all(torch.equal(at2[k], v) for k, v in base.items())
     scorers = [k for k in at2 if k.endswith("scorer.weight")]
-    assert len(scorers) == 2
+    assert len(scorers) == 2 and set(at2) == set(base) | set(scorers)
+    r = load_fit_recipe("finetune-llama", sets(overrides(imported, freeze)))  # the run's start: the source + mimic scorers
+    start = LM(LMConfig.from_recipe(r.model, r.attention))
+    init_from_checkpoint(start, r.train.init_from, r)
+    start = start.state_dict()
+    for k in scorers:  # every scoring vector (row) of every layer learned in the warm-up
+        assert at2[k].shape == start[k].shape and (at2[k] != start[k]).any(dim=-1).all(), k
     # Steps 3-4: everything trains.
     assert all(not torch.equal(at4[k], v) for k, v in base.items() if k.endswith(".weight"))
     metrics = {r["step"]: r for r in read_metrics(tmp_path / "straight/metrics.jsonl")}

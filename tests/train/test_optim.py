@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -102,13 +103,34 @@ def test_fused_adamw_steps_like_foreach_and_resumes_either_way():
             opt.zero_grad()
     for p, q in zip(a.parameters(), b.parameters()):
         assert (p - q).abs().max() <= 1e-6
+
+    def resume(source, source_opt, fused):
+        """source_opt's state loaded by the other implementation over a bitwise copy of `source`: every parameter's
+        moments and step come back as saved, and one more step of each lands on the same parameters."""
+        saved = copy.deepcopy(source_opt.state_dict())
+        clone = make()
+        clone.load_state_dict(source.state_dict())
+        loaded = build_optimizer(clone, cfg, fused=fused)
+        loaded.load_state_dict(copy.deepcopy(saved))  # as from a checkpoint file: a live state_dict shares its tensors
+        params = list(clone.parameters())
+        assert len(saved["state"]) == len(params) == len(loaded.state)
+        for i, p in enumerate(params):
+            state, want = loaded.state[p], saved["state"][i]
+            assert set(state) >= {"exp_avg", "exp_avg_sq", "step"}, (i, set(state))
+            assert torch.equal(state["exp_avg"], want["exp_avg"]) and torch.equal(state["exp_avg_sq"], want["exp_avg_sq"]), i
+            assert state["step"].dtype == torch.float32 and float(state["step"]) == float(want["step"]) == 3.0, i
+        for m, opt in ((source, source_opt), (clone, loaded)):
+            m(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        for p, q in zip(source.parameters(), params):
+            assert (p - q).abs().max() <= 1e-6
+        return loaded
+
     # a for-each checkpoint resumed by a fused optimizer (CPU run -> GPU run) stays fused, and back
-    resumed = build_optimizer(b, cfg, fused=True)
-    resumed.load_state_dict(opt_a.state_dict())
+    resumed = resume(a, opt_a, fused=True)
     assert all(g["fused"] and not g["foreach"] for g in resumed.param_groups)
-    assert all(s["step"].dtype == torch.float32 for s in resumed.state.values())
-    back = build_optimizer(a, cfg)
-    back.load_state_dict(opt_b.state_dict())
+    back = resume(b, opt_b, fused=False)
     assert all(g["foreach"] and not g["fused"] for g in back.param_groups)
 
 
