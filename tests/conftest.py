@@ -24,11 +24,24 @@ def _seed_and_threads():
     yield
 
 
+def gpu_skip_reason() -> str | None:
+    """Why the `gpu` tests cannot run here (None: they can). Without CUDA they skip; under TRITON_INTERPRET=1 (README's
+    CPU command) their kernels would run in the interpreter, with its small tiles and emulated dots, not compiled
+    for the GPU: a pass would say nothing about the kernels, so they do not run (run tests/gpu without it)."""
+    if not torch.cuda.is_available():
+        return "needs CUDA (marked gpu)"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "TRITON_INTERPRET=1 would run the kernels in Triton's interpreter: run tests/gpu without it"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA: skipped without it (`-m "not gpu"` leaves them out altogether)."""
-    if torch.cuda.is_available():
+    """Tests marked `gpu` need CUDA and compiled kernels: skipped otherwise, saying why (`-m "not gpu"` leaves them
+    out altogether)."""
+    reason = gpu_skip_reason()
+    if reason is None:
         return
-    skip = pytest.mark.skip(reason="needs CUDA (marked gpu)")
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -28,3 +28,19 @@ def test_the_driver_version_comes_from_nvidia_smi_and_is_none_without_it(tmp_pat
     assert driver_version() is None
     monkeypatch.setenv("PATH", str(tmp_path / "none"))
     assert driver_version() is None
+
+
+def test_gpu_tests_skip_without_cuda_and_under_the_interpreter(monkeypatch):
+    """The `gpu` tests run only on CUDA with compiled kernels: under TRITON_INTERPRET=1 they would pass on the
+    interpreter's kernels and say nothing about the GPU's."""
+    import torch
+
+    from tests.conftest import gpu_skip_reason
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_skip_reason() == "needs CUDA (marked gpu)"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "interpreter" in gpu_skip_reason()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert gpu_skip_reason() is None
