@@ -50,7 +50,14 @@ def test_chunked_model_follows_one_pass_on_the_gpu(autocast, gain):
             cache = out.cache
             got.append(out.logits.float())
     diff = (torch.cat(got, 1) - ref).abs().max().item()
-    assert diff < (0.25 if autocast else 1e-3), diff
+    if not autocast:
+        assert diff < 1e-3, diff
+        return
+    # in bf16 both passes round: chunking may move the logits by about what bf16 moves them from float32, no more
+    with torch.no_grad():
+        ref32 = model(tokens).logits.float()
+    bf16_err = (ref - ref32).abs().max().item()
+    assert diff <= 2 * bf16_err, (diff, bf16_err)
     # training under autocast: finite gradients into phi's head-wise map
     with torch.autocast("cuda", torch.bfloat16):
         loss = model(tokens[:, :512]).logits.float().logsumexp(-1).mean()

@@ -1,5 +1,9 @@
-"""The decode step (one query against the cache, incremental threshold) equals the chunk op on one token."""
+"""The decode step (one query against the cache, incremental threshold) equals the chunk op on one token.
 
+The Triton cases run their kernels on DEV: the GPU where there is one (compiled kernels), else the CPU under
+TRITON_INTERPRET=1. Their reference stays on the CPU, so a GPU run compares the compiled kernel against it."""
+
+import os
 from dataclasses import replace
 
 import pytest
@@ -14,6 +18,17 @@ from longtrain.ops.sparsek_attention import (
 )
 from longtrain.ops.sparsek_attention.cache import SparseKRingCache, from_ring, to_ring
 from longtrain.ops.sparsek_attention.decode import position_hash
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' import
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on(device, *xs):
+    """The tensors and caches xs on device (None stays None)."""
+    out = [x if x is None else x.to(device) for x in xs]
+    return out[0] if len(out) == 1 else out
 
 CASES = [
     # topk, window, H, Hkv, variant, cap, prefill, steps, u_spread
@@ -88,12 +103,14 @@ def test_decode_equals_the_chunk_op(topk, window, H, Hkv, variant, cap, prefill,
         q, k, v, u = _rand(B, prefill, H, Hkv, D, dtype, spread)
         lengths = torch.tensor([prefill, max(prefill - 3, 0)])
         _, cache, _ = sparsek_attention_chunk(q, k, v, u, cache, lengths=lengths, backend="naive", scan="host", **kw)
-    fast, ref = (to_ring(cache) if ring else cache), cache
-    _sets_equal(from_ring(fast), ref, topk, 0.0)
+    dev = DEV if backend == "triton" else "cpu"  # the reference always on the CPU
+    fast, ref = _on(dev, to_ring(cache) if ring else cache), cache
+    _sets_equal(_on("cpu", from_ring(fast)), ref, topk, 0.0)
     pooled_changes = 0
     for step in range(steps):
         q, k, v, u = [x[:, 0] for x in _rand(B, 1, H, Hkv, D, dtype, spread, t0=prefill + step)]
-        o1, fast, s1 = sparsek_attention_decode(q, k, v, u, fast, with_selection=True, backend=backend, **kw)
+        o1, fast, s1 = sparsek_attention_decode(*_on(dev, q, k, v, u), fast, with_selection=True, backend=backend, **kw)
+        o1, s1 = o1.cpu(), replace(s1, **{f: getattr(s1, f).cpu() for f in ("fingerprint", "theta_pos", "n_active", "tau")})
         o2, nxt, s2 = sparsek_attention_decode_reference(q, k, v, u, ref, with_selection=True, **kw)
         pooled_changes += int((nxt.pool_pos.sort(1).values != ref.pool_pos.sort(1).values).any())
         ref = nxt
@@ -102,8 +119,8 @@ def test_decode_equals_the_chunk_op(topk, window, H, Hkv, variant, cap, prefill,
         assert torch.equal(s1.theta_pos, s2.theta_pos), step
         assert (s1.n_active - s2.n_active).abs().max() <= 1, step  # a score exactly at tau: see _scores
         assert torch.allclose(s1.tau, s2.tau, atol=1e-12, rtol=0), step
-        assert isinstance(fast, SparseKRingCache) == ring
-        _sets_equal(from_ring(fast), ref, topk, 1e-12)
+        assert isinstance(fast, SparseKRingCache) == ring and fast.seen.device.type == torch.device(dev).type
+        _sets_equal(_on("cpu", from_ring(fast)), ref, topk, 1e-12)
     if topk:
         assert pooled_changes >= 3  # the pool really turned over
     if spread < 0.1:
@@ -173,7 +190,7 @@ def test_the_admission_kernel_on_edge_states(cap):
         cpos = fast.seen - 2 + step
         cpos[1] = -1  # row 1: no candidate
         ck, cv = torch.randn(B, 1, D, dtype=torch.float64), torch.randn(B, 1, D, dtype=torch.float64)
-        a = _admit(fast, ck, cv, cu, cpos, topk=K, backend="triton")
+        a = _on("cpu", _admit(*_on(DEV, fast, ck, cv, cu, cpos), topk=K, backend="triton"))  # the kernel on DEV
         b = _admit(ref, ck, cv, cu, cpos, topk=K, backend="torch")
         assert torch.equal(a.pool_pos, b.pool_pos) and torch.equal(a.pool_u, b.pool_u) and torch.equal(a.pool_k, b.pool_k)
         assert torch.equal(a.thr_count, b.thr_count) and torch.equal(a.overflow, b.overflow), step
@@ -246,7 +263,7 @@ def test_the_attention_kernel_equals_attend_torch(topk, window, H, Hkv, D, varia
         want = attend_torch(q, k, v, cache, **kw)
         # the keys of each (row, KV head) in one program, split in 3 and 7 (some splits hold no key), and as the shapes choose
         for splits in (1, 3, 7, None):
-            got = attend_triton(q, k, v, cache, **kw, splits=splits)
+            got = attend_triton(*_on(DEV, q, k, v, cache), **kw, splits=splits).cpu()
             assert got.dtype == dtype and got.shape == (B, H, D)
             err = (got.double() - want.double()).abs().max()
             assert torch.allclose(got.double(), want.double(), atol=atol, rtol=0), (dtype, splits, err)
@@ -256,7 +273,7 @@ def test_the_attention_kernel_equals_attend_torch(topk, window, H, Hkv, D, varia
         want_ring = attend_torch(q, k, v, ring, **kw, tail_ring=True)
         assert torch.allclose(want_ring.double(), want.double(), atol=atol, rtol=0)  # the reference: the same attention
         for splits in (1, 3, None):
-            got = attend_triton(q, k, v, ring, **kw, splits=splits, tail_ring=True)
+            got = attend_triton(*_on(DEV, q, k, v, ring), **kw, splits=splits, tail_ring=True).cpu()
             err = (got.double() - want_ring.double()).abs().max()
             assert torch.allclose(got.double(), want_ring.double(), atol=atol, rtol=0), (dtype, splits, "ring", err)
 
@@ -304,9 +321,10 @@ def test_the_ring_write_kernel_equals_the_torch_ring_write(topk, window, Hkv, D,
     u = torch.randn(B, dtype=torch.float64)
     for slot in ([1, -1, topk - 1] if topk else [-1, -1, -1], None):
         slot = None if slot is None else torch.tensor(slot)
-        want, got = to_ring(from_ring(ring)), to_ring(from_ring(ring))  # two copies of the same state
+        want, got = to_ring(from_ring(ring)), _on(DEV, to_ring(from_ring(ring)))  # two copies of the same state
         _ring_write(want, slot, leaving, cpos, k, v, u)
-        ring_write_triton(got, slot, leaving, cpos, k, v, u)
+        ring_write_triton(got, *_on(DEV, slot, leaving, cpos, k, v, u))  # in place, on DEV
+        got = _on("cpu", got)
         for name in ("pool_k", "pool_v", "pool_u", "pool_pos", "tail_k", "tail_v", "tail_u"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (name, slot)
         assert not torch.equal(got.tail_k, ring.tail_k)  # the new token went in
