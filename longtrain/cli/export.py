@@ -18,7 +18,8 @@ def export(
     max_positions: int = typer.Option(None, "--max-positions",
         help="config.json max_position_embeddings (default: the imported model's, else 2048)"),
 ) -> None:
-    """Write config.json, model.safetensors and tokenizer.json that transformers loads (SparseK extras noted in the config)."""
+    """Write config.json, model.safetensors and tokenizer.json that transformers loads (SparseK extras noted in the config);
+    a model the family's config cannot express (a full-attention Llama with rotary_pct < 1, ...) is refused, nothing written."""
     from longtrain.interop.hf_export import export_hf
 
     path = export_hf(checkpoint, out, dtype=dtype, max_positions=max_positions)

@@ -110,6 +110,34 @@ def export_family(cfg, source_type: str | None) -> Family:
     return family
 
 
+def export_problems(cfg, family: Family, remote: bool) -> list[str]:
+    """What `family`'s config.json cannot say about an LMConfig, so that transformers would compute another model.
+
+    The attention type is the one exception, by design: SparseK and SW exports carry modeling_longtrain.py
+    (`remote`), and plain transformers runs them as the family's full (or Mistral's sliding) attention, as
+    config.json's note says. A partial rotary fraction in the Llama layout is allowed there too (the remote
+    code rotates what longtrain rotates; the note says that plain transformers rotates every dim)."""
+    problems = []
+    name = family.architecture
+    if family in LLAMA_LIKE:
+        if cfg.rotary_pct != 1.0 and not remote:  # LlamaForCausalLM rotates every dim of a head, whatever its config says
+            problems.append(f"model.rotary_pct {cfg.rotary_pct}: {name} rotates all of each head's dims (transformers' Llama "
+                            "family has no partial rotary; GPT-NeoX has, so a gpt2 or gptneox style model exports it)")
+        if cfg.parallel_residual:
+            problems.append(f"model.parallel_residual true: {name} has no parallel residual")
+        if family is QWEN2 and cfg.max_context is not None:
+            problems.append(f"attention.max_context {cfg.max_context}: a model with q/k/v biases is written as {name}, "
+                            "which this export gives no sliding window")
+    else:
+        if cfg.kv_heads != cfg.heads:
+            problems.append(f"kv_heads {cfg.kv_heads} ≠ heads {cfg.heads}: GPT-NeoX has no grouped-query attention")
+        if cfg.qkv_bias is False:
+            problems.append("model.qkv_bias false: GPT-NeoX has biases on q, k and v whenever its output projection has one")
+        if cfg.max_context is not None:
+            problems.append(f"attention.max_context {cfg.max_context}: GPT-NeoX has no sliding window")
+    return problems
+
+
 def sliding_window_of(cfg) -> int | None:
     """What transformers' `sliding_window` must be to compute what an LMConfig's attention does, if it can."""
     if cfg.attention == "full":
@@ -222,6 +250,10 @@ def model_section(family: Family, config: dict[str, Any]) -> dict[str, Any]:
         if unsupported:
             raise HFFormatError(f"this {family.model_type} config is not supported: {'; '.join(unsupported)}")
         section |= {"kv_heads": kv, "rope_theta": theta, "norm_eps": config.get("rms_norm_eps", 1e-6)}
+        # A longtrain export records the rotary fraction that the Llama family's keys cannot say (its remote code uses it).
+        saved = config.get("longtrain_sparsek")
+        if isinstance(saved, dict) and saved.get("rotary_pct") is not None:
+            section["rotary_pct"] = float(saved["rotary_pct"])
         if family is QWEN2:
             section["qkv_bias"] = True
     else:

@@ -24,6 +24,8 @@ per KV head). `--score-init`:
 
 A folder that `longtrain export` wrote from a SparseK model carries the scoring vectors as extra
 tensors; importing it with a SparseK type of the same groups takes them instead of initialising.
+Every export records its attention settings and rotary fraction (config.json's `longtrain_sparsek`):
+what the flags leave unset comes from there (`attention_settings`, hf_families.model_section).
 """
 
 from __future__ import annotations

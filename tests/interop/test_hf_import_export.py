@@ -100,7 +100,8 @@ def test_sparsek_import_mimic_scores_and_export_carries_them(folders, tmp_path):
     config = json.loads((tmp_path / "out/config.json").read_text())
     assert config["longtrain_sparsek"] | {"note": ""} == {
         "attention": "sparsek+sw", "topk": 8, "window": 8, "variant": "hard_k_soft_v", "score_groups": "shared",
-        "timestep_norm": True, "eps_slope": 1e-3, "qkv_bias": False, "layout": "llama", "parallel_residual": False, "note": "",
+        "timestep_norm": True, "eps_slope": 1e-3, "qkv_bias": False, "layout": "llama", "parallel_residual": False,
+        "rotary_pct": 1.0, "note": "",
     }
     assert "ignores" in config["longtrain_sparsek"]["note"]
     tensors = load_file(tmp_path / "out/model.safetensors")
