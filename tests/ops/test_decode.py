@@ -152,11 +152,12 @@ def test_the_pool_keeps_the_chunk_ops_layout(backend):
     if backend == "triton":
         pytest.importorskip("triton")
     torch.manual_seed(2)
-    cache = SparseKCache.empty(1, 4, 2, 1, 4, dtype=torch.float64, score_dtype=torch.float64, cap=16)
+    dev = DEV if backend == "triton" else "cpu"
+    cache = SparseKCache.empty(1, 4, 2, 1, 4, dtype=torch.float64, score_dtype=torch.float64, cap=16, device=dev)
     for t in range(40):
         q, k, v, u = [x[:, 0] for x in _rand(1, 1, 1, 1, 4, torch.float64, 1.0, t0=t)]
-        _, cache, _ = sparsek_attention_decode(q, k, v, u, cache, backend=backend)
-        pos = cache.pool_pos[0]
+        _, cache, _ = sparsek_attention_decode(*_on(dev, q, k, v, u), cache, backend=backend)
+        pos = cache.pool_pos[0].cpu()
         n = int((pos >= 0).sum())
         assert (pos[n:] == -1).all() and torch.equal(pos[:n], pos[:n].sort().values)
 
