@@ -36,14 +36,17 @@ def load(checkpoint: str | Path, *, device: str = "auto", dtype: str | None = No
     """A checkpoint folder or run dir (its newest complete checkpoint) ready to generate and score.
 
     device: auto | cpu | cuda; dtype: float32 | bfloat16 | float64 (default: bfloat16 on cuda, float32 on cpu).
-    Bad arguments raise longtrain.errors.UsageError, an unreadable checkpoint CheckpointError.
+    Bad arguments (a path that does not exist or is a file among them) raise longtrain.errors.UsageError; a
+    folder without a usable checkpoint CheckpointError.
     """
     from longtrain.device import DTYPES, pick_device, pick_dtype
+    from longtrain.path_args import checkpoint_arg
     from longtrain.train.checkpoint import load_checkpoint
 
     device = pick_device(device)
     dtype = pick_dtype(dtype, device)
-    return Model(load_checkpoint(checkpoint, device=device, dtype=DTYPES[dtype]), device=device, dtype=dtype)
+    path = checkpoint_arg(checkpoint)
+    return Model(load_checkpoint(path, device=device, dtype=DTYPES[dtype]), device=device, dtype=dtype)
 
 
 class Model:

@@ -370,16 +370,20 @@ class Decoder:
 
 
 class TextStream:
-    """Turns tokens into text as they come, holding back a split multi-byte character."""
+    """Turns tokens into text as they come, holding back a split multi-byte character.
 
-    def __init__(self, tokenizer):
+    skip_special_tokens: leave out the text of special tokens (the end-of-document token), as
+    `tokenizer.decode` does by default and so a Completion's `text`; the stop check keeps them."""
+
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.shown = 0  # characters of decode(ids) already handed out
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         if text.endswith("\ufffd"):
             return ""  # a character's bytes span tokens: wait for the rest
         new = text[self.shown :]
@@ -388,6 +392,61 @@ class TextStream:
         else:
             self.shown = len(text)
         return new
+
+
+class ShownText:
+    """One row's text for a terminal as its tokens come: in the end exactly the Completion's `text`.
+
+    A stop text may span tokens, so text that could be the start of one is held back until later tokens
+    show it is not; once a stop text appears nothing from it on is shown. `finish(text)` hands out the
+    rest of the row's final text (what was held back at the end). Special tokens are left out, as in `text`.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.stream = TextStream(tokenizer, skip_special_tokens=True)
+        self.stop = [s for s in stop if s]
+        self.pending = ""  # decoded but not shown: it could be the start of a stop text (at most the longest one)
+        self.pieces: list[str] = []  # what was handed out
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        if self.stopped:
+            return ""
+        self.pending += self.stream.push(token)
+        # No stop text starts in what was shown (its end would have been held back), so only `pending` is searched.
+        at = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if at:
+            self.stopped = True
+            return self._show(min(at))
+        return self._show(len(self.pending) - held_back(self.pending, self.stop))
+
+    def finish(self, text: str | None = None) -> str:
+        """The rest of the row's final `text` (default: what the tokens decode to, cut before a stop text)."""
+        shown = "".join(self.pieces)
+        text = shown + ("" if self.stopped else self.pending) if text is None else text
+        self.pending, self.stopped = "", True
+        if not text.startswith(shown):  # cannot happen: what was shown is the start of the text
+            return ""
+        rest = text[len(shown):]
+        self.pieces.append(rest)
+        return rest
+
+    def _show(self, n: int) -> str:
+        new, self.pending = self.pending[:n], self.pending[n:]
+        if new:
+            self.pieces.append(new)
+        return new
+
+
+def held_back(text: str, stop: Sequence[str]) -> int:
+    """How many characters at the end of `text` could be the start of a stop text (0: none)."""
+    longest = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
 
 
 # ----------------------------------------------------------------------------- generate

@@ -34,11 +34,19 @@ def list_cache() -> None:
     typer.echo(f"{gib(total)} in {len(items)} items in {folder}; `longtrain cache clear` deletes them (runs rebuild what they need)")
 
 
+def can_ask() -> bool:
+    """Whether a person can answer a question: stdin is a terminal (not a pipe, a file or /dev/null)."""
+    return sys.stdin.isatty()
+
+
 @cache_app.command("clear")
 def clear_cache(
-    yes: bool = typer.Option(False, "--yes", "-y", help="delete without asking"),
+    yes: bool = typer.Option(False, "--yes", "-y",
+        help="delete without asking (needed where no terminal can answer: scripts, pipes, CI)"),
 ) -> None:
-    """Delete the token cache's entries (a run rebuilds what it needs; one being built is left alone)."""
+    """Delete the token cache's entries (a run rebuilds what it needs; one being built is left alone).
+
+    On a terminal it asks first; elsewhere it deletes nothing unless --yes is given."""
     from longtrain.data.cache import cache_items, clear_cache, default_cache_dir
     from longtrain.train.metrics import gib
 
@@ -47,12 +55,19 @@ def clear_cache(
     if not items:
         typer.echo(f"the token cache {folder} is empty: nothing to delete")
         return
-    total = gib(sum(item.size for item in items))
+    what = f"{_items(len(items))} ({gib(sum(item.size for item in items))}) in {folder}"
     if not yes:
-        if not sys.stdin.isatty():
-            raise fail(f"this would delete {len(items)} items ({total}) in {folder}; add --yes to delete without asking", 2)
-        typer.confirm(f"delete {len(items)} items ({total}) in {folder}?", abort=True)
+        if not can_ask():
+            raise fail(f"deleted nothing: this would delete {what}, but stdin is not a terminal, so it cannot ask "
+                       "you first; to go ahead, run `longtrain cache clear --yes`", 2)
+        if not typer.confirm(f"delete {what}?", err=True):
+            typer.echo("deleted nothing", err=True)
+            raise typer.Exit(1)
     deleted, busy = clear_cache(items)
-    typer.echo(f"deleted {len(deleted)} items ({gib(sum(item.size for item in deleted))}) from {folder}")
+    typer.echo(f"deleted {_items(len(deleted))} ({gib(sum(item.size for item in deleted))}) from {folder}")
     for item in busy:
         typer.echo(f"kept {item.path.name}: another process is building it")
+
+
+def _items(n: int) -> str:
+    return f"{n:,} item" + ("" if n == 1 else "s")

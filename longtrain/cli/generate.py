@@ -11,6 +11,7 @@ import typer
 
 from longtrain.cli.app import app
 from longtrain.errors import UsageError
+from longtrain.path_args import checkpoint_arg, input_file, read_bytes
 
 ROW_KEYS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")  # a --prompts line's keys
 
@@ -61,9 +62,7 @@ def read_prompt_file(path: Path, err) -> str:
     """A prompt file's text; one that is not UTF-8 is read with U+FFFD replacements and a warning (as `fit`)."""
     from longtrain.data.sources import invalid_utf8_bytes
 
-    if not path.is_file():
-        raise UsageError(f"--prompt-file {path}: no such file")
-    raw = path.read_bytes()
+    raw = read_bytes(input_file(path, "prompt_file", "a text file (repeat --prompt-file for several)"), "prompt_file")
     bad = invalid_utf8_bytes(raw)
     if bad:
         err.print(f"[yellow]warning: {bad} bytes of invalid UTF-8 in {path} were replaced by U+FFFD[/]")
@@ -72,10 +71,9 @@ def read_prompt_file(path: Path, err) -> str:
 
 def read_prompts_jsonl(path: Path) -> list[dict]:
     """The rows of a --prompts file: {"prompt": text, and the row's own settings}; blank lines skipped."""
-    if not path.is_file():
-        raise UsageError(f"--prompts {path}: no such file")
+    raw = read_bytes(input_file(path, "prompts", 'a JSONL file, one prompt (a string or {"prompt": ...}) per line'), "prompts")
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+    for n, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         where = f"--prompts {path} line {n}"
@@ -129,6 +127,7 @@ def run_generate(
     for flag, path in (("--json", json_path), ("--output", output)):
         if path is not None and not path.parent.is_dir():
             raise UsageError(f"{flag} {path}: folder {path.parent} does not exist")
+    checkpoint_arg(checkpoint)  # no such path, or a file: exit 2 now (a folder without a checkpoint: exit 1, at load)
     rows = gather_prompts(prompt, prompt_files, prompts, err)
     several = len(rows) > 1 or prompts is not None
     if output is not None and not several:
@@ -159,11 +158,11 @@ def run_generate(
     else:
         err.print(f"KV cache: {cfg.topk + max(cfg.window - 1, 0)} entries per layer (k + w − 1), whatever the prompt and output length")
 
-    on_token = None
-    if not several:
-        from longtrain.generate import TextStream
+    on_token = stream = None
+    if not several:  # the text as it comes, exactly the text returned: cut before a stop text, special tokens left out
+        from longtrain.generate import ShownText
 
-        stream = TextStream(lm.tokenizer)
+        stream = ShownText(lm.tokenizer, rows[0].get("stop", stop))
         on_token = lambda _row, t: _write(console.file, stream.push(t))  # noqa: E731
     with _prefill_bar(err, max(n_tokens), chunk) as on_prefill:
         completions = lm.generate(
@@ -179,7 +178,7 @@ def run_generate(
         else:
             _write(console.file, lines)
     else:
-        _write(console.file, "\n")
+        _write(console.file, stream.finish(completions[0].text) + "\n")  # what was held back, if it is not a stop text
     mib = 2**20
     stops = {}
     for c in completions:

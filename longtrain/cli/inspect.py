@@ -33,23 +33,22 @@ def inspect(
         raise fail(f"--out {out}: the file must end in .html or .png (got {out.suffix or 'no suffix'!r})", 2)
     if not out.parent.is_dir():
         raise fail(f"--out {out}: the folder {out.parent} does not exist; create it first", 2)
-    if not text.is_file():
-        raise fail(f"--text {text}: no such file; give a UTF-8 text file", 2)
+    from longtrain.path_args import checkpoint_arg, input_file, read_bytes
+
+    input_file(text, "text", "a UTF-8 text file")  # exit 2: a folder, no such file
+    from longtrain.device import pick_device
     from longtrain.eval.inspect import (
         MAX_TOKENS, check_png_size, first_tokens, read_text, render_html, render_png, selecting_layers,
         selection_map,
     )
-
-    from longtrain.device import pick_device
     from longtrain.train.checkpoint import load_checkpoint
 
     limit = max_tokens or MAX_TOKENS
-    with open(text, "rb") as f:  # what first_tokens can use (32 characters a token, up to 4 bytes each), not a whole huge file
-        raw = f.read(128 * limit + 1)
+    raw = read_bytes(text, "text", 128 * limit + 1)  # what first_tokens can use (32 characters a token, up to 4 bytes each)
     # a binary or empty file is refused before the checkpoint is read
     content = read_text(raw[: 128 * limit], str(text), cut=len(raw) > 128 * limit)
     device = pick_device(device)
-    loaded = load_checkpoint(checkpoint, device=device)
+    loaded = load_checkpoint(checkpoint_arg(checkpoint), device=device)  # exit 2: no such path, a file; 1: no checkpoint
     content, n_tokens = first_tokens(loaded.tokenizer, content, limit)
     if n_tokens > limit:
         print(f"note: read the first {limit:,} tokens of {text} (it has more); --max-tokens N reads more")

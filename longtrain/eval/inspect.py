@@ -167,12 +167,27 @@ def _char_owner(sm: SelectionMap) -> np.ndarray:
     return owner
 
 
+def _tokens(n: int) -> str:
+    return f"{n:,} token" + ("" if n == 1 else "s")
+
+
+def _boxed(sm: SelectionMap) -> str:
+    """What the boxes show: the tokens the pool actually holds at the end (fewer than k, or none, in a short text)."""
+    counts = sorted({int(n) for n in sm.in_pool.sum(1)})
+    if counts == [0]:
+        return (f"boxed: none, the pool holds no tokens yet at the end of these {_tokens(sm.n_tokens)} (it keeps up to "
+                f"{sm.topk} of the tokens that have left the window)")
+    held = _tokens(counts[0]) if len(counts) == 1 else f"{counts[0]:,}–{_tokens(counts[-1])}, per layer as its panel says"
+    room = "" if counts[-1] >= sm.topk else f" (it holds up to {sm.topk})"
+    return f"boxed: the {held} in the pool after the last token{room}"
+
+
 def _legend(sm: SelectionMap, without_slope: bool) -> str:
     what = "u − ε·j (the scorer's part, without the position slope)" if without_slope else "u (the selection score)"
-    return (
-        f"shade: {what}, per layer from its 2nd to its 98th percentile; boxed: the {sm.topk} pool tokens after "
-        f"the last token; underlined: the last {sm.window} tokens (the window)"
-    )
+    window = (f"the last {_tokens(sm.window)} (the window)" if sm.n_tokens > sm.window else
+              f"all {_tokens(sm.n_tokens)}, all in the window of {sm.window}")
+    underlined = f"; underlined: {window}" if sm.window else ""
+    return f"shade: {what}, per layer from its 2nd to its 98th percentile; {_boxed(sm)}{underlined}"
 
 
 def render_html(sm: SelectionMap, path: Path, *, title: str, without_slope: bool = False) -> None:
@@ -202,7 +217,7 @@ def render_html(sm: SelectionMap, path: Path, *, title: str, without_slope: bool
                 start, t_prev = c, t
         n_pool = int(sm.in_pool[slot].sum())
         panels.append(
-            f"<section><h2>layer {layer}</h2><p class=meta>{n_pool} tokens in the pool at the end</p>"
+            f"<section><h2>layer {layer}</h2><p class=meta>{_tokens(n_pool)} in the pool at the end</p>"
             f"<pre>{''.join(parts)}</pre></section>"
         )
     doc = f"""<!doctype html>
@@ -275,7 +290,7 @@ def render_png(sm: SelectionMap, path: Path, *, title: str, without_slope: bool 
     for slot, layer in enumerate(sm.layers):
         h = len(rows) * rh
         ax = fig.add_axes([0.2 / width, (top - head - h) / height, PNG_COLS * cw / width, h / height])
-        ax.set_title(f"layer {layer}: {int(sm.in_pool[slot].sum())} tokens in the pool at the end", fontsize=9, loc="left")
+        ax.set_title(f"layer {layer}: {_tokens(int(sm.in_pool[slot].sum()))} in the pool at the end", fontsize=9, loc="left")
         ax.set_xlim(0, PNG_COLS)
         ax.set_ylim(len(rows), 0)
         ax.axis("off")

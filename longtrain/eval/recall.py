@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from longtrain.data import DataConfig, DataError, default_cache_dir, iter_valid_chunks
-from longtrain.data.config import RecallConfig
+from longtrain.data.config import RecallConfig, line_length
 from longtrain.data.recall import chance_level, generate_documents, make_filler, value_offset
 from longtrain.errors import EvalError, EvalUsageError
 from longtrain.eval.passkey import kv_budget
@@ -153,13 +153,44 @@ def measure_recall(loaded, *, edges: list[int] | None = None, **settings) -> lis
 
 
 def _settings(recipe, opts) -> dict:
-    """measure_recall's settings from `longtrain eval`'s options (--recall-scale, --recall-max-distance)."""
+    """measure_recall's settings from `longtrain eval`'s options: the documents' length from --tokens (that
+    many tokens) or --recall-scale (that many times the training's), the facts at the training's density
+    either way; the farthest distance from --recall-max-distance (default: the training's, at most what a
+    document of --tokens holds)."""
     base = recipe.data.recall or RecallConfig()
     scale = opts.extra.get("recall_scale", 1)
+    max_distance = opts.extra.get("recall_max_distance")
+    tokens = opts.tokens
+    if tokens is None:
+        return {
+            "doc_tokens": base.doc_tokens * scale if scale != 1 else None,
+            "facts": base.facts * scale if scale != 1 else None,  # the same density: as many facts wait at a time
+            "max_distance": max_distance,
+        }
+    if scale != 1:
+        raise EvalUsageError("{tokens} and {recall_scale} both set the length of the recall documents: give one of them",
+                             names=("tokens", "recall_scale"))
+    line = line_length(base)
+    shortest = base.min_distance + line + 1  # a fact, a query min_distance after it, the end-of-document token
+    if tokens < shortest:
+        raise EvalUsageError(
+            f"{tokens:,} is too short for a recall document: each fact is queried at least {base.min_distance:,} tokens "
+            f"later (data.recall.min_distance) and a line takes {line} tokens; give at least {shortest:,}",
+            arg="tokens",
+        )
+    fits = tokens - 1 - line  # the farthest query a document of `tokens` holds
+    if max_distance is None:
+        max_distance = min(base.max_distance, fits)
+    elif max_distance > fits:
+        raise EvalUsageError(
+            f"{max_distance:,} does not fit in documents of {{tokens}} {tokens:,}: a query that far after its fact, and "
+            f"its line of {line} tokens, need more; give at most {fits:,}, or a larger {{tokens}}",
+            arg="recall_max_distance", names=("tokens",),
+        )
     return {
-        "doc_tokens": base.doc_tokens * scale if scale != 1 else None,
-        "facts": base.facts * scale if scale != 1 else None,  # the same density: as many facts wait at a time
-        "max_distance": opts.extra.get("recall_max_distance"),
+        "doc_tokens": tokens,
+        "facts": max(1, round(base.facts * tokens / base.doc_tokens)),  # the training's density
+        "max_distance": max_distance,
     }
 
 
@@ -198,7 +229,11 @@ def run(ctx):
     budget = kv_budget(ctx.ckpt.model.cfg)
     rows = bucket_rows(buckets, budget)
     notes = [f"recall: exact match of {cfg.value_length}-digit values in documents of {cfg.doc_tokens:,} tokens "
-             f"({cfg.facts} facts each); chance {chance['exact']:.3g}; ›16(k+w): at least 16 times the KV budget"]
+             f"({cfg.facts} fact{'s' if cfg.facts != 1 else ''} each, queried {cfg.min_distance:,}–{cfg.max_distance:,} tokens later); "
+             f"chance {chance['exact']:.3g}",
+             # the legend of the mark its rows can carry; full attention has no budget to be beyond
+             "recall, full attention: every earlier token stays in the KV cache (no KV budget)" if budget is None
+             else "recall: ›16(k+w): at least 16 times the KV budget (k + w keys a query sees)"]
     return TaskResult(json={"settings": cfg.model_dump(), "chance": chance, "buckets": buckets}, rows=rows, notes=notes)
 
 

@@ -47,9 +47,10 @@ def render(console, reports: list[CheckpointReport], tasks: list[Task]) -> None:
             table.add_row(label, *cells)
         table.add_section()
     console.print(table)
-    notes = []
+    notes = []  # every checkpoint's (a legend can depend on its attention), each once
     for task in tasks:
-        notes += [n for n in reports[0].results[task.name].notes if n not in notes]
+        for r in reports:
+            notes += [n for n in r.results[task.name].notes if n not in notes]
     for note in notes:
         console.print(note, style="dim")
 

@@ -19,6 +19,7 @@ from longtrain.eval.report import CheckpointReport, render, write_json, write_pl
 from longtrain.eval.ruler import task as ruler_task  # noqa: F401  (registers its task)
 from longtrain.eval.tasks import EvalContext, EvalOptions, EvalUsageError, Progress, checkpoint_label, registered_tasks
 from longtrain.model.attention_types import describe
+from longtrain.path_args import checkpoint_arg
 from longtrain.train.checkpoint import load_checkpoint, load_recipe_and_tokenizer, resolve_checkpoint
 
 
@@ -62,7 +63,8 @@ def run_eval(
     check_output(json_path, "json_path")
     check_output(plot_path, "plot_path", ".png")
 
-    paths = [resolve_checkpoint(c) for c in checkpoints]  # CheckpointError: no such checkpoint
+    # UsageError: no such path, or a file; CheckpointError: a folder without a (whole) checkpoint
+    paths = [resolve_checkpoint(checkpoint_arg(c)) for c in checkpoints]
     for path in paths:
         recipe, tokenizer = load_recipe_and_tokenizer(path)
         for t in tasks:

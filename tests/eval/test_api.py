@@ -63,3 +63,14 @@ def test_the_readmes_python_example_runs(runs, capsys):
     printed = capsys.readouterr().out
     assert any(line.endswith(("max_new_tokens", "stop_text", "end_of_document")) for line in printed.splitlines()), printed
     assert "tensor([" in printed  # the first text's per-token losses
+
+
+def test_load_names_a_bad_path_as_a_usage_error(runs, tmp_path):
+    from longtrain.errors import CheckpointError
+
+    with pytest.raises(UsageError, match="does not exist"):
+        longtrain.load(tmp_path / "nowhere", device="cpu")
+    with pytest.raises(UsageError, match="is a file, not a folder: give its checkpoint folder"):
+        longtrain.load(next((runs["sparsek"] / "checkpoints").iterdir()) / "meta.json", device="cpu")
+    with pytest.raises(CheckpointError, match="neither a checkpoint"):
+        longtrain.load(tmp_path, device="cpu")

@@ -133,9 +133,10 @@ def _check_error(res, code: int, *messages: str):
 
 
 def test_a_path_that_is_no_checkpoint_or_run_dir(tmp_path):
-    # a CheckpointError: exit 1, as in every verb (what is on disk, not the command line, is wrong)
+    # an existing folder without a checkpoint: a CheckpointError, exit 1 (what is on disk is wrong)
     _check_error(evaluate(str(tmp_path), *FAST), 1, "neither a checkpoint", "longtrain fit")
-    _check_error(evaluate(str(tmp_path / "nowhere"), *FAST), 1, "does not exist")
+    # no such path: exit 2, whatever is on disk the command line cannot work
+    _check_error(evaluate(str(tmp_path / "nowhere"), *FAST), 2, "does not exist")
 
 
 def test_a_run_dir_with_no_complete_checkpoint(runs, tmp_path):
@@ -241,3 +242,53 @@ def test_a_recall_runs_documents_are_its_held_out_recall_documents(tmp_path):
     assert res.exit_code == 0, res.output
     ppl = json.loads(out.read_text())["results"][0]["ppl"]
     assert ppl["documents"] == 2 and ppl["tokens"] == 2 * (recall["doc_tokens"] - 1)
+
+
+def test_checkpoint_paths_in_eval_generate_and_inspect(runs, tmp_path):
+    """No such path or a file: exit 2 (the command line cannot work); a folder without a checkpoint: exit 1,
+    saying what is missing; a run dir, its checkpoints folder and a checkpoint folder all work."""
+    page = tmp_path / "page.txt"
+    page.write_text("the river and the house by the window")
+    step = next((runs["sparsek"] / "checkpoints").iterdir())
+    (tmp_path / "empty").mkdir()
+    verbs = {
+        "eval": lambda c: ["eval", c, "--task", "ppl", *FAST],
+        "generate": lambda c: ["generate", c, "--prompt", "the river", "--max-new-tokens", "2"],
+        "inspect": lambda c: ["inspect", c, "--text", str(page), "--out", str(tmp_path / "i.html")],
+    }
+    for verb, args in verbs.items():
+        run = lambda c: runner.invoke(app, args(str(c)))  # noqa: E731
+        _check_error(run(tmp_path / "nowhere"), 2, f"checkpoint {tmp_path / 'nowhere'} does not exist",
+                     "give a checkpoint folder")
+        _check_error(run(runs["sparsek"].parent / "sparsk"), 2, f"did you mean {runs['sparsek']}?")  # a typo
+        _check_error(run(page), 2, f"checkpoint {page} is a file, not a folder")
+        _check_error(run(step / "model.safetensors"), 2, "is a file, not a folder", f"give its checkpoint folder {step}")
+        _check_error(run(tmp_path / "empty"), 1, "neither a checkpoint (no meta.json)", "train one with `longtrain fit`")
+        for accepted in (runs["sparsek"], step.parent, step):
+            res = run(accepted)
+            assert res.exit_code == 0, (verb, accepted, res.output)
+
+
+def test_recall_documents_are_tokens_long(runs, tmp_path):
+    """--tokens sets the recall documents' length (the facts at the training's density, the farthest distance
+    what fits); full attention's legend names no KV budget, SparseK's explains its mark."""
+    out = tmp_path / "recall.json"
+    res = evaluate(str(runs["full"]), str(runs["sparsek"]), "--task", "recall", "--tokens", "600", "--docs", "1",
+                   "--device", "cpu", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    full, sparsek = json.loads(out.read_text())["results"]
+    for r in (full, sparsek):  # RecallConfig's defaults: 4,096 tokens, 8 facts, distances 256–2,048, lines of 10 tokens
+        s = r["recall"]["settings"]
+        assert (s["doc_tokens"], s["facts"], s["min_distance"], s["max_distance"]) == (600, 1, 256, 589), s
+    text = " ".join(res.output.split())
+    assert "documents of 600 tokens (1 fact each, queried 256–589 tokens later)" in text
+    assert "recall, full attention: every earlier token stays in the KV cache (no KV budget)" in text
+    assert "›16(k+w): at least 16 times the KV budget (k + w keys a query sees)" in text  # the sparsek column's
+    alone = evaluate(str(runs["full"]), "--task", "recall", "--tokens", "600", "--docs", "1", "--device", "cpu")
+    assert alone.exit_code == 0 and "›16(k+w)" not in alone.output and "KV budget (k" not in alone.output, alone.output
+    for args, message in [
+        (["--tokens", "100"], "--tokens 100 is too short for a recall document"),
+        (["--tokens", "600", "--recall-scale", "2"], "--tokens and --recall-scale both set the length"),
+        (["--tokens", "600", "--recall-max-distance", "700"], "give at most 589, or a larger --tokens"),
+    ]:
+        _check_error(evaluate(str(runs["sparsek"]), "--task", "recall", *args), 2, message)

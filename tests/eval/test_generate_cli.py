@@ -145,3 +145,68 @@ def test_prompts_jsonl_with_settings_per_row(runs, tmp_path):
         assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output, (content, res.output)
     res = gen(str(runs["sparsek"]), "--prompt", "x", "--output", str(out))
     assert res.exit_code == 2 and "--output is for several prompts" in res.output
+
+
+def _boundaries(tokenizer, tokens: list[int]) -> list[int]:
+    """The character offsets in decode(tokens) where one token's text ends and the next one's begins."""
+    return [len(tokenizer.decode(tokens[:n])) for n in range(1, len(tokens))]
+
+
+def test_the_stream_is_the_final_text_when_a_stop_text_spans_tokens(runs, tmp_path):
+    """Streamed stdout is exactly the returned text: nothing of the stop text, nor of its token, is shown; text
+    that might start a stop text is held back, and shown at the end when it did not."""
+    ckpt = str(runs["sparsek"])
+    common = ["--prompt", PROMPT, "--max-new-tokens", "30", "--temperature", "0", "--dtype", "float64"]
+    free = gen(ckpt, *common, "--json", str(tmp_path / "free.json"))
+    assert free.exit_code == 0, free.output
+    g = json.loads((tmp_path / "free.json").read_text())
+    text, tokenizer = g["text"], load_checkpoint(runs["sparsek"]).tokenizer
+    # a stop text from the last character of one token into the next one, at its first occurrence
+    stop = next(text[b - 1 : b + 1] for b in _boundaries(tokenizer, g["tokens"])
+                if b >= 1 and text.find(text[b - 1 : b + 1]) == b - 1)
+    res = gen(ckpt, *common, "--stop", stop, "--json", str(tmp_path / "stop.json"))
+    assert res.exit_code == 0, res.output
+    cut = json.loads((tmp_path / "stop.json").read_text())
+    assert cut["stopped"] == "stop_text" and cut["text"] == text[: text.find(stop)]
+    assert res.stdout == cut["text"] + "\n" and stop not in res.stdout  # before the fix: the stop's token too
+    # a stop text that never comes, but whose start ends the text: held back at every token, then shown
+    never = text[-1] + "\u00a7\u00a7"
+    res = gen(ckpt, *common, "--stop", never, "--json", str(tmp_path / "never.json"))
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "never.json").read_text())["stopped"] != "stop_text" and res.stdout == text + "\n"
+
+
+def test_shown_text_holds_back_what_may_be_a_stop_text(tokenizer):
+    from longtrain.data.tokenizer import eod_id
+    from longtrain.generate import ShownText
+
+    text = "the river and the house of the captain"
+    ids = tokenizer.encode(text).ids
+    stop = "r and the h"  # starts inside "river", ends inside "house"
+    shown = ShownText(tokenizer, [stop])
+    pieces = [shown.push(i) for i in ids]
+    final = text[: text.find(stop)]
+    for n in range(len(pieces)):  # at every token, what was shown is the start of the final text
+        assert final.startswith("".join(pieces[: n + 1]))
+    assert "".join(pieces) == final == "the rive" and shown.finish(final) == ""
+    # no stop text: everything, the end-of-document token's text left out (as in the returned text)
+    shown = ShownText(tokenizer, ["captain."])
+    pieces = [shown.push(i) for i in ids + [eod_id(tokenizer)]]
+    assert "".join(pieces) == text[: -len("captain")]  # "captain" may start the stop text: held back
+    assert shown.finish(tokenizer.decode(ids + [eod_id(tokenizer)])) == "captain"
+
+
+def test_prompt_paths_that_are_folders_or_missing(runs, tmp_path):
+    ckpt = str(runs["sparsek"])
+    (tmp_path / "prompt.txt").write_text(PROMPT)
+    cases = [
+        (["--prompt-file", str(tmp_path)], f"--prompt-file {tmp_path} is a folder, not a file"),
+        (["--prompt-file", str(tmp_path / "promt.txt")], f"--prompt-file {tmp_path / 'promt.txt'}: no such file"),
+        (["--prompts", str(tmp_path)], f"--prompts {tmp_path} is a folder, not a file"),
+        (["--prompts", str(tmp_path / "none.jsonl")], f"--prompts {tmp_path / 'none.jsonl'}: no such file"),
+    ]
+    for args, message in cases:
+        res = gen(ckpt, *args, "--max-new-tokens", "2")
+        assert res.exit_code == 2, (args, res.output)
+        assert message in " ".join(res.output.split()) and "Traceback" not in res.output, (args, res.output)
+    assert "did you mean" in gen(ckpt, "--prompt-file", str(tmp_path / "promt.txt")).output  # a near name

@@ -112,7 +112,7 @@ def test_a_model_without_selection_is_refused(tmp_path, attention):
 def test_a_missing_checkpoint_is_named(tmp_path):
     (tmp_path / "page.txt").write_text(TEXT)
     r = invoke(tmp_path / "nothing", "--text", tmp_path / "page.txt", "--out", tmp_path / "x.html")
-    assert r.exit_code == 1 and "does not exist" in r.output
+    assert r.exit_code == 2 and "does not exist" in r.output
 
 
 @pytest.mark.parametrize(
@@ -167,3 +167,23 @@ def test_a_character_cut_by_the_bounded_read_is_dropped_not_refused():
     assert read_text(cut_inside, "f.txt", cut=True) == "café"
     with pytest.raises(InspectError, match="not UTF-8 text"):
         read_text(cut_inside, "f.txt")  # a whole file that ends mid-character is not UTF-8
+
+
+@pytest.mark.parametrize("max_tokens, pool", [(5, 0), (10, 3), (None, 6)])
+def test_the_legend_says_how_many_tokens_are_boxed(sparsek_run, tmp_path, max_tokens, pool):
+    """k = 6, w = 8: the pool holds what left the window, min(k, T − w + 1) tokens; none at 5 tokens."""
+    out = tmp_path / "sel.html"
+    r = invoke(sparsek_run, "--text", sparsek_run / "page.txt", "--out", out,
+               *(["--max-tokens", max_tokens] if max_tokens else []))
+    assert r.exit_code == 0, r.output
+    page = html_lib.unescape(out.read_text())
+    legend = re.search(r"<p class=legend>(.*?)</p>", page, flags=re.S).group(1)
+    assert page.count('class="pool') == 3 * pool  # what is boxed, in each of the 3 panels
+    assert pool == 6 or "the 6 pool tokens" not in legend  # before: k whatever the pool held
+    if pool == 0:
+        assert "boxed: none, the pool holds no tokens yet at the end of these 5 tokens" in legend
+        assert "underlined: all 5 tokens, all in the window of 8" in legend
+    else:
+        assert f"boxed: the {pool} tokens in the pool after the last token" in legend
+        assert ("(it holds up to 6)" in legend) == (pool < 6) and "underlined: the last 8 tokens" in legend
+    assert page.count(f"{pool} token{'s' if pool != 1 else ''} in the pool at the end") == 3

@@ -116,8 +116,8 @@ def run(ctx: EvalContext) -> TaskResult:
         by_length = [f"{c['score']:.1f}" for c in cells if c["task"] == name]
         rows.append((name, " ".join(by_length)))
     short = " ".join(f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths)
-    notes = [f"ruler: string_match_all in percent, {opts.trials} samples per task and length; per task at {short} tokens; "
-             "›k+w: longer than the KV budget"]
+    legend = "" if budget is None else "; ›k+w: longer than the KV budget"  # full attention has none
+    notes = [f"ruler: string_match_all in percent, {opts.trials} samples per task and length; per task at {short} tokens{legend}"]
     return TaskResult(json={"lengths": lengths, "tasks": names, "trials": opts.trials, "cells": cells}, rows=rows, notes=notes)
 
 
