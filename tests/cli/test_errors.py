@@ -33,11 +33,11 @@ def _check(res, code: int, *messages: str) -> None:
         ["generate", "{missing}", "--prompt", "x"],
         ["export", "{missing}", "--out", "{tmp}/hf"],
         ["inspect", "{missing}", "--text", "{tmp}/page.txt", "--out", "{tmp}/page.html"],
-        ["verify-equivalence", "--checkpoint", "{missing}"],
     ],
     ids=lambda a: a[0],
 )
 def test_a_missing_checkpoint_exits_1_in_every_verb(tmp_path, args):
+    """(verify-equivalence checks that --checkpoint names a folder before it loads anything: exit 2, test_refusals.py)"""
     (tmp_path / "page.txt").write_text("a page of words")
     missing = str(tmp_path / "no-such-run")
     res = invoke(*[a.format(missing=missing, tmp=tmp_path) for a in args])

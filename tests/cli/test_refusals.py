@@ -4,6 +4,7 @@ refused `fit` writes nothing."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,40 @@ def test_a_run_that_fails_before_it_starts_leaves_no_runs_folder(here):
     """The run dir's parents that fit made (runs/) go too when the run never started."""
     check(invoke("fit", "quickstart", "--set", "data.source=files", "--set", "data.path=missing"), 1, "data.path 'missing'")
     assert not (here / "runs").exists()
+
+
+# ----------------------------------------------------------------------------- verify-equivalence --checkpoint
+
+
+def test_verify_equivalence_checkpoint_must_be_a_folder_with_a_checkpoint(here):
+    (here / "notes.txt").write_text("my notes\n")
+    check(invoke("verify-equivalence", "--checkpoint", "notes.txt"), 2,
+          "notes.txt is a file: give --checkpoint a checkpoint folder", "or a run dir")
+    check(invoke("verify-equivalence", "--checkpoint", "no-such-run"), 2,
+          "no-such-run does not exist: give --checkpoint a checkpoint folder", "or a run dir")
+    (here / "empty").mkdir()  # there, but nothing in it: what is on disk (exit 1), saying what is missing
+    check(invoke("verify-equivalence", "--checkpoint", "empty"), 1,
+          "empty is neither a checkpoint (no meta.json) nor a run dir with checkpoints", "longtrain fit")
+
+
+# ----------------------------------------------------------------------------- verify-equivalence chunk sizes
+
+
+def test_verify_equivalence_refuses_chunks_that_read_the_document_whole(here):
+    check(invoke("verify-equivalence", "--chunk-size", "8192", "--tokens", "4096"), 2,
+          "--chunk-size 8,192 is not smaller than --tokens 4,096", "nothing to verify",
+          "give a --chunk-size below 4,096, or --tokens above 8,192")
+    check(invoke("verify-equivalence", "--chunk-size", "100", "--chunk-size", "300", "--tokens", "300"), 2,
+          "--chunk-size 300 is not smaller than --tokens 300")
+    check(invoke("verify-equivalence", "--tokens", "1000"), 2,
+          "every default chunk size (1,024, 4,096, 3,001) is at least --tokens 1,000", "--chunk-size below 1,000")
+    (here / "short.txt").write_text("a short text of a few bytes")  # the default model reads bytes: 27 tokens
+    check(invoke("verify-equivalence", "--text", "short.txt", "--tokens", "500", "--chunk-size", "10", "--chunk-size", "100"),
+          2, "--chunk-size 100 is not smaller than the 27 tokens of --text short.txt",
+          "give a --chunk-size below 27, or a --text longer than 100 tokens")
+
+
+def test_verify_equivalence_leaves_out_default_chunks_the_document_fits_in(here):
+    res = invoke("verify-equivalence", "--tokens", "1100", "--json", "out.json")
+    check(res, 0, "default chunk sizes 4096, 3001 left out: not smaller than the document's 1,100 tokens", "PASSED")
+    assert [r["chunk_size"] for r in json.loads((here / "out.json").read_text())["runs"]] == [1024]
