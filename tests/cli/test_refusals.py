@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from longtrain.cli import app
+from tests.train.tiny import write_corpus
 
 
 def invoke(*args):
@@ -104,3 +105,23 @@ def test_verify_equivalence_leaves_out_default_chunks_the_document_fits_in(here)
     res = invoke("verify-equivalence", "--tokens", "1100", "--json", "out.json")
     check(res, 0, "default chunk sizes 4096, 3001 left out: not smaller than the document's 1,100 tokens", "PASSED")
     assert [r["chunk_size"] for r in json.loads((here / "out.json").read_text())["runs"]] == [1024]
+
+
+# ----------------------------------------------------------------------------- fit gutenberg-sparsek without books
+
+
+def test_missing_books_name_the_folders_and_the_set_that_fixes_them(here):
+    check(invoke("fit", "gutenberg-sparsek", "--dry-run"), 1,
+          "data.path '../shared/data/gutenberg/train' and data.valid '../shared/data/gutenberg/valid' do not exist",
+          f"from the working directory, {here}", "--set data.path=DIR --set data.valid=DIR", "--set data.valid=0.02")
+    assert tree(here) == {}
+    write_corpus(here / "books", n_docs=5, words=1500)
+    check(invoke("fit", "gutenberg-sparsek", "--set", "data.path=books", "--dry-run"), 1,
+          "data.valid '../shared/data/gutenberg/valid' does not exist", "--set data.valid=DIR")
+    # what the messages say works (smaller numbers only so that the tiny corpus is enough)
+    small = ["--set", "tokenizer.vocab_size=320", "--set", "data.min_doc_tokens=300"]
+    check(invoke("fit", "gutenberg-sparsek", "--set", "data.path=books", "--set", "data.valid=books", *small, "--dry-run"),
+          0, "dry run: would start a fresh run")
+    check(invoke("fit", "gutenberg-sparsek", "--set", "data.path=books", "--set", "data.valid=0.2", *small, "--dry-run"),
+          0, "dry run: would start a fresh run")
+    assert not (here / "runs").exists()
