@@ -11,6 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from longtrain.cli import app
+from longtrain.errors import RecipeError
+from longtrain.train.recipe import RECIPES_DIR, RESOLVED_HEADER, load_recipe, recipe_to_yaml
 from tests.train.tiny import write_corpus
 
 
@@ -125,3 +127,50 @@ def test_missing_books_name_the_folders_and_the_set_that_fixes_them(here):
     check(invoke("fit", "gutenberg-sparsek", "--set", "data.path=books", "--set", "data.valid=0.2", *small, "--dry-run"),
           0, "dry run: would start a fresh run")
     assert not (here / "runs").exists()
+
+
+# ----------------------------------------------------------------------------- data settings the source ignores
+
+
+@pytest.mark.parametrize(
+    "recipe, setting, fix",
+    [
+        ("quickstart", "data.path=/nonexistent", "set data.source: files (--set data.source=files)"),
+        ("quickstart", "data.name=pg19", "set data.source: hub"),
+        ("quickstart", "data.split=test", "set data.source: hub"),
+        ("quickstart", "data.text_field=body", "data.source: files or hub, or a data.valid path"),
+        ("quickstart", "data.on_bad_file=skip", "data.source: files, or a data.valid path"),
+        ("pg19", "data.path=books", "set data.source: files"),
+        ("recall-sparsek", "data.path=books", "set data.recall.filler: files (--set data.recall.filler=files)"),
+        ("recall-sparsek", "data.min_doc_tokens=100", "data.recall.doc_tokens"),
+    ],
+)
+def test_a_data_setting_the_source_does_not_read_is_refused(here, recipe, setting, fix):
+    key = setting.partition("=")[0]
+    check(invoke("fit", recipe, "--set", setting, "--dry-run"), 2, f"{key}:", "has no effect with data.source", fix,
+          f"(from --set {setting})")
+    check(invoke("fit", recipe, "--set", setting), 2, f"{key}:", "has no effect")
+    assert tree(here) == {}
+
+
+def test_a_recipe_file_that_sets_what_its_source_ignores_is_refused(here):
+    text = (RECIPES_DIR / "quickstart.yaml").read_text()
+    (here / "mine.yaml").write_text(text.replace("  source: stdlib\n", "  source: stdlib\n  path: books\n"))
+    check(invoke("fit", "mine.yaml", "--dry-run"), 2, "data.path: 'books' has no effect with data.source 'stdlib'",
+          "or remove it from the recipe")
+    # the fix it names loads
+    assert load_recipe(here / "mine.yaml", ["data.source=files"]).data.path == "books"
+
+
+def test_what_a_set_of_the_source_leaves_unused_and_saved_recipes_still_load(here):
+    # quickstart's min_doc_tokens: 2048 is unused by recall; the --set says what to read, so it is not refused
+    assert load_recipe("quickstart", ["data.source=recall"]).data.source == "recall"
+    # a run saved before these checks, with a setting its source ignored, still loads (eval, generate, resume)
+    saved = recipe_to_yaml(load_recipe("quickstart")).replace("  path: null\n", "  path: /nonexistent\n")
+    assert saved.startswith(RESOLVED_HEADER) and "/nonexistent" in saved
+    (here / "recipe.yaml").write_text(saved)
+    assert load_recipe(here / "recipe.yaml").data.path == "/nonexistent"
+    with pytest.raises(RecipeError, match="data.name: 'pg19' has no effect"):
+        load_recipe(here / "recipe.yaml", ["data.name=pg19"])  # but a --set on it is checked
+    for setting in ("data.source=files", "data.valid=0.1", "data.min_doc_tokens=100"):  # these the source reads
+        load_recipe("quickstart", [setting] + (["data.path=books"] if setting == "data.source=files" else []))
