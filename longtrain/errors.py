@@ -89,7 +89,8 @@ class CheckpointError(LongtrainError):
     """A checkpoint that cannot be written or used (missing, incomplete, or from another run).
 
     Exit 1 in every verb: it is about what is on disk, which can be wrong however right the command
-    line is (a resumed run whose checkpoint another recipe wrote, a half-written folder).
+    line is (a resumed run whose checkpoint another recipe wrote, a half-written folder). A checkpoint
+    argument that does not exist, or is a file, is a UsageError instead (exit 2: longtrain.path_args).
     """
 
 

@@ -19,7 +19,9 @@ def verify_equivalence(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="a checkpoint folder, or a run dir (its newest complete checkpoint)"),
     text: Path = typer.Option(None, "--text", help="a text file as the document (default: random tokens)"),
     tokens: int = typer.Option(65536, "--tokens", help="document length in tokens (truncates --text)"),
-    chunk_size: list[int] = typer.Option(None, "--chunk-size", help="chunk size (repeatable; default 1024, 4096, 3001)"),
+    chunk_size: list[int] = typer.Option(
+        None, "--chunk-size", help="chunk size, below the document's length (repeatable; default 1024, 4096, 3001, those below it)"
+    ),
     dtype: str = typer.Option(
         None, "--dtype",
         help="float64 | float32 | bfloat16 | bfloat16-weights (default: float64 on cpu, float32 on cuda). bfloat16 is "
@@ -63,6 +65,8 @@ def run_verify(
         raise UsageError(f"--device must be cpu or cuda; got {device!r}")
     if recipe is not None and checkpoint is not None:
         raise UsageError("give --recipe or --checkpoint, not both")
+    if checkpoint is not None:
+        check_checkpoint_path(checkpoint)
     import torch
 
     from longtrain.eval.equivalence import (
@@ -84,9 +88,12 @@ def run_verify(
         raise UsageError(f"--dtype must be one of {', '.join(PRECISIONS)}; got {dtype!r}")
     if tokens < 2:
         raise UsageError(f"--tokens must be at least 2; got {tokens}")
-    chunk_sizes = list(chunk_sizes or DEFAULT_CHUNK_SIZES)
-    if any(c < 1 for c in chunk_sizes):
+    if chunk_sizes and any(c < 1 for c in chunk_sizes):
         raise UsageError(f"--chunk-size must be >= 1; got {chunk_sizes}")
+    explicit = bool(chunk_sizes)
+    chunk_sizes, dropped = chunks_to_verify(
+        list(chunk_sizes or DEFAULT_CHUNK_SIZES), tokens, explicit=explicit, what=f"--tokens {tokens:,}", more="--tokens above {n:,}"
+    )
     fault = os.environ.get("LONGTRAIN_FAULT") or None
     if fault is not None and fault not in FAULTS:
         raise UsageError(f"LONGTRAIN_FAULT must be one of {FAULTS}; got {fault!r}")
@@ -106,12 +113,21 @@ def run_verify(
     if dtype == "float64" and model.cfg.backend == "auto":
         model.cfg.backend = "naive"  # the Triton core has no float64; the attention layers share this cfg
     doc = load_tokens(text, tokens, model.cfg.vocab_size, tokenizer, seed).to(dev)
+    if doc.numel() < tokens:  # --text is shorter than --tokens: the chunks must split what it has
+        chunk_sizes, dropped_here = chunks_to_verify(
+            chunk_sizes, doc.numel(), explicit=explicit, what=f"the {doc.numel():,} tokens of --text {text}",
+            more="a --text longer than {n:,} tokens",
+        )
+        dropped += dropped_here
     cfg = model.cfg
     console.print(
         f"model: {cfg.style}, {cfg.layers} layers × {cfg.d_model}, {cfg.heads} heads, {cfg.attention} "
         f"(k={cfg.topk}, w={cfg.window}), {model.num_params() / 1e6:.2f}M parameters; "
         f"{doc.numel():,} tokens, {dtype} on {device}"
     )
+    if dropped:
+        console.print(f"  default chunk size{'s' if len(dropped) > 1 else ''} {', '.join(map(str, dropped))} left out: "
+                      f"not smaller than the document's {doc.numel():,} tokens", highlight=False)
     report = verify(
         model, doc, chunk_sizes, dtype=dtype, max_logit_diff=d_max, min_agreement=a_min, fault=fault,
         on_run=lambda r: console.print(f"  chunk {r.chunk_size}: {r.seconds:.1f} s", highlight=False),
@@ -120,3 +136,37 @@ def run_verify(
     if json_path is not None:
         json_path.write_text(json.dumps(report.to_json(), indent=1))
     return 0 if report.passed else 1
+
+
+def check_checkpoint_path(checkpoint: Path) -> None:
+    """--checkpoint must name a folder (a checkpoint or a run dir); what is in it is checked when it loads."""
+    what = "a checkpoint folder (RUN_DIR/checkpoints/step-XXXXXXXX) or a run dir"
+    if checkpoint.is_file():
+        raise UsageError(f"{checkpoint} is a file: give {{arg}} {what}", arg="checkpoint")
+    if not checkpoint.exists():
+        raise UsageError(f"{checkpoint} does not exist: give {{arg}} {what}", arg="checkpoint")
+
+
+def chunks_to_verify(chunk_sizes: list[int], length: int, *, explicit: bool, what: str, more: str) -> tuple[list[int], list[int]]:
+    """(the chunk sizes to run, the default sizes left out) for a document of `length` tokens.
+
+    A chunk of at least the document's length reads it in one chunk, the unchunked pass itself, so
+    it verifies nothing: an `explicit` --chunk-size of that size is refused; a default one is left
+    out (the caller says so), unless none is left. `what` names the length, `more` the other fix (a
+    format of `n`, the length that would do).
+    """
+    whole = [c for c in chunk_sizes if c >= length]
+    kept = [c for c in chunk_sizes if c < length]
+    if explicit and whole:
+        raise UsageError(
+            f"--chunk-size {', '.join(f'{c:,}' for c in whole)} is not smaller than {what}: the document would be read "
+            "in one chunk, which is the unchunked pass itself, so there is nothing to verify; give a --chunk-size "
+            f"below {length:,}, or {more.format(n=max(whole))}"
+        )
+    if not kept:
+        raise UsageError(
+            f"every default chunk size ({', '.join(f'{c:,}' for c in chunk_sizes)}) is at least {what}: each would "
+            "read the document in one chunk, the unchunked pass itself, so there is nothing to verify; give a --chunk-size below "
+            f"{length:,}, or {more.format(n=min(chunk_sizes))}"
+        )
+    return kept, whole

@@ -6,9 +6,15 @@ keys are the ones documented in the recipe (issue 4).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+# The validation context key under which load_recipe asks DataConfig to refuse settings its source
+# does not read: {"file": the recipe file's data section (None: a saved, resolved recipe, not checked),
+# "overrides": the fields a --set wrote}. Without it (a DataConfig built in code) nothing is refused.
+UNUSED_CHECK = "data_unused_check"
 
 
 def line_length(cfg: RecallConfig) -> int:
@@ -75,6 +81,35 @@ class RecallConfig(BaseModel):
         return self
 
 
+def unused_fields(source: str, filler: str | None, valid: Any) -> dict[str, str]:
+    """{field: why it has no effect, and what to set instead} for the data fields that `source` (with
+    recall's `filler`, and `valid`) does not read."""
+    reads_files = source == "files" or (source == "recall" and filler == "files")
+    valid_files = isinstance(valid, str)
+    with_source = f"with data.source {source!r}"
+    unused: dict[str, str] = {}
+    if not reads_files:
+        unused["path"] = (
+            f"{with_source} and data.recall.filler {filler!r}: to write the recall documents over the files at "
+            "data.path, set data.recall.filler: files (--set data.recall.filler=files)" if source == "recall" else
+            f"{with_source} (it reads {'the Python standard library' if source == 'stdlib' else 'the hub data set data.name'}): "
+            "to train on the files at data.path, set data.source: files (--set data.source=files)"
+        )
+    if source != "hub":
+        for name in ("name", "split"):
+            unused[name] = (f"{with_source}: it is for a hub data set; to read one, set data.source: hub "
+                            "(--set data.source=hub)")
+    if not (reads_files or valid_files or source == "hub"):
+        unused["text_field"] = (f"{with_source} and no data.valid path: it names the text column of files and hub data "
+                                "sets (data.source: files or hub, or a data.valid path)")
+    if not (reads_files or valid_files):
+        unused["on_bad_file"] = (f"{with_source} and no data.valid path: it is for local files (data.source: files, "
+                                 "or a data.valid path)")
+    if source == "recall":
+        unused["min_doc_tokens"] = f"{with_source}: its documents are data.recall.doc_tokens long; set that instead"
+    return unused
+
+
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -122,6 +157,41 @@ class DataConfig(BaseModel):
         elif self.recall is not None:
             raise ValueError(f"data.recall is set but data.source is {self.source!r}; use data.source: recall")
         return self
+
+    def unused_settings(self) -> dict[str, str]:
+        """{field: why it has no effect} for each field set away from its default that this source does not read."""
+        unused = unused_fields(self.source, self.recall.filler if self.recall else None, self.valid)
+        return {name: why for name, why in unused.items() if getattr(self, name) != type(self).model_fields[name].default}
+
+    @model_validator(mode="after")
+    def _no_unused_settings(self, info: ValidationInfo) -> DataConfig:
+        """A recipe's data setting that its source does not read is refused, not silently ignored (the run
+        would train on something else than the user meant). Checked where load_recipe asks (UNUSED_CHECK):
+        every --set, and each value of the recipe file that the file's own source does not read; a value
+        of the file that only a --set of data.source (or data.recall.filler) leaves unused is not refused,
+        the --set says what to read. A saved run's recipe is not checked (it trained as it is)."""
+        check = (info.context or {}).get(UNUSED_CHECK)
+        if check is None:
+            return self
+        file, overrides = check.get("file"), check.get("overrides", {})
+        in_file = unused_fields(*_source_of(file)) if isinstance(file, dict) else {}
+        problems = []
+        for name, why in self.unused_settings().items():
+            if name in overrides or (name in in_file and name in file):
+                fix = "drop that --set" if name in overrides else "remove it from the recipe"
+                text = f"{getattr(self, name)!r} has no effect {why}, or {fix}"
+                problems.append(InitErrorDetails(type=PydanticCustomError("value_error", "{text}", {"text": text}),
+                                                 loc=(name,), input=getattr(self, name)))
+        if problems:  # one error per setting, each at its own key (the recipe's message names it, and its --set)
+            raise ValidationError.from_exception_data(type(self).__name__, problems)
+        return self
+
+
+def _source_of(data: dict) -> tuple[str, str | None, Any]:
+    """(source, recall filler, valid) of a recipe file's data section as written (defaults where it says nothing)."""
+    source = data.get("source", "stdlib")
+    recall = data.get("recall") if isinstance(data.get("recall"), dict) else {}
+    return str(source), recall.get("filler", "words") if source == "recall" else None, data.get("valid")
 
 
 class TokenizerConfig(BaseModel):

@@ -15,6 +15,7 @@ one corpus compare.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -84,6 +85,29 @@ def corpus_documents(
     return docs, stats
 
 
+def check_paths_exist(data: DataConfig) -> None:
+    """Refuse missing data paths (data.path where the source reads it, a data.valid path) in one
+    DataError that names each, where a relative one was looked for, and the `--set` that fixes it."""
+    wanted = []
+    if data.source == "files" or (data.source == "recall" and data.recall.filler == "files"):
+        wanted.append(("data.path", data.path))
+    if isinstance(data.valid, str):
+        wanted.append(("data.valid", data.valid))
+    missing = [(key, value) for key, value in wanted
+               if value and not glob.has_magic(value) and not Path(value).expanduser().exists()]
+    if not missing:
+        return
+    relative = any(not Path(value).expanduser().is_absolute() for _, value in missing)
+    where = f" (relative paths are read from the working directory, {Path.cwd()})" if relative else ""
+    found = " and ".join(f"{key} {value!r}" for key, value in missing)
+    sets = " ".join(f"--set {key}=DIR" for key, _ in missing)
+    fraction = (" (data.valid may be a fraction of the training documents instead, e.g. --set data.valid=0.02)"
+                if any(key == "data.valid" for key, _ in missing) else "")
+    what = "does not exist" if len(missing) == 1 else "do not exist"
+    give = "a file, folder or glob that exists" if len(missing) == 1 else "files, folders or globs that exist"
+    raise DataError(f"{found} {what}{where}. Give {give}, in the recipe or with {sets}{fraction}")
+
+
 def prepare_corpus(
     data: DataConfig,
     tokenizer: TokenizerConfig,
@@ -93,6 +117,7 @@ def prepare_corpus(
     progress: bool = True,
 ) -> PreparedCorpus:
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    check_paths_exist(data)  # every missing path in one message, with the --set that fixes each
     source = load_source(data)  # recall: its filler (the generated documents come below)
     recall = data.source == "recall"
     fraction = data.valid if isinstance(data.valid, float) else None

@@ -39,6 +39,7 @@ from longtrain.data.tokenizer import eod_id
 from longtrain.errors import UsageError
 from longtrain.interop.hf_families import LLAMA_LIKE, MISTRAL, HFFormatError, export_family, export_problems, fuse_qkv, hf_config
 from longtrain.model.attention_types import selects
+from longtrain.path_args import checkpoint_arg
 from longtrain.model.rope import inverse_frequencies
 from longtrain.train.checkpoint import TOKENIZER_FILE, beside, load_checkpoint
 
@@ -101,7 +102,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "float32"
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HFFormatError(f"{out} exists and is not an empty folder; choose another {{arg}} (nothing was written)", arg="out")
-    loaded = load_checkpoint(checkpoint, dtype=torch.float32)
+    loaded = load_checkpoint(checkpoint_arg(checkpoint), dtype=torch.float32)  # a missing path or a file: exit 2
     model, tok = loaded.model, loaded.tokenizer
     cfg = model.cfg
     imported = loaded.meta.get("imported_from", {})

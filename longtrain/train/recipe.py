@@ -10,6 +10,7 @@ The parser reads no checkpoint: what a recipe takes from train.init_from, its ca
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Sequence
@@ -19,7 +20,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from longtrain.data.config import DataConfig, TokenizerConfig
+from longtrain.data.config import UNUSED_CHECK, DataConfig, TokenizerConfig
 from longtrain.errors import RecipeError  # noqa: F401  (raised here; defined with the others)
 from longtrain.model.attention_types import (USES, AttentionType, default_linear_gain, default_linear_norm, default_linear_rope,
                                              linear_problems, size_problems)
@@ -493,11 +494,17 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), *, init_
     path = resolve_recipe_path(path)
     raw = _read_yaml(path)
     _fill_fields_added_later(raw, path)
+    # what the file says of the data before the overrides (a saved run's resolved recipe: nothing to check)
+    file_data = None if _resolved(path) else copy.deepcopy(raw.get("data") if isinstance(raw.get("data"), dict) else {})
     override_paths = _apply_overrides(raw, overrides)
     raw.setdefault("name", path.stem)
     inherited = _fill_from_init_source(raw, path, init_source)
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    data_sets = {keys[1] for keys in override_paths if keys[0] == "data" and len(keys) > 1}
+    data_sets |= set(data) if ("data",) in override_paths else set()  # --set data={...}: the whole section
+    check = {UNUSED_CHECK: {"file": file_data, "overrides": data_sets}}  # DataConfig refuses settings its source ignores
     try:
-        recipe = Recipe.model_validate(raw)
+        recipe = Recipe.model_validate(raw, context=check)
         recipe._from_init_source = inherited
         return recipe
     except ValidationError as e:
@@ -530,12 +537,17 @@ _FIELDS_ADDED_LATER = {
 def _fill_fields_added_later(raw: dict[str, Any], path: Path) -> None:
     """A run's saved (resolved) recipe holds every field of its day: one missing there was added later, and the run
     computed what the code did before it (_FIELDS_ADDED_LATER), so it loads and resumes as it trained."""
-    if not path.read_text().startswith(RESOLVED_HEADER):
+    if not _resolved(path):
         return
     for section, added in _FIELDS_ADDED_LATER.items():
         if isinstance(raw.get(section), dict):
             for key, before in added.items():
                 raw[section].setdefault(key, before)
+
+
+def _resolved(path: Path) -> bool:
+    """A recipe as a run saved it (recipe_to_yaml), not one a user wrote."""
+    return path.read_text().startswith(RESOLVED_HEADER)
 
 
 def recipe_hash(recipe: Recipe, sections: Iterable[str] = ("model", "attention", "tokenizer")) -> str:

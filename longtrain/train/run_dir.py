@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from longtrain.errors import RunDirBusy, RunDirWriteError  # noqa: F401  (raised here; defined with the others)
+from longtrain.errors import RunDirBusy, RunDirWriteError, UsageError  # noqa: F401  (raised here; defined with the others)
 
 LOCK_FILE = ".lock"
 ASIDE_TAGS = ("replaced", "superseded", "unusable")  # --resume never; --resume PATH; checkpoints failing their checks
@@ -48,16 +48,44 @@ def write_atomically(path: Path, text: str, *, why: str) -> None:
         ) from None
 
 
+def not_a_folder(path: Path) -> Path | None:
+    """The part of `path` (itself or the nearest existing folder above it) that exists but is not a
+    folder, so `path` cannot be (or be made) a folder; None when it can."""
+    for part in (path, *path.parents):
+        if part.exists():
+            return None if part.is_dir() else part
+        if part.is_symlink():  # a dangling link: mkdir would fail on it
+            return part
+    return None
+
+
+def check_run_folders(run_dir: Path, checkpoint_dir: Path, custom_checkpoint_dir: bool) -> None:
+    """Refuse a run dir (or checkpoint folder) that a file stands in the way of, before anything is written."""
+
+    def problem(folder: Path, bad: Path) -> str:
+        kind = "a broken link" if bad.is_symlink() and not bad.exists() else "a file"
+        return f"is {kind}, not a folder" if bad == folder else f"cannot be made: {bad} is {kind}, not a folder"
+
+    if (bad := not_a_folder(run_dir)) is not None:
+        raise UsageError(f"run dir {run_dir} {problem(run_dir, bad)}; choose another {{run_dir}} (a new folder, or "
+                         "this run's)", names=("run_dir",))
+    if (bad := not_a_folder(checkpoint_dir)) is not None:
+        fix = ("set checkpoint.dir to a folder (--set checkpoint.dir=DIR)" if custom_checkpoint_dir
+               else "move it away, or choose another {run_dir}")
+        raise UsageError(f"checkpoint folder {checkpoint_dir} {problem(checkpoint_dir, bad)}; {fix}", names=("run_dir",))
+
+
 class RunLock:
     """`with RunLock(run_dir):` holds the run directory (creating it) or raises RunDirBusy."""
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
         self._fd: int | None = None
-        self._created = False
+        self._created: Path | None = None
 
     def __enter__(self) -> RunLock:
-        self._created = not self.run_dir.exists()
+        # the outermost folder this lock makes (run_dir or a parent of it), removed again if the run leaves it empty
+        self._created = next((p for p in reversed((self.run_dir, *self.run_dir.parents)) if not p.exists()), None)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -75,8 +103,13 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)  # releases the flock
             self._fd = None
-        if self._created and not any(self.run_dir.iterdir()):  # a run that never started leaves no trace
-            self.run_dir.rmdir()
+        if self._created is not None:  # a run that never started leaves no trace (nor the runs/ folder it made)
+            for folder in (self.run_dir, *self.run_dir.parents):
+                if any(folder.iterdir()):
+                    break
+                folder.rmdir()
+                if folder == self._created:
+                    break
 
     def _holder(self) -> str:
         try:

@@ -74,7 +74,7 @@ from longtrain.train.optim import build_optimizer, clip_grad_norms, lr_at, norma
 from longtrain.train.checkpoint.ranks import Layout
 from longtrain.train.recipe import Recipe, recipe_to_yaml
 from longtrain.train.checkpoint.rng import seed_everything
-from longtrain.train.run_dir import write_atomically
+from longtrain.train.run_dir import check_run_folders, write_atomically
 from longtrain.train.signals import StopSignal, kill_for_tests_after, signal_for_tests_at
 from longtrain.train import memory, summary
 from longtrain.train.summary import FitResult
@@ -103,6 +103,7 @@ class Trainer:
         self.resume, self.fork = resume, fork
         self.console = console or make_console()
         self.checkpoints = RunCheckpoints(self.run_dir, recipe.checkpoint)  # which one to resume, what is there
+        check_run_folders(self.run_dir, self.checkpoints.dir, bool(recipe.checkpoint.dir))  # a file in the way: UsageError
         self.state = TrainState()
         self.stop = StopSignal()
         self.start = TrainState()  # where this session starts (the resumed checkpoint's state)

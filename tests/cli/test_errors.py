@@ -29,13 +29,12 @@ def _check(res, code: int, *messages: str) -> None:
 @pytest.mark.parametrize(
     "args, code",
     [
-        # a path that does not exist: a UsageError (longtrain.path_args.checkpoint_arg)
+        # a path that does not exist: a UsageError (longtrain.path_args.checkpoint_arg or verify-equivalence's check)
         (["eval", "{missing}"], 2),
         (["generate", "{missing}", "--prompt", "x"], 2),
         (["inspect", "{missing}", "--text", "{tmp}/page.txt", "--out", "{tmp}/page.html"], 2),
-        # not (yet) through checkpoint_arg: resolve_checkpoint's CheckpointError
-        (["export", "{missing}", "--out", "{tmp}/hf"], 1),
-        (["verify-equivalence", "--checkpoint", "{missing}"], 1),
+        (["export", "{missing}", "--out", "{tmp}/hf"], 2),
+        (["verify-equivalence", "--checkpoint", "{missing}"], 2),
     ],
     ids=lambda a: a[0] if isinstance(a, list) else str(a),
 )

@@ -221,7 +221,7 @@ def test_a_recall_runs_documents_are_its_held_out_recall_documents(tmp_path):
               "value_length": 2, "seed": 3}
     recipe = load_recipe("quickstart", [
         "model.layers=2", "model.d_model=32", "model.heads=2", "attention.topk=8", "attention.window=8",
-        "data.source=recall", f"data.recall={json.dumps(recall)}", "data.valid=0.34", "data.min_doc_tokens=100",
+        "data.source=recall", f"data.recall={json.dumps(recall)}", "data.valid=0.34",
         "tokenizer.vocab_size=300", "train.chunk_size=64", "train.batch_docs=2", "train.device=cpu",
     ])
     model = LM(LMConfig.from_recipe(recipe.model, recipe.attention, vocab_size=tok.get_vocab_size()))

@@ -158,8 +158,8 @@ def test_bad_export_inputs_name_the_problem_and_the_fix(tok, tmp_path, case):
     (tmp_path / "a-file").write_text("x")
     (tmp_path / "empty").mkdir()
     args, code, message = {
-        "missing": ([tmp_path / "no-such-run"], 1, "no-such-run does not exist: give a checkpoint folder"),
-        "file": ([tmp_path / "a-file"], 1, "a-file is a file: give a checkpoint folder"),
+        "missing": ([tmp_path / "no-such-run"], 2, "no-such-run does not exist: give a checkpoint folder"),
+        "file": ([tmp_path / "a-file"], 2, "a-file is a file, not a folder: give a checkpoint folder"),
         "empty": ([tmp_path / "empty"], 1, "is neither a checkpoint (no meta.json) nor a run dir with checkpoints"),
         "int8": ([run, "--dtype", "int8"], 2, "--dtype 'int8' is not a weight dtype of a Hugging Face folder: choose one of "
                  "float32, bfloat16, float16"),

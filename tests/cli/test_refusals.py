@@ -1,0 +1,176 @@
+"""What a fresh-clone user trial ran into: each command line that cannot work is refused with a message
+that names the problem and the fix (exit 2 for the command line or recipe, 1 for what is on disk), and a
+refused `fit` writes nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from longtrain.cli import app
+from longtrain.errors import RecipeError
+from longtrain.train.recipe import RECIPES_DIR, RESOLVED_HEADER, load_recipe, recipe_to_yaml
+from tests.train.tiny import write_corpus
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], prog_name="longtrain")
+
+
+def flat(res) -> str:
+    """The output with rich's line wrapping undone."""
+    return " ".join(res.output.split())
+
+
+def check(res, code: int, *messages: str) -> None:
+    assert res.exit_code == code, res.output
+    assert "Traceback" not in res.output and isinstance(res.exception, (SystemExit, type(None))), res.output
+    for m in messages:
+        assert m in flat(res), res.output
+
+
+def tree(folder: Path) -> dict[str, bytes | None]:
+    """Every entry under `folder`, with a file's bytes (None: a folder)."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    """tmp_path as the working directory, with the token cache inside it (so "nothing written" covers it)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LONGTRAIN_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+# ----------------------------------------------------------------------------- fit --run-dir FILE
+
+
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []], ids=["dry-run", "fit"])
+def test_fit_refuses_a_run_dir_that_is_a_file_and_writes_nothing(here, dry_run):
+    (here / "notes.txt").write_text("my notes\n")
+    before = tree(here)
+    check(invoke("fit", "quickstart", "--run-dir", "notes.txt", *dry_run), 2,
+          "run dir notes.txt is a file, not a folder", "choose another --run-dir")
+    check(invoke("fit", "quickstart", "--run-dir", "notes.txt/run", *dry_run), 2,
+          "run dir notes.txt/run cannot be made: notes.txt is a file", "--run-dir")
+    check(invoke("fit", "quickstart", "--set", "checkpoint.dir=notes.txt/ckpts", *dry_run), 2,
+          "checkpoint folder notes.txt/ckpts cannot be made", "--set checkpoint.dir=DIR")
+    assert tree(here) == before  # the file as it was, no runs/ folder, no token cache
+    (here / "run").mkdir()
+    (here / "run" / "checkpoints").write_text("not a folder")
+    before = tree(here)
+    check(invoke("fit", "quickstart", "--run-dir", "run", *dry_run), 2, "checkpoint folder run/checkpoints is a file")
+    assert tree(here) == before
+
+
+def test_a_run_that_fails_before_it_starts_leaves_no_runs_folder(here):
+    """The run dir's parents that fit made (runs/) go too when the run never started."""
+    check(invoke("fit", "quickstart", "--set", "data.source=files", "--set", "data.path=missing"), 1, "data.path 'missing'")
+    assert not (here / "runs").exists()
+
+
+# ----------------------------------------------------------------------------- verify-equivalence --checkpoint
+
+
+def test_verify_equivalence_checkpoint_must_be_a_folder_with_a_checkpoint(here):
+    (here / "notes.txt").write_text("my notes\n")
+    check(invoke("verify-equivalence", "--checkpoint", "notes.txt"), 2,
+          "notes.txt is a file: give --checkpoint a checkpoint folder", "or a run dir")
+    check(invoke("verify-equivalence", "--checkpoint", "no-such-run"), 2,
+          "no-such-run does not exist: give --checkpoint a checkpoint folder", "or a run dir")
+    (here / "empty").mkdir()  # there, but nothing in it: what is on disk (exit 1), saying what is missing
+    check(invoke("verify-equivalence", "--checkpoint", "empty"), 1,
+          "empty is neither a checkpoint (no meta.json) nor a run dir with checkpoints", "longtrain fit")
+
+
+# ----------------------------------------------------------------------------- verify-equivalence chunk sizes
+
+
+def test_verify_equivalence_refuses_chunks_that_read_the_document_whole(here):
+    check(invoke("verify-equivalence", "--chunk-size", "8192", "--tokens", "4096"), 2,
+          "--chunk-size 8,192 is not smaller than --tokens 4,096", "nothing to verify",
+          "give a --chunk-size below 4,096, or --tokens above 8,192")
+    check(invoke("verify-equivalence", "--chunk-size", "100", "--chunk-size", "300", "--tokens", "300"), 2,
+          "--chunk-size 300 is not smaller than --tokens 300")
+    check(invoke("verify-equivalence", "--tokens", "1000"), 2,
+          "every default chunk size (1,024, 4,096, 3,001) is at least --tokens 1,000", "--chunk-size below 1,000")
+    (here / "short.txt").write_text("a short text of a few bytes")  # the default model reads bytes: 27 tokens
+    check(invoke("verify-equivalence", "--text", "short.txt", "--tokens", "500", "--chunk-size", "10", "--chunk-size", "100"),
+          2, "--chunk-size 100 is not smaller than the 27 tokens of --text short.txt",
+          "give a --chunk-size below 27, or a --text longer than 100 tokens")
+
+
+def test_verify_equivalence_leaves_out_default_chunks_the_document_fits_in(here):
+    res = invoke("verify-equivalence", "--tokens", "1100", "--json", "out.json")
+    check(res, 0, "default chunk sizes 4096, 3001 left out: not smaller than the document's 1,100 tokens", "PASSED")
+    assert [r["chunk_size"] for r in json.loads((here / "out.json").read_text())["runs"]] == [1024]
+
+
+# ----------------------------------------------------------------------------- fit gutenberg-sparsek without books
+
+
+def test_missing_books_name_the_folders_and_the_set_that_fixes_them(here):
+    check(invoke("fit", "gutenberg-sparsek", "--dry-run"), 1,
+          "data.path '../shared/data/gutenberg/train' and data.valid '../shared/data/gutenberg/valid' do not exist",
+          f"from the working directory, {here}", "--set data.path=DIR --set data.valid=DIR", "--set data.valid=0.02")
+    assert tree(here) == {}
+    write_corpus(here / "books", n_docs=5, words=1500)
+    check(invoke("fit", "gutenberg-sparsek", "--set", "data.path=books", "--dry-run"), 1,
+          "data.valid '../shared/data/gutenberg/valid' does not exist", "--set data.valid=DIR")
+    # what the messages say works (smaller numbers only so that the tiny corpus is enough)
+    small = ["--set", "tokenizer.vocab_size=320", "--set", "data.min_doc_tokens=300"]
+    check(invoke("fit", "gutenberg-sparsek", "--set", "data.path=books", "--set", "data.valid=books", *small, "--dry-run"),
+          0, "dry run: would start a fresh run")
+    check(invoke("fit", "gutenberg-sparsek", "--set", "data.path=books", "--set", "data.valid=0.2", *small, "--dry-run"),
+          0, "dry run: would start a fresh run")
+    assert not (here / "runs").exists()
+
+
+# ----------------------------------------------------------------------------- data settings the source ignores
+
+
+@pytest.mark.parametrize(
+    "recipe, setting, fix",
+    [
+        ("quickstart", "data.path=/nonexistent", "set data.source: files (--set data.source=files)"),
+        ("quickstart", "data.name=pg19", "set data.source: hub"),
+        ("quickstart", "data.split=test", "set data.source: hub"),
+        ("quickstart", "data.text_field=body", "data.source: files or hub, or a data.valid path"),
+        ("quickstart", "data.on_bad_file=skip", "data.source: files, or a data.valid path"),
+        ("pg19", "data.path=books", "set data.source: files"),
+        ("recall-sparsek", "data.path=books", "set data.recall.filler: files (--set data.recall.filler=files)"),
+        ("recall-sparsek", "data.min_doc_tokens=100", "data.recall.doc_tokens"),
+    ],
+)
+def test_a_data_setting_the_source_does_not_read_is_refused(here, recipe, setting, fix):
+    key = setting.partition("=")[0]
+    check(invoke("fit", recipe, "--set", setting, "--dry-run"), 2, f"{key}:", "has no effect with data.source", fix,
+          f"(from --set {setting})")
+    check(invoke("fit", recipe, "--set", setting), 2, f"{key}:", "has no effect")
+    assert tree(here) == {}
+
+
+def test_a_recipe_file_that_sets_what_its_source_ignores_is_refused(here):
+    text = (RECIPES_DIR / "quickstart.yaml").read_text()
+    (here / "mine.yaml").write_text(text.replace("  source: stdlib\n", "  source: stdlib\n  path: books\n"))
+    check(invoke("fit", "mine.yaml", "--dry-run"), 2, "data.path: 'books' has no effect with data.source 'stdlib'",
+          "or remove it from the recipe")
+    # the fix it names loads
+    assert load_recipe(here / "mine.yaml", ["data.source=files"]).data.path == "books"
+
+
+def test_what_a_set_of_the_source_leaves_unused_and_saved_recipes_still_load(here):
+    # quickstart's min_doc_tokens: 2048 is unused by recall; the --set says what to read, so it is not refused
+    assert load_recipe("quickstart", ["data.source=recall"]).data.source == "recall"
+    # a run saved before these checks, with a setting its source ignored, still loads (eval, generate, resume)
+    saved = recipe_to_yaml(load_recipe("quickstart")).replace("  path: null\n", "  path: /nonexistent\n")
+    assert saved.startswith(RESOLVED_HEADER) and "/nonexistent" in saved
+    (here / "recipe.yaml").write_text(saved)
+    assert load_recipe(here / "recipe.yaml").data.path == "/nonexistent"
+    with pytest.raises(RecipeError, match="data.name: 'pg19' has no effect"):
+        load_recipe(here / "recipe.yaml", ["data.name=pg19"])  # but a --set on it is checked
+    for setting in ("data.source=files", "data.valid=0.1", "data.min_doc_tokens=100"):  # these the source reads
+        load_recipe("quickstart", [setting] + (["data.path=books"] if setting == "data.source=files" else []))
