@@ -143,4 +143,4 @@ def check(recipe, opts: EvalOptions) -> None:
     resolve(opts.extra.get("task_argument"))
 
 
-register(Task("lm-eval", "lm-evaluation-harness", run, in_all=False, check=check, argument="TASK,TASK,...", order=5))
+register(Task("lm-eval", "lm-evaluation-harness", run, in_all=False, check=check, argument="TASK,TASK,...", order=5, reads=("limit",)))

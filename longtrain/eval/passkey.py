@@ -182,4 +182,4 @@ def plot(fig, spec, entries: list[tuple[str, list]]) -> None:
         fig.colorbar(im, ax=ax, label="accuracy")
 
 
-register(Task("passkey", "passkey retrieval", run, plot=plot, check=check, order=1))
+register(Task("passkey", "passkey retrieval", run, plot=plot, check=check, order=1, reads=("max_len", "trials")))

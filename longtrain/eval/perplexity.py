@@ -160,4 +160,4 @@ def plot(fig, spec, entries: list[tuple[str, dict]]) -> None:
     ax.legend(fontsize="small")
 
 
-register(Task("ppl", "perplexity by position", run, plot=plot, check=check, order=0))
+register(Task("ppl", "perplexity by position", run, plot=plot, check=check, order=0, reads=("data", "docs", "tokens")))

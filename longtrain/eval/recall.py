@@ -253,7 +253,8 @@ def plot(fig, spec, entries) -> None:
     ax.legend(fontsize=8)
 
 
-register(Task("recall", "long-range recall (key -> value facts)", run, in_all=False, plot=plot, check=check, order=3))
+register(Task("recall", "long-range recall (key -> value facts)", run, in_all=False, plot=plot, check=check, order=3,
+              reads=("docs", "tokens", "recall_scale", "recall_max_distance")))
 
 
 __all__ = ["chance_level", "default_edges", "measure_recall", "recall_config"]

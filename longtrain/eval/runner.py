@@ -17,7 +17,9 @@ from longtrain.eval import harness, passkey, perplexity, recall  # noqa: F401  (
 from longtrain.eval.passkey import kv_budget
 from longtrain.eval.report import CheckpointReport, render, write_json, write_plot
 from longtrain.eval.ruler import task as ruler_task  # noqa: F401  (registers its task)
-from longtrain.eval.tasks import EvalContext, EvalOptions, EvalUsageError, Progress, checkpoint_label, registered_tasks
+from longtrain.eval.tasks import (
+    EvalContext, EvalOptions, EvalUsageError, Progress, check_options_are_read, checkpoint_label, registered_tasks,
+)
 from longtrain.model.attention_types import describe
 from longtrain.path_args import checkpoint_arg
 from longtrain.train.checkpoint import load_checkpoint, load_recipe_and_tokenizer, resolve_checkpoint
@@ -58,6 +60,7 @@ def run_eval(
         raise EvalUsageError(f"must be one of {', '.join(choices)}; got {task!r}", arg="task")
     if not checkpoints:
         raise EvalUsageError("give at least one checkpoint folder or run dir")
+    check_options_are_read(opts, tasks, registry)
     opts.device = pick_device(opts.device)
     opts.dtype = pick_dtype(opts.dtype, opts.device)
     check_output(json_path, "json_path")

@@ -5,7 +5,8 @@ A task is a function `run(ctx) -> TaskResult`: `ctx` holds the loaded checkpoint
 command's options (`ctx.opts`), a progress reporter and the evaluation documents (`ctx.documents()`,
 read on first use). It returns a JSON-able result (stored under the task's name in `--json`) and
 rows for the table (label, cell: one column per checkpoint). Optionally a task checks the options
-before any model is loaded, and draws its part of `--plot`.
+before any model is loaded, and draws its part of `--plot`. It names the options only some tasks read
+(TASK_OPTIONS) in `reads`: one set that no chosen task reads is refused rather than ignored.
 
 Adding a task is a few lines in its own module:
 
@@ -15,7 +16,7 @@ Adding a task is a few lines in its own module:
         ...
         return TaskResult(json={...}, rows=[("recall @ 4k", "0.75")])
 
-    register(Task("recall", "associative recall", run, in_all=False))
+    register(Task("recall", "associative recall", run, in_all=False, reads=("docs", "tokens")))
 
 and one import line in `longtrain/eval/runner.py`.
 """
@@ -47,6 +48,25 @@ class EvalOptions:
     extra: dict[str, Any] = field(default_factory=dict)  # options of tasks added later
 
 
+# The options only some tasks read, with the value that means "not set" (EvalOptions' fields, else in opts.extra).
+# The chunk size, seed, device and dtype are every task's.
+TASK_OPTIONS: dict[str, Any] = {"data": None, "docs": 8, "tokens": None, "max_len": 8192, "trials": 4,
+                                "recall_scale": 1, "recall_max_distance": None, "limit": None}
+
+
+def check_options_are_read(opts: EvalOptions, tasks: list[Task], registry: dict[str, Task]) -> None:
+    """EvalUsageError for an option set to other than its default that none of `tasks` reads: it would be ignored
+    silently (e.g. --tokens with --task passkey, whose lengths come from --max-len)."""
+    for name, unset in TASK_OPTIONS.items():
+        value = getattr(opts, name) if hasattr(opts, name) else opts.extra.get(name, unset)
+        if value == unset or any(name in t.reads for t in tasks):
+            continue
+        chosen = ", ".join(t.name for t in tasks)
+        readers = [t.name for t in registry.values() if name in t.reads]
+        raise EvalUsageError(f"{{arg}} {value} has no effect with --task {chosen}: only {' and '.join(readers)} "
+                             f"read{'s' if len(readers) == 1 else ''} it; drop it, or run --task {readers[0]}", arg=name)
+
+
 @dataclass
 class TaskResult:
     json: Any  # stored under the task's name in each checkpoint's entry of --json
@@ -65,6 +85,7 @@ class Task:
     check_prompts: Callable[..., None] | None = None  # (tokenizer, opts): the same, for what needs the tokenizer
     argument: str | None = None  # what --task NAME:ARGUMENT takes (None: no argument), in opts.extra["task_argument"]
     order: int = 100  # place in the table and in --task's choices (then by name)
+    reads: tuple[str, ...] = ()  # the TASK_OPTIONS it reads (a set one that no chosen task reads is refused)
 
 
 @dataclass

@@ -4,6 +4,7 @@ import json
 import shutil
 
 import numpy as np
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -15,7 +16,8 @@ from longtrain.train.checkpoint.storage import CheckpointManager, load, validate
 from longtrain.train.checkpoint import load_recipe_and_tokenizer, resolve_checkpoint
 
 runner = CliRunner()
-FAST = ["--docs", "2", "--tokens", "200", "--max-len", "256", "--trials", "1"]
+PPL_FAST = ["--docs", "2", "--tokens", "200"]  # what ppl reads
+FAST = [*PPL_FAST, "--max-len", "256", "--trials", "1"]  # and passkey: --task all
 
 
 def evaluate(*args):
@@ -163,7 +165,7 @@ def test_read_only_verbs_need_only_the_weights(runs, tmp_path):
     assert "optimizer.safetensors" in validate(step)
     assert resolve_checkpoint(run) == step
     for target in (run, step):
-        res = evaluate(str(target), "--task", "ppl", *FAST)
+        res = evaluate(str(target), "--task", "ppl", *PPL_FAST)
         assert res.exit_code == 0 and "step-00000009" in res.output, res.output
     res = runner.invoke(app, ["generate", str(run), "--prompt", "the river", "--max-new-tokens", "3"])
     assert res.exit_code == 0, res.output
@@ -204,6 +206,21 @@ def test_bad_options(runs, tmp_path):
     _check_error(evaluate(ckpt, "--plot", str(tmp_path / "x.jpg")), 2, "must end in .png")
     _check_error(evaluate(ckpt, "--json", str(tmp_path / "no" / "x.json")), 2, "does not exist")
     _check_error(evaluate(ckpt, "--dtype", "float16"), 2, "--dtype")
+
+
+def test_an_option_no_chosen_task_reads_is_refused(runs, monkeypatch):
+    """Not ignored: passkey's lengths come from --max-len, so --tokens there would change nothing."""
+    from longtrain.eval import runner as eval_runner
+
+    monkeypatch.setattr(eval_runner, "load_checkpoint", lambda *a, **k: pytest.fail("the model was loaded"))
+    ckpt = str(runs["sparsek"])
+    _check_error(evaluate(ckpt, "--task", "passkey", "--tokens", "1024"), 2,
+                 "--tokens 1024 has no effect with --task passkey: only ppl and recall read it")
+    _check_error(evaluate(ckpt, "--task", "ppl", "--max-len", "4096"), 2,
+                 "--max-len 4096 has no effect with --task ppl: only passkey and ruler read it")
+    _check_error(evaluate(ckpt, "--task", "ruler", "--docs", "3"), 2, "--docs 3 has no effect", "run --task ppl")
+    _check_error(evaluate(ckpt, "--task", "ppl", "--recall-scale", "2"), 2, "only recall reads it")
+    _check_error(evaluate(ckpt, "--task", "passkey", "--limit", "5"), 2, "only lm-eval reads it")
 
 
 def test_a_recall_runs_documents_are_its_held_out_recall_documents(tmp_path):
@@ -252,7 +269,7 @@ def test_checkpoint_paths_in_eval_generate_and_inspect(runs, tmp_path):
     step = next((runs["sparsek"] / "checkpoints").iterdir())
     (tmp_path / "empty").mkdir()
     verbs = {
-        "eval": lambda c: ["eval", c, "--task", "ppl", *FAST],
+        "eval": lambda c: ["eval", c, "--task", "ppl", *PPL_FAST],
         "generate": lambda c: ["generate", c, "--prompt", "the river", "--max-new-tokens", "2"],
         "inspect": lambda c: ["inspect", c, "--text", str(page), "--out", str(tmp_path / "i.html")],
     }

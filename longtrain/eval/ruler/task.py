@@ -163,4 +163,4 @@ def plot(fig, spec, entries: list[tuple[str, dict]]) -> None:
 
 
 register(Task("ruler", "RULER (synthetic long-context tasks)", run, in_all=False, plot=plot, check=check,
-              check_prompts=check_prompts, argument="TASK,TASK,...", order=4))
+              check_prompts=check_prompts, argument="TASK,TASK,...", order=4, reads=("data", "max_len", "trials")))
