@@ -155,12 +155,21 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
     """The process's peak so far: CUDA memory allocated by tensors on a GPU, resident memory on the CPU (the OS's
-    high-water mark, ru_maxrss: never below what the process held at any moment, unlike its current size)."""
+    high-water mark: never below what the process held at any moment, unlike its current size)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    # Linux: VmHWM, this program's own peak. Not ru_maxrss, which execve keeps from the process it replaced: a fit
+    # started by a large process (pytest, a notebook, a launcher) would report its parent's size.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
 # ------------------------------------------------------------------ display
