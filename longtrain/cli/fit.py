@@ -13,7 +13,9 @@ from longtrain.cli.app import app, fail, message
 def fit(
     ctx: typer.Context,
     recipe: str = typer.Argument(
-        None, help="recipe YAML file or built-in name (default: quickstart; see `longtrain recipes`)", show_default=False
+        None, show_default=False,
+        help="recipe YAML file or built-in name (default: the --run-dir's own recipe when it holds a run, else quickstart; "
+             "see `longtrain recipes`)",
     ),
     run_dir: Path = typer.Option(None, "--run-dir", help="run directory (default: runs/<recipe name>)"),
     overrides: list[str] = typer.Option([], "--set", help="override a recipe key: --set train.lr=3e-4 (repeatable)"),
@@ -45,6 +47,7 @@ def fit(
         raise fail(f"--fork starts a new run from a checkpoint's state: give the checkpoint as --resume PATH "
                    f"(not --resume {resume})", 2)
     try:
+        recipe = run_recipe(recipe, run_dir, out)
         trainer = Trainer(load_fit_recipe(recipe, overrides), run_dir=run_dir, resume=resume, fork=fork, console=out)
         if dry_run:
             for line in trainer.dry_run():
@@ -57,7 +60,7 @@ def fit(
         raise fail(rank_message("interrupted again: stopped without saving; the last checkpoint is unchanged"), 130)
 
     if trainer.ranks.is_main:  # under torchrun, rank 0 speaks for the run
-        for line in summary_lines(result):
+        for line in summary_lines(result, trainer.recipe.train.steps):
             out.print(line, markup=False)
     raise typer.Exit(result.exit_code)
 
@@ -69,8 +72,20 @@ def rank_message(text: str) -> str:
     return rank_message(launch_env(), text)
 
 
-def summary_lines(result) -> list[str]:
-    """The closing lines: what this session did (not the whole run's tokens over this session's time)."""
+def run_recipe(recipe: str | None, run_dir: Path | None, out) -> str | Path | None:
+    """No RECIPE, and a --run-dir that holds a run: that run's own recipe (its recipe.yaml), so that resuming goes on
+    as the run was set (its steps, schedule, data), not as quickstart (the default for a new run) would."""
+    from longtrain.train.checkpoint import RECIPE_FILE
+
+    if recipe is None and run_dir is not None and (run_dir / RECIPE_FILE).is_file():
+        out.print(f"recipe: {run_dir / RECIPE_FILE} (the run's own; give RECIPE to train another)", markup=False)
+        return run_dir / RECIPE_FILE
+    return recipe
+
+
+def summary_lines(result, train_steps: int | None = None) -> list[str]:
+    """The closing lines: what this session did (not the whole run's tokens over this session's time); train_steps:
+    the recipe's train.steps (a run already past it says so)."""
     import signal
 
     if result.session_steps == 0 and result.out_of_patience:
@@ -80,9 +95,10 @@ def summary_lines(result) -> list[str]:
             f"checkpoint: {result.checkpoint}",
         ] + ([f"best checkpoint: {result.best_checkpoint}"] if result.best_checkpoint else [])
     if result.session_steps == 0 and result.stopped_by is None:
+        steps = result.steps if train_steps is None else train_steps
         return [
-            f"already finished at step {result.steps} (train.steps is {result.steps}): nothing to do. "
-            f"Raise it to train further (--set train.steps=N), or start over with --resume never.",
+            f"already {'finished' if steps == result.steps else 'past train.steps'} at step {result.steps} (train.steps "
+            f"is {steps}): nothing to do. Raise it to train further (--set train.steps=N), or start over with --resume never.",
             f"checkpoint: {result.checkpoint}",
         ]
     rate = result.session_tokens / result.train_seconds if result.train_seconds > 0 else 0.0

@@ -14,6 +14,8 @@ from longtrain.errors import UsageError
 from longtrain.path_args import checkpoint_arg, input_file, read_bytes
 
 ROW_KEYS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")  # a --prompts line's keys
+ROW_TYPES = {"max_new_tokens": (int, "an integer"), "top_k": (int, "an integer"), "seed": (int, "an integer"),
+             "temperature": ((int, float), "a number"), "top_p": ((int, float), "a number"), "stop": (list, "a string or a list")}
 
 
 @app.command("generate")
@@ -89,6 +91,12 @@ def read_prompts_jsonl(path: Path) -> list[dict]:
             raise UsageError(f"{where}: unknown key {unknown[0]!r}; a line may set {', '.join(ROW_KEYS)}")
         if isinstance(row.get("stop"), str):
             row["stop"] = [row["stop"]]
+        for key, (types, what) in ROW_TYPES.items():
+            value = row.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+                raise UsageError(f"{where}: {key} must be {what}; got {value!r}")
+        if "stop" in row and not all(isinstance(t, str) and t for t in row["stop"]):
+            raise UsageError(f"{where}: stop must be a non-empty string or a list of them; got {row['stop']!r}")
         rows.append(row | {"source": f"line {n}"})
     if not rows:
         raise UsageError(f"--prompts {path}: no prompts in it (one per line)")
@@ -118,6 +126,8 @@ def run_generate(
 
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1; got {max_new_tokens}")
+    if any(not t for t in stop):
+        raise UsageError("--stop '' would stop nowhere: give a text to stop at")
     for name, problem in Sampling(temperature=temperature, top_k=top_k, top_p=top_p).problems():
         raise UsageError(problem, arg=name)
     if exact and compile:
@@ -152,7 +162,7 @@ def run_generate(
     chunk = lm.prefill_chunk(len(rows), chunk_size)
     n_tokens = [len(lm.encode(r["prompt"])) for r in rows]
     err.print(f"{ckpt.path} (step {ckpt.step}): {describe(cfg.attention, cfg.topk, cfg.window)}, {lm.dtype} on {lm.device}; "
-              + (f"prompt {n_tokens[0]:,} tokens" if not several else f"{len(rows)} prompts, {sum(n_tokens):,} tokens"))
+              + (f"prompt {_n(n_tokens[0], 'token')}" if not several else f"{_n(len(rows), 'prompt')}, {_n(sum(n_tokens), 'token')}"))
     if cfg.attention == "full":
         err.print("full attention: the KV cache keeps every token, so memory grows with the prompt and the output")
     else:
@@ -187,9 +197,9 @@ def run_generate(
         ("end of document" if completions[0].stopped == "end_of_document" else
          "a stop text" if completions[0].stopped == "stop_text" else f"{len(completions[0].tokens)} tokens")
     err.print(
-        f"stopped: {stopped}; prefill {result.prompt_tokens:,} tokens at {_rate(result.prefill_tokens_per_s)} tokens/s, "
-        f"decode {result.new_tokens:,} tokens at {result.decode_tokens_per_s:,.1f} tokens/s"
-        + (f" ({len(rows)} rows together)" if several else "") + "; "
+        f"stopped: {stopped}; prefill {_n(result.prompt_tokens, 'token')} at {_rate(result.prefill_tokens_per_s)} tokens/s, "
+        f"decode {_n(result.new_tokens, 'token')} at {result.decode_tokens_per_s:,.1f} tokens/s"
+        + (f" ({_n(len(rows), 'row')} together)" if several else "") + "; "
         f"peak memory {result.peak_memory_bytes / mib:,.0f} MiB ({'GPU tensors' if lm.device == 'cuda' else 'resident'}); "
         f"KV cache {result.kv_entries_per_layer:,} entries per layer, {result.cache_bytes / mib:,.1f} MiB"
     )
@@ -260,3 +270,8 @@ def _prefill_bar(err, total: int, chunk: int):
                 bar.stop()  # before the text streams out
 
         yield on_chunk
+
+
+def _n(count: int, noun: str) -> str:
+    """'1 token', '2,048 tokens'."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"

@@ -119,6 +119,22 @@ class RunLock:
         return f"process {text}" if text else "another process (it has not written its pid yet)"
 
 
+def run_dir_holder(run_dir: str | Path) -> str | None:
+    """Who holds the run dir's lock now (as RunDirBusy names it), or None: free, or no run dir yet. Takes the
+    lock for a moment only when it is free, so it changes nothing (`fit --dry-run` says what `fit` would meet)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return None
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return RunLock(run_dir)._holder()
+    finally:
+        os.close(fd)  # releases the flock if it was taken
+    return None
+
+
 def move_aside(paths: list[Path], tag: str) -> list[tuple[Path, Path]]:
     """Rename each existing path to `<name>.<tag>-<time>` beside it; returns (old, new) pairs."""
     stamp = time.strftime("%Y%m%d-%H%M%S")

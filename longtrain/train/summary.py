@@ -279,7 +279,7 @@ def notes(t: Trainer) -> list[str]:
     if aside := set_aside(t.run_dir, t.checkpoints.dir):
         size = gib(sum(disk_size(p) for p in aside))
         names = ", ".join(p.name for p in aside[:3]) + (", ..." if len(aside) > 3 else "")
-        out.append(f"note: {_n(len(aside), 'item')} moved aside by earlier runs ({size}: {names}); "
+        out.append(f"note: {_n(len(aside), 'item')} moved aside ({size}: {names}); "
                    f"`longtrain clean {t.run_dir}` lists them, with --delete deletes them")
     return out
 

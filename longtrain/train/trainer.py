@@ -74,7 +74,7 @@ from longtrain.train.optim import build_optimizer, clip_grad_norms, lr_at, norma
 from longtrain.train.checkpoint.ranks import Layout
 from longtrain.train.recipe import Recipe, recipe_to_yaml
 from longtrain.train.checkpoint.rng import seed_everything
-from longtrain.train.run_dir import check_run_folders, write_atomically
+from longtrain.train.run_dir import check_run_folders, run_dir_holder, write_atomically
 from longtrain.train.signals import StopSignal, kill_for_tests_after, signal_for_tests_at
 from longtrain.train import memory, summary
 from longtrain.train.summary import FitResult
@@ -251,7 +251,10 @@ class Trainer:
         if self.state.step < self.cfg.steps and not self.out_of_patience() and (problem := summary.memory_refusal(self)):
             raise TrainingError(problem)
         plan = summary.dry_run_plan(self)
-        return [*recipe_to_yaml(self.recipe).splitlines(), "", *summary.run_summary(self), f"dry run: {plan}; nothing was written"]
+        busy = run_dir_holder(self.run_dir)
+        busy = [f"note: the run dir is in use by {busy}: fit would be refused until it ends"] if busy else []
+        return [*recipe_to_yaml(self.recipe).splitlines(), "", *summary.run_summary(self), *busy,
+                f"dry run: {plan}; nothing was written"]
 
     def prepare_data(self) -> PreparedCorpus:
         """Tokenizer and token documents (it trains or loads the tokenizer, which fixes the vocabulary)."""

@@ -138,6 +138,11 @@ def test_prompts_jsonl_with_settings_per_row(runs, tmp_path):
         (json.dumps({"text": "x"}) + "\n", 'line 1: give a string or an object with a "prompt"'),
         (json.dumps({"prompt": "x", "temprature": 1}) + "\n", "unknown key 'temprature'"),
         (json.dumps({"prompt": "x", "top_p": 2}) + "\n", "line 1: top_p must be in (0, 1]"),
+        (json.dumps({"prompt": "x", "max_new_tokens": "5"}) + "\n", "line 1: max_new_tokens must be an integer; got '5'"),
+        (json.dumps({"prompt": "x", "temperature": "hot"}) + "\n", "line 1: temperature must be a number; got 'hot'"),
+        (json.dumps({"prompt": "x", "top_k": 2.5}) + "\n", "line 1: top_k must be an integer; got 2.5"),
+        (json.dumps({"prompt": "x", "stop": 5}) + "\n", "line 1: stop must be a string or a list; got 5"),
+        (json.dumps({"prompt": "x", "stop": ["a", ""]}) + "\n", "line 1: stop must be a non-empty string"),
         ("\n\n", "no prompts in it"),
     ]:
         f.write_text(content)
@@ -145,6 +150,8 @@ def test_prompts_jsonl_with_settings_per_row(runs, tmp_path):
         assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output, (content, res.output)
     res = gen(str(runs["sparsek"]), "--prompt", "x", "--output", str(out))
     assert res.exit_code == 2 and "--output is for several prompts" in res.output
+    res = gen(str(runs["sparsek"]), "--prompt", "x", "--stop", "")
+    assert res.exit_code == 2 and "--stop '' would stop nowhere" in res.output
 
 
 def _boundaries(tokenizer, tokens: list[int]) -> list[int]:

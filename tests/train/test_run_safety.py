@@ -15,7 +15,7 @@ import torch
 
 from longtrain.data.cache import disk_size
 from longtrain.train.metrics import read_metrics
-from longtrain.train.run_dir import RunLock
+from longtrain.train.run_dir import LOCK_FILE, RunLock
 
 from .tiny import cli, cli_command, logged_steps, losses, snapshot
 
@@ -178,8 +178,8 @@ def test_resume_never_moves_the_previous_run_aside_and_says_where(workspace):
     assert logged_steps(tmp / "r") == [1, 2]
     assert sorted(p.name for p in (tmp / "r/checkpoints").iterdir()) == ["step-00000002"]
     # The summary lists what was moved aside, and `longtrain clean` deletes exactly that.
-    note = next(line for line in r.output.splitlines() if "moved aside by earlier runs" in line)
-    assert "note: 2 items moved aside by earlier runs" in note and aside.name in note and old_metrics.name in note
+    note = next(line for line in r.output.splitlines() if "moved aside (" in line)
+    assert "note: 2 items moved aside (" in note and aside.name in note and old_metrics.name in note
     assert f"longtrain clean {tmp / 'r'}" in note
     listed = cli("clean", tmp / "r")
     assert listed.exit_code == 0 and "nothing deleted" in listed.output and aside.exists() and old_metrics.exists()
@@ -193,6 +193,19 @@ def test_resume_never_moves_the_previous_run_aside_and_says_where(workspace):
     assert done.exit_code == 0 and "deleted 2 moved-aside items" in done.output
     assert not aside.exists() and not old_metrics.exists() and snapshot(tmp / "r") == live
     assert "nothing was moved aside" in cli("clean", tmp / "r").output
+
+
+def test_a_dry_run_says_when_the_run_dir_is_in_use(workspace):
+    """A fresh-clone trial: `fit --dry-run` approved a run dir another fit held (the real fit was refused)."""
+    tmp, recipe = workspace
+    path = recipe(steps=2, every=100)
+    assert cli("fit", path, "--run-dir", tmp / "r").exit_code == 0
+    with RunLock(tmp / "r") as lock:  # another fit holding the run
+        r = cli("fit", path, "--run-dir", tmp / "r", "--dry-run")
+        assert r.exit_code == 0 and "note: the run dir is in use by process pid" in r.output, r.output
+        assert lock._fd is not None and (tmp / "r" / LOCK_FILE).exists()  # still held: the dry run only looked
+    r = cli("fit", path, "--run-dir", tmp / "r", "--dry-run")
+    assert r.exit_code == 0 and "in use" not in r.output, r.output
 
 
 def _wait_for(predicate, timeout=120.0, what=""):
