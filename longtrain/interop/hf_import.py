@@ -41,6 +41,7 @@ from safetensors import safe_open
 
 from longtrain.data import DataError
 from longtrain.data.tokenizer import EOD, EOD_CANDIDATES, eod_id, load_tokenizer
+from longtrain.errors import UsageError
 from longtrain.interop.hf_families import Family, HFFormatError, family_of, model_section, split_qkv
 from longtrain.model import LM, LMConfig
 from longtrain.model.attention import initial_linear_log_gain
@@ -69,8 +70,9 @@ class HFFolder:
 def read_folder(path: str | Path) -> HFFolder:
     """config.json and the tensor index of a Hugging Face model folder (no tensor is loaded yet)."""
     path = Path(path).expanduser()
-    if not path.is_dir():
-        raise HFFormatError(f"{path} is not a folder: give a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
+    if not path.is_dir():  # no such path, or a file: the argument cannot work (exit 2), as a checkpoint argument
+        what = "does not exist" if not path.exists() else "is a file, not a folder"
+        raise UsageError(f"{path} {what}: give a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
     if not (path / "config.json").is_file():
         raise HFFormatError(f"{path} has no config.json: give a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
     try:

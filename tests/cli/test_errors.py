@@ -45,6 +45,18 @@ def test_a_missing_checkpoint_is_named_in_every_verb(tmp_path, args, code):
     _check(res, code, f"{missing} does not exist")
 
 
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_a_missing_resume_checkpoint_or_import_folder_exits_2(tmp_path, kind):
+    path = tmp_path / "nope"
+    if kind == "file":
+        path.write_text("x")
+    what = "does not exist" if kind == "missing" else "is a file, not a folder"
+    _check(invoke("fit", "quickstart", "--run-dir", str(tmp_path / "r"), "--resume", str(path), "--dry-run"), 2,
+           f"error: {path} {what}: give --resume a checkpoint folder")
+    _check(invoke("import", str(path), "--out", str(tmp_path / "run")), 2, f"{path} {what}: give a Hugging Face model folder")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "r").exists()
+
+
 def test_usage_errors_exit_2_and_name_the_flag(tmp_path):
     # checked by the cli layer
     _check(invoke("generate", str(tmp_path), "--prompt", "x", "--top-p", "0"), 2, "--top-p must be in (0, 1]")

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from longtrain.console import plural
 from longtrain.device import machine
+from longtrain.errors import UsageError
 from longtrain.train import distributed
 from longtrain.train.checkpoint import storage as ckpt
 from longtrain.train.checkpoint.loading import checkpoint_files
@@ -95,7 +96,11 @@ class RunCheckpoints:
         if resume == "auto":
             return self.manager.latest_complete()
         path = Path(resume)
-        problem = ckpt.validate(path) if path.is_dir() else f"no checkpoint directory at {path}"
+        if not path.is_dir():  # no such path, or a file: the flag cannot work whatever is on disk (exit 2)
+            what = "does not exist" if not path.exists() else "is a file, not a folder"
+            raise UsageError(f"{resume} {what}: give {{arg}} a checkpoint folder (RUN_DIR/checkpoints/step-XXXXXXXX), "
+                             "or auto or never", arg="resume")
+        problem = ckpt.validate(path)
         if problem:
             raise CheckpointError(f"{resume}: {problem}", arg="resume")
         if not fork and path.resolve().parent != self.dir.resolve():
