@@ -71,7 +71,11 @@ class InspectError(UsageError):
 
 
 class PlotError(UsageError):
-    """A run dir without metrics, or an output path that cannot be written."""
+    """A run dir that does not exist, or an output path that cannot be written."""
+
+
+class NoMetricsError(LongtrainError):
+    """A run dir that exists but holds nothing to plot yet (exit 1)."""
 
 
 class PromptTooLong(EvalUsageError, ValueError):

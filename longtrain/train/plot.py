@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from longtrain.errors import PlotError  # noqa: F401  (raised here; defined with the others)
+from longtrain.errors import NoMetricsError, PlotError  # noqa: F401  (raised here; defined with the others)
 from longtrain.train.metrics import METRICS_FILE, read_metrics
 
 X_LABELS = {"tokens": "tokens trained", "step": "optimizer step"}
@@ -21,11 +21,14 @@ def load_runs(run_dirs: list[Path]) -> dict[str, list[dict]]:
     runs = {}
     for d, name in zip(run_dirs, names):
         path = Path(d) / METRICS_FILE
-        if not path.is_file():
-            raise PlotError(f"{d} has no {METRICS_FILE}: give run directories written by `longtrain fit` (e.g. runs/quickstart)")
+        if not Path(d).is_dir():  # the argument cannot work (exit 2)
+            what = "does not exist" if not Path(d).exists() else "is a file, not a folder"
+            raise PlotError(f"{d} {what}: give run directories written by `longtrain fit` (e.g. runs/quickstart)")
+        if not path.is_file():  # a folder, with nothing to plot in it (exit 1)
+            raise NoMetricsError(f"{d} has no {METRICS_FILE}: give run directories written by `longtrain fit` (e.g. runs/quickstart)")
         records = [r for r in read_metrics(path) if isinstance(r.get("loss"), (int, float))]
         if not records:
-            raise PlotError(f"{path} holds no step yet: let the run train a step first")
+            raise NoMetricsError(f"{path} holds no step yet: let the run train a step first")
         runs[str(d) if names.count(name) > 1 else name] = records
     return runs
 

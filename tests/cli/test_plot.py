@@ -28,8 +28,10 @@ def test_plot_draws_several_runs_into_a_png(workspace, tmp_path):
 
 
 def test_plot_names_what_is_wrong(tmp_path):
-    r = cli("plot", tmp_path, "--out", tmp_path / "x.png")
-    assert r.exit_code == 2 and "has no metrics.jsonl" in r.output
+    r = cli("plot", tmp_path, "--out", tmp_path / "x.png")  # a folder, nothing in it to plot
+    assert r.exit_code == 1 and "has no metrics.jsonl" in r.output
+    r = cli("plot", tmp_path / "nope", "--out", tmp_path / "x.png")
+    assert r.exit_code == 2 and "nope does not exist" in r.output
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "tokens": 10}\n')
     r = cli("plot", tmp_path, "--out", tmp_path / "x.txt")
     assert r.exit_code == 2 and "ending in .png" in r.output
