@@ -85,7 +85,9 @@ def run_summary(t: Trainer) -> list[str]:
         f"model: {r.model.style}, {r.model.layers} layers × {r.model.d_model}, "
         f"{model.num_params() / 1e6:.2f}M parameters, vocab {model.cfg.vocab_size}",
         *([t.lora_line] if t.lora_line else []),
-        f"attention: {att.type} (k={att.topk}, w={att.window}, {att.variant}{linear_settings(att)}){attention_origin(t)}; "
+        f"attention: {att.type}"
+        + (" (every earlier key)" if att.type == "full" else
+           f" (k={att.topk}, w={att.window}, {att.variant}{linear_settings(att)})") + f"{attention_origin(t)}; "
         "KV cache "
         + (f"{kv} entries per layer per row" if kv is not None else "grows with the document"),
         f"batch: {_n(cfg.batch_docs * t.ranks.world_size, 'document')} × {cfg.chunk_size} tokens × "
