@@ -126,7 +126,7 @@ def test_resume_refuses_another_model_and_skips_a_corrupt_checkpoint(workspace):
     assert r.exit_code == 0 and "(step 2," in r.output, r.output
     assert logged_steps(tmp / "r") == list(range(1, 7))
     r = cli("fit", path, "--run-dir", tmp / "r", "--resume", tmp / "r/checkpoints/step-00000099")
-    assert r.exit_code == 1 and "step-00000099" in r.output
+    assert r.exit_code == 2 and "step-00000099 does not exist" in r.output  # a missing --resume path: exit 2
 
     # No complete checkpoint at all: start over, but keep the broken ones aside.
     for step in (4, 6):
