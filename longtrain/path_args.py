@@ -1,11 +1,13 @@
-"""Path arguments checked before any work: a checkpoint to read, a file to read.
+"""Path arguments checked before any work: a folder to read (a checkpoint, a run dir), a file to read.
 
 The split follows longtrain.errors: a path that does not exist, or is a file where a folder is wanted (or
-a folder where a file is), cannot work whatever else is on disk, so it is a UsageError (exit 2); an
-existing folder that holds no usable checkpoint is a CheckpointError (exit 1, from `resolve_checkpoint`, which
-`load_checkpoint` calls: it says what is missing and how to get it).
+a folder where a file is), cannot work whatever else is on disk, so it is a UsageError (exit 2; every verb
+checks it here, with `input_folder` or `input_file`, so they all say it alike); an existing folder that holds
+no usable checkpoint is a CheckpointError (exit 1, from `resolve_checkpoint`, which `load_checkpoint` calls:
+it says what is missing and how to get it).
 
-`eval`, `generate`, `inspect` and `longtrain.load` use these; other verbs can too.
+`eval`, `generate`, `inspect`, `export`, `verify-equivalence`, `import`, `plot`, `clean`, fit's `--resume` and
+`longtrain.load` use these; other verbs can too.
 """
 
 from __future__ import annotations
@@ -28,24 +30,34 @@ def _did_you_mean(path: Path, *, folders: bool) -> str:
     return f"; did you mean {path.parent / close[0]}?" if close else ""
 
 
-def checkpoint_arg(path: str | Path) -> Path:
-    """`path` as a checkpoint argument, checked in a moment, before anything is read: UsageError (exit 2) when
-    it does not exist or is a file. Whether the folder holds a checkpoint is `resolve_checkpoint`'s (and so
-    `load_checkpoint`'s) to say: a CheckpointError (exit 1) naming what is missing. That check reads (hashes)
-    the weights, so it is left to them, to run once.
-    """
-    from longtrain.train.checkpoint import META
-
+def input_folder(path: str | Path, give: str, *, prefix: str = "", arg: str | None = None,
+                 error: type[UsageError] = UsageError, file_fix: str | None = None, then: str = "") -> Path:
+    """`path` (expanded) if it is a folder to read; else `error` (a UsageError: exit 2) saying it does not exist (and
+    its folder neither, or a near name there) or is a file, then "give GIVE" (`file_fix` instead, for a file), then
+    `then`. `prefix` goes before the path ("checkpoint "); `arg` is the argument the message is about (GIVE may say
+    where its flag goes as `{arg}`). What the folder holds is the caller's to check (an existing folder that cannot
+    be used is about what is on disk: exit 1)."""
     path = Path(path).expanduser()
     if not path.exists():
         where = "" if path.parent.is_dir() else f" (nor does its folder {path.parent})"
-        raise UsageError(f"checkpoint {path} does not exist{where}: give {CHECKPOINT_FORMS}"
-                         + _did_you_mean(path, folders=True))
+        raise error(f"{prefix}{path} does not exist{where}: give {give}{_did_you_mean(path, folders=True)}{then}", arg=arg)
     if not path.is_dir():
-        inside = path.parent if (path.parent / META).is_file() else None
-        fix = f"give its checkpoint folder {inside}" if inside else f"give {CHECKPOINT_FORMS}"
-        raise UsageError(f"checkpoint {path} is a file, not a folder: {fix}")
+        raise error(f"{prefix}{path} is a file, not a folder: {file_fix or 'give ' + give}{then}", arg=arg)
     return path
+
+
+def checkpoint_arg(path: str | Path, arg: str | None = None) -> Path:
+    """`path` as a checkpoint argument, checked in a moment, before anything is read: UsageError (exit 2) when
+    it does not exist or is a file (`arg`: the argument's name, where the message says which to fix). Whether the
+    folder holds a checkpoint is `resolve_checkpoint`'s (and so `load_checkpoint`'s) to say: a CheckpointError
+    (exit 1) naming what is missing. That check reads (hashes) the weights, so it is left to them, to run once.
+    """
+    from longtrain.train.checkpoint.storage import META
+
+    path = Path(path).expanduser()
+    inside = path.parent if path.is_file() and (path.parent / META).is_file() else None
+    return input_folder(path, ("{arg} " if arg else "") + CHECKPOINT_FORMS, prefix="checkpoint ", arg=arg,
+                        file_fix=f"give its checkpoint folder {inside}" if inside else None)
 
 
 def input_file(path: Path, arg: str, what: str = "a text file") -> Path:

@@ -11,6 +11,7 @@ import typer
 from longtrain.cli.app import app
 from longtrain.console import make_console
 from longtrain.errors import UsageError
+from longtrain.path_args import checkpoint_arg
 
 
 @app.command("verify-equivalence")
@@ -66,7 +67,7 @@ def run_verify(
     if recipe is not None and checkpoint is not None:
         raise UsageError("give --recipe or --checkpoint, not both")
     if checkpoint is not None:
-        check_checkpoint_path(checkpoint)
+        checkpoint_arg(checkpoint, arg="checkpoint")  # no such path, or a file: exit 2 (no checkpoint in it: 1, at load)
     import torch
 
     from longtrain.eval.equivalence import (
@@ -136,15 +137,6 @@ def run_verify(
     if json_path is not None:
         json_path.write_text(json.dumps(report.to_json(), indent=1))
     return 0 if report.passed else 1
-
-
-def check_checkpoint_path(checkpoint: Path) -> None:
-    """--checkpoint must name a folder (a checkpoint or a run dir); what is in it is checked when it loads."""
-    what = "a checkpoint folder (RUN_DIR/checkpoints/step-XXXXXXXX) or a run dir"
-    if checkpoint.is_file():
-        raise UsageError(f"{checkpoint} is a file: give {{arg}} {what}", arg="checkpoint")
-    if not checkpoint.exists():
-        raise UsageError(f"{checkpoint} does not exist: give {{arg}} {what}", arg="checkpoint")
 
 
 def chunks_to_verify(chunk_sizes: list[int], length: int, *, explicit: bool, what: str, more: str) -> tuple[list[int], list[int]]:

@@ -41,17 +41,18 @@ from safetensors import safe_open
 
 from longtrain.data import DataError
 from longtrain.data.tokenizer import EOD, EOD_CANDIDATES, eod_id, load_tokenizer
-from longtrain.errors import UsageError
 from longtrain.interop.hf_families import Family, HFFormatError, family_of, model_section, split_qkv
 from longtrain.model import LM, LMConfig
 from longtrain.model.attention import initial_linear_log_gain
 from longtrain.model.attention_types import USES
 from longtrain.model.scoring import mimic_score_weight
+from longtrain.path_args import input_folder
 from longtrain.train.checkpoint import RECIPE_FILE, TOKENIZER_FILE, CheckpointManager, checkpoint_files
 from longtrain.train.recipe import Recipe, recipe_to_yaml
 
 INDEX = "model.safetensors.index.json"
 DEFAULT_K = DEFAULT_W = 512  # the paper's fine-tuning: k = w = 512
+HF_FOLDER = "a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)"
 
 
 @dataclass
@@ -69,12 +70,9 @@ class HFFolder:
 
 def read_folder(path: str | Path) -> HFFolder:
     """config.json and the tensor index of a Hugging Face model folder (no tensor is loaded yet)."""
-    path = Path(path).expanduser()
-    if not path.is_dir():  # no such path, or a file: the argument cannot work (exit 2), as a checkpoint argument
-        what = "does not exist" if not path.exists() else "is a file, not a folder"
-        raise UsageError(f"{path} {what}: give a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
+    path = input_folder(path, HF_FOLDER)  # no such path, or a file: the argument cannot work (exit 2)
     if not (path / "config.json").is_file():
-        raise HFFormatError(f"{path} has no config.json: give a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
+        raise HFFormatError(f"{path} has no config.json: give {HF_FOLDER}")
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:

@@ -10,9 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from longtrain.errors import NoMetricsError, PlotError  # noqa: F401  (raised here; defined with the others)
+from longtrain.path_args import input_folder
 from longtrain.train.metrics import METRICS_FILE, read_metrics
 
 X_LABELS = {"tokens": "tokens trained", "step": "optimizer step"}
+RUN_DIRS = "run directories written by `longtrain fit` (e.g. runs/quickstart)"
 
 
 def load_runs(run_dirs: list[Path]) -> dict[str, list[dict]]:
@@ -20,12 +22,10 @@ def load_runs(run_dirs: list[Path]) -> dict[str, list[dict]]:
     names = [Path(d).name for d in run_dirs]
     runs = {}
     for d, name in zip(run_dirs, names):
+        input_folder(d, RUN_DIRS, error=PlotError)  # no such path, or a file: the argument cannot work (exit 2)
         path = Path(d) / METRICS_FILE
-        if not Path(d).is_dir():  # the argument cannot work (exit 2)
-            what = "does not exist" if not Path(d).exists() else "is a file, not a folder"
-            raise PlotError(f"{d} {what}: give run directories written by `longtrain fit` (e.g. runs/quickstart)")
         if not path.is_file():  # a folder, with nothing to plot in it (exit 1)
-            raise NoMetricsError(f"{d} has no {METRICS_FILE}: give run directories written by `longtrain fit` (e.g. runs/quickstart)")
+            raise NoMetricsError(f"{d} has no {METRICS_FILE}: give {RUN_DIRS}")
         records = [r for r in read_metrics(path) if isinstance(r.get("loss"), (int, float))]
         if not records:
             raise NoMetricsError(f"{path} holds no step yet: let the run train a step first")

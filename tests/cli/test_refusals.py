@@ -78,12 +78,41 @@ def test_a_run_that_fails_before_it_starts_leaves_no_runs_folder(here):
 def test_verify_equivalence_checkpoint_must_be_a_folder_with_a_checkpoint(here):
     (here / "notes.txt").write_text("my notes\n")
     check(invoke("verify-equivalence", "--checkpoint", "notes.txt"), 2,
-          "notes.txt is a file: give --checkpoint a checkpoint folder", "or a run dir")
+          "notes.txt is a file, not a folder: give --checkpoint a checkpoint folder", "or a run dir")
     check(invoke("verify-equivalence", "--checkpoint", "no-such-run"), 2,
           "no-such-run does not exist: give --checkpoint a checkpoint folder", "or a run dir")
     (here / "empty").mkdir()  # there, but nothing in it: what is on disk (exit 1), saying what is missing
     check(invoke("verify-equivalence", "--checkpoint", "empty"), 1,
           "empty is neither a checkpoint (no meta.json) nor a run dir with checkpoints", "longtrain fit")
+
+
+# ----------------------------------------------------------------------------- a folder argument, in every verb
+
+
+FOLDER_ARGS = {  # verb: (its command line with {path} for the folder, what its message says to give)
+    "eval": (["eval", "{path}"], "give a checkpoint folder"),
+    "generate": (["generate", "{path}", "--prompt", "x"], "give a checkpoint folder"),
+    "export": (["export", "{path}", "--out", "hf"], "give a checkpoint folder"),
+    "verify-equivalence": (["verify-equivalence", "--checkpoint", "{path}"], "give --checkpoint a checkpoint folder"),
+    "fit --resume": (["fit", "quickstart", "--run-dir", "r", "--resume", "{path}", "--dry-run"],
+                     "give --resume a checkpoint folder"),
+    "import": (["import", "{path}", "--out", "imported"], "give a Hugging Face model folder"),
+    "plot": (["plot", "{path}", "--out", "x.png"], "give run directories written by `longtrain fit`"),
+}
+
+
+@pytest.mark.parametrize("verb", FOLDER_ARGS)
+def test_every_verb_says_alike_that_a_folder_argument_is_missing_or_a_file(here, verb):
+    """One check (longtrain.path_args.input_folder) in every verb: exit 2, the same words, a near name suggested."""
+    args, give = FOLDER_ARGS[verb]
+    (here / "my-run").mkdir()
+    (here / "notes.txt").write_text("my notes\n")
+    before = tree(here)
+    line = lambda path: [a.format(path=path) for a in args]  # noqa: E731
+    check(invoke(*line("my-runn")), 2, "my-runn does not exist: " + give, "did you mean my-run?")
+    check(invoke(*line("no/such-run")), 2, "no/such-run does not exist (nor does its folder no): " + give)
+    check(invoke(*line("notes.txt")), 2, "notes.txt is a file, not a folder: " + give)
+    assert tree(here) == before  # nothing written: no run dir, no output
 
 
 # ----------------------------------------------------------------------------- verify-equivalence chunk sizes

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from longtrain.console import plural
 from longtrain.device import machine
-from longtrain.errors import UsageError
+from longtrain.path_args import input_folder
 from longtrain.train import distributed
 from longtrain.train.checkpoint import storage as ckpt
 from longtrain.train.checkpoint.loading import checkpoint_files
@@ -95,11 +95,9 @@ class RunCheckpoints:
             return None
         if resume == "auto":
             return self.manager.latest_complete()
-        path = Path(resume)
-        if not path.is_dir():  # no such path, or a file: the flag cannot work whatever is on disk (exit 2)
-            what = "does not exist" if not path.exists() else "is a file, not a folder"
-            raise UsageError(f"{resume} {what}: give {{arg}} a checkpoint folder (RUN_DIR/checkpoints/step-XXXXXXXX), "
-                             "or auto or never", arg="resume")
+        # no such path, or a file: the flag cannot work whatever is on disk (exit 2)
+        path = input_folder(resume, "{arg} a checkpoint folder (RUN_DIR/checkpoints/step-XXXXXXXX), or auto or never",
+                            arg="resume")
         problem = ckpt.validate(path)
         if problem:
             raise CheckpointError(f"{resume}: {problem}", arg="resume")
