@@ -102,6 +102,11 @@ class DataError(LongtrainError):
     """Bad input to the data pipeline (a path, a file, a tokenizer)."""
 
 
+class DataPathMissing(UsageError, DataError):
+    """A data path the recipe names (data.path, data.valid) that does not exist: the recipe cannot work as it is
+    (exit 2: a UsageError, defined here after its other base). Still a DataError, for callers that catch those."""
+
+
 class EvalError(LongtrainError):
     """Evaluation inputs that exist but cannot be used (no documents, a hub without network)."""
 

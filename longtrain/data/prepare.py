@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from longtrain.errors import DataError
+from longtrain.errors import DataError, DataPathMissing
 
 from .cache import TokenDocs, cached_file, default_cache_dir
 from .config import DataConfig, TokenizerConfig
@@ -87,7 +87,8 @@ def corpus_documents(
 
 def check_paths_exist(data: DataConfig) -> None:
     """Refuse missing data paths (data.path where the source reads it, a data.valid path) in one
-    DataError that names each, where a relative one was looked for, and the `--set` that fixes it."""
+    DataPathMissing (a usage error: exit 2) that names each, where a relative one was looked for, and the
+    `--set` that fixes it."""
     wanted = []
     if data.source == "files" or (data.source == "recall" and data.recall.filler == "files"):
         wanted.append(("data.path", data.path))
@@ -105,7 +106,7 @@ def check_paths_exist(data: DataConfig) -> None:
                 if any(key == "data.valid" for key, _ in missing) else "")
     what = "does not exist" if len(missing) == 1 else "do not exist"
     give = "a file, folder or glob that exists" if len(missing) == 1 else "files, folders or globs that exist"
-    raise DataError(f"{found} {what}{where}. Give {give}, in the recipe or with {sets}{fraction}")
+    raise DataPathMissing(f"{found} {what}{where}. Give {give}, in the recipe or with {sets}{fraction}")
 
 
 def prepare_corpus(

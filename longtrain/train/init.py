@@ -29,6 +29,7 @@ from torch import nn
 
 from longtrain.errors import CheckpointError, RecipeError
 from longtrain.model.scoring import mimic_score_weight
+from longtrain.path_args import CHECKPOINT_FORMS, input_folder
 from longtrain.train.checkpoint import storage as ckpt
 from longtrain.train.checkpoint.storage import RECIPE_FILE, TOKENIZER_FILE, beside, resolve_checkpoint
 from longtrain.train.lora import ADAPTER_KEYS, has_adapters, merge_lora, trains
@@ -66,13 +67,14 @@ def check_init_source(source: str | Path) -> Path:
     """The checkpoint of a `train.init_from`; refuses one that cannot be read, before the data is prepared (a recipe may
     take its tokenizer from that run: without this, its missing tokenizer.json would be the first error)."""
 
+    fix = (". Train or import that model first (`longtrain fit RECIPE --run-dir DIR`, `longtrain import HF_DIR --out DIR`), "
+           "or point train.init_from at it (--set train.init_from=DIR)")
+    # no such path, or a file: the recipe cannot work as it is (exit 2); a folder without a usable checkpoint: exit 1
+    input_folder(source, CHECKPOINT_FORMS, prefix="train.init_from: ", error=RecipeError, then=fix)
     try:
         return resolve_checkpoint(source)
     except CheckpointError as e:
-        raise CheckpointError(
-            f"train.init_from: {e}. Train or import that model first (`longtrain fit RECIPE --run-dir DIR`, "
-            "`longtrain import HF_DIR --out DIR`), or point train.init_from at it"
-        ) from None
+        raise CheckpointError(f"train.init_from: {e}{fix}") from None
 
 
 def imported_origin(source: str | Path) -> dict | None:

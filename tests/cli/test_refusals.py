@@ -68,7 +68,7 @@ def test_fit_refuses_a_run_dir_that_is_a_file_and_writes_nothing(here, dry_run):
 
 def test_a_run_that_fails_before_it_starts_leaves_no_runs_folder(here):
     """The run dir's parents that fit made (runs/) go too when the run never started."""
-    check(invoke("fit", "quickstart", "--set", "data.source=files", "--set", "data.path=missing"), 1, "data.path 'missing'")
+    check(invoke("fit", "quickstart", "--set", "data.source=files", "--set", "data.path=missing"), 2, "data.path 'missing'")
     assert not (here / "runs").exists()
 
 
@@ -142,12 +142,12 @@ def test_verify_equivalence_leaves_out_default_chunks_the_document_fits_in(here)
 
 
 def test_missing_books_name_the_folders_and_the_set_that_fixes_them(here):
-    check(invoke("fit", "gutenberg-sparsek", "--dry-run"), 1,
+    check(invoke("fit", "gutenberg-sparsek", "--dry-run"), 2,
           "data.path '../shared/data/gutenberg/train' and data.valid '../shared/data/gutenberg/valid' do not exist",
           f"from the working directory, {here}", "--set data.path=DIR --set data.valid=DIR", "--set data.valid=0.02")
     assert tree(here) == {}
     write_corpus(here / "books", n_docs=5, words=1500)
-    check(invoke("fit", "gutenberg-sparsek", "--set", "data.path=books", "--dry-run"), 1,
+    check(invoke("fit", "gutenberg-sparsek", "--set", "data.path=books", "--dry-run"), 2,
           "data.valid '../shared/data/gutenberg/valid' does not exist", "--set data.valid=DIR")
     # what the messages say works (smaller numbers only so that the tiny corpus is enough)
     small = ["--set", "tokenizer.vocab_size=320", "--set", "data.min_doc_tokens=300"]
@@ -156,6 +156,32 @@ def test_missing_books_name_the_folders_and_the_set_that_fixes_them(here):
     check(invoke("fit", "gutenberg-sparsek", "--set", "data.path=books", "--set", "data.valid=0.2", *small, "--dry-run"),
           0, "dry run: would start a fresh run")
     assert not (here / "runs").exists()
+
+
+# ----------------------------------------------------------------------------- fit: a data.path or train.init_from not there
+
+
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []], ids=["dry-run", "fit"])
+def test_a_missing_data_path_or_init_source_is_a_usage_error_and_writes_nothing(here, dry_run):
+    """The recipe cannot work as it is (exit 2), whatever a run would meet later; the message names the setting and
+    its --set, and neither a new run dir nor an existing one is touched."""
+    (here / "old").mkdir()
+    (here / "old" / "notes.txt").write_text("my notes\n")
+    (here / "a-file").write_text("x")
+    small = ["--set", "train.steps=2", *dry_run]
+    for run_dir in ("new", "old"):
+        before = tree(here)
+        check(invoke("fit", "--run-dir", run_dir, "--set", "data.source=files", "--set", "data.path=no-books", *small), 2,
+              "data.path 'no-books' does not exist", "--set data.path=DIR")
+        check(invoke("fit", "--run-dir", run_dir, "--set", "train.init_from=no-run", *small), 2,
+              "train.init_from: no-run does not exist: give a checkpoint folder", "--set train.init_from=DIR")
+        check(invoke("fit", "--run-dir", run_dir, "--set", "train.init_from=a-file", *small), 2,
+              "train.init_from: a-file is a file, not a folder", "--set train.init_from=DIR")
+        assert tree(here) == before  # no run dir made, the old one as it was, no token cache
+    (here / "empty").mkdir()  # there, but no checkpoint in it: what is on disk (exit 1)
+    check(invoke("fit", "--run-dir", "new", "--set", "train.init_from=empty", *small), 1,
+          "train.init_from: empty is neither a checkpoint")
+    assert not (here / "new").exists()
 
 
 # ----------------------------------------------------------------------------- data settings the source ignores

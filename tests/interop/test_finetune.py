@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 from longtrain.cli import app
 from longtrain.model import LM, LMConfig
 from longtrain.model.scoring import mimic_score_weight
-from longtrain.errors import CheckpointError
 from longtrain.train.init import apply_freeze, init_from_checkpoint, load_fit_recipe
 from longtrain.train.metrics import read_metrics
 from longtrain.train.optim import build_optimizer, lr_at, set_lr
@@ -76,7 +75,7 @@ def test_finetune_recipe_takes_model_and_tokenizer_from_the_source(imported, tmp
     imported.rename(hidden)
     try:
         assert load_recipe(saved).model == m
-        with pytest.raises(CheckpointError, match="train.init_from: .* does not exist.*Train or import that model first"):
+        with pytest.raises(RecipeError, match="train.init_from: .* does not exist.*Train or import that model first"):
             load_fit_recipe("finetune-llama", sets(overrides(imported)))
         with pytest.raises(RecipeError, match="which `longtrain fit` reads"):  # the parser itself reads no checkpoint
             load_recipe("finetune-llama", sets(overrides(imported)))
@@ -221,13 +220,13 @@ def test_a_missing_init_source_is_named_before_its_tokenizer(tmp_path):
                                       "--set", f"train.init_from={tmp_path / 'circuit'}",
                                       "--set", f"tokenizer.path={tmp_path / 'circuit' / 'tokenizer.json'}"])
     msg = " ".join(result.output.split())
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output  # a path that is not there: the recipe cannot work as it is
     assert f"train.init_from: {tmp_path / 'circuit'} does not exist" in msg and "longtrain fit RECIPE" in msg
     assert "tokenizer" not in msg and not run.exists()
     # A recipe that takes its model from the source (no `model:` section): the same error, from where fit starts.
     result = CliRunner().invoke(app, ["fit", "finetune-llama", "--run-dir", str(run), "--dry-run",
                                       "--set", f"train.init_from={tmp_path / 'circuit'}"])
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output
     assert f"train.init_from: {tmp_path / 'circuit'} does not exist" in " ".join(result.output.split())
 
 

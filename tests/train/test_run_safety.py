@@ -37,7 +37,7 @@ def test_a_refused_resume_leaves_the_run_dir_byte_identical(workspace):
     assert cli("verify-equivalence", "--checkpoint", tmp / "r", "--tokens", "64", "--chunk-size", "16").exit_code == 0
     # A run that fails before it starts leaves no run dir behind.
     r = cli("fit", path, "--run-dir", tmp / "new", "--set", f"data.path={tmp / 'no-such-corpus'}")
-    assert r.exit_code == 1 and "no-such-corpus" in r.output and not (tmp / "new").exists()
+    assert r.exit_code == 2 and "no-such-corpus" in r.output and not (tmp / "new").exists()
 
 
 def test_resuming_an_earlier_checkpoint_moves_the_later_ones_aside(workspace):
