@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from longtrain.errors import TrainingError, UsageError
+from longtrain.errors import RecipeError, UsageError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -37,9 +37,10 @@ def pick_dtype(dtype: str | None, device: str) -> str:
 
 
 def train_device(choice: str) -> torch.device:
-    """`fit`'s device for train.device (auto | cpu | cuda)."""
+    """`fit`'s device for train.device (auto | cpu | cuda). cuda on a machine without one is a recipe that cannot
+    work here (exit 2, as `generate --device cuda` is)."""
     if choice == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("train.device is cuda but no CUDA device is visible; use `--set train.device=cpu`")
+        raise RecipeError("train.device is cuda but no CUDA device is visible; use `--set train.device=cpu`")
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(choice)

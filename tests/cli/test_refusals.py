@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from longtrain.cli import app
@@ -182,6 +183,19 @@ def test_a_missing_data_path_or_init_source_is_a_usage_error_and_writes_nothing(
     check(invoke("fit", "--run-dir", "new", "--set", "train.init_from=empty", *small), 1,
           "train.init_from: empty is neither a checkpoint")
     assert not (here / "new").exists()
+
+
+# ----------------------------------------------------------------------------- a GPU recipe without a GPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []], ids=["dry-run", "fit"])
+def test_a_gpu_recipe_without_a_gpu_is_a_usage_error(here, dry_run):
+    """pg19 sets train.device: cuda; on a machine without one it cannot work whatever is on disk: exit 2 (it was 1),
+    as `generate --device cuda` is, with the --set that runs it anyway, and nothing written."""
+    check(invoke("fit", "pg19", "--run-dir", "r", *dry_run), 2,
+          "train.device is cuda but no CUDA device is visible", "--set train.device=cpu")
+    assert tree(here) == {}
 
 
 # ----------------------------------------------------------------------------- data settings the source ignores

@@ -326,7 +326,7 @@ def test_dry_run_refuses_what_the_run_refuses_with_the_same_message(workspace):
     if not torch.cuda.is_available():
         for dry_run in ((), ("--dry-run",)):
             r = cli("fit", path, "--run-dir", tmp / "cuda", "--set", "train.device=cuda", *dry_run)
-            assert r.exit_code == 1 and "no CUDA device is visible; use `--set train.device=cpu`" in r.output, r.output
+            assert r.exit_code == 2 and "no CUDA device is visible; use `--set train.device=cpu`" in r.output, r.output
             assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
         assert not (tmp / "cuda").exists()
 
