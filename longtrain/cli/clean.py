@@ -7,6 +7,10 @@ from pathlib import Path
 import typer
 
 from longtrain.cli.app import app, fail
+from longtrain.errors import UsageError
+
+RUN_DIR = "a run directory written by `longtrain fit` (runs/NAME)"
+RUN_FILES = ("recipe.yaml", "checkpoints/", "metrics.jsonl")  # what fit writes in every run dir it runs in
 
 
 @app.command("clean")
@@ -17,11 +21,14 @@ def clean(
     """List what `fit` moved aside in RUN (old runs replaced by --resume never, checkpoints superseded by
     --resume PATH or unusable); with --delete, delete exactly those. The live run is never touched."""
     from longtrain.data.cache import disk_size
+    from longtrain.path_args import input_folder
     from longtrain.train.metrics import gib
     from longtrain.train.run_dir import RunDirBusy, RunLock, set_aside
 
-    if not run_dir.is_dir():
-        raise fail(f"{run_dir} is not a folder: give a run directory (runs/NAME)", 2)
+    input_folder(run_dir, RUN_DIR)  # no such path, or a file: exit 2
+    if not _is_run_dir(run_dir):  # another folder's `name.replaced-…` files are none of clean's business
+        raise UsageError(f"{run_dir} is not a longtrain run directory (it has no {', '.join(RUN_FILES)}); give "
+                         f"{RUN_DIR}. Nothing was deleted")
     aside = set_aside(run_dir, _checkpoint_dir(run_dir))
     if not aside:
         typer.echo(f"{run_dir}: nothing was moved aside, nothing to clean")
@@ -46,6 +53,12 @@ def clean(
         raise fail(f"run dir {e.run_dir} is in use by {e.holder}; wait for it to finish (or stop it: Ctrl-C saves a "
                    "checkpoint); nothing was deleted", 1)
     typer.echo(f"deleted {total}")
+
+
+def _is_run_dir(folder: Path) -> bool:
+    """`fit` has run in `folder`: it holds the resolved recipe.yaml (written when a run starts, never moved aside),
+    the checkpoints folder or metrics.jsonl."""
+    return any((folder / name).exists() for name in RUN_FILES)
 
 
 def _checkpoint_dir(run_dir: Path) -> Path | None:

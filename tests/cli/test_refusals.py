@@ -198,6 +198,25 @@ def test_a_gpu_recipe_without_a_gpu_is_a_usage_error(here, dry_run):
     assert tree(here) == {}
 
 
+# ----------------------------------------------------------------------------- clean a folder that is no run dir
+
+
+def test_clean_refuses_a_folder_that_is_not_a_run_dir_and_deletes_nothing(here):
+    """Not "nothing to clean" (nor a `*.replaced-…` file of someone else's deleted): exit 2, saying what it is."""
+    (here / "photos" / "2024").mkdir(parents=True)
+    (here / "photos" / "notes.txt").write_text("my notes\n")
+    (here / "photos" / "album.replaced-20240101-000000").mkdir()  # a name like those fit moves aside
+    before = tree(here)
+    for delete in ([], ["--delete"]):
+        check(invoke("clean", "photos", *delete), 2, "photos is not a longtrain run directory",
+              "recipe.yaml", "give a run directory written by `longtrain fit`", "Nothing was deleted")
+    check(invoke("clean", "no-such-run"), 2, "no-such-run does not exist: give a run directory")
+    check(invoke("clean", "photos/notes.txt"), 2, "photos/notes.txt is a file, not a folder: give a run directory")
+    assert tree(here) == before
+    (here / "photos" / "recipe.yaml").write_text("name: x\n")  # a run dir (fit writes its recipe first): listed
+    check(invoke("clean", "photos"), 0, "1 moved-aside item", "nothing deleted")
+
+
 # ----------------------------------------------------------------------------- data settings the source ignores
 
 
