@@ -496,7 +496,7 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), *, init_
     _fill_fields_added_later(raw, path)
     # what the file says of the data before the overrides (a saved run's resolved recipe: nothing to check)
     file_data = None if _resolved(path) else copy.deepcopy(raw.get("data") if isinstance(raw.get("data"), dict) else {})
-    override_paths = _apply_overrides(raw, overrides)
+    override_paths, made = _apply_overrides(raw, overrides)
     raw.setdefault("name", path.stem)
     inherited = _fill_from_init_source(raw, path, init_source)
     data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
@@ -508,7 +508,8 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = (), *, init_
         recipe._from_init_source = inherited
         return recipe
     except ValidationError as e:
-        problems = [describe_error(err, override_paths, Recipe, example=RECIPES_DIR / f"{DEFAULT_RECIPE}.yaml") for err in e.errors()]
+        origins = {**made, **override_paths}  # a key the file does not have, that a --set wrote (or made a section of)
+        problems = [describe_error(err, origins, Recipe, example=RECIPES_DIR / f"{DEFAULT_RECIPE}.yaml") for err in e.errors()]
         noun = "problem" if len(problems) == 1 else "problems"
         raise RecipeError(f"recipe {path} has {len(problems)} {noun}:\n" + "\n".join(problems)) from None
 
@@ -646,9 +647,11 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[tuple[str, ...], str]:
-    """Apply `a.b=value` overrides in place; returns {path: override text} for messages."""
+def _apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[tuple[str, ...], str], dict[tuple[str, ...], str]]:
+    """Apply `a.b=value` overrides in place; returns ({path: override text}, {path of a section the file does not
+    have: the first override that made it}) for messages (`--set trian.steps=5` makes a section `trian`)."""
     applied: dict[tuple[str, ...], str] = {}
+    made: dict[tuple[str, ...], str] = {}
     bad: list[str] = []
     for text in overrides:
         key, sep, value_text = text.partition("=")
@@ -662,6 +665,8 @@ def _apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[tupl
             value = value_text  # not a YAML scalar: take it as a plain string
         node = raw
         for i, part in enumerate(keys[:-1]):
+            if part not in node:
+                made.setdefault(keys[: i + 1], text)
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 bad.append(f"  - --set {text}: `{'.'.join(keys[: i + 1])}` is a value, not a section")
@@ -671,4 +676,4 @@ def _apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[tupl
             applied[keys] = text
     if bad:
         raise RecipeError("bad --set override:\n" + "\n".join(bad))
-    return applied
+    return applied, made

@@ -22,7 +22,7 @@ def describe_error(err: dict[str, Any], override_paths: dict[tuple[str, ...], st
     if err["type"] == "extra_forbidden":
         known = _known_keys(schema, loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-        hint = f"did you mean `{close[0]}`?" if close else "known keys: " + ", ".join(known)
+        hint = f"did you mean `{close[0]}`?{_fixed_set(origin, len(loc) - 1, close[0])}" if close else "known keys: " + ", ".join(known)
         return f"  - {where}: unknown key{source}\n      hint: {hint}"
     if err["type"] == "missing":
         return f"  - {where}: required key is missing\n      hint: {_field_hint(schema, loc, example)}"
@@ -36,6 +36,16 @@ def describe_error(err: dict[str, Any], override_paths: dict[tuple[str, ...], st
             hint = f"did you mean `{close[0]}`? ({hint})"
     got = f" (got {err['input']!r})"
     return f"  - {where}: {msg}{got}{source}\n      hint: {hint}"
+
+
+def _fixed_set(origin: str | None, index: int, key: str) -> str:
+    """" (--set FIXED)": the --set `origin` (KEY=VALUE) with its key's part `index` as `key`; "" for no --set."""
+    if origin is None:
+        return ""
+    path, _, value = origin.partition("=")
+    parts = path.strip().split(".")
+    parts[index] = key
+    return f" (--set {'.'.join(parts)}={value})"
 
 
 def _yaml_path(loc: tuple) -> str:

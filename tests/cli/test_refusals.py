@@ -217,6 +217,25 @@ def test_clean_refuses_a_folder_that_is_not_a_run_dir_and_deletes_nothing(here):
     check(invoke("clean", "photos"), 0, "1 moved-aside item", "nothing deleted")
 
 
+# ----------------------------------------------------------------------------- a misspelt key: where it came from
+
+
+def test_a_misspelt_key_says_whether_a_set_or_the_recipe_file_wrote_it(here):
+    """`--set trian.steps=5` makes a section `trian`: its error names that --set and the one meant (it named neither,
+    so it read as a fault of the recipe file); a misspelt key in a recipe file is the file's (its name, no --set)."""
+    check(invoke("fit", "--set", "trian.steps=5", "--run-dir", "r"), 2,
+          "trian: unknown key (from --set trian.steps=5)", "did you mean `train`? (--set train.steps=5)")
+    check(invoke("fit", "--set", "train.stpes=5", "--set", "modle=3", "--dry-run"), 2,
+          "train.stpes: unknown key (from --set train.stpes=5)", "did you mean `steps`? (--set train.steps=5)",
+          "modle: unknown key (from --set modle=3)", "did you mean `model`? (--set model=3)")
+    text = (RECIPES_DIR / "quickstart.yaml").read_text()
+    (here / "mine.yaml").write_text(text.replace("\ntrain:\n", "\ntrian:\n"))
+    res = invoke("fit", "mine.yaml", "--set", "trian.steps=5", "--dry-run")  # the file has `trian`: the file's key
+    check(res, 2, "recipe mine.yaml has 2 problems", "trian: unknown key hint: did you mean `train`?")
+    assert "(from --set" not in flat(res)
+    assert sorted(p.name for p in here.iterdir()) == ["mine.yaml"]
+
+
 # ----------------------------------------------------------------------------- data settings the source ignores
 
 
