@@ -187,7 +187,7 @@ class Bench:
         loaded = re.search(r"loaded in ([\d.]+) s", log_more)
         self.drop_checkpoints("large-fsdp")
         at = lambda p: max((r["memory_bytes"] for r in recs if 0 < r["doc_positions"][0] <= p), default=None)  # noqa: E731
-        m = re.search(r"([\d.]+) s in validation, checkpoints and logging", log)
+        m = re.search(r"([\d.]+) s in (?:validation, )?checkpoints and logging", log)  # no validation: not named
         params = re.search(r"([\d.]+)M parameters", log)
         result = {
             "exit": rc, "gpus": n, "model": "22x2048 (16 heads, 4 KV heads)", "params_millions": float(params.group(1)) if params else None,

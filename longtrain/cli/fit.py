@@ -113,10 +113,12 @@ def summary_lines(result, train_steps: int | None = None) -> list[str]:
     loss = f"; last loss {result.last_loss:.4f}" if result.last_loss is not None else ""
     final = f", final validation loss {result.final_valid_loss:.4f}" if result.final_valid_loss is not None else ""
     best = f", best {result.best_valid_loss:.4f}" if result.best_valid_loss is not None else ""
+    # validation only where this session validated (a final validation loss): not with train.valid_every 0, no
+    # validation documents, or a session shorter than train.valid_every
+    rest = "validation, checkpoints and logging" if result.final_valid_loss is not None else "checkpoints and logging"
     lines = [
         f"{how}: {span}{resumed}, {result.session_tokens:,} tokens in {result.seconds:.1f} s "
-        f"({rate:,.0f} tokens/s over {result.train_seconds:.1f} s of training; {other:.1f} s in validation, "
-        f"checkpoints and logging){loss}{final}{best}"
+        f"({rate:,.0f} tokens/s over {result.train_seconds:.1f} s of training; {other:.1f} s in {rest}){loss}{final}{best}"
     ]
     if result.checkpoint:
         lines.append(f"checkpoint: {result.checkpoint}")

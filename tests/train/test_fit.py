@@ -264,3 +264,16 @@ def test_wandb_without_the_package_names_the_extra(workspace, monkeypatch):
     r = cli("fit", recipe(steps=2), "--run-dir", tmp / "r", "--set", "logging.wandb=true")
     assert r.exit_code == 1 and "pip install 'longtrain[wandb]'" in r.output
     assert not (tmp / "r").exists()
+
+
+def test_the_summary_counts_validation_time_only_where_a_validation_ran(workspace):
+    """A session without a validation pass (train.valid_every 0, or fewer steps than it) said "0.1 s in validation"."""
+    tmp, recipe = workspace
+    path = recipe(steps=4, every=100)  # valid_every 4
+    for name, sets in (("off", ["--set", "train.valid_every=0"]), ("short", ["--set", "train.steps=2"])):
+        r = cli("fit", path, "--run-dir", tmp / name, *sets)
+        done = next(line for line in r.output.splitlines() if line.startswith("done:"))
+        assert r.exit_code == 0 and "s in checkpoints and logging)" in done and "validation" not in done, r.output
+    r = cli("fit", path, "--run-dir", tmp / "on")  # validates at step 4
+    done = next(line for line in r.output.splitlines() if line.startswith("done:"))
+    assert r.exit_code == 0 and "s in validation, checkpoints and logging)" in done and "final validation loss" in done, r.output
