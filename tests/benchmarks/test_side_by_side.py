@@ -84,12 +84,13 @@ def test_wait_first_stops_the_others_when_a_run_fails(tmp_path):
     assert mark.exists() and procs["run0"].returncode == 143
 
 
-# a run that writes the GPU it was given, then trains until told to finish (a file `go` in its run dir)
+# a run that writes the GPU it was given (in one rename), then trains until told to finish (a file `go` in its run dir)
 PLACED = """import os, sys, time
 from pathlib import Path
 run = Path(sys.argv[1])
 run.mkdir(parents=True, exist_ok=True)
-(run / "gpu").write_text(str(os.environ.get("CUDA_VISIBLE_DEVICES")))
+(run / "gpu.part").write_text(str(os.environ.get("CUDA_VISIBLE_DEVICES")))
+os.replace(run / "gpu.part", run / "gpu")  # whole or absent: the test reads it as soon as it exists
 while not (run / "go").exists():
     time.sleep(0.02)
 """
