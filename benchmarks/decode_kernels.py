@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--splits", default="1,2,4,8,16,32")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--small", action="store_true", help="tiny shapes (the CPU, under TRITON_INTERPRET=1)")
+    ap.add_argument("--admit-launch", default="", help="also time the admission at these TILE/WARPS launches, e.g. "
+                    "512/4,1024/8 (admit_triton's tile and num_warps; default: ADMIT_TILE and its warp rule)")
     ap.add_argument("--sweep", action="store_true", help="also time the ring-tail attention at attend_splits' count over "
                     "keys per block x warps x pipeline stages (SWEEP) and print the fastest per row count")
     args = ap.parse_args()
@@ -128,6 +130,16 @@ def main() -> None:
         cpos = torch.full((B,), seen - window + 1, device=dev, dtype=torch.int64)
         ok = torch.ones(B, dtype=torch.bool, device=dev)
         row["admit_us"] = timed(lambda: admit_triton(cache, cu, cpos), args.iters, dev)
+        want_pool = _admit_pool(cache, cache.tail_k[:, 0], cache.tail_v[:, 0], cu, cpos, ok)
+        want_thr = _admit_threshold(cache, cu, cpos, ok, topk)
+        for launch in [x for x in args.admit_launch.split(",") if x]:
+            tile, warps = (int(y) for y in launch.split("/"))
+            got, _, _ = admit_triton(cache, cu, cpos, tile=tile, num_warps=warps)  # the torch admission's results?
+            row.setdefault("admit_launch_agrees", {})[launch] = bool(
+                torch.equal(got["pool_pos"], want_pool["pool_pos"]) and torch.equal(got["thr_count"], want_thr["thr_count"])
+                and torch.allclose(got["tau"], want_thr["tau"], atol=1e-9, rtol=0))
+            row.setdefault("admit_launch_us", {})[launch] = timed(
+                lambda tile=tile, warps=warps: admit_triton(cache, cu, cpos, tile=tile, num_warps=warps), args.iters, dev)
         row["admit_torch_us"] = timed(lambda: (_admit_pool(cache, cache.tail_k[:, 0], cache.tail_v[:, 0], cu, cpos, ok),
                                                _admit_threshold(cache, cu, cpos, ok, topk)), max(10, args.iters // 10), dev)
         rows.append(row)
@@ -152,6 +164,9 @@ def main() -> None:
         print(f"| {r['rows']} | " + " | ".join(f"{r['attend_us'][s]:.1f}" for s in splits)
               + f" | {r['auto_splits']} | {r['attend_ring_us']:.1f} | {r['admit_us']:.1f} | {r['attend_torch_us']:.1f} |"
               f" {r['admit_torch_us']:.1f} |")
+        if r.get("admit_launch_us"):
+            print(f"  rows {r['rows']}: admit by tile/warps: "
+                  + ", ".join(f"{w} {t:.1f} us" for w, t in r["admit_launch_us"].items()))
 
 
 if __name__ == "__main__":

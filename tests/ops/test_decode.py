@@ -162,14 +162,19 @@ def test_the_pool_keeps_the_chunk_ops_layout(backend):
         assert (pos[n:] == -1).all() and torch.equal(pos[:n], pos[:n].sort().values)
 
 
+@pytest.mark.parametrize("tile", [None, 4])  # one tile for the whole cap, and several (passes up to the count)
 @pytest.mark.parametrize("cap", [12, 16])  # no power of 2, and one (the kernel's block is then the cap itself)
-def test_the_admission_kernel_on_edge_states(cap):
+def test_the_admission_kernel_on_edge_states(cap, tile, monkeypatch):
     """admit_triton against the torch admission on states the chunk op left full and unsorted: a row that must
     drop its lowest fractional score, a row with no candidate, one sorted on arrival that admits a saturated
     score (tau rises past its lowest ones), one with fewer scores and garbage past its count; then steps from the
     kernel's sorted states."""
     pytest.importorskip("triton")  # on the CPU: the kernel under TRITON_INTERPRET=1
+    from longtrain.ops.sparsek_attention import decode_triton
     from longtrain.ops.sparsek_attention.decode import _admit
+
+    if tile:
+        monkeypatch.setattr(decode_triton, "ADMIT_TILE", tile)
 
     torch.manual_seed(5)
     B, K, D = 4, 4, 4

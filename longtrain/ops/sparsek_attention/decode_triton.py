@@ -1,4 +1,5 @@
-"""The decode step's Triton kernels per layer: the admission of one candidate (one program per row)
+"""The decode step's Triton kernels per layer: the admission of one candidate (two programs per row: the
+threshold state and the pool)
 and the query against the cache (`attend_kernel`, below: one program per row, KV head and split of the
 keys, then `combine_kernel` merging the splits).
 
@@ -43,6 +44,11 @@ def _count_min_count_sum(a0, a1, a2, a3, b0, b1, b2, b3):
 
 
 @triton.jit
+def _count_count_min_count_sum(a0, a1, a2, a3, a4, b0, b1, b2, b3, b4):
+    return a0 + b0, a1 + b1, tl.minimum(a2, b2), a3 + b3, a4 + b4
+
+
+@triton.jit
 def _score(THR, SCR, p, n0, unsorted):
     """Element p of the row's sorted scores (+inf past the count n0): from THR_U itself, or from the scratch
     copy where the state arrived unsorted and the kernel sorted it."""
@@ -68,21 +74,33 @@ def admit_kernel(
     OUT_SLOT,  # out: [B] the slot the candidate takes where the pool's slots keep no order (a ring cache), -1: none
     SCR,  # scratch [B, BLOCK] float64: the sorted scores, written only where a state arrives unsorted
     CAP, K,
-    BLOCK: tl.constexpr, KB: tl.constexpr,
+    BLOCK: tl.constexpr, KB: tl.constexpr, TILE: tl.constexpr,
 ):
+    """Program (b, 0) updates row b's threshold state, program (b, 1) its pool: the two read nothing of each
+    other's, so a step waits for the longer of the two chains of loads and reductions, not their sum."""
     b = tl.program_id(0).to(tl.int64)
     x = tl.load(CU + b)
     cpos = tl.load(CPOS + b)
-    tau0 = tl.load(TAU + b)
-    n0 = tl.load(THR_COUNT + b)
-    over = tl.load(OVERFLOW + b)
     cand = cpos >= 0
+    if tl.program_id(1) == 1:
+        _admit_pool(POOL_U, POOL_POS, OUT_PU, OUT_PPOS, SRC, OUT_SLOT, b, x, cpos, cand, K, KB)
+    else:
+        _admit_threshold(THR_U, THR_COUNT, TAU, OVERFLOW, OUT_U, OUT_SAT, OUT_COUNT, OUT_TAU, OUT_SUM, OUT_OVER, SCR,
+                         b, x, cpos, cand, CAP, K, BLOCK, TILE)
 
-    # ---- the pool: evict the worst (value, position) or grow; valid keys first, ascending positions
+
+@triton.jit
+def _admit_pool(POOL_U, POOL_POS, OUT_PU, OUT_PPOS, SRC, OUT_SLOT, b, x, cpos, cand, K, KB: tl.constexpr):
+    """The pool: evict the worst (value, position) or grow; valid keys first, ascending positions. A slot's
+    new key is its own, its right neighbour's (the keys after an evicted one move left) or the candidate,
+    so both are loaded up front: no gather waits on the reductions."""
     s = tl.arange(0, KB)
     sm = s < K
+    nm = s + 1 < K
     pp = tl.load(POOL_POS + b * K + s, mask=sm, other=-1)
     pu = tl.load(POOL_U + b * K + s, mask=sm, other=0.0).to(tl.float64)
+    pp1 = tl.load(POOL_POS + b * K + s + 1, mask=nm, other=-1)
+    pu1 = tl.load(POOL_U + b * K + s + 1, mask=nm, other=0.0).to(tl.float64)
     ok = pp >= 0
     n_pool, umin = tl.reduce((ok.to(tl.int32), tl.where(ok, pu, float("inf"))), 0, _sum_min)
     n_pool = n_pool.to(tl.int64)
@@ -90,41 +108,72 @@ def admit_kernel(
     evict = cand & (n_pool == K) & (x >= umin)  # the candidate's position beats every pooled one
     grow = cand & (n_pool < K)
     past = (ok & (pp >= pmin)).to(tl.int64)
-    src = tl.where(evict, s + past, tl.where(grow & (s == n_pool), K, s))
-    from_pool = src < K
-    new_pu = tl.where(from_pool, tl.load(POOL_U + b * K + src, mask=sm & from_pool, other=0.0).to(tl.float64), x)
-    new_pp = tl.where(from_pool, tl.load(POOL_POS + b * K + src, mask=sm & from_pool, other=-1), cpos)
+    src = tl.where(evict, s + past, tl.where(grow & (s == n_pool), K, s))  # s, s + 1 or K (the candidate)
+    new_pu = tl.where(src == s, pu, tl.where(src < K, pu1, x))
+    new_pp = tl.where(src == s, pp, tl.where(src < K, pp1, cpos))
     tl.store(OUT_PU + b * K + s, new_pu, mask=sm)
     tl.store(OUT_PPOS + b * K + s, new_pp, mask=sm)
     tl.store(SRC + b * K + s, src, mask=sm)
     worst_slot = tl.sum(tl.where(ok & (pp == pmin), s, 0), axis=0).to(tl.int64)  # positions are unique
     tl.store(OUT_SLOT + b, tl.where(evict, worst_slot, tl.where(grow, n_pool, -1)))
 
-    # ---- the threshold scores, sorted ascending (+inf after the count), held in registers
-    i = tl.arange(0, BLOCK)
+
+@triton.jit
+def _first_terms(vals, i, x, c):
+    """(how many scores are below x, the lowest score, how many are below c, the sum of those past element 0)."""
+    return tl.reduce(((vals < x).to(tl.int32), vals, (vals < c).to(tl.int32), tl.where((vals < c) & (i > 0), vals, 0.0)),
+                     0, _count_min_count_sum)
+
+
+@triton.jit
+def _admit_threshold(THR_U, THR_COUNT, TAU, OVERFLOW, OUT_U, OUT_SAT, OUT_COUNT, OUT_TAU, OUT_SUM, OUT_OVER, SCR,
+                     b, x, cpos, cand, CAP, K, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """The threshold state's update, in tiles of TILE scores up to the row's count (a state holds a few k scores of
+    its cap of 8 k: the work follows the count, not the cap); a sort over the whole block only where a state
+    arrives unsorted."""
+    tau0 = tl.load(TAU + b)
+    n0 = tl.load(THR_COUNT + b)
+    over = tl.load(OVERFLOW + b)
     thr = THR_U + b * CAP
     scr = SCR + b * BLOCK
-    vals = tl.load(thr + i, mask=i < n0, other=float("inf"))
-    nxt = tl.load(thr + i + 1, mask=i + 1 < n0, other=float("inf"))  # read twice: no scratch round trip
-    unsorted = tl.sum(((nxt < vals) & (i + 1 < n0)).to(tl.int32), axis=0) > 0
-    if unsorted:  # the chunk op's order: sort once, and read the sorted copy below
-        vals = tl.sort(vals)
-        tl.store(scr + i, vals)
-    tl.debug_barrier()
+    t = tl.arange(0, TILE)
 
-    # The sequence Z the steps work on, never written: the scores with x inserted at `at` (S), less its
-    # lowest element when out of room (drop): Z[m] = S[m + drop]. Each scalar below is a reduction over vals.
+    # The sequence Z the steps work on, never written: the scores sorted, x inserted at `at` (S), less its
+    # lowest element when out of room (drop): Z[m] = S[m + drop]. Each scalar below is a reduction over the scores.
     ins = cand & (x > tau0)  # a score at or below tau never matters again
     c = tau0 + 1  # fractional: below c
-    # one reduction: S = vals[:at], x, vals[at:]; vals[0]; the scores below c, their sum past vals[0]
-    at, v0, below, sum_past_v0 = tl.reduce(
-        ((vals < x).to(tl.int32), vals, (vals < c).to(tl.int32), tl.where((vals < c) & (i > 0), vals, 0.0)), 0, _count_min_count_sum)
+    # one pass: whether the scores are sorted (a state the chunk op wrote is not; the decode step's are), and
+    # S = sorted[:at], x, sorted[at:]; sorted[0]; the scores below c, their sum past sorted[0]
+    n_desc = tl.zeros([], tl.int32)
+    at = tl.zeros([], tl.int32)
+    v0 = tl.full([], float("inf"), tl.float64)
+    below = tl.zeros([], tl.int32)
+    sum_past_v0 = tl.zeros([], tl.float64)
+    for start in range(0, n0, TILE):
+        i = start + t
+        vals = tl.load(thr + i, mask=i < n0, other=float("inf"))
+        nxt = tl.load(thr + i + 1, mask=i + 1 < n0, other=float("inf"))
+        t_desc, t_at, t_v0, t_below, t_sum = tl.reduce(
+            (((nxt < vals) & (i + 1 < n0)).to(tl.int32), (vals < x).to(tl.int32), vals, (vals < c).to(tl.int32),
+             tl.where((vals < c) & (i > 0), vals, 0.0)), 0, _count_count_min_count_sum)
+        n_desc += t_desc
+        at += t_at
+        v0 = tl.minimum(v0, t_v0)
+        below += t_below
+        sum_past_v0 += t_sum
+    unsorted = n_desc > 0
+    if unsorted:  # the chunk op's order: sort once, read the sorted copy below, take the terms in sorted order
+        i = tl.arange(0, BLOCK)
+        vals = tl.sort(tl.load(thr + i, mask=i < n0, other=float("inf")))
+        tl.store(scr + i, vals)
+        tl.debug_barrier()
+        at, v0, below, sum_past_v0 = _first_terms(vals, i, x, c)
     at = at.to(tl.int64)
-    lowest = tl.minimum(v0, x)  # S[0]: vals[0], or x where at == 0
+    lowest = tl.minimum(v0, x)  # S[0]: sorted[0], or x where at == 0
     drop = (n0 + 1 > CAP) & (lowest < c)  # out of room: the lowest fractional score goes
     d = drop.to(tl.int64)
     n = n0 + 1 - d
-    drop_x = drop & (at == 0)  # the dropped element: x itself, or vals[0]
+    drop_x = drop & (at == 0)  # the dropped element: x itself, or sorted[0]
     drop_v0 = drop & (at > 0)
 
     # ---- the scan's walk: raise tau over the breakpoints while f(b) > k (scan.RowScanner._solve)
@@ -154,33 +203,50 @@ def admit_kernel(
         go = step
     tau = tl.where(walk, tau, tau0)
     # the fractional scores at or below tau leave: Z is sorted, so they are Z[:gone]
-    at_or_below = tl.sum((vals <= tau).to(tl.int64), axis=0) + (x <= tau).to(tl.int64) - (drop & (lowest <= tau)).to(tl.int64)
+    n_le = tl.zeros([], tl.int32)
+    for start in range(0, tl.where(walk, n0, 0), TILE):
+        n_le += tl.sum((_score(thr, scr, start + t, n0, unsorted) <= tau).to(tl.int32), axis=0)
+    at_or_below = n_le.to(tl.int64) + (x <= tau).to(tl.int64) - (drop & (lowest <= tau)).to(tl.int64)
     gone = tl.where(walk, tl.minimum(j, at_or_below), 0)
 
     # ---- the next state: Z[gone:n] (rows with nothing inserted keep theirs), +inf after the count
     count = tl.where(ins, n - gone, n0)
     tau_out = tl.where(ins, tau, tau0)
     shift = tl.where(ins, d + gone, 0)
-    at_out = tl.where(ins, at, BLOCK + 1)  # beyond every index: no insertion
-    valid = i < count
-    out = tl.where(valid, _merged(thr, scr, i + shift, n0, unsorted, at_out, x), float("inf"))
-    sat = valid & (out >= tau_out + 1)
-    cm = i < CAP
-    tl.store(OUT_U + b * CAP + i, out, mask=cm)
-    tl.store(OUT_SAT + b * CAP + i, sat.to(tl.int8), mask=cm)
+    at_out = tl.where(ins, at, CAP + 1)  # beyond every index: no insertion
+    total = tl.zeros([], tl.float64)
+    for start in range(0, count, TILE):
+        i = start + t
+        valid = i < count
+        out = tl.where(valid, _merged(thr, scr, i + shift, n0, unsorted, at_out, x), float("inf"))
+        sat = valid & (out >= tau_out + 1)
+        tl.store(OUT_U + b * CAP + i, out, mask=i < CAP)
+        tl.store(OUT_SAT + b * CAP + i, sat.to(tl.int8), mask=i < CAP)
+        total += tl.sum(tl.where(valid & ~sat, out, 0.0), axis=0)
+    for start in range(tl.cdiv(count, TILE) * TILE, CAP, TILE):  # the rest of the cap: +inf, not saturated
+        i = start + t
+        tl.store(OUT_U + b * CAP + i, tl.full([TILE], float("inf"), tl.float64), mask=i < CAP)
+        tl.store(OUT_SAT + b * CAP + i, tl.zeros([TILE], tl.int8), mask=i < CAP)
     tl.store(OUT_COUNT + b, count)
     tl.store(OUT_TAU + b, tau_out)
-    tl.store(OUT_SUM + b, tl.sum(tl.where(valid & ~sat, out, 0.0), axis=0))
+    tl.store(OUT_SUM + b, total)
     tl.store(OUT_OVER + b, over + (ins & drop).to(tl.int64))
 
 
-def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+ADMIT_TILE = 1024  # scores per step of the admission's passes over a threshold state
+
+
+def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor, *, tile: int | None = None, num_warps: int | None = None
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """(the next pool_u, pool_pos and threshold fields, src [B, K], slot [B]): the kernel's outputs for decode.py
-    (src: the chunk op's pool layout; slot: where the candidate goes in a pool whose slots keep no order)."""
+    (src: the chunk op's pool layout; slot: where the candidate goes in a pool whose slots keep no order).
+    tile (scores per step of the threshold's passes; a power of two) and num_warps: the launch's (None: ADMIT_TILE
+    and a warp per 128 scores of the tile), for benchmarks/decode_kernels.py's sweep."""
     B, cap = cache.thr_u.shape
     K = cache.topk
     dev = cu.device
     block = triton.next_power_of_2(cap)
+    tile = min(tile or ADMIT_TILE, block)
     out = dict(
         thr_u=torch.empty(B, cap, dtype=torch.float64, device=dev),
         thr_saturated=torch.empty(B, cap, dtype=torch.int8, device=dev),  # bool below (a bool view trips Inductor)
@@ -194,7 +260,7 @@ def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str,
     src = torch.empty(B, K, dtype=torch.int64, device=dev)
     slot = torch.empty(B, dtype=torch.int64, device=dev)
     scratch = torch.empty(B, block, dtype=torch.float64, device=dev)
-    admit_kernel[(B,)](
+    admit_kernel[(B, 2)](
         THR_U=cache.thr_u.contiguous(), THR_COUNT=cache.thr_count.contiguous(), TAU=cache.tau.contiguous(),
         OVERFLOW=cache.overflow.contiguous(), POOL_U=cache.pool_u.contiguous(), POOL_POS=cache.pool_pos.contiguous(),
         CU=cu.to(torch.float64).contiguous(), CPOS=cpos.contiguous(),
@@ -202,7 +268,7 @@ def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor) -> tuple[dict[str,
         OUT_SUM=out["thr_sum"], OUT_OVER=out["overflow"], OUT_PU=out["pool_u"], OUT_PPOS=out["pool_pos"], SRC=src,
         OUT_SLOT=slot, SCR=scratch, CAP=cap, K=K,
         # warps: cap = 4096 holds 8 scores a thread in 120 registers (8 warps took 255 and spilled)
-        BLOCK=block, KB=triton.next_power_of_2(max(K, 1)), num_warps=min(32, max(4, block // 256)),
+        BLOCK=block, KB=triton.next_power_of_2(max(K, 1)), TILE=tile, num_warps=num_warps or max(4, tile // 128),
     )
     # torch 2.11's Inductor cannot lower a bool tensor viewed as int8 (the compiled decode step failed)
     out["thr_saturated"] = out["thr_saturated"] != 0
