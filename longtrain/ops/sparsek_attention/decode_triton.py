@@ -1,6 +1,5 @@
 """The decode step's Triton kernels per layer: the admission of one candidate (two programs per row: the
-threshold state and the pool)
-and the query against the cache (`attend_kernel`, below: one program per row, KV head and split of the
+threshold state and the pool) and the query against the cache (`attend_kernel`, below: one program per row, KV head and split of the
 keys, then `combine_kernel` merging the splits).
 
 decode.py's torch admission (`_admit_pool`, `_admit_threshold`) is ~120 small operations: on a GPU
@@ -14,13 +13,14 @@ each is a launch of a few microseconds, more than the work. This kernel does the
     pointers into the sorted scores instead of two heaps; amortised O(1) steps), and the scores at
     or below the new tau dropped.
 
-The scores are read once into registers (a block of next_power_of_2(cap)) and the sequence the steps
-above describe (inserted, dropped, cut) is never written: every scalar the state needs (where x goes,
-whether the lowest goes, the fractional count and sum, how many leave) is a reduction over the loaded
-scores, the walk reads single elements of the virtual sequence by index arithmetic, and the output is
-one gather from the scores. A scratch copy is written only where the scores arrive unsorted (then
-sorted once in registers), with one barrier. (It replaced a version that materialised each shifted
-sequence through a scratch buffer: ~10 passes of 2·cap elements and 5 barriers, spilling registers.)
+The sequence the steps above describe (inserted, dropped, cut) is never written: every scalar the state
+needs (where x goes, whether the lowest goes, the fractional count and sum, how many leave) is a reduction
+over the scores, in tiles of ADMIT_TILE up to the row's count (a state holds a few k of its 8 k cap), the
+walk reads single elements of the virtual sequence by index arithmetic, and the output is one gather from
+the scores. A scratch copy is written only where the scores arrive unsorted (then sorted once in registers
+over the whole cap), with one barrier. (Earlier versions: shifted sequences materialised through a scratch
+buffer, ~10 passes of 2·cap elements and 5 barriers; then the whole cap in registers, one program a row for
+both parts: 9.0 us a layer at 1 row on an H200, 5.9 now, benchmarks/README.md 2026-12-07.)
 
 The same results as the torch admission (tests run both under TRITON_INTERPRET): pool exactly,
 threshold scores as sets, tau to rounding.
@@ -267,7 +267,7 @@ def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor, *, tile: int | Non
         OUT_U=out["thr_u"], OUT_SAT=out["thr_saturated"], OUT_COUNT=out["thr_count"], OUT_TAU=out["tau"],
         OUT_SUM=out["thr_sum"], OUT_OVER=out["overflow"], OUT_PU=out["pool_u"], OUT_PPOS=out["pool_pos"], SRC=src,
         OUT_SLOT=slot, SCR=scratch, CAP=cap, K=K,
-        # warps: cap = 4096 holds 8 scores a thread in 120 registers (8 warps took 255 and spilled)
+        # tile / warps: 1,024 / 8 measured fastest at 1, 8 and 64 rows (decode_kernels.py --admit-launch, H200)
         BLOCK=block, KB=triton.next_power_of_2(max(K, 1)), TILE=tile, num_warps=num_warps or max(4, tile // 128),
     )
     # torch 2.11's Inductor cannot lower a bool tensor viewed as int8 (the compiled decode step failed)
