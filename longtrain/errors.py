@@ -103,8 +103,9 @@ class DataError(LongtrainError):
 
 
 class DataPathMissing(UsageError, DataError):
-    """A data path the recipe names (data.path, data.valid) that does not exist: the recipe cannot work as it is
-    (exit 2: a UsageError, defined here after its other base). Still a DataError, for callers that catch those."""
+    """A data path the recipe names (data.path, data.valid, tokenizer.path) that does not exist, a glob of theirs that
+    matches no files, or a tokenizer.path that is a folder: the recipe cannot work as it is (exit 2: a UsageError,
+    defined here after its other base). Still a DataError, for callers that catch those."""
 
 
 class EvalError(LongtrainError):

@@ -29,10 +29,18 @@ from longtrain.errors import DataError, DataPathMissing
 from .cache import TokenDocs, cached_file, default_cache_dir
 from .config import DataConfig, TokenizerConfig
 from .recall import filler_source, make_filler, recall_documents
-from .sources import Source, files_source, hub_source
+from .sources import BUILDERS, Source, files_source, glob_files, hub_source, unmatched_glob
 from .stdlib import stdlib_source
 from .tokenize import check_kept, tokenize_source
-from .tokenizer import TRAIN_SAMPLE_CHARS, eod_id, load_tokenizer, sample_for_training, tokenizer_hash, train_bpe
+from .tokenizer import (
+    TRAIN_SAMPLE_CHARS,
+    eod_id,
+    load_tokenizer,
+    sample_for_training,
+    tokenizer_hash,
+    tokenizer_path_problem,
+    train_bpe,
+)
 
 
 def load_source(data: DataConfig) -> Source:
@@ -85,10 +93,10 @@ def corpus_documents(
     return docs, stats
 
 
-def check_paths_exist(data: DataConfig) -> None:
-    """Refuse missing data paths (data.path where the source reads it, a data.valid path) in one
-    DataPathMissing (a usage error: exit 2) that names each, where a relative one was looked for, and the
-    `--set` that fixes it."""
+def check_paths_exist(data: DataConfig, tokenizer: TokenizerConfig | None = None) -> None:
+    """Refuse missing data paths (data.path where the source reads it, a data.valid path), globs of theirs that match
+    no files, and a tokenizer.path that is not a file, in one DataPathMissing (a usage error: exit 2) that names each,
+    where a relative one was looked for, and the `--set` that fixes it. Before any file is read."""
     wanted = []
     if data.source == "files" or (data.source == "recall" and data.recall.filler == "files"):
         wanted.append(("data.path", data.path))
@@ -96,17 +104,28 @@ def check_paths_exist(data: DataConfig) -> None:
         wanted.append(("data.valid", data.valid))
     missing = [(key, value) for key, value in wanted
                if value and not glob.has_magic(value) and not Path(value).expanduser().exists()]
-    if not missing:
-        return
-    relative = any(not Path(value).expanduser().is_absolute() for _, value in missing)
-    where = f" (relative paths are read from the working directory, {Path.cwd()})" if relative else ""
-    found = " and ".join(f"{key} {value!r}" for key, value in missing)
-    sets = " ".join(f"--set {key}=DIR" for key, _ in missing)
-    fraction = (" (data.valid may be a fraction of the training documents instead, e.g. --set data.valid=0.02)"
-                if any(key == "data.valid" for key, _ in missing) else "")
-    what = "does not exist" if len(missing) == 1 else "do not exist"
-    give = "a file, folder or glob that exists" if len(missing) == 1 else "files, folders or globs that exist"
-    raise DataPathMissing(f"{found} {what}{where}. Give {give}, in the recipe or with {sets}{fraction}")
+    unmatched = [(key, value) for key, value in wanted if value and glob.has_magic(value)
+                 and not Path(value).expanduser().exists() and not glob_files(value)]
+    problems = []
+    if missing:
+        relative = any(not Path(value).expanduser().is_absolute() for _, value in missing)
+        where = f" (relative paths are read from the working directory, {Path.cwd()})" if relative else ""
+        found = " and ".join(f"{key} {value!r}" for key, value in missing)
+        sets = " ".join(f"--set {key}=DIR" for key, _ in missing)
+        fraction = (" (data.valid may be a fraction of the training documents instead, e.g. --set data.valid=0.02)"
+                    if any(key == "data.valid" for key, _ in missing) else "")
+        what = "does not exist" if len(missing) == 1 else "do not exist"
+        give = "a file, folder or glob that exists" if len(missing) == 1 else "files, folders or globs that exist"
+        problems.append(f"{found} {what}{where}. Give {give}, in the recipe or with {sets}{fraction}")
+    kinds = ", ".join(BUILDERS)
+    for key, value in unmatched:
+        fraction = " (or a fraction of the training documents, e.g. --set data.valid=0.02)" if key == "data.valid" else ""
+        problems.append(f"{unmatched_glob(value, key)}. Give a glob that matches {kinds} files, or their folder (read "
+                        f"with its subfolders), in the recipe or with --set {key}=GLOB or --set {key}=DIR{fraction}")
+    if tokenizer is not None and tokenizer.path and (problem := tokenizer_path_problem(tokenizer.path)):
+        problems.append(problem)
+    if problems:
+        raise DataPathMissing("; and ".join(problems))
 
 
 def prepare_corpus(
@@ -118,7 +137,7 @@ def prepare_corpus(
     progress: bool = True,
 ) -> PreparedCorpus:
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
-    check_paths_exist(data)  # every missing path in one message, with the --set that fixes each
+    check_paths_exist(data, tokenizer)  # every missing path in one message, with the --set that fixes each
     source = load_source(data)  # recall: its filler (the generated documents come below)
     recall = data.source == "recall"
     fraction = data.valid if isinstance(data.valid, float) else None

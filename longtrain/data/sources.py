@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from longtrain.errors import DataError
+from longtrain.errors import DataError, DataPathMissing
 
 # datasets builder per file extension; one document per .txt file, one per row otherwise.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -40,6 +40,31 @@ class Source:
 # ---------------------------------------------------------------- local files
 
 
+def glob_files(pattern: str) -> list[Path]:
+    """The files (not folders) a glob matches, `**` reaching into subfolders; unsorted."""
+    return [Path(f) for f in glob.glob(str(Path(pattern).expanduser()), recursive=True) if os.path.isfile(f)]
+
+
+def unmatched_glob(pattern: str, setting: str) -> str:
+    """Why the glob `pattern` (of `setting`) matches no files: what it looked for (the pattern as read, from the
+    working directory where it is relative) and what its folder holds instead."""
+    p = Path(pattern).expanduser()
+    looked = p if p.is_absolute() else Path.cwd() / p
+    fixed = p.parts[: next((i for i, part in enumerate(p.parts) if glob.has_magic(part)), len(p.parts))]
+    base = Path(*fixed) if fixed else Path(".")
+    shown = str(base) if fixed else f"the working directory ({Path.cwd()})"
+    if not base.exists():
+        holds = f"the folder {shown} does not exist"
+    elif not base.is_dir():
+        holds = f"{shown} is a file, not a folder"
+    else:
+        names = sorted(e.name + ("/" if e.is_dir() else "") for e in base.iterdir())
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        holds = (f"{shown} is empty" if not names else
+                 f"{shown} holds {', '.join(names[:5])}{more}, none of them a file the pattern matches")
+    return f"{setting} {pattern!r} matches no files (it looked for files matching {looked}): {holds}"
+
+
 def find_files(path: str, setting: str = "data.path") -> list[Path]:
     """A file, a folder (searched recursively) or a glob; sorted, supported types only."""
     p = Path(path).expanduser()
@@ -48,9 +73,9 @@ def find_files(path: str, setting: str = "data.path") -> list[Path]:
     elif p.is_dir():
         files = [f for f in p.rglob("*") if f.is_file()]
     elif glob.has_magic(str(p)):
-        files = [Path(f) for f in glob.glob(str(p), recursive=True) if os.path.isfile(f)]
-        if not files:
-            raise DataError(f"The glob {path!r} matches no files. Check the pattern in {setting}.")
+        files = glob_files(path)
+        if not files:  # the setting cannot work as it is, like a path that is not there (exit 2)
+            raise DataPathMissing(f"{unmatched_glob(path, setting)}. Check the pattern in {setting}.")
     else:
         raise DataError(f"{setting} {path!r} does not exist. Give an existing file, folder or glob.")
     found = sorted(f for f in files if f.suffix.lower() in BUILDERS)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from longtrain.errors import DataError
+from longtrain.errors import DataError, DataPathMissing
 
 EOD = "<|endoftext|>"
 # End-of-document tokens of common pretrained tokenizers, tried in this order.
@@ -23,12 +23,29 @@ EOD_CANDIDATES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 TRAIN_SAMPLE_CHARS = 16_000_000  # enough for a few-thousand-token vocabulary; ~10 s on 2 cores
 
 
+def tokenizer_path_problem(path: str | Path) -> str | None:
+    """What is wrong with `path` as a tokenizer.path (not there, or a folder), where a relative one was looked for,
+    and the `--set` that fixes it; None when it is a file (whether that file loads is load_tokenizer's to say)."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return None
+    where = "" if p.is_absolute() else f" (relative paths are read from the working directory, {Path.cwd()})"
+    if p.is_dir():
+        inside = p / "tokenizer.json"
+        named = f" (--set tokenizer.path={inside})" if inside.is_file() else " (--set tokenizer.path=FILE)"
+        return f"tokenizer.path {str(path)!r} is a folder{where}, not a tokenizer.json. Give the file itself{named}"
+    return (f"tokenizer.path {str(path)!r} does not exist{where}. Give a tokenizer.json that exists, in the recipe or "
+            "with --set tokenizer.path=FILE, or train one on the corpus with --set tokenizer.path=null")
+
+
 def load_tokenizer(path: str | Path, eod_token: str | None = None) -> Tokenizer:
     """A tokenizer.json; `eod_token` names its end-of-document token (tokenizer.eod_token), else one of
-    EOD_CANDIDATES is used, else <|endoftext|> is added."""
+    EOD_CANDIDATES is used, else <|endoftext|> is added. A path that is not there (or a folder): DataPathMissing
+    (exit 2); a file that does not load, or lacks `eod_token`: DataError (exit 1)."""
     p = Path(path).expanduser()
-    if not p.is_file():
-        raise DataError(f"tokenizer.path {str(path)!r} does not exist. Give a tokenizer.json, or null to train one.")
+    problem = tokenizer_path_problem(path)
+    if problem is not None:
+        raise DataPathMissing(problem)
     try:
         tok = Tokenizer.from_file(str(p))
     except Exception as e:  # the Rust side raises a bare Exception with a serde message

@@ -359,7 +359,7 @@ def load_model(recipe: Path | None, checkpoint: Path | None, seed: int):
         return loaded.model, loaded.tokenizer
 
     r = load_recipe(recipe, init_source=read_init_source)  # RecipeError (exit 2); an unreadable train.init_from: CheckpointError
-    tokenizer = load_tokenizer(r.tokenizer.path, r.tokenizer.eod_token) if r.tokenizer.path else None  # DataError (exit 1)
+    tokenizer = load_tokenizer(r.tokenizer.path, r.tokenizer.eod_token) if r.tokenizer.path else None  # missing: exit 2; bad: 1
     vocab = tokenizer.get_vocab_size() if tokenizer is not None else r.tokenizer.vocab_size
     try:
         model = LM(LMConfig.from_recipe(r.model, r.attention, vocab_size=vocab))

@@ -185,6 +185,63 @@ def test_a_missing_data_path_or_init_source_is_a_usage_error_and_writes_nothing(
     assert not (here / "new").exists()
 
 
+def previous_run(here: Path) -> None:
+    """A real run in here/old (to be left as it is), and what the refusals below point at."""
+    check(invoke("fit", "--run-dir", "old", "--set", "train.steps=2"), 0)
+    (here / "empty").mkdir()
+    (here / "notes").mkdir()
+    (here / "notes" / "notes.md").write_text("my notes\n")
+
+
+def test_a_missing_tokenizer_is_a_usage_error_and_writes_nothing(here):
+    """tokenizer.path not there, or a folder: the recipe cannot work as it is (exit 2), before any file is read; the
+    message names the setting, where a relative one was looked for and its --set, and neither a new run dir nor one
+    that holds a previous run is touched, with or without --dry-run. A file that does not load: exit 1."""
+    previous_run(here)
+    (here / "bad.json").write_text("not a tokenizer")
+    for dry_run in ([], ["--dry-run"]):
+        small = ["--set", "train.steps=4", *dry_run]
+        for run_dir in ("new", "old"):
+            before = tree(here)
+            check(invoke("fit", "--run-dir", run_dir, "--set", "tokenizer.path=no-tokenizer.json", *small), 2,
+                  "tokenizer.path 'no-tokenizer.json' does not exist", f"from the working directory, {here}",
+                  "--set tokenizer.path=FILE", "--set tokenizer.path=null")
+            check(invoke("fit", "--run-dir", run_dir, "--set", f"tokenizer.path={here / 'notes'}", *small), 2,
+                  f"tokenizer.path '{here / 'notes'}' is a folder, not a tokenizer.json", "--set tokenizer.path=FILE")
+            check(invoke("fit", "--run-dir", run_dir, "--set", "tokenizer.path=bad.json", *small), 1,  # there: exit 1
+                  "The tokenizer file 'bad.json' does not load")
+            assert tree(here) == before  # no run dir made, the old run as it was, no token cache
+    assert not (here / "new").exists()
+
+
+def test_a_data_glob_that_matches_no_files_is_a_usage_error_and_writes_nothing(here):
+    """A data.path or data.valid glob that matches no files (an empty folder, one of other files, one not there), for
+    each source that reads data.path: exit 2 before any file is read, saying what it looked for, what is there instead
+    and the --set; nothing written, with or without --dry-run."""
+    previous_run(here)
+    books = ["gutenberg-sparsek", "--set", "tokenizer.vocab_size=320", "--set", "data.min_doc_tokens=300"]
+    for dry_run in ([], ["--dry-run"]):
+        small = ["--set", "train.steps=4", *dry_run]
+        for run_dir in ("new", "old"):
+            before = tree(here)
+            check(invoke("fit", "--run-dir", run_dir, "--set", "data.source=files", "--set", "data.path=empty/*.txt",
+                         *small), 2,
+                  "data.path 'empty/*.txt' matches no files", f"it looked for files matching {here / 'empty' / '*.txt'}",
+                  "empty is empty", "--set data.path=GLOB")
+            check(invoke("fit", *books, "--run-dir", run_dir, "--set", "data.path=notes/**/*.txt",
+                         "--set", "data.valid=empty/*.jsonl", *small), 2,
+                  "data.path 'notes/**/*.txt' matches no files", "notes holds notes.md, none of them",
+                  "--set data.path=GLOB", "data.valid 'empty/*.jsonl' matches no files", "--set data.valid=0.02")
+            check(invoke("fit", *books, "--run-dir", run_dir, "--set", "data.path=no-books/*.txt",
+                         "--set", "data.valid=0.2", *small), 2,
+                  "data.path 'no-books/*.txt' matches no files", "the folder no-books does not exist")
+            check(invoke("fit", "quickstart", "--run-dir", run_dir, "--set", "data.source=recall",
+                         "--set", "data.recall.filler=files", "--set", "data.path=notes/*.txt", *small), 2,
+                  "data.path 'notes/*.txt' matches no files")
+            assert tree(here) == before  # no run dir made, the old run as it was, no token cache
+    assert not (here / "new").exists()
+
+
 # ----------------------------------------------------------------------------- a GPU recipe without a GPU
 
 
