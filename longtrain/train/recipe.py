@@ -665,9 +665,11 @@ def _apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> tuple[dic
             value = value_text  # not a YAML scalar: take it as a plain string
         node = raw
         for i, part in enumerate(keys[:-1]):
-            if part not in node:
-                made.setdefault(keys[: i + 1], text)
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or null (a resolved recipe writes an unset section so): made here
+                if part not in node:
+                    made.setdefault(keys[: i + 1], text)
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 bad.append(f"  - --set {text}: `{'.'.join(keys[: i + 1])}` is a value, not a section")
                 break

@@ -171,6 +171,14 @@ def test_overrides_parse_yaml_scalars(tmp_path):
     assert r.checkpoint.keep == 7 and r.logging.progress is False
 
 
+def test_an_override_fills_a_section_the_recipe_leaves_null(tmp_path):
+    """A resolved recipe (a run dir's recipe.yaml) writes an unset section as null: --set fills it in."""
+    resolved = write(tmp_path, recipe_to_yaml(load_recipe("quickstart")), "resolved.yaml")
+    assert "recall: null" in resolved.read_text()
+    r = load_recipe(resolved, ["data.source=recall", "data.recall.filler=files", "data.path=books"])
+    assert r.data.recall.filler == "files"
+
+
 def test_bad_overrides(tmp_path):
     path = write(tmp_path, MINIMAL)
     msg = error_of(path, ["train.chunk_sz=3"])
