@@ -10,7 +10,6 @@ from longtrain.cli.app import app, fail
 from longtrain.errors import UsageError
 
 RUN_DIR = "a run directory written by `longtrain fit` (runs/NAME)"
-RUN_FILES = ("recipe.yaml", "checkpoints/", "metrics.jsonl")  # what fit writes in every run dir it runs in
 
 
 @app.command("clean")
@@ -27,7 +26,7 @@ def clean(
 
     input_folder(run_dir, RUN_DIR)  # no such path, or a file: exit 2
     if not _is_run_dir(run_dir):  # another folder's `name.replaced-…` files are none of clean's business
-        raise UsageError(f"{run_dir} is not a longtrain run directory (it has no {', '.join(RUN_FILES)}); give "
+        raise UsageError(f"{run_dir} is not a longtrain run directory (it has no {', '.join(_run_files())}); give "
                          f"{RUN_DIR}. Nothing was deleted")
     aside = set_aside(run_dir, _checkpoint_dir(run_dir))
     if not aside:
@@ -55,10 +54,18 @@ def clean(
     typer.echo(f"deleted {total}")
 
 
+def _run_files() -> tuple[str, ...]:
+    """What `fit` writes in every run dir it runs in: the resolved recipe (when a run starts; never moved aside),
+    the checkpoints folder and the metrics."""
+    from longtrain.train.checkpoint.storage import RECIPE_FILE
+    from longtrain.train.metrics import METRICS_FILE
+
+    return (RECIPE_FILE, "checkpoints", METRICS_FILE)
+
+
 def _is_run_dir(folder: Path) -> bool:
-    """`fit` has run in `folder`: it holds the resolved recipe.yaml (written when a run starts, never moved aside),
-    the checkpoints folder or metrics.jsonl."""
-    return any((folder / name).exists() for name in RUN_FILES)
+    """`fit` has run in `folder`."""
+    return any((folder / name).exists() for name in _run_files())
 
 
 def _checkpoint_dir(run_dir: Path) -> Path | None:

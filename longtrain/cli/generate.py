@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from longtrain.cli.app import app
+from longtrain.console import plural as _n
 from longtrain.errors import UsageError
 from longtrain.path_args import checkpoint_arg, input_file, read_bytes
 
@@ -270,8 +271,3 @@ def _prefill_bar(err, total: int, chunk: int):
                 bar.stop()  # before the text streams out
 
         yield on_chunk
-
-
-def _n(count: int, noun: str) -> str:
-    """'1 token', '2,048 tokens'."""
-    return f"{count:,} {noun}{'' if count == 1 else 's'}"

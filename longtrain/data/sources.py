@@ -76,8 +76,8 @@ def find_files(path: str, setting: str = "data.path") -> list[Path]:
         files = glob_files(path)
         if not files:  # the setting cannot work as it is, like a path that is not there (exit 2)
             raise DataPathMissing(f"{unmatched_glob(path, setting)}. Check the pattern in {setting}.")
-    else:
-        raise DataError(f"{setting} {path!r} does not exist. Give an existing file, folder or glob.")
+    else:  # as an unmatched glob: the setting cannot work as it is (exit 2)
+        raise DataPathMissing(f"{setting} {path!r} does not exist. Give an existing file, folder or glob.")
     found = sorted(f for f in files if f.suffix.lower() in BUILDERS)
     if not found:
         kinds = ", ".join(BUILDERS)

@@ -251,8 +251,8 @@ class Trainer:
         if self.state.step < self.cfg.steps and not self.out_of_patience() and (problem := summary.memory_refusal(self)):
             raise TrainingError(problem)
         plan = summary.dry_run_plan(self)
-        busy = run_dir_holder(self.run_dir)
-        busy = [f"note: the run dir is in use by {busy}: fit would be refused until it ends"] if busy else []
+        holder = run_dir_holder(self.run_dir)
+        busy = [f"note: the run dir is in use by {holder}: fit would be refused until it ends"] if holder else []
         return [*recipe_to_yaml(self.recipe).splitlines(), "", *summary.run_summary(self), *busy,
                 f"dry run: {plan}; nothing was written"]
 
