@@ -49,6 +49,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import subprocess
 import time
 from contextlib import contextmanager, nullcontext
@@ -163,7 +164,7 @@ def warm_prefix(prompt: torch.Tensor, chunk: int) -> torch.Tensor:
 
 
 def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev: torch.device, profile: bool = False,
-               modes: tuple[str, ...] = (), profile_prefill_at: int = 0) -> dict:
+               modes: tuple[str, ...] = (), profile_prefill_at: int = 0, prefill_repeats: int = 1) -> dict:
     row = {"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n_prompt}
     if name == "full" and n_prompt > FULL_ATTENTION_MAX:
         return row | {"skipped": f"full attention's O(n^2) prefill of {n_prompt:,} tokens is beyond this benchmark"}
@@ -171,6 +172,12 @@ def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev
     row["allocated_at_start_bytes"] = _fresh(dev)
     row["prefill_chunk"] = chunk = prefill_chunk_for(model, 1, chunk)
     cache, logits, row["prefill_s"] = timed_prefill(model, prompt, chunk=chunk, dev=dev, warm_with=warm_prefix(prompt, chunk))
+    if prefill_repeats > 1:  # the same prefill again, warm: its spread (calls on one card have differed by 1.5x)
+        del cache, logits
+        times = [row["prefill_s"]] + [timed_prefill(model, prompt, chunk=chunk, dev=dev)[2] for _ in range(prefill_repeats - 2)]
+        cache, logits, last = timed_prefill(model, prompt, chunk=chunk, dev=dev)
+        row["prefill_s_all"] = times + [last]
+        row["prefill_s"] = statistics.median(row["prefill_s_all"])
     row["prefill_tokens_per_s"] = n_prompt / row["prefill_s"]
     if "floor" in modes and name != "full":  # the same prefill with the attention op replaced (attention_floor), warmed the same way
         with attention_floor():
@@ -419,6 +426,8 @@ def main() -> None:
         help="decode == forward check: prompt (default 65536; --small 512; 0: no check)")
     ap.add_argument("--check-tokens", type=int, default=None, help="decode == forward check: tokens (default 1000; --small 20)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no new row after this many seconds")
+    ap.add_argument("--prefill-repeats", type=int, default=1, metavar="N",
+                    help="time each single-row prefill N times (warm): prefill_s is their median, prefill_s_all all")
     ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
                     help="torch.profiler over the single N-token prompt's prefill (CUDA; JSON only)")
     ap.add_argument("--inductor", default="", help="comma list KEY=VALUE of torch._inductor.config for the compiled "
@@ -475,7 +484,7 @@ def main() -> None:
         for n in prompts:
             add({"kind": "single", "attention": name, "rows": 1, "prompt_tokens": n, "skipped": "time budget"} if over_budget()
                 else run_single(model, name, n, chunk=chunk, new=new, dev=dev, profile=n == prompts[0], modes=modes,
-                                profile_prefill_at=args.profile_prefill))
+                                profile_prefill_at=args.profile_prefill, prefill_repeats=args.prefill_repeats))
         if batch:
             add({"kind": "batched", "attention": name, "rows": batch, "skipped": "time budget"} if over_budget() else
                 run_batched(model, name, batch, batch_prompt, chunk=chunk, new=batch_new, dev=dev, modes=modes))

@@ -334,3 +334,33 @@ def test_the_ring_write_kernel_equals_the_torch_ring_write(topk, window, Hkv, D,
         for name in ("pool_k", "pool_v", "pool_u", "pool_pos", "tail_k", "tail_v", "tail_u"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (name, slot)
         assert not torch.equal(got.tail_k, ring.tail_k)  # the new token went in
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ring_steps_one_launch_equals_the_torch_admission_and_writes(dtype):
+    """A ring cache's Triton step (admit_kernel admits and writes K/V in place, one launch) leaves the cache the
+    torch step leaves (_admit_ring, then _ring_write), slot for slot: rows evicting, growing into empty slots, and
+    before their first candidate; the new token in float32 into a cache of another dtype."""
+    pytest.importorskip("triton")  # on the CPU: the kernel under TRITON_INTERPRET=1
+    torch.manual_seed(7)
+    B, H, Hkv, D, topk, window = 3, 4, 2, 8, 4, 5
+    cache = SparseKCache.empty(B, topk, window, Hkv, D, dtype=dtype, score_dtype=torch.float32, cap=32)
+    q, k, v, u = _rand(B, 9, H, Hkv, D, torch.float32, 0.7)
+    lengths = torch.tensor([9, 2, 6])  # row 1 has no candidate for its first steps, row 2's pool is not full
+    _, cache, _ = sparsek_attention_chunk(q.to(dtype), k.to(dtype), v.to(dtype), u, cache, lengths=lengths,
+                                          backend="naive", scan="host")
+    fast, ref = _on(DEV, to_ring(cache)), to_ring(cache)
+    changed = 0
+    for step in range(12):
+        q, k, v, u = [x[:, 0] for x in _rand(B, 1, H, Hkv, D, torch.float32, 0.7, t0=9 + step)]
+        q = q.to(dtype)
+        _, fast, _ = sparsek_attention_decode(*_on(DEV, q, k, v, u), fast, backend="triton")
+        before = ref.pool_pos.clone()
+        _, ref, _ = sparsek_attention_decode(q, k, v, u, ref, backend="torch")
+        changed += int((ref.pool_pos != before).any())
+        got = _on("cpu", fast)
+        for name in ("pool_k", "pool_v", "pool_u", "pool_pos", "tail_k", "tail_v", "tail_u", "seen", "thr_count",
+                     "overflow"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), (name, step)
+        assert torch.allclose(got.tau, ref.tau, atol=1e-12, rtol=0), step
+    assert changed >= 3  # keys really entered the pool

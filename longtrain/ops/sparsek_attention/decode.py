@@ -110,10 +110,16 @@ def sparsek_attention_decode(
         cpos = t - window + 1
         slot = None
         if topk > 0:
-            cache, slot = _admit_ring(cache, cache.tail_u.gather(1, leaving[:, None])[:, 0], cpos, topk=topk, backend=backend)
+            cu = cache.tail_u.gather(1, leaving[:, None])[:, 0]  # [B] (a copy: the ring slot is overwritten below)
+            if backend == "triton":  # the admission and both writes in one launch (admit_kernel's RING)
+                from longtrain.ops.sparsek_attention.decode_triton import admit_triton
+
+                fields, _, _ = admit_triton(cache, cu, cpos, ring_write=(leaving, k, v, u))
+                return o, replace(cache, **fields, seen=t + 1), selection
+            cache, slot = _admit_ring(cache, cu, cpos, topk=topk, backend=backend)
         write = _ring_write
-        # one launch; under torch.compile the torch writes, which Inductor fuses (the compiled step was measured
-        # that way; the kernel inside a compiled step was not tried)
+        # a window's writes: one launch eagerly; under torch.compile the torch writes, which Inductor fuses (the
+        # compiled step was measured that way; the kernel inside a compiled sliding-window step was not tried)
         if backend == "triton" and not torch.compiler.is_compiling():
             from longtrain.ops.sparsek_attention.decode_triton import ring_write_triton as write
         write(cache, slot, leaving, cpos, k, v, u)

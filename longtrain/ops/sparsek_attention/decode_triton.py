@@ -73,25 +73,36 @@ def admit_kernel(
     OUT_PU, OUT_PPOS, SRC,  # out: [B, K] pool scores and positions, source slot in [pool K][candidate]
     OUT_SLOT,  # out: [B] the slot the candidate takes where the pool's slots keep no order (a ring cache), -1: none
     SCR,  # scratch [B, BLOCK] float64: the sorted scores, written only where a state arrives unsorted
-    CAP, K,
+    PK, PV, TK, TV, TU, NK, NV, NU, LEAVING,  # RING: a ring cache's K/V, the new token and its ring slot (ring_write_kernel's)
+    CAP, K, Wt,
     BLOCK: tl.constexpr, KB: tl.constexpr, TILE: tl.constexpr,
+    RING: tl.constexpr, HD: tl.constexpr, HDB: tl.constexpr,
 ):
     """Program (b, 0) updates row b's threshold state, program (b, 1) its pool: the two read nothing of each
-    other's, so a step waits for the longer of the two chains of loads and reductions, not their sum."""
+    other's, so a step waits for the longer of the two chains of loads and reductions, not their sum.
+
+    RING (a SparseKRingCache, whose pool slots keep no order): the pool program writes the cache in place instead
+    of the chunk op's layout: the candidate (the key leaving the window, ring slot LEAVING) into its pool slot,
+    then the new token into that ring slot; the decode step's ring write needs no launch of its own."""
     b = tl.program_id(0).to(tl.int64)
     x = tl.load(CU + b)
     cpos = tl.load(CPOS + b)
     cand = cpos >= 0
     if tl.program_id(1) == 1:
-        _admit_pool(POOL_U, POOL_POS, OUT_PU, OUT_PPOS, SRC, OUT_SLOT, b, x, cpos, cand, K, KB)
+        slot = _admit_pool(POOL_U, POOL_POS, OUT_PU, OUT_PPOS, SRC, OUT_SLOT, b, x, cpos, cand, K, KB, not RING)
+        if RING:
+            _write_ring_row(PK, PV, POOL_U, POOL_POS, TK, TV, TU, NK, NV, NU, b, slot, tl.load(LEAVING + b), cpos,
+                            K, Wt, HD, HDB, True)
     else:
         _admit_threshold(THR_U, THR_COUNT, TAU, OVERFLOW, OUT_U, OUT_SAT, OUT_COUNT, OUT_TAU, OUT_SUM, OUT_OVER, SCR,
                          b, x, cpos, cand, CAP, K, BLOCK, TILE)
 
 
 @triton.jit
-def _admit_pool(POOL_U, POOL_POS, OUT_PU, OUT_PPOS, SRC, OUT_SLOT, b, x, cpos, cand, K, KB: tl.constexpr):
-    """The pool: evict the worst (value, position) or grow; valid keys first, ascending positions. A slot's
+def _admit_pool(POOL_U, POOL_POS, OUT_PU, OUT_PPOS, SRC, OUT_SLOT, b, x, cpos, cand, K, KB: tl.constexpr,
+                LAYOUT: tl.constexpr):
+    """The pool: evict the worst (value, position) or grow; returns (and stores) the slot the candidate takes
+    (-1: none). LAYOUT: also the pool in the chunk op's layout, valid keys first, ascending positions. A slot's
     new key is its own, its right neighbour's (the keys after an evicted one move left) or the candidate,
     so both are loaded up front: no gather waits on the reductions."""
     s = tl.arange(0, KB)
@@ -107,15 +118,18 @@ def _admit_pool(POOL_U, POOL_POS, OUT_PU, OUT_PPOS, SRC, OUT_SLOT, b, x, cpos, c
     pmin = tl.min(tl.where(ok & (pu == umin), pp, 9223372036854775807), axis=0)
     evict = cand & (n_pool == K) & (x >= umin)  # the candidate's position beats every pooled one
     grow = cand & (n_pool < K)
-    past = (ok & (pp >= pmin)).to(tl.int64)
-    src = tl.where(evict, s + past, tl.where(grow & (s == n_pool), K, s))  # s, s + 1 or K (the candidate)
-    new_pu = tl.where(src == s, pu, tl.where(src < K, pu1, x))
-    new_pp = tl.where(src == s, pp, tl.where(src < K, pp1, cpos))
-    tl.store(OUT_PU + b * K + s, new_pu, mask=sm)
-    tl.store(OUT_PPOS + b * K + s, new_pp, mask=sm)
-    tl.store(SRC + b * K + s, src, mask=sm)
+    if LAYOUT:
+        past = (ok & (pp >= pmin)).to(tl.int64)
+        src = tl.where(evict, s + past, tl.where(grow & (s == n_pool), K, s))  # s, s + 1 or K (the candidate)
+        new_pu = tl.where(src == s, pu, tl.where(src < K, pu1, x))
+        new_pp = tl.where(src == s, pp, tl.where(src < K, pp1, cpos))
+        tl.store(OUT_PU + b * K + s, new_pu, mask=sm)
+        tl.store(OUT_PPOS + b * K + s, new_pp, mask=sm)
+        tl.store(SRC + b * K + s, src, mask=sm)
     worst_slot = tl.sum(tl.where(ok & (pp == pmin), s, 0), axis=0).to(tl.int64)  # positions are unique
-    tl.store(OUT_SLOT + b, tl.where(evict, worst_slot, tl.where(grow, n_pool, -1)))
+    slot = tl.where(evict, worst_slot, tl.where(grow, n_pool, -1))
+    tl.store(OUT_SLOT + b, slot)
+    return slot
 
 
 @triton.jit
@@ -221,12 +235,12 @@ def _admit_threshold(THR_U, THR_COUNT, TAU, OVERFLOW, OUT_U, OUT_SAT, OUT_COUNT,
         out = tl.where(valid, _merged(thr, scr, i + shift, n0, unsorted, at_out, x), float("inf"))
         sat = valid & (out >= tau_out + 1)
         tl.store(OUT_U + b * CAP + i, out, mask=i < CAP)
-        tl.store(OUT_SAT + b * CAP + i, sat.to(tl.int8), mask=i < CAP)
+        tl.store(OUT_SAT + b * CAP + i, sat, mask=i < CAP)
         total += tl.sum(tl.where(valid & ~sat, out, 0.0), axis=0)
     for start in range(tl.cdiv(count, TILE) * TILE, CAP, TILE):  # the rest of the cap: +inf, not saturated
         i = start + t
         tl.store(OUT_U + b * CAP + i, tl.full([TILE], float("inf"), tl.float64), mask=i < CAP)
-        tl.store(OUT_SAT + b * CAP + i, tl.zeros([TILE], tl.int8), mask=i < CAP)
+        tl.store(OUT_SAT + b * CAP + i, t < 0, mask=i < CAP)  # False
     tl.store(OUT_COUNT + b, count)
     tl.store(OUT_TAU + b, tau_out)
     tl.store(OUT_SUM + b, total)
@@ -236,46 +250,91 @@ def _admit_threshold(THR_U, THR_COUNT, TAU, OVERFLOW, OUT_U, OUT_SAT, OUT_COUNT,
 ADMIT_TILE = 1024  # scores per step of the admission's passes over a threshold state
 
 
-def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor, *, tile: int | None = None, num_warps: int | None = None
-                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """(the next pool_u, pool_pos and threshold fields, src [B, K], slot [B]): the kernel's outputs for decode.py
+def admit_triton(cache, cu: torch.Tensor, cpos: torch.Tensor, *, ring_write: tuple | None = None,
+                 tile: int | None = None, num_warps: int | None = None
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor]:
+    """(the next threshold fields and pool_u, pool_pos, src [B, K], slot [B]): the kernel's outputs for decode.py
     (src: the chunk op's pool layout; slot: where the candidate goes in a pool whose slots keep no order).
-    tile (scores per step of the threshold's passes; a power of two) and num_warps: the launch's (None: ADMIT_TILE
-    and a warp per 128 scores of the tile), for benchmarks/decode_kernels.py's sweep."""
+
+    ring_write = (leaving, k, v, u), a SparseKRingCache's decode step: the candidate is the key in ring slot
+    `leaving` [B]; the same launch writes it into its pool slot and the new token (k, v [B, Hkv, D], u [B]) into
+    that ring slot, in place (decode._ring_write's result); then the fields are the threshold state's only and src
+    is None. tile (scores per step of the threshold's passes; a power of two) and num_warps: the launch's (None:
+    ADMIT_TILE and a warp per 128 scores of the tile), for benchmarks/decode_kernels.py's sweep."""
     B, cap = cache.thr_u.shape
     K = cache.topk
     dev = cu.device
     block = triton.next_power_of_2(cap)
     tile = min(tile or ADMIT_TILE, block)
+    ring = ring_write is not None
     out = dict(
         thr_u=torch.empty(B, cap, dtype=torch.float64, device=dev),
-        thr_saturated=torch.empty(B, cap, dtype=torch.int8, device=dev),  # bool below (a bool view trips Inductor)
+        # bool, written by the kernel as bytes (a bool viewed as int8 tripped torch 2.11's Inductor: c098422)
+        thr_saturated=torch.empty(B, cap, dtype=torch.bool, device=dev),
         thr_count=torch.empty(B, dtype=torch.int64, device=dev),
         tau=torch.empty(B, dtype=torch.float64, device=dev),
         thr_sum=torch.empty(B, dtype=torch.float64, device=dev),
         overflow=torch.empty(B, dtype=torch.int64, device=dev),
-        pool_u=torch.empty_like(cache.pool_u),
-        pool_pos=torch.empty_like(cache.pool_pos),
     )
-    src = torch.empty(B, K, dtype=torch.int64, device=dev)
     slot = torch.empty(B, dtype=torch.int64, device=dev)
+    if ring:  # the pool is written in place: no chunk-layout copy
+        pool_u = pool_pos = src = slot  # not written
+        leaving, k, v, u = ring_write
+        _check_in_place(cache)
+        Wt, Hkv, D = cache.tail_k.shape[1:]
+        writes = dict(PK=cache.pool_k, PV=cache.pool_v, TK=cache.tail_k, TV=cache.tail_v, TU=cache.tail_u,
+                      **_new_token(cache, k, v, u), LEAVING=leaving.contiguous())
+    else:
+        pool_u, pool_pos = torch.empty_like(cache.pool_u), torch.empty_like(cache.pool_pos)
+        src = torch.empty(B, K, dtype=torch.int64, device=dev)
+        Wt = Hkv = D = 1
+        writes = dict.fromkeys(("PK", "PV", "TK", "TV", "TU", "NK", "NV", "NU"), slot) | dict(LEAVING=slot)  # not read
     scratch = torch.empty(B, block, dtype=torch.float64, device=dev)
     admit_kernel[(B, 2)](
         THR_U=cache.thr_u.contiguous(), THR_COUNT=cache.thr_count.contiguous(), TAU=cache.tau.contiguous(),
-        OVERFLOW=cache.overflow.contiguous(), POOL_U=cache.pool_u.contiguous(), POOL_POS=cache.pool_pos.contiguous(),
+        OVERFLOW=cache.overflow.contiguous(),
+        POOL_U=cache.pool_u if ring else cache.pool_u.contiguous(), POOL_POS=cache.pool_pos if ring else cache.pool_pos.contiguous(),
         CU=cu.to(torch.float64).contiguous(), CPOS=cpos.contiguous(),
         OUT_U=out["thr_u"], OUT_SAT=out["thr_saturated"], OUT_COUNT=out["thr_count"], OUT_TAU=out["tau"],
-        OUT_SUM=out["thr_sum"], OUT_OVER=out["overflow"], OUT_PU=out["pool_u"], OUT_PPOS=out["pool_pos"], SRC=src,
-        OUT_SLOT=slot, SCR=scratch, CAP=cap, K=K,
+        OUT_SUM=out["thr_sum"], OUT_OVER=out["overflow"], OUT_PU=pool_u, OUT_PPOS=pool_pos, SRC=src,
+        OUT_SLOT=slot, SCR=scratch, **writes, CAP=cap, K=K, Wt=Wt,
         # tile / warps: 1,024 / 8 measured fastest at 1, 8 and 64 rows (decode_kernels.py --admit-launch, H200)
-        BLOCK=block, KB=triton.next_power_of_2(max(K, 1)), TILE=tile, num_warps=num_warps or max(4, tile // 128),
+        BLOCK=block, KB=triton.next_power_of_2(max(K, 1)), TILE=tile,
+        RING=ring, HD=Hkv * D, HDB=triton.next_power_of_2(Hkv * D), num_warps=num_warps or max(4, tile // 128),
     )
-    # torch 2.11's Inductor cannot lower a bool tensor viewed as int8 (the compiled decode step failed)
-    out["thr_saturated"] = out["thr_saturated"] != 0
-    return out, src, slot
+    if ring:
+        return out, None, slot
+    return out | dict(pool_u=pool_u, pool_pos=pool_pos), src, slot
 
 
 # ----------------------------------------------------------------------------- the ring's writes
+
+
+@triton.jit
+def _write_ring_row(PK, PV, PU, PPOS, TK, TV, TU, NK, NV, NU, b, slot, leave, cpos, K, Wt, HD: tl.constexpr,
+                    HDB: tl.constexpr, HAS_POOL: tl.constexpr):
+    """Row b of a ring cache, in place: the key in ring slot `leave` (position cpos) into pool slot `slot` when
+    admitted (>= 0), then the new token (NK, NV [B, HD], NU [B]) into that ring slot."""
+    e = tl.arange(0, HDB)
+    em = e < HD
+    at = (b * Wt + leave) * HD + e
+    nk = tl.load(NK + b * HD + e, mask=em)
+    nv = tl.load(NV + b * HD + e, mask=em)
+    nu = tl.load(NU + b)
+    if HAS_POOL:
+        if slot >= 0:
+            ok = tl.load(TK + at, mask=em)
+            ov = tl.load(TV + at, mask=em)
+            ou = tl.load(TU + b * Wt + leave)
+            to = (b * K + slot) * HD + e
+            tl.store(PK + to, ok.to(PK.dtype.element_ty), mask=em)
+            tl.store(PV + to, ov.to(PV.dtype.element_ty), mask=em)
+            tl.store(PU + b * K + slot, ou.to(PU.dtype.element_ty))
+            tl.store(PPOS + b * K + slot, cpos)
+        tl.debug_barrier()  # every thread has read the leaving key before any overwrites it
+    tl.store(TK + at, nk.to(TK.dtype.element_ty), mask=em)
+    tl.store(TV + at, nv.to(TV.dtype.element_ty), mask=em)
+    tl.store(TU + b * Wt + leave, nu.to(TU.dtype.element_ty))
 
 
 @triton.jit
@@ -287,30 +346,25 @@ def ring_write_kernel(
     K, Wt, HD: tl.constexpr, HDB: tl.constexpr, HAS_POOL: tl.constexpr,
 ):
     """One program per row: the key leaving the window (ring slot LEAVING) into pool slot SLOT when admitted, then
-    the new token into that ring slot. What decode.py's torch path does with ~25 small operations per layer."""
+    the new token into that ring slot. What decode.py's torch path does with ~25 small operations per layer (a
+    decode step with a pool does it in admit_kernel's launch; this one serves a sliding window's eager step)."""
     b = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, HDB)
-    em = e < HD
-    leave = tl.load(LEAVING + b)
-    at = (b * Wt + leave) * HD + e
-    nk = tl.load(NK + b * HD + e, mask=em)
-    nv = tl.load(NV + b * HD + e, mask=em)
-    nu = tl.load(NU + b)
-    if HAS_POOL:
-        slot = tl.load(SLOT + b)
-        if slot >= 0:
-            ok = tl.load(TK + at, mask=em)
-            ov = tl.load(TV + at, mask=em)
-            ou = tl.load(TU + b * Wt + leave)
-            to = (b * K + slot) * HD + e
-            tl.store(PK + to, ok.to(PK.dtype.element_ty), mask=em)
-            tl.store(PV + to, ov.to(PV.dtype.element_ty), mask=em)
-            tl.store(PU + b * K + slot, ou.to(PU.dtype.element_ty))
-            tl.store(PPOS + b * K + slot, tl.load(CPOS + b))
-        tl.debug_barrier()  # every thread has read the leaving key before any overwrites it
-    tl.store(TK + at, nk.to(TK.dtype.element_ty), mask=em)
-    tl.store(TV + at, nv.to(TV.dtype.element_ty), mask=em)
-    tl.store(TU + b * Wt + leave, nu.to(TU.dtype.element_ty))
+    slot = tl.load(SLOT + b)  # (without a pool: not read)
+    _write_ring_row(PK, PV, PU, PPOS, TK, TV, TU, NK, NV, NU, b, slot, tl.load(LEAVING + b), tl.load(CPOS + b),
+                    K, Wt, HD, HDB, HAS_POOL)
+
+
+def _check_in_place(cache) -> None:
+    for t in (cache.tail_k, cache.tail_v, cache.tail_u, cache.pool_k, cache.pool_v, cache.pool_u, cache.pool_pos):
+        if not t.is_contiguous():
+            raise ValueError("a ring cache's decode step writes it in place: its tensors must be contiguous")
+
+
+def _new_token(cache, k: torch.Tensor, v: torch.Tensor, u: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The new token's K/V and score as the ring keeps them: cast by torch (a no-op where the layer computes in the
+    cache's dtype), so rounded as the reference rounds."""
+    return dict(NK=k.to(cache.tail_k.dtype).contiguous(), NV=v.to(cache.tail_v.dtype).contiguous(),
+                NU=u.to(cache.tail_u.dtype).contiguous())
 
 
 def ring_write_triton(cache, slot: torch.Tensor | None, leaving: torch.Tensor, cpos: torch.Tensor,
@@ -319,16 +373,11 @@ def ring_write_triton(cache, slot: torch.Tensor | None, leaving: torch.Tensor, c
     `leaving` [B] (position cpos [B]) into pool slot `slot` [B] (-1 or None: not admitted), then the new token
     (k, v [B, Hkv, D], u [B]) into its ring slot; in place."""
     B, Wt, Hkv, D = cache.tail_k.shape
-    for t in (cache.tail_k, cache.tail_v, cache.tail_u, cache.pool_k, cache.pool_v, cache.pool_u, cache.pool_pos):
-        if not t.is_contiguous():
-            raise ValueError("ring_write_triton writes the cache in place: its tensors must be contiguous")
+    _check_in_place(cache)
     has_pool = slot is not None and cache.topk > 0
     ring_write_kernel[(B,)](
         PK=cache.pool_k, PV=cache.pool_v, PU=cache.pool_u, PPOS=cache.pool_pos,
-        TK=cache.tail_k, TV=cache.tail_v, TU=cache.tail_u,
-        # cast by torch (a no-op where the layer computes in the cache's dtype): rounded as the reference rounds
-        NK=k.to(cache.tail_k.dtype).contiguous(), NV=v.to(cache.tail_v.dtype).contiguous(),
-        NU=u.to(cache.tail_u.dtype).contiguous(),
+        TK=cache.tail_k, TV=cache.tail_v, TU=cache.tail_u, **_new_token(cache, k, v, u),
         SLOT=slot.contiguous() if has_pool else leaving, LEAVING=leaving.contiguous(), CPOS=cpos.contiguous(),
         K=cache.topk, Wt=Wt, HD=Hkv * D, HDB=triton.next_power_of_2(Hkv * D), HAS_POOL=has_pool,
         num_warps=4,
