@@ -29,7 +29,16 @@ from longtrain.errors import DataError, DataPathMissing
 from .cache import TokenDocs, cached_file, default_cache_dir
 from .config import DataConfig, TokenizerConfig
 from .recall import filler_source, make_filler, recall_documents
-from .sources import BUILDERS, Source, files_source, glob_files, hub_source, unmatched_glob
+from .sources import (
+    BUILDERS,
+    Source,
+    files_source,
+    glob_files,
+    hub_source,
+    listed_files,
+    no_readable_files,
+    unmatched_glob,
+)
 from .stdlib import stdlib_source
 from .tokenize import check_kept, tokenize_source
 from .tokenizer import (
@@ -95,8 +104,9 @@ def corpus_documents(
 
 def check_paths_exist(data: DataConfig, tokenizer: TokenizerConfig | None = None) -> None:
     """Refuse missing data paths (data.path where the source reads it, a data.valid path), globs of theirs that match
-    no files, and a tokenizer.path that is not a file, in one DataPathMissing (a usage error: exit 2) that names each,
-    where a relative one was looked for, and the `--set` that fixes it. Before any file is read."""
+    no files, paths whose files are none of a type that is read, and a tokenizer.path that is not a file, in one
+    DataPathMissing (a usage error: exit 2) that names each, where a relative one was looked for, and the `--set` that
+    fixes it. Before any file is read."""
     wanted = []
     if data.source == "files" or (data.source == "recall" and data.recall.filler == "files"):
         wanted.append(("data.path", data.path))
@@ -122,6 +132,12 @@ def check_paths_exist(data: DataConfig, tokenizer: TokenizerConfig | None = None
         fraction = " (or a fraction of the training documents, e.g. --set data.valid=0.02)" if key == "data.valid" else ""
         problems.append(f"{unmatched_glob(value, key)}. Give a glob that matches {kinds} files, or their folder (read "
                         f"with its subfolders), in the recipe or with --set {key}=GLOB or --set {key}=DIR{fraction}")
+    for key, value in wanted:  # there, but no file of a type that is read (a folder of .md notes, a .pdf)
+        if value and (key, value) not in missing + unmatched:
+            files = listed_files(value, key)
+            if not any(f.suffix.lower() in BUILDERS for f in files):
+                problems.append(f"{no_readable_files(files, value)}. Give files ending in {kinds}, their folder or a "
+                                f"glob, in the recipe or with --set {key}=DIR or --set {key}=GLOB")
     if tokenizer is not None and tokenizer.path and (problem := tokenizer_path_problem(tokenizer.path)):
         problems.append(problem)
     if problems:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,25 +68,39 @@ def unmatched_glob(pattern: str, setting: str) -> str:
 
 def find_files(path: str, setting: str = "data.path") -> list[Path]:
     """A file, a folder (searched recursively) or a glob; sorted, supported types only."""
+    files = listed_files(path, setting)
+    found = sorted(f for f in files if f.suffix.lower() in BUILDERS)
+    if not found:  # the setting cannot work as it is (exit 2), as a path that is not there
+        raise DataPathMissing(f"{no_readable_files(files, path)}. Point {setting} at text, jsonl/json or parquet files.")
+    return found
+
+
+def listed_files(path: str, setting: str = "data.path") -> list[Path]:
+    """Every file (of any type) that `path` names: the file, a folder's files with its subfolders', or a glob's
+    matches; unsorted. A path not there, or a glob that matches nothing: DataPathMissing."""
     p = Path(path).expanduser()
     if p.is_file():
-        files = [p]
-    elif p.is_dir():
-        files = [f for f in p.rglob("*") if f.is_file()]
-    elif glob.has_magic(str(p)):
+        return [p]
+    if p.is_dir():
+        return [f for f in p.rglob("*") if f.is_file()]
+    if glob.has_magic(str(p)):
         files = glob_files(path)
         if not files:  # the setting cannot work as it is, like a path that is not there (exit 2)
             raise DataPathMissing(f"{unmatched_glob(path, setting)}. Check the pattern in {setting}.")
-    else:  # as an unmatched glob: the setting cannot work as it is (exit 2)
-        raise DataPathMissing(f"{setting} {path!r} does not exist. Give an existing file, folder or glob.")
-    found = sorted(f for f in files if f.suffix.lower() in BUILDERS)
-    if not found:
-        kinds = ", ".join(BUILDERS)
-        raise DataError(
-            f"No readable documents in {path!r}: no files ending in {kinds}. "
-            f"Point {setting} at text, jsonl/json or parquet files."
-        )
-    return found
+        return files
+    # as an unmatched glob: the setting cannot work as it is (exit 2)
+    raise DataPathMissing(f"{setting} {path!r} does not exist. Give an existing file, folder or glob.")
+
+
+def no_readable_files(files: list[Path], path: str) -> str:
+    """Why `path`, whose files are `files`, gives no documents: none of them is of a type longtrain reads (what they
+    are instead)."""
+    kinds = ", ".join(BUILDERS)
+    if not files:
+        return f"No readable documents in {path!r}: it holds no files (it should hold files ending in {kinds})"
+    ends = Counter(f.suffix.lower() or "no suffix" for f in files).most_common()
+    held = ", ".join(f"{n} {end}" for end, n in ends[:5]) + (f" and {len(ends) - 5} other kinds" if len(ends) > 5 else "")
+    return f"No readable documents in {path!r}: none of its {len(files)} files ends in {kinds} (it holds {held})"
 
 
 def invalid_utf8_bytes(raw: bytes) -> int:

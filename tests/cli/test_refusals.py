@@ -242,6 +242,29 @@ def test_a_data_glob_that_matches_no_files_is_a_usage_error_and_writes_nothing(h
     assert not (here / "new").exists()
 
 
+def test_data_of_no_readable_type_is_a_usage_error_and_writes_nothing(here):
+    """A data.path folder, glob or file (or a data.valid) whose files are none of a type fit reads: exit 2 (it was 1)
+    before any file is read, saying what the files are and the --set; nothing written, with or without --dry-run."""
+    previous_run(here)  # notes/ holds notes.md
+    (here / "scans").mkdir()
+    for name in ("a.pdf", "b.pdf", "README"):
+        (here / "scans" / name).write_text("not a document type fit reads\n")
+    books = ["gutenberg-sparsek", "--set", "tokenizer.vocab_size=320", "--set", "data.min_doc_tokens=300"]
+    for dry_run in ([], ["--dry-run"]):
+        small = ["--set", "train.steps=4", *dry_run]
+        for run_dir in ("new", "old"):
+            before = tree(here)
+            check(invoke("fit", *books, "--run-dir", run_dir, "--set", "data.path=scans", *small), 2,
+                  "No readable documents in 'scans': none of its 3 files ends in .txt, .jsonl, .json, .parquet",
+                  "(it holds 2 .pdf, 1 no suffix)", "--set data.path=DIR")
+            check(invoke("fit", *books, "--run-dir", run_dir, "--set", "data.path=scans/*.pdf",
+                         "--set", "data.valid=notes/notes.md", *small), 2,
+                  "No readable documents in 'scans/*.pdf'", "No readable documents in 'notes/notes.md'",
+                  "(it holds 1 .md)", "--set data.valid=DIR")
+            assert tree(here) == before  # no run dir made, the old run as it was, no token cache
+    assert not (here / "new").exists()
+
+
 # ----------------------------------------------------------------------------- a GPU recipe without a GPU
 
 
