@@ -20,7 +20,8 @@ w = 0, where a token is its own candidate). Admitting updates, on the cache's te
     rescan of the history.
 
 On CUDA the admission runs as one Triton kernel (decode_triton.py: the same steps, and the scan's
-own walk over the breakpoints); the torch version here is its reference and the CPU path. Every
+own walk over the breakpoints; for a ring cache it also writes the K/V in place); the torch version here
+is its reference and the CPU path. Every
 step is a fixed sequence of operations with static shapes and no host synchronisation on the GPU,
 so a caller may capture it in a CUDA graph. Given a SparseKRingCache (cache.py: the decoder's layout, tail
 slots by position mod w - 1, pool slots in no order) the step writes the new token's K/V and an admitted

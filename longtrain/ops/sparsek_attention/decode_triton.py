@@ -6,7 +6,11 @@ decode.py's torch admission (`_admit_pool`, `_admit_threshold`) is ~120 small op
 each is a launch of a few microseconds, more than the work. This kernel does the same in one launch:
 
   - the pool: the worst pooled (value, position), evict or grow, and the source slot of every new
-    slot (the keys' K/V rows are then gathered by torch: they are [K, Hkv, D] per row);
+    slot (the keys' K/V rows are then gathered by torch: they are [K, Hkv, D] per row); for the decoder's
+    ring cache (RING) instead the slot the candidate takes, and the same program writes the cache in place:
+    the candidate's K/V into that pool slot, the new token into the ring slot it leaves (no launch of its
+    own for the ring write, and thr_saturated is written as bool, no cast kernel: 216 -> 206 launches
+    in the compiled 12-layer step, benchmarks/README.md 2026-12-07 from 22:35);
   - the threshold state: kept sorted ascending (+inf after the count; a state the chunk op wrote is
     sorted on its first decode step), the candidate inserted, the lowest fractional score dropped
     when out of room, then the scan's own walk over the breakpoints (RowScanner._solve: two
