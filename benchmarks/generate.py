@@ -173,10 +173,11 @@ def run_single(model: LM, name: str, n_prompt: int, *, chunk: int, new: int, dev
     row["prefill_chunk"] = chunk = prefill_chunk_for(model, 1, chunk)
     cache, logits, row["prefill_s"] = timed_prefill(model, prompt, chunk=chunk, dev=dev, warm_with=warm_prefix(prompt, chunk))
     if prefill_repeats > 1:  # the same prefill again, warm: its spread (calls on one card have differed by 1.5x)
-        del cache, logits
-        times = [row["prefill_s"]] + [timed_prefill(model, prompt, chunk=chunk, dev=dev)[2] for _ in range(prefill_repeats - 2)]
-        cache, logits, last = timed_prefill(model, prompt, chunk=chunk, dev=dev)
-        row["prefill_s_all"] = times + [last]
+        row["prefill_s_all"] = [row["prefill_s"]]
+        for _ in range(prefill_repeats - 1):
+            del cache, logits  # one cache at a time: the row's peak stays one prefill's
+            cache, logits, seconds = timed_prefill(model, prompt, chunk=chunk, dev=dev)
+            row["prefill_s_all"].append(seconds)
         row["prefill_s"] = statistics.median(row["prefill_s_all"])
     row["prefill_tokens_per_s"] = n_prompt / row["prefill_s"]
     if "floor" in modes and name != "full":  # the same prefill with the attention op replaced (attention_floor), warmed the same way

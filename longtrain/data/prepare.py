@@ -37,6 +37,7 @@ from .sources import (
     hub_source,
     listed_files,
     no_readable_files,
+    readable_files,
     unmatched_glob,
 )
 from .stdlib import stdlib_source
@@ -135,7 +136,7 @@ def check_paths_exist(data: DataConfig, tokenizer: TokenizerConfig | None = None
     for key, value in wanted:  # there, but no file of a type that is read (a folder of .md notes, a .pdf)
         if value and (key, value) not in missing + unmatched:
             files = listed_files(value, key)
-            if not any(f.suffix.lower() in BUILDERS for f in files):
+            if not readable_files(files):
                 problems.append(f"{no_readable_files(files, value)}. Give files ending in {kinds}, their folder or a "
                                 f"glob, in the recipe or with --set {key}=DIR or --set {key}=GLOB")
     if tokenizer is not None and tokenizer.path and (problem := tokenizer_path_problem(tokenizer.path)):

@@ -69,7 +69,7 @@ def unmatched_glob(pattern: str, setting: str) -> str:
 def find_files(path: str, setting: str = "data.path") -> list[Path]:
     """A file, a folder (searched recursively) or a glob; sorted, supported types only."""
     files = listed_files(path, setting)
-    found = sorted(f for f in files if f.suffix.lower() in BUILDERS)
+    found = readable_files(files)
     if not found:  # the setting cannot work as it is (exit 2), as a path that is not there
         raise DataPathMissing(f"{no_readable_files(files, path)}. Point {setting} at text, jsonl/json or parquet files.")
     return found
@@ -90,6 +90,11 @@ def listed_files(path: str, setting: str = "data.path") -> list[Path]:
         return files
     # as an unmatched glob: the setting cannot work as it is (exit 2)
     raise DataPathMissing(f"{setting} {path!r} does not exist. Give an existing file, folder or glob.")
+
+
+def readable_files(files: Iterable[Path]) -> list[Path]:
+    """The files of a type longtrain reads (BUILDERS' suffixes), sorted."""
+    return sorted(f for f in files if f.suffix.lower() in BUILDERS)
 
 
 def no_readable_files(files: list[Path], path: str) -> str:

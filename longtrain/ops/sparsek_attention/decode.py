@@ -111,7 +111,9 @@ def sparsek_attention_decode(
         cpos = t - window + 1
         slot = None
         if topk > 0:
-            cu = cache.tail_u.gather(1, leaving[:, None])[:, 0]  # [B] (a copy: the ring slot is overwritten below)
+            # [B], a copy: the step overwrites the ring slot (in the kernel its pool program does, while the
+            # threshold program, which runs beside it, reads the score from this copy)
+            cu = cache.tail_u.gather(1, leaving[:, None])[:, 0]
             if backend == "triton":  # the admission and both writes in one launch (admit_kernel's RING)
                 from longtrain.ops.sparsek_attention.decode_triton import admit_triton
 
