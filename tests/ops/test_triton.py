@@ -232,6 +232,26 @@ def test_cut_counts_a_prefix_of_each_tile(G):
     assert (count > j + 1).any()  # candidates selected past the window: reach beyond it
 
 
+@pytest.mark.parametrize("K", [1, 12, 64])
+def test_the_position_order_kernel_equals_the_stable_argsort(K):
+    """_by_position_triton (one sort per query tile) against _by_position (torch's stable argsort and gathers) on
+    pools with empty slots, a slot count that is not a power of two and positions far apart."""
+    B, nt, N = 3, 5, 400
+    gen = torch.Generator().manual_seed(K)
+    pos = torch.randperm(N * 1000, generator=gen)[:N].sort().values.repeat(B, 1) + 10**9  # [B, N] ascending, unique
+    pos[1, :7] = -1  # empty ext rows: a cache with room in its pool
+    pi = torch.stack([torch.stack([torch.randperm(N, generator=gen)[:K] for _ in range(nt)]) for _ in range(B)])
+    pi = torch.where(torch.rand(B, nt, K, generator=gen) < 0.3, -1, pi).int()  # [B, nt, K] ext rows, -1 empty
+    cut = torch.randint(0, 64, (B, nt, K), generator=gen, dtype=torch.int32)
+    pu = torch.randn(B, nt, K, generator=gen)
+    args = [x.to(DEV).contiguous() for x in (cut, pi, pu, pos)]
+    fast = triton_core._by_position_triton(*args)
+    ref = triton_core._by_position(*args)
+    for a, b in zip(fast, ref):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    assert (ref[1] < 0).any() and (K == 1 or not torch.equal(ref[1].cpu(), pi))  # empties occur; the order moved slots
+
+
 def test_unsupported_head_dim_falls_back_to_naive():
     args = inputs(1, 20, 2, 1, 8)  # D = 8: no kernel
     with pytest.warns(UserWarning, match="naive core"):

@@ -22,7 +22,7 @@ import triton
 
 from longtrain.ops.sparsek_attention.naive import position_order, sparsek_attention_core_naive
 from longtrain.ops.sparsek_attention.triton_bwd import _dkv_band_kernel, _dkv_pool_kernel, _dq_kernel
-from longtrain.ops.sparsek_attention.triton_fwd import _cut_kernel, _fwd_kernel
+from longtrain.ops.sparsek_attention.triton_fwd import _by_position_kernel, _cut_kernel, _fwd_kernel
 from longtrain.ops.sparsek_attention.triton_tiles import LOG2E, VARIANT_CODE
 
 # Fill every kernel-written buffer with NaN first, so a value never written shows (tests set it).
@@ -124,11 +124,22 @@ def _cut(sp, u, pos, qpos, thu, thp, L, G, topk, bw, tail, window):
 
 
 def _by_position(cut, pi, pu, pos):
-    """The forward's pool tiles in ascending key position (naive.position_order): summed in an order that
-    does not depend on the scans' slot history (issue 24). The backward keeps the stable slots its pool
-    walk follows; its dq recomputes p from the log-sum-exp in any order."""
+    """The forward's pool tiles [B, nt, K] in ascending key position (naive.position_order): summed in an order
+    that does not depend on the scans' slot history (issue 24). The backward keeps the stable slots its pool
+    walk follows; its dq recomputes p from the log-sum-exp in any order. The plain reference of
+    _by_position_triton (a segmented sort and three gathers: eight launches a layer)."""
     order = position_order(pi, pos)
     return cut.gather(-1, order), pi.gather(-1, order), pu.gather(-1, order)
+
+
+def _by_position_triton(cut, pi, pu, pos):
+    """_by_position in one launch: a program per query tile sorts its K slots (_by_position_kernel)."""
+    B, nt, K = pi.shape
+    out = tuple(torch.empty_like(t) for t in (cut, pi, pu))
+    _by_position_kernel[(nt, B)](cut_ptr=cut, pool_idx_ptr=pi, pool_u_ptr=pu, pos_ptr=pos, cut_out_ptr=out[0],
+                                 pool_idx_out_ptr=out[1], pool_u_out_ptr=out[2], n_ext=pos.shape[1], n_tiles=nt,
+                                 topk=K, KP=triton.next_power_of_2(K), num_warps=4)
+    return out
 
 
 class _SparseKTriton(torch.autograd.Function):
@@ -154,7 +165,7 @@ class _SparseKTriton(torch.autograd.Function):
                 bp = bp.contiguous()
             cut, pi, pu, flush, reach = _cut(bp, u, pos, qpos, thu, thp, L, G, topk, cfg["walk"]["BN"], tail_slots,
                                              window)
-            cut_f, pi_f, pu_f = _by_position(cut, pi, pu, pos)
+            cut_f, pi_f, pu_f = _by_position_triton(cut, pi, pu, pos)
         else:
             cut = pi = flush = reach = torch.full((B, nt, 1), -1, dtype=torch.int32, device=dev)
             pu = torch.full((B, nt, 1), float("inf"), device=dev)

@@ -97,6 +97,29 @@ def _cut_kernel(
 
 
 @triton.jit
+def _by_position_kernel(
+    cut_ptr, pool_idx_ptr, pool_u_ptr, pos_ptr,
+    cut_out_ptr, pool_idx_out_ptr, pool_u_out_ptr,  # out
+    n_ext, n_tiles, topk, KP: tl.constexpr,
+):
+    """Query tile t's pool row [b, t] of the cut kernel's outputs in ascending key position, empty slots first in
+    slot order (naive.position_order's stable argsort): one sort of [KP] int64 keys (position + 1) KP + slot
+    (0 for an empty slot's position, so empties come first; slots past topk sort last and are not written)."""
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    s = tl.arange(0, KP)
+    sm = s < topk
+    row = (b * n_tiles + t) * topk
+    ke = tl.load(pool_idx_ptr + row + s, mask=sm, other=-1)
+    kp = tl.load(pos_ptr + b * n_ext + ke, mask=sm & (ke >= 0), other=-1).to(tl.int64)
+    key = tl.where(sm, (kp + 1) * KP + s, 1 << 62)  # unique per slot: the sort's order is the stable one
+    slot = (tl.sort(key) % KP).to(tl.int32)  # [KP] the slot that goes to place s
+    tl.store(cut_out_ptr + row + s, tl.load(cut_ptr + row + slot, mask=sm), mask=sm)
+    tl.store(pool_idx_out_ptr + row + s, tl.load(pool_idx_ptr + row + slot, mask=sm), mask=sm)
+    tl.store(pool_u_out_ptr + row + s, tl.load(pool_u_ptr + row + slot, mask=sm), mask=sm)
+
+
+@triton.jit
 def _fwd_update(m_i, l_i, acc, s, g, v, scale2, NO_GATE: tl.constexpr, VARIANT: tl.constexpr,
                 PREC: tl.constexpr):
     """Online softmax step with masked unscaled logits s [G, BN] and gates g; m_i, the log-sum-exp
