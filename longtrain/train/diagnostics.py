@@ -41,14 +41,18 @@ class SelectionDiagnostics:
     def chunk_stats(self, before, out) -> torch.Tensor | None:
         """One chunk's statistics [layers, 11] (device ops only: a CUDA graph replays them), from `before`,
         the ModelCache the chunk started from (rows already reset), and `out`, the model's LMOutput; None
-        when no layer selects. `add` accumulates them."""
+        when no layer selects. `add` accumulates them. Every layer at once (their shapes agree): some forty
+        small kernels a chunk, not forty a layer."""
         if not self.layers:
             return None
-        rows = []
-        for i in self.layers:
-            a0, a1, sel = before.layers[i].attn, out.cache.layers[i].attn, out.selections[i]
-            rows.append(self._chunk_stats(a0, a1, sel))
-        return torch.stack(rows)  # [layers, 11]
+        a0 = [before.layers[i].attn for i in self.layers]
+        a1 = [out.cache.layers[i].attn for i in self.layers]
+        sel = [out.selections[i] for i in self.layers]
+        dev = a1[0].seen.device
+        return self._chunk_stats(
+            torch.stack([a.seen.to(dev) for a in a0]), torch.stack([a.seen for a in a1]),
+            torch.stack([a.pool_pos for a in a1]), torch.stack([s.tau for s in sel]),
+            torch.stack([s.n_active for s in sel]), torch.stack([s.u for s in sel]))
 
     def add(self, acc: torch.Tensor | None) -> None:
         """Accumulate one chunk's statistics (a copy is kept: `acc` may be a graph's buffer)."""
@@ -62,34 +66,41 @@ class SelectionDiagnostics:
                                    self._acc[:, _NEW:] + acc[:, _NEW:]], dim=1)
 
     @torch.no_grad()
-    def _chunk_stats(self, a0, a1, sel) -> torch.Tensor:
-        f64 = torch.float64
-        seen0, seen1 = a0.seen.to(a1.seen.device), a1.seen  # [R] op rows (groups folded in)
-        n = seen1 - seen0  # [R] tokens of the chunk
+    def _chunk_stats(
+        self,
+        seen0: torch.Tensor,  # [Y, R] tokens before the chunk, per selecting layer and op row (groups folded in)
+        seen1: torch.Tensor,  # [Y, R] after it
+        pos: torch.Tensor,  # [Y, R, K] positions in the pool after the chunk (-1: empty)
+        tau: torch.Tensor,  # [Y, R, L]
+        n_active: torch.Tensor,  # [Y, R, L]
+        u: torch.Tensor,  # [Y, R, L] the chunk's scores
+    ) -> torch.Tensor:
+        """[Y, 11] the accumulator's columns for one chunk."""
+        f64, rk = torch.float64, (1, 2)
+        n = seen1 - seen0  # [Y, R] tokens of the chunk
         active_row = n > 0
-        pos = a1.pool_pos  # [R, K]
-        in_pool = (pos >= 0) & active_row[:, None]
-        age = (seen1[:, None] - 1 - pos).to(f64)
-        age_sum = torch.where(in_pool, age, 0.0).sum()
-        age_max = torch.where(in_pool, age, -math.inf).amax() if pos.numel() else torch.full((), -math.inf, dtype=f64, device=pos.device)
+        in_pool = (pos >= 0) & active_row[..., None]
+        age = (seen1[..., None] - 1 - pos).to(f64)
+        age_sum = torch.where(in_pool, age, 0.0).sum(rk)
+        age_max = torch.where(in_pool, age, -math.inf).amax(rk)
         # Churn over rows that continue a document; new = past the previous chunk's candidates.
-        cont = in_pool & (seen0 > 0)[:, None]
-        new = cont & (pos > (seen0 - max(self.window, 1))[:, None])
+        cont = in_pool & (seen0 > 0)[..., None]
+        new = cont & (pos > (seen0 - max(self.window, 1))[..., None])
 
-        L = sel.tau.shape[1]
-        qpos = seen0[:, None] + torch.arange(L, device=pos.device)[None]  # [R, L]
-        valid = torch.arange(L, device=pos.device)[None] < n[:, None]
-        tau = sel.tau.to(f64)
+        L = tau.shape[-1]
+        ar = torch.arange(L, device=pos.device)
+        qpos = seen0[..., None] + ar  # [Y, R, L]
+        valid = ar < n[..., None]
+        tau = tau.to(f64)
         has_tau = valid & torch.isfinite(tau)
-        u = sel.u.to(f64) - self.eps_slope * qpos.to(f64)  # [R, L] the scorer's part of u
-        u = torch.where(valid, u, 0.0)
+        u = torch.where(valid, u.to(f64) - self.eps_slope * qpos.to(f64), 0.0)  # the scorer's part of u
         return torch.stack([
-            age_sum, in_pool.sum().to(f64), age_max.to(f64),
-            new.sum().to(f64), cont.sum().to(f64),
-            torch.where(has_tau, tau, 0.0).sum(), torch.where(has_tau, sel.n_active.to(f64), 0.0).sum(),
-            has_tau.sum().to(f64),
-            u.sum(), (u * u).sum(), valid.sum().to(f64),
-        ])
+            age_sum, in_pool.sum(rk).to(f64), age_max,
+            new.sum(rk).to(f64), cont.sum(rk).to(f64),
+            torch.where(has_tau, tau, 0.0).sum(rk), torch.where(has_tau, n_active.to(f64), 0.0).sum(rk),
+            has_tau.sum(rk).to(f64),
+            u.sum(rk), (u * u).sum(rk), valid.sum(rk).to(f64),
+        ], dim=1)
 
     def read(self) -> list[dict] | None:
         """Per-layer statistics since the last read ({"layer": i, ...}; None where nothing was

@@ -25,41 +25,45 @@ def run_chunks(model, chunks, batch=2, reset_first_row_at=None):
         cache = out.cache
 
 
-@pytest.mark.parametrize("attention, topk, window", [("sparsek+sw", 6, 5), ("sparsek", 6, 0)])
-def test_statistics_match_a_direct_computation(attention, topk, window):
-    model = LM(LMConfig(vocab_size=50, layers=2, d_model=16, heads=2, attention=attention, topk=topk, window=window, eps_slope=0.01))
+@pytest.mark.parametrize("attention, topk, window, groups", [("sparsek+sw", 6, 5, "shared"), ("sparsek", 6, 0, "shared"),
+                                                             ("sparsek+sw", 4, 3, "per_kv_head")])
+def test_statistics_match_a_direct_computation(attention, topk, window, groups):
+    """Every layer's statistics (computed for all layers at once) against loops over that layer's pools and queries."""
+    model = LM(LMConfig(vocab_size=50, layers=3, d_model=16, heads=2, attention=attention, topk=topk, window=window,
+                        eps_slope=0.01, score_groups=groups))
     chunks = [torch.randint(0, 50, (2, 20)) for _ in range(4)]
     diag = SelectionDiagnostics(model)
-    ages, age_max, new, slots, taus, actives, us = [], 0.0, 0, 0, [], [], []
+    want = {layer: dict(ages=[], age_max=0.0, new=0, slots=0, taus=[], actives=[], us=[]) for layer in range(3)}
     for n, (before, out) in enumerate(run_chunks(model, chunks, reset_first_row_at=2)):
         diag.update(before, out)
-        layer = 1
-        a0, a1, sel = before.layers[layer].attn, out.cache.layers[layer].attn, out.selections[layer]
-        for b in range(2):
-            seen0, seen1 = int(a0.seen[b]), int(a1.seen[b])
-            pool = [int(p) for p in a1.pool_pos[b] if p >= 0]
-            ages += [seen1 - 1 - p for p in pool]
-            age_max = max([age_max] + [seen1 - 1 - p for p in pool])
-            if seen0 > 0:  # churn: new entries against the previous pool, as sets
-                old = {int(p) for p in a0.pool_pos[b] if p >= 0}
-                new += len(set(pool) - old)
-                slots += len(pool)
-            for i in range(20):
-                if torch.isfinite(sel.tau[b, i]):
-                    taus.append(float(sel.tau[b, i]))
-                    actives.append(int(sel.n_active[b, i]))
-                us.append(float(sel.u[b, i]) - 0.01 * (seen0 + i))
+        for layer, w in want.items():
+            a0, a1, sel = before.layers[layer].attn, out.cache.layers[layer].attn, out.selections[layer]
+            for b in range(a1.seen.shape[0]):  # op rows (a row per group with per-KV-head scorers)
+                seen0, seen1 = int(a0.seen[b]), int(a1.seen[b])
+                pool = [int(p) for p in a1.pool_pos[b] if p >= 0]
+                w["ages"] += [seen1 - 1 - p for p in pool]
+                w["age_max"] = max([w["age_max"]] + [seen1 - 1 - p for p in pool])
+                if seen0 > 0:  # churn: new entries against the previous pool, as sets
+                    old = {int(p) for p in a0.pool_pos[b] if p >= 0}
+                    w["new"] += len(set(pool) - old)
+                    w["slots"] += len(pool)
+                for i in range(20):
+                    if torch.isfinite(sel.tau[b, i]):
+                        w["taus"].append(float(sel.tau[b, i]))
+                        w["actives"].append(int(sel.n_active[b, i]))
+                    w["us"].append(float(sel.u[b, i]) - 0.01 * (seen0 + i))
     stats = diag.read()
-    assert [s["layer"] for s in stats] == [0, 1]
-    s = stats[1]
-    assert s["pool_age_mean"] == pytest.approx(sum(ages) / len(ages))
-    assert s["pool_age_max"] == age_max
-    assert s["pool_churn"] == pytest.approx(new / slots)
-    assert s["tau"] == pytest.approx(sum(taus) / len(taus))
-    assert s["active"] == pytest.approx(sum(actives) / len(actives))
-    mean = sum(us) / len(us)
-    assert s["u_mean"] == pytest.approx(mean)
-    assert s["u_std"] == pytest.approx((sum((u - mean) ** 2 for u in us) / len(us)) ** 0.5, rel=1e-6)
+    assert [s["layer"] for s in stats] == [0, 1, 2]
+    for s, w in zip(stats, want.values()):
+        assert s["pool_age_mean"] == pytest.approx(sum(w["ages"]) / len(w["ages"]))
+        assert s["pool_age_max"] == w["age_max"]
+        assert s["pool_churn"] == pytest.approx(w["new"] / w["slots"])
+        assert s["tau"] == pytest.approx(sum(w["taus"]) / len(w["taus"]))
+        assert s["active"] == pytest.approx(sum(w["actives"]) / len(w["actives"]))
+        mean = sum(w["us"]) / len(w["us"])
+        assert s["u_mean"] == pytest.approx(mean)
+        assert s["u_std"] == pytest.approx((sum((u - mean) ** 2 for u in w["us"]) / len(w["us"])) ** 0.5, rel=1e-6)
+    assert len({(s["tau"], s["u_mean"]) for s in stats}) == 3  # the layers differ: a mix-up of layers would show
     assert diag.read() is None  # read starts over
     assert "churn" in summary_line(stats)
 
