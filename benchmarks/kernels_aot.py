@@ -5,6 +5,7 @@ instructions and the programs per SM those allow. For launch-setting and kernel 
 
     python benchmarks/kernels_aot.py [D=128] [T=4096] [kernel.key=value ...] [--dump DIR]
     python benchmarks/kernels_aot.py --linear [D=128] [T=4096] [B=1] [bwd.QB=64 ...]   # the SparseK+Linear+SW core's kernels
+    python benchmarks/kernels_aot.py --glue [T=4096]   # the op's small kernels: pool tiles by position, tau's gradient
 
 --linear compiles the linear types' core (linear_triton.py: lfwd, lbwd with its LAUNCH entry) for one
 chunk of the op with the same sizes, every variant, and reports the first variant's kernels.
@@ -106,6 +107,22 @@ def compile_linear(D: int, T: int, B: int | None = None) -> list:
     return compiled
 
 
+def compile_glue(T: int) -> list:
+    """(JIT function, launch settings, compiled kernel) for the op's small kernels at sk_case's sizes: the forward's
+    pool tiles by position (triton_core._by_position_triton) and tau's gradient (threshold_triton.py)."""
+    from longtrain.ops.selection.threshold_triton import threshold_grad_triton
+    from longtrain.ops.sparsek_attention import triton_core
+
+    compiled = _compile_only()
+    B = max(1, A.TOKENS // T)
+    nt = -(-T // triton_core.QUERY_TILE)
+    i32 = torch.zeros(B, nt, A.K, dtype=torch.int32)
+    triton_core._by_position_triton(i32, i32, i32.float(), torch.zeros(B, A.K + A.W - 1 + T, dtype=torch.int64))
+    u = torch.zeros(B, T)
+    threshold_grad_triton(u, u.double(), u.long(), torch.full((B,), T), u, A.W)
+    return compiled
+
+
 def report(name: str, kw: dict, kernel, dump: str | None) -> str:
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,15 +154,22 @@ def report(name: str, kw: dict, kernel, dump: str | None) -> str:
 
 def main(argv: list[str]) -> None:
     dump = None
-    linear = "--linear" in argv
-    argv = [a for a in argv if a != "--linear"]
+    linear, glue = "--linear" in argv, "--glue" in argv
+    argv = [a for a in argv if a not in ("--linear", "--glue")]
     if "--dump" in argv:
         i = argv.index("--dump")
         dump, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     opts = dict(a.split("=", 1) for a in argv)
     D, T = int(opts.pop("D", 64)), int(opts.pop("T", 4096))
     settings = {n: A._ABSENT if x == "none" else int(x) for n, x in opts.items()}
-    if linear:
+    if glue:
+        from longtrain.ops.selection import threshold_triton as TT
+        from longtrain.ops.sparsek_attention import triton_fwd as F
+
+        print(f"# Triton {triton.__version__}, sm_{ARCH}, T = {T}; the op's small kernels")
+        names = {F._by_position_kernel: "bypos", TT._query_sums_kernel: "tsums", TT._key_grads_kernel: "tkeys"}
+        compiled = compile_glue(T)
+    elif linear:
         from longtrain.ops.sparsek_attention import linear_triton as LT
 
         key = max([x for x in LT.LAUNCH if x <= D], default=min(LT.LAUNCH))

@@ -31,9 +31,11 @@ def cuda_tools():
         pytest.skip(why)
 
 
-# (kernels_aot.py's arguments, the kernels it reports): SparseK+SW's fwd+bwd, and the linear types' core (issue 38)
+# (kernels_aot.py's arguments, the kernels it reports): SparseK+SW's fwd+bwd, the linear types' core (issue 38), and
+# the op's small kernels (pool tiles by position, tau's gradient)
 CORES = {"sparsek": (["T=2048"], KERNELS), "linear": (["--linear", "T=1024", "B=1"], ["lbwd", "lfwd"]),
-         "linear-native": (["--linear", "T=1024", "B=1", "fwd.native=1", "bwd.native=1"], ["lbwd", "lfwd"])}
+         "linear-native": (["--linear", "T=1024", "B=1", "fwd.native=1", "bwd.native=1"], ["lbwd", "lfwd"]),
+         "glue": (["--glue"], ["bypos", "tkeys", "tsums"])}  # the op's small kernels (the same at both head dims)
 
 
 @pytest.mark.parametrize("core", sorted(CORES))
@@ -45,9 +47,9 @@ def test_kernels_compile_for_sm90(D, core, cuda_tools):
     proc = subprocess.run([sys.executable, "benchmarks/kernels_aot.py", f"D={D}", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {m.group(1): m for m in re.finditer(r"^(\w+) .*regs (\d+) .*shared +(\d+) B .*programs/SM (\d+)$",
+    rows = {m.group(1): m for m in re.finditer(r"^(\w+) .*regs +(\d+) .*shared +(\d+) B .*programs/SM (\d+)$",
                                                proc.stdout, re.M)}
-    assert sorted(rows) == sorted(kernels), proc.stdout
+    assert sorted(rows) == sorted(kernels), proc.stdout + proc.stderr[-3000:]
     for name, m in rows.items():
         regs, programs = int(m.group(2)), int(m.group(4))
         assert 0 < regs <= 255 and programs >= 1, m.group(0)
