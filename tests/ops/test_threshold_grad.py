@@ -51,8 +51,13 @@ def test_the_kernels_equal_the_torch_gradient(B, L, window):
 
 
 def test_the_torch_gradient_is_the_definition():
-    """g_u_j = sum over valid queries i >= j + window with tau_i < u_j <= tau_i + 1 of g_tau_i / |A_i|, by loops."""
+    """g_u_j = sum over valid queries i >= j + window with tau_i < u_j < tau_i + 1 of g_tau_i / |A_i|, by loops; row 0's
+    taus pass exactly through u_3 - 1 and u_3, where key 3 is not active (both ends are open)."""
     u, tau, n_active, lengths, g_tau = (t.cpu() for t in case(2, 90, seed=7))
+    a = u[0, 3].double() - 1  # exact: u is float32
+    tau[0] = torch.linspace(float(a) - 0.5, float(a) + 1.5, 90, dtype=torch.float64)
+    tau[0, 20:25], tau[0, 60:65] = a, a + 1
+    n_active[0, 15:70] = 1
     window = 4
     got = threshold_grad_torch(u, tau, n_active, lengths, g_tau, window)
     want = torch.zeros(2, 90, dtype=torch.float64)
@@ -60,7 +65,11 @@ def test_the_torch_gradient_is_the_definition():
         up = tau[b].cummax(0).values
         for j in range(90):
             for i in range(j + window, int(lengths[b])):
-                if n_active[b, i] > 0 and up[i] < u[b, j] <= up[i] + 1:
+                if n_active[b, i] > 0 and up[i] < u[b, j] < up[i] + 1:
                     want[b, j] += g_tau[b, i].double() / n_active[b, i]
     assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6)
     assert (want != 0).sum() > 20
+    ends = g_tau[0, 20:25].sum() + g_tau[0, 60:65].sum()  # what key 3 would get if either end were closed
+    assert abs(float(ends)) > 1e-3  # (so the check above tells open ends from closed ones)
+    fast = threshold_grad_triton(*(t.to(DEV) for t in (u, tau, n_active, lengths, g_tau)), window)
+    assert torch.allclose(fast.cpu(), got, rtol=1e-6, atol=1e-6)

@@ -71,7 +71,7 @@ def _first_above(tau_up_row_ptr, x, n_queries, STRICT: tl.constexpr, STEPS: tl.c
 def _key_grads_kernel(u_ptr, tau_up_ptr, csum_ptr, lengths_ptr, g_u_ptr, n_queries, window, STEPS: tl.constexpr,
                       BLOCK: tl.constexpr):
     """g_u[b, c] = csum[end] - csum[start]: key c is active for the queries q in [start, end), those at least
-    `window` after it whose tau_q < u_c <= tau_q + 1 (one interval: tau_up does not decrease)."""
+    `window` after it whose tau_q < u_c < tau_q + 1 (one interval: tau_up does not decrease)."""
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     b = tl.program_id(1)
     cm = c < n_queries
