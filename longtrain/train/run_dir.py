@@ -86,7 +86,11 @@ class RunLock:
     def __enter__(self) -> RunLock:
         # the outermost folder this lock makes (run_dir or a parent of it), removed again if the run leaves it empty
         self._created = next((p for p in reversed((self.run_dir, *self.run_dir.parents)) if not p.exists()), None)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # e.g. no permission, a read-only or virtual file system
+            raise UsageError(f"run dir {self.run_dir} cannot be made: {os_error_words(e)}; choose another {{run_dir}}",
+                             names=("run_dir",)) from None
         fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

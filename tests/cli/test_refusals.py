@@ -67,6 +67,12 @@ def test_fit_refuses_a_run_dir_that_is_a_file_and_writes_nothing(here, dry_run):
     assert tree(here) == before
 
 
+def test_fit_refuses_a_run_dir_the_system_will_not_make(here):
+    """mkdir fails for a reason of the system's (here /proc takes no folders): a usage error naming it, no traceback."""
+    check(invoke("fit", "quickstart", "--run-dir", "/proc/longtrain-test/run", "--set", "train.steps=1"), 2,
+          "run dir /proc/longtrain-test/run cannot be made", "choose another --run-dir")
+
+
 def test_a_run_that_fails_before_it_starts_leaves_no_runs_folder(here):
     """The run dir's parents that fit made (runs/) go too when the run never started."""
     check(invoke("fit", "quickstart", "--set", "data.source=files", "--set", "data.path=missing"), 2, "data.path 'missing'")

@@ -47,6 +47,22 @@ def test_resume_after_sigkill_is_bitwise_identical(workspace):
     assert len(times) == 10 and times == sorted(times) and times[0] > 0
 
 
+def test_resume_takes_a_run_dir_for_its_newest_checkpoint(workspace):
+    """--resume RUN_DIR (or RUN_DIR/checkpoints), as every other verb takes a run dir: its newest complete checkpoint."""
+    tmp, recipe = workspace
+    first = run_cli("fit", recipe(steps=4, every=2), "--run-dir", tmp / "run")
+    assert first.returncode == 0, first.stderr + first.stdout
+    for given in (tmp / "run", tmp / "run" / "checkpoints"):
+        more = run_cli("fit", recipe(steps=6 if given.name == "run" else 8, every=2), "--run-dir", tmp / "run",
+                       "--resume", given)
+        assert more.returncode == 0, more.stderr + more.stdout
+        assert "resuming from" in more.stdout and ("step-00000004" in more.stdout or "step-00000006" in more.stdout)
+    assert logged_steps(tmp / "run") == list(range(1, 9))
+    empty = run_cli("fit", recipe(steps=8, every=2), "--run-dir", tmp / "other", "--resume", tmp / "corpus")
+    assert empty.returncode != 0 and "Traceback" not in empty.stderr
+    assert "neither a checkpoint" in " ".join((empty.stderr + empty.stdout).split())
+
+
 def test_missing_recipe_and_bad_keys_are_named(workspace):
     tmp, recipe = workspace
     r = cli("fit", tmp / "nope.yaml")

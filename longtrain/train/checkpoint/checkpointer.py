@@ -96,8 +96,13 @@ class RunCheckpoints:
         if resume == "auto":
             return self.manager.latest_complete()
         # no such path, or a file: the flag cannot work whatever is on disk (exit 2)
-        path = input_folder(resume, "{arg} a checkpoint folder (RUN_DIR/checkpoints/step-XXXXXXXX), or auto or never",
-                            arg="resume")
+        path = input_folder(resume, "{arg} a checkpoint folder (RUN_DIR/checkpoints/step-XXXXXXXX), a run dir, or auto "
+                            "or never", arg="resume")
+        if not (path / ckpt.META).is_file():  # a run dir (or its checkpoints folder): its newest complete checkpoint
+            try:
+                path = ckpt.resolve_checkpoint(path)
+            except CheckpointError as e:
+                raise CheckpointError(f"{resume}: {e}", arg="resume") from None
         problem = ckpt.validate(path)
         if problem:
             raise CheckpointError(f"{resume}: {problem}", arg="resume")
